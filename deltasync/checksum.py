@@ -1,0 +1,105 @@
+"""Per-tensor checksums (``mix64-sum``, docs/FORMAT.md section 4).
+
+A sum over (global index, bits) pairs: slices of a tensor (fused projections, tensor-parallel shards) are
+checksummed where they live and the parts add up, and a delta updates a checksum in time proportional to
+the elements it changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+import torch
+
+from . import _kernels
+from ._bits import int_view, np_bits
+
+ALGORITHM = "mix64-sum"
+MASK64 = (1 << 64) - 1
+_CHUNK = 1 << 20
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """Checksum of a whole tensor, on whatever device it lives."""
+    t = t.detach()
+    if t.device.type == "cpu":
+        return int(_kernels.checksum_range(np_bits(t.contiguous()), 0))
+    return _torch_checksum(int_view(t.contiguous()), 0)
+
+
+def checksum_elements(t: torch.Tensor, indices: torch.Tensor) -> int:
+    """Checksum of the elements of ``t`` (any shape, any device) that sit at global flat ``indices``.
+
+    ``t.numel() == indices.numel()``; lets a holder of a slice checksum it with the full tensor's indices.
+    """
+    t = t.detach()
+    if t.device.type == "cpu":
+        idx = indices.reshape(-1).to(torch.int64).contiguous().numpy()
+        return int(_kernels.checksum_at(np_bits(t.contiguous()), idx))
+    bits = int_view(t.contiguous())
+    idx = indices.reshape(-1).to(device=t.device, dtype=torch.int64)
+    total = 0
+    for s in range(0, bits.numel(), _CHUNK):
+        total += int(_torch_hash(_unsigned64(bits[s : s + _CHUNK]), idx[s : s + _CHUNK]).sum().item())
+    return total & MASK64
+
+
+def add(*parts: int) -> int:
+    """Combine checksums of disjoint parts of one tensor (or apply a checksum delta)."""
+    return sum(parts) & MASK64
+
+
+def format_checksum(value: int) -> str:
+    return f"0x{value & MASK64:016x}"
+
+
+def parse_checksum(text: str) -> int:
+    if not (isinstance(text, str) and text.startswith("0x") and len(text) == 18):
+        raise ValueError(f"checksum must be '0x' + 16 hex digits, got {text!r}")
+    return int(text, 16)
+
+
+def state_checksum(checksums: Mapping[str, str]) -> str:
+    """One digest of a whole model: SHA-256 of ``name<TAB>checksum`` lines, names sorted."""
+    text = "".join(f"{name}\t{checksums[name]}\n" for name in sorted(checksums))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# --- torch implementation, for tensors on accelerators (same numbers as the CPU kernels) ---
+
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # as signed int64
+_M2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _srl(z: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch shifts signed values arithmetically)."""
+    return (z >> n) & ((1 << (64 - n)) - 1)
+
+
+def _torch_mix64(z: torch.Tensor) -> torch.Tensor:
+    z = z ^ _srl(z, 30)
+    z = z * _M1
+    z = z ^ _srl(z, 27)
+    z = z * _M2
+    return z ^ _srl(z, 31)
+
+
+def _unsigned64(bits: torch.Tensor) -> torch.Tensor:
+    width = bits.element_size() * 8
+    wide = bits.to(torch.int64)
+    return wide if width == 64 else wide & ((1 << width) - 1)
+
+
+def _torch_hash(u64: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    return _torch_mix64(u64 ^ _torch_mix64(indices))
+
+
+def _torch_checksum(bits: torch.Tensor, base: int) -> int:
+    total = 0
+    for s in range(0, bits.numel(), _CHUNK):
+        chunk = bits[s : s + _CHUNK]
+        idx = torch.arange(base + s, base + s + chunk.numel(), device=bits.device, dtype=torch.int64)
+        total += int(_torch_hash(_unsigned64(chunk), idx).sum().item())
+    return total & MASK64
+

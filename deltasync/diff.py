@@ -1,0 +1,165 @@
+"""Diff stage: compare the live weights' bits with the last-published copy (the snapshot).
+
+The snapshot is what consumers hold, so diffing against it (not against the previous optimizer step)
+means skipped or coalesced steps lose nothing. The diff also advances the snapshot and the per-tensor
+checksums, in time proportional to the change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from . import _kernels
+from ._bits import UNSIGNED_NP, int_view, np_bits, np_words
+from .checksum import MASK64, _torch_hash, _unsigned64, tensor_checksum
+from .errors import TensorMismatchError
+
+SnapshotDevice = Literal["same", "cpu"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorChange:
+    """The change of one tensor: sorted flat ``positions`` and ``old ^ new`` bits there."""
+
+    name: str
+    positions: np.ndarray  # int64, sorted, unique
+    xor: np.ndarray  # unsigned ints of the dtype's width
+    numel: int
+    checksum: int  # of the tensor after the change
+
+    @property
+    def changed(self) -> int:
+        return int(self.positions.size)
+
+
+class Snapshot:
+    """The last-published copy of a model's tensors, and the diff that advances it.
+
+    Memory: one copy of every tensor, on the trainer's device (``"same"``) or in host memory (``"cpu"``).
+    With ``"cpu"`` a device tensor is diffed through host chunks of at most ``max_chunk_bytes``.
+    """
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        device: SnapshotDevice = "same",
+        max_chunk_bytes: int = 64 << 20,
+    ) -> None:
+        self.device = device
+        self.max_chunk_bytes = max_chunk_bytes
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            t = t.detach()
+            copy = t.to("cpu", copy=True) if device == "cpu" else t.clone(memory_format=torch.contiguous_format)
+            self.tensors[name] = copy
+        self.checksums: dict[str, int] = {name: tensor_checksum(t) for name, t in self.tensors.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def check_same_layout(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Raise ``TensorMismatchError`` unless ``tensors`` has exactly the snapshot's names, shapes and dtypes."""
+        missing = self.tensors.keys() - tensors.keys()
+        extra = tensors.keys() - self.tensors.keys()
+        if missing or extra:
+            raise TensorMismatchError(
+                f"the model's tensors changed since the last publish: missing {sorted(missing)[:5]}, "
+                f"new {sorted(extra)[:5]} ({len(missing)} missing, {len(extra)} new)"
+            )
+        for name, t in tensors.items():
+            s = self.tensors[name]
+            if t.shape != s.shape or t.dtype != s.dtype:
+                raise TensorMismatchError(
+                    f"tensor {name!r}: expected shape {tuple(s.shape)} {s.dtype}, got {tuple(t.shape)} {t.dtype}"
+                )
+
+    def diff(self, tensors: Mapping[str, torch.Tensor]) -> list[TensorChange]:
+        """Changes from the snapshot to ``tensors`` (same names, shapes, dtypes); advances the snapshot."""
+        self.check_same_layout(tensors)
+        changes = []
+        for name, t in tensors.items():
+            snap = self.tensors[name]
+            positions, xor, delta = _diff_tensor(t.detach(), snap, self.max_chunk_bytes)
+            self.checksums[name] = (self.checksums[name] + delta) & MASK64
+            changes.append(
+                TensorChange(name=name, positions=positions, xor=xor, numel=snap.numel(), checksum=self.checksums[name])
+            )
+        return changes
+
+
+def _diff_tensor(cur: torch.Tensor, snap: torch.Tensor, max_chunk_bytes: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Positions, xor bits and checksum delta of ``cur`` vs ``snap``; sets ``snap`` to ``cur``."""
+    if not cur.is_contiguous():
+        cur = cur.contiguous()
+    width = snap.element_size()
+    if snap.device.type == "cpu":
+        snap_u = np_bits(snap)
+        if cur.device.type == "cpu":
+            return _diff_np(np_bits(cur), snap_u, 0)
+        # device tensor, host snapshot: stream through bounded host chunks
+        step = max(1, max_chunk_bytes // width)
+        cur_bits = int_view(cur)
+        parts = [
+            _diff_np(np_bits(cur_bits[s : s + step].to("cpu")), snap_u[s : s + step], s)
+            for s in range(0, cur.numel(), step)
+        ]
+        return _concat(parts, width)
+    return _diff_torch(int_view(cur), int_view(snap), max(1, max_chunk_bytes // width), width)
+
+
+def _diff_np(a: np.ndarray, b: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray, int]:
+    words_a, group = np_words(a)
+    words_b, _ = np_words(b)
+    parts = []
+    covered = 0
+    if words_a is not None and words_b is not None:
+        covered = words_a.size * group
+        parts.append(_gather(words_a, words_b, a[:covered], b[:covered], group, base))
+    if covered < a.size:
+        ta, tb = a[covered:], b[covered:]
+        parts.append(_gather(ta, tb, ta, tb, 1, base + covered))
+    return _concat(parts, a.itemsize)
+
+
+def _gather(aw, bw, a, b, group: int, base: int) -> tuple[np.ndarray, np.ndarray, int]:
+    counts = _kernels.diff_count(aw, bw, a, b, group)
+    offsets = np.zeros(counts.size + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    n = int(offsets[-1])
+    positions = np.empty(n, np.int64)
+    xor = np.empty(n, a.dtype)
+    delta = _kernels.diff_gather(aw, bw, a, b, group, base, offsets, positions, xor)
+    return positions, xor, int(delta)
+
+
+def _diff_torch(cur: torch.Tensor, snap: torch.Tensor, step: int, width: int) -> tuple[np.ndarray, np.ndarray, int]:
+    parts = []
+    for s in range(0, cur.numel(), step):
+        c, o = cur[s : s + step], snap[s : s + step]
+        idx = (c != o).nonzero().squeeze(1)
+        new, old = c[idx], o[idx]
+        o[idx] = new
+        g = idx + s
+        delta = int((_torch_hash(_unsigned64(new), g).sum() - _torch_hash(_unsigned64(old), g).sum()).item())
+        xor = (new ^ old).cpu().numpy().view(UNSIGNED_NP[width])
+        parts.append((g.cpu().numpy(), xor, delta))
+    if not parts:
+        return np.empty(0, np.int64), np.empty(0, UNSIGNED_NP[width]), 0
+    return _concat(parts, width)
+
+
+def _concat(parts: list[tuple[np.ndarray, np.ndarray, int]], width: int) -> tuple[np.ndarray, np.ndarray, int]:
+    if not parts:
+        return np.empty(0, np.int64), np.empty(0, UNSIGNED_NP[width]), 0
+    return (
+        np.concatenate([p[0] for p in parts]),
+        np.concatenate([p[1] for p in parts]),
+        sum(p[2] for p in parts) & MASK64,
+    )

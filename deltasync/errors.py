@@ -1,0 +1,55 @@
+"""One exception hierarchy for the whole library.
+
+Every error says what was expected, what arrived, and where (URL, step, tensor). Subclasses also inherit
+the matching builtin so that callers can catch ``FileNotFoundError`` or ``ValueError`` as they already do.
+"""
+
+from __future__ import annotations
+
+
+class DeltaSyncError(Exception):
+    """Base class of every error raised by deltasync and rollout_loader."""
+
+
+class FormatError(DeltaSyncError, ValueError):
+    """An object or header does not follow docs/FORMAT.md (bad JSON, unknown version, bad index)."""
+
+
+class CorruptObjectError(FormatError):
+    """An object's bytes are not what its manifest promised (truncated, overwritten, damaged)."""
+
+
+class TensorMismatchError(DeltaSyncError, ValueError):
+    """Tensor names, shapes or dtypes differ between a delta and the state it is applied to."""
+
+
+class BaseStepMismatchError(DeltaSyncError, ValueError):
+    """A delta's base step is not the step the consumer holds."""
+
+
+class ChecksumMismatchError(DeltaSyncError, ValueError):
+    """After applying a step the weights do not match the trainer's checksums."""
+
+
+class StepNotFoundError(DeltaSyncError, FileNotFoundError):
+    """A step was never published, is not committed yet, or has been collected."""
+
+
+class StepOrderError(DeltaSyncError, ValueError):
+    """A step number does not increase past what the stream already holds."""
+
+
+class StoreError(DeltaSyncError, OSError):
+    """The store could not be reached or refused an operation (after retries)."""
+
+
+class WriterConflictError(StoreError):
+    """Another publisher holds this stream."""
+
+
+class PublishError(DeltaSyncError, RuntimeError):
+    """A background publishing stage failed; the step was not committed."""
+
+
+class WaitTimeoutError(DeltaSyncError, TimeoutError):
+    """A wait for a step ran out of time."""
