@@ -33,14 +33,15 @@ class Replica:
     ``"full"`` recomputes the checksum of every changed tensor from its bits.
     """
 
-    def __init__(self, header: StepHeader, tensors: dict[str, torch.Tensor], checksums: dict[str, int]) -> None:
-        self.header = header
+    def __init__(self, step: int, tensors: dict[str, torch.Tensor], checksums: dict[str, int]) -> None:
+        self.step = step
         self.tensors = tensors
         self.checksums = checksums
 
-    @property
-    def step(self) -> int:
-        return self.header.step
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], *, step: int) -> Replica:
+        """A replica of tensors the caller vouches for as ``step`` (checksums computed here)."""
+        return cls(step, tensors, {n: tensor_checksum(t) for n, t in tensors.items()})
 
     @classmethod
     def from_anchor(cls, obj: StepObject, *, device: str | torch.device = "cpu") -> Replica:
@@ -53,7 +54,7 @@ class Replica:
         _check(h, checksums, obj.where, names=h.tensors)
         for alias, target in h.aliases.items():
             tensors[alias] = tensors[target]
-        return cls(h, tensors, checksums)
+        return cls(h.step, tensors, checksums)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.tensors)
@@ -80,7 +81,7 @@ class Replica:
             _apply_patches(self.tensors, patches)  # XOR again: back to the exact previous bits
             raise
         self.checksums = new
-        self.header = h
+        self.step = h.step
 
     def _load_anchor_in_place(self, obj: StepObject) -> None:
         h = obj.header
@@ -91,7 +92,7 @@ class Replica:
         for name, t in incoming.items():
             self.tensors[name].copy_(t)
         self.checksums = checksums
-        self.header = h
+        self.step = h.step
 
 
 def _check_layout(h: StepHeader, tensors: Mapping[str, torch.Tensor], where: str) -> None:

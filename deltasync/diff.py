@@ -41,7 +41,8 @@ class Snapshot:
     """The last-published copy of a model's tensors, and the diff that advances it.
 
     Memory: one copy of every tensor, on the trainer's device (``"same"``) or in host memory (``"cpu"``).
-    With ``"cpu"`` a device tensor is diffed through host chunks of at most ``max_chunk_bytes``.
+    With ``"cpu"`` a device tensor is diffed through host chunks of at most ``max_chunk_bytes``. With
+    ``dtype``, floating tensors are published in that dtype (one tensor is cast at a time).
     """
 
     def __init__(
@@ -50,15 +51,23 @@ class Snapshot:
         *,
         device: SnapshotDevice = "same",
         max_chunk_bytes: int = 64 << 20,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.device = device
+        self.dtype = dtype
         self.max_chunk_bytes = max_chunk_bytes
         self.tensors: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
-            t = t.detach()
+            t = self._cast(t.detach())
             copy = t.to("cpu", copy=True) if device == "cpu" else t.clone(memory_format=torch.contiguous_format)
             self.tensors[name] = copy
         self.checksums: dict[str, int] = {name: tensor_checksum(t) for name, t in self.tensors.items()}
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        """Floating tensors in the published dtype (e.g. fp32 master weights published as bf16)."""
+        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
+            return t.to(self.dtype)
+        return t
 
     @property
     def nbytes(self) -> int:
@@ -75,7 +84,8 @@ class Snapshot:
             )
         for name, t in tensors.items():
             s = self.tensors[name]
-            if t.shape != s.shape or t.dtype != s.dtype:
+            published = self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+            if t.shape != s.shape or published != s.dtype:
                 raise TensorMismatchError(
                     f"tensor {name!r}: expected shape {tuple(s.shape)} {s.dtype}, got {tuple(t.shape)} {t.dtype}"
                 )
@@ -86,7 +96,7 @@ class Snapshot:
         changes = []
         for name, t in tensors.items():
             snap = self.tensors[name]
-            positions, xor, delta = _diff_tensor(t.detach(), snap, self.max_chunk_bytes)
+            positions, xor, delta = _diff_tensor(self._cast(t.detach()), snap, self.max_chunk_bytes)
             self.checksums[name] = (self.checksums[name] + delta) & MASK64
             changes.append(
                 TensorChange(name=name, positions=positions, xor=xor, numel=snap.numel(), checksum=self.checksums[name])

@@ -1,0 +1,382 @@
+"""The trainer's side: ``DeltaPublisher`` captures each step's change and publishes it in the background.
+
+``publish(step)`` runs the diff on the weights' own device (fast on GPU, and it needs no copy of the
+model) and returns; encoding, writing and uploading run in a background thread behind a bounded queue.
+When that queue is full, steps coalesce: the step is not captured, and the next capture (diffed against
+what was last *captured*) carries its change, so memory stays bounded and nothing is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from collections.abc import Sequence
+
+import torch
+
+from ._bits import dtype_name
+from .checksum import format_checksum, state_checksum
+from .codecs import EncodedTensor, encode_change
+from .diff import Snapshot, SnapshotDevice, TensorChange
+from .errors import PublishError, StepOrderError
+from .format import Kind, StepHeader, TensorHeader, write_anchor, write_delta
+from .store import Manifest, Store, sha256_file
+
+log = logging.getLogger(__name__)
+
+OnBacklog = Literal["coalesce", "block"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMetrics:
+    """What one published step cost and weighed."""
+
+    step: int
+    base_step: int | None
+    kind: Kind
+    coalesced_steps: tuple[int, ...]
+    numel: int
+    changed: int
+    object_bytes: int
+    full_bytes: int
+    capture_s: float  # diff (and for anchors the copy), on the trainer's thread
+    encode_s: float
+    write_s: float
+    upload_s: float
+
+    @property
+    def density(self) -> float:
+        return self.changed / self.numel if self.numel else 0.0
+
+    @property
+    def bytes_per_changed(self) -> float:
+        return self.object_bytes / self.changed if self.changed else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "density": self.density}
+
+
+@dataclass(kw_only=True)
+class _Job:
+    step: int
+    base_step: int | None
+    kind: Kind
+    coalesced: tuple[int, ...]
+    headers: dict[str, TensorHeader]
+    aliases: dict[str, str]
+    changes: list[TensorChange] = field(default_factory=list)
+    anchor_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    capture_s: float = 0.0
+
+
+def named_tensors(source: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The trainer's tensors by name, and aliases (names sharing storage with an earlier name, e.g. tied
+    embeddings), which are published once under their first name.
+    """
+    if isinstance(source, torch.nn.Module):
+        sd = source.state_dict()
+    elif callable(source):
+        sd = source()
+    else:
+        sd = source
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in sd.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state entry {name!r} is a {type(t).__name__}, not a tensor")
+        t = t.detach()
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = t
+    return tensors, aliases
+
+
+class DeltaPublisher:
+    """Publish a model's weights to a deltasync stream after each optimizer step.
+
+    ``source`` is a module, a state dict (whose tensors the trainer updates in place) or a function
+    returning one. ``anchor_every`` writes a full snapshot every N published steps (also the first step,
+    after a restart, after a failed upload, and on ``publish(step, anchor=True)``). ``snapshot_device``
+    says where the last-published copy lives: ``"same"`` (the weights' device) or ``"cpu"``; either way it
+    costs one copy of the model. ``dtype`` publishes floating tensors in that dtype (e.g. fp32 master
+    weights as the bf16 weights the engine serves). ``max_pending`` bounds captured steps waiting for upload;
+    ``on_backlog="block"`` waits instead of coalescing. Use as a context manager or call ``close()``.
+    """
+
+    def __init__(
+        self,
+        url: str | Store,
+        source: Any,
+        *,
+        anchor_every: int = 20,
+        snapshot_device: SnapshotDevice = "same",
+        max_pending: int = 2,
+        on_backlog: OnBacklog = "coalesce",
+        zstd_level: int = 1,
+        max_chunk_bytes: int = 64 << 20,
+        dtype: torch.dtype | None = None,
+        storage_options: dict[str, Any] | None = None,
+        spool_dir: str | Path | None = None,
+    ) -> None:
+        if anchor_every < 1:
+            raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
+        self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
+        self.source = source
+        self.anchor_every = anchor_every
+        self.snapshot_device = snapshot_device
+        self.on_backlog = on_backlog
+        self.zstd_level = zstd_level
+        self.max_chunk_bytes = max_chunk_bytes
+        self.dtype = dtype
+        self.metrics: list[StepMetrics] = []
+        self._spool = Path(spool_dir) if spool_dir else Path(tempfile.mkdtemp(prefix="deltasync-spool-"))
+        self._snapshot: Snapshot | None = None
+        self._aliases: dict[str, str] = {}
+        self._since_anchor = 0
+        self._force_anchor = True  # the first step of every publisher is an anchor
+        self._skipped: list[int] = []
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
+        self.store.remove_uncommitted()
+        self.last_committed_step: int | None = self.store.latest_step()
+        self._last_captured = self.last_committed_step
+        if self.last_committed_step is not None:
+            log.info("%s: resuming after committed step %d", self.store.url, self.last_committed_step)
+        self._thread = threading.Thread(target=self._run, name="deltasync-publisher", daemon=True)
+        self._thread.start()
+
+    # --- trainer thread ---
+
+    def publish(self, step: int, *, anchor: bool = False) -> bool:
+        """Capture the weights as ``step``; returns False when the step was coalesced into the next one.
+
+        Raises ``PublishError`` if an earlier step failed in the background (that step is then covered
+        by an anchor at this call), ``StepOrderError`` if ``step`` does not increase.
+        """
+        self._raise_background_error()
+        if self._last_captured is not None and step <= self._last_captured:
+            raise StepOrderError(f"{self.store.url}: step {step} is not after the last published step {self._last_captured}")
+        if self._skipped and step <= self._skipped[-1]:
+            raise StepOrderError(f"{self.store.url}: step {step} is not after the last coalesced step {self._skipped[-1]}")
+        if self.on_backlog == "coalesce" and self._queue.full() and not anchor:
+            self._skipped.append(step)
+            log.debug("step %d coalesced (upload backlog)", step)
+            return False
+        self._capture(step, anchor=anchor)
+        return True
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Capture a trailing coalesced step, then wait until everything captured is committed."""
+        if self._skipped:
+            self._capture(self._skipped[-1], anchor=False)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{self.store.url}: publishing did not finish within {timeout_s}s")
+            time.sleep(0.005)
+        self._raise_background_error()
+
+    def close(self) -> None:
+        """Flush, stop the background thread."""
+        try:
+            self.flush()
+        finally:
+            if self._thread.is_alive():
+                self._queue.put(None)
+                self._thread.join()
+
+    def __enter__(self) -> DeltaPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _capture(self, step: int, *, anchor: bool) -> None:
+        t0 = time.perf_counter()
+        tensors, aliases = named_tensors(self.source)
+        coalesced = tuple(s for s in self._skipped if s < step)
+        self._skipped = []
+        if self._snapshot is None:
+            self._snapshot = Snapshot(
+                tensors, device=self.snapshot_device, max_chunk_bytes=self.max_chunk_bytes, dtype=self.dtype
+            )
+            changes: list[TensorChange] = []
+        else:
+            changes = self._snapshot.diff(tensors)
+        self._aliases = aliases
+        with self._lock:
+            kind: Kind = "anchor" if (anchor or self._force_anchor or self._since_anchor + 1 >= self.anchor_every) else "delta"
+            self._force_anchor = False
+        headers = snapshot_headers(self._snapshot)
+        job = _Job(
+            step=step,
+            base_step=None if kind == "anchor" else self._last_captured,
+            kind=kind,
+            coalesced=coalesced,
+            headers=headers,
+            aliases=dict(aliases),
+        )
+        if kind == "anchor":
+            job.anchor_tensors = {n: t.to("cpu", copy=True) for n, t in self._snapshot.tensors.items()}
+            self._since_anchor = 0
+        else:
+            job.changes = [c for c in changes if c.changed]
+            self._since_anchor += 1
+        job.capture_s = time.perf_counter() - t0
+        self._last_captured = step
+        self._queue.put(job)  # blocks only with on_backlog="block", or for anchors and the flush tail
+
+    def _raise_background_error(self) -> None:
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise PublishError(f"{self.store.url}: publishing failed in the background: {err}") from err
+
+    # --- background thread ---
+
+    def _run(self) -> None:
+        failed_since: int | None = None
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                if failed_since is not None and job.kind == "delta":
+                    # its base was never committed: the next capture is forced to be an anchor
+                    log.warning("dropping step %d: its base step %s was not committed", job.step, job.base_step)
+                    continue
+                failed_since = None
+                self._write(job)
+            except BaseException as e:  # noqa: BLE001 - reported to the trainer thread
+                log.exception("publishing step %s failed", job.step if job else None)
+                failed_since = job.step if job else None
+                with self._lock:
+                    self._error = e
+                    self._force_anchor = True
+            finally:
+                self._queue.task_done()
+
+    def _write(self, job: _Job) -> None:
+        """Encode and write the object (encode_s), hash it (write_s), commit it (upload_s)."""
+        t0 = time.perf_counter()
+        name = f"{job.kind}.safetensors"
+        local = self._spool / f"{job.step:012d}-{name}"
+        header = write_step(
+            local,
+            kind=job.kind,
+            step=job.step,
+            base_step=job.base_step,
+            headers=job.headers,
+            changes=job.changes,
+            anchor_tensors=job.anchor_tensors,
+            aliases=job.aliases,
+            zstd_level=self.zstd_level,
+        )
+        t1 = time.perf_counter()
+        headers = header.tensors
+        size = local.stat().st_size
+        manifest_stats = {
+            "numel": header.numel,
+            "changed": header.changed if job.kind == "delta" else header.numel,
+            "density": header.changed / header.numel if job.kind == "delta" and header.numel else 1.0,
+            "coalesced_steps": list(job.coalesced),
+            "capture_s": round(job.capture_s, 6),
+            "encode_s": round(t1 - t0, 6),
+        }
+        digest = sha256_file(local)
+        t2 = time.perf_counter()
+        manifest = Manifest(
+            step=job.step,
+            base_step=job.base_step,
+            kind=job.kind,
+            object=name,
+            object_bytes=size,
+            object_sha256=digest,
+            state_checksum=header.state_checksum,
+            created_unix_s=time.time(),
+            stats=manifest_stats,
+        )
+        try:
+            self.store.commit(manifest, local)
+        finally:
+            local.unlink(missing_ok=True)
+        t3 = time.perf_counter()
+        self.last_committed_step = job.step
+        full_bytes = sum(h.numel * h.torch_dtype.itemsize for h in headers.values())
+        self.metrics.append(
+            StepMetrics(
+                step=job.step,
+                base_step=job.base_step,
+                kind=job.kind,
+                coalesced_steps=job.coalesced,
+                numel=header.numel,
+                changed=header.changed,
+                object_bytes=size,
+                full_bytes=full_bytes,
+                capture_s=job.capture_s,
+                encode_s=t1 - t0,
+                write_s=t2 - t1,
+                upload_s=t3 - t2,
+            )
+        )
+        log.info("committed %s step %d (%d bytes, %d changed)", job.kind, job.step, size, header.changed)
+
+
+def write_step(
+    path: str | Path,
+    *,
+    kind: Kind,
+    step: int,
+    base_step: int | None,
+    headers: dict[str, TensorHeader],
+    changes: Sequence[TensorChange] = (),
+    anchor_tensors: dict[str, torch.Tensor] | None = None,
+    aliases: dict[str, str] | None = None,
+    zstd_level: int = 1,
+) -> StepHeader:
+    """Encode and write one step's object to a local file; returns its header.
+
+    ``headers`` describe every tensor after the step (checksums included); ``changes`` are a delta's
+    changed tensors, ``anchor_tensors`` an anchor's full tensors.
+    """
+    headers = dict(headers)
+    encoded: dict[str, EncodedTensor] = {}
+    for c in changes:
+        enc = encode_change(c, zstd_level=zstd_level)
+        encoded[c.name] = enc
+        headers[c.name] = replace(headers[c.name], changed=c.changed, positions=enc.positions_chain, values=enc.values_chain)
+    header = StepHeader(
+        kind=kind,
+        step=step,
+        base_step=base_step,
+        state_checksum=state_checksum({n: h.checksum for n, h in headers.items()}),
+        tensors=headers,
+        aliases=dict(aliases or {}),
+    )
+    if kind == "anchor":
+        write_anchor(path, header, anchor_tensors or {})
+    else:
+        write_delta(path, header, encoded)
+    return header
+
+
+def snapshot_headers(snapshot: Snapshot) -> dict[str, TensorHeader]:
+    """Unchanged-tensor header entries for the snapshot's current state."""
+    return {
+        name: TensorHeader(
+            dtype=dtype_name(t.dtype), shape=tuple(t.shape), changed=0, checksum=format_checksum(snapshot.checksums[name])
+        )
+        for name, t in snapshot.tensors.items()
+    }

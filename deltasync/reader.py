@@ -1,0 +1,116 @@
+"""The consumer's view of a stream: list steps, wait for one, open it, rebuild the weights of any step."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .apply import Replica, Verify
+from .errors import FormatError, StepNotFoundError, WaitTimeoutError
+from .format import StepObject
+from .store import Manifest, Store
+
+log = logging.getLogger(__name__)
+
+
+class StreamReader:
+    """Read a deltasync stream from any fsspec URL. Objects are verified (size, SHA-256) before use."""
+
+    def __init__(
+        self,
+        url: str | Store,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        cache_dir: str | Path | None = None,
+    ) -> None:
+        self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options, cache_dir=cache_dir)
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    def steps(self) -> list[int]:
+        return self.store.steps()
+
+    def latest_step(self) -> int | None:
+        return self.store.latest_step()
+
+    def manifest(self, step: int) -> Manifest:
+        return self.store.manifest(step)
+
+    def wait_for(self, step: int | None = None, *, timeout_s: float = 60.0, poll_s: float = 0.05) -> int:
+        """Block until ``step`` (or, with None, any step) is committed; returns the latest committed step."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            latest = self.latest_step()
+            if latest is not None and (step is None or latest >= step):
+                return latest
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(
+                    f"{self.url}: step {step if step is not None else '(any)'} not committed within {timeout_s}s "
+                    f"(latest: {latest})"
+                )
+            time.sleep(poll_s)
+
+    def open(self, step: int) -> StepObject:
+        """Fetch, verify and open one step's object."""
+        m = self.manifest(step)
+        path = self.store.fetch_object(m)
+        obj = StepObject(path, where=f"{self.url} step {step}")
+        if obj.header.step != step or obj.header.kind != m.kind or obj.header.base_step != m.base_step:
+            raise FormatError(
+                f"{self.url} step {step}: object header (step {obj.header.step}, {obj.header.kind}) "
+                f"disagrees with its manifest (step {m.step}, {m.kind})"
+            )
+        return obj
+
+    def chain(self, step: int, *, start: int | None = None) -> list[int]:
+        """Steps to open, in order, to reach ``step``: from the nearest anchor, or from ``start`` if the
+        chain passes through it (then ``start`` itself is not included).
+        """
+        out = []
+        s: int | None = step
+        while s is not None and s != start:
+            try:
+                m = self.manifest(s)
+            except StepNotFoundError as e:
+                raise StepNotFoundError(f"{self.url}: the chain to step {step} is broken at step {s}: {e}") from None
+            out.append(s)
+            if m.kind == "anchor":
+                break
+            s = m.base_step
+        return out[::-1]
+
+    def replica(self, step: int | None = None, *, verify: Verify = "incremental", device: str = "cpu") -> Replica:
+        """The exact weights of ``step`` (default: latest), from its nearest anchor plus deltas."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise StepNotFoundError(f"{self.url}: the stream has no committed steps")
+        chain = self.chain(step)
+        with self.open(chain[0]) as obj:
+            rep = Replica.from_anchor(obj, device=device)
+        for s in chain[1:]:
+            with self.open(s) as obj:
+                rep.apply(obj, verify=verify)
+        return rep
+
+    def catch_up(self, replica: Replica, step: int | None = None, *, verify: Verify = "incremental") -> list[int]:
+        """Advance ``replica`` to ``step`` (default: latest) by the shortest chain; returns the steps applied."""
+        if step is None:
+            step = self.wait_for(timeout_s=0)
+        if step == replica.step:
+            return []
+        chain = self.chain(step, start=replica.step)
+        for s in chain:
+            with self.open(s) as obj:
+                replica.apply(obj, verify=verify)
+        return chain
+
+    def state_dict(self, step: int | None = None) -> dict[str, torch.Tensor]:
+        """The weights of ``step`` as a state dict with every trainer name (aliases included)."""
+        return self.replica(step).state_dict()

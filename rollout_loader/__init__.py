@@ -1,0 +1,9 @@
+"""rollout_loader: keep inference weights in lock-step with a deltasync stream.
+
+    follower = Follower(url, StateDictTarget()).start()
+    follower.wait_for(step)
+"""
+
+from .follower import Follower, StateDictTarget, Target
+
+__all__ = ["Follower", "StateDictTarget", "Target"]
