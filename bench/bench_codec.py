@@ -1,0 +1,215 @@
+"""Codec benchmark: bytes and seconds per step on a real AdamW stream, against baselines in the same run.
+
+    .venv/bin/python bench/bench_codec.py [--steps 10] [--lr 1e-6] [--hidden 768 --layers 12]
+
+Trains a Qwen3-shaped model (fp32 master weights, >= 100M parameters) with AdamW on the Python standard
+library's source; after each step the bf16 weights are diffed and encoded by deltasync and by three
+baselines on the same change:
+  full      a full bf16 checkpoint (safetensors);
+  idx32     int32 indices + bf16 new values (TRL v1);
+  gap16     uint16 gap-coded indices (uint32 for a tensor whose largest gap needs it) + bf16 values (TRL v3).
+Reference time: one plain copy of all the model's tensors (copy_ into preallocated tensors), same run.
+Prints a table and writes bench/results/codec-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from deltasync.apply import Replica  # noqa: E402
+from deltasync.demo import stdlib_corpus, tiny_qwen3  # noqa: E402
+from deltasync.diff import Snapshot  # noqa: E402
+from deltasync.format import StepObject  # noqa: E402
+from deltasync.publisher import named_tensors, snapshot_headers, write_step  # noqa: E402
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def plain_copy_s(tensors: dict[str, torch.Tensor], repeats: int = 3) -> float:
+    dst = {n: torch.empty_like(t) for n, t in tensors.items()}
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for n, t in tensors.items():
+            dst[n].copy_(t)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def baseline_diff(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]):
+    """Plain-torch diff as the baselines do it: changed indices and new values, per tensor."""
+    out = {}
+    for n, t in new.items():
+        a, b = t.reshape(-1).view(torch.int16), old[n].reshape(-1).view(torch.int16)
+        idx = (a != b).nonzero().squeeze(1)
+        out[n] = (idx, a[idx])
+    return out
+
+
+def baseline_encode(d, kind: str) -> tuple[int, dict]:
+    blobs = {}
+    for n, (idx, val) in d.items():
+        if idx.numel() == 0:
+            continue
+        if kind == "idx32":
+            blobs[n] = (idx.to(torch.int32).numpy().tobytes(), val.numpy().tobytes())
+        else:
+            gaps = torch.diff(idx, prepend=torch.tensor([-1])) if idx.numel() else idx
+            dtype = np.uint16 if int(gaps.max()) < 65536 else np.uint32
+            blobs[n] = (gaps.numpy().astype(dtype).tobytes(), val.numpy().tobytes())
+    return sum(len(a) + len(b) for a, b in blobs.values()), blobs
+
+
+def baseline_apply(state: dict[str, torch.Tensor], blobs: dict, kind: str) -> None:
+    for n, (ib, vb) in blobs.items():
+        if kind == "idx32":
+            idx = torch.from_numpy(np.frombuffer(ib, np.int32).astype(np.int64))
+        else:
+            dtype = np.uint16 if len(ib) == len(vb) else np.uint32
+            idx = torch.from_numpy(np.frombuffer(ib, dtype).astype(np.int64)).cumsum(0) - 1
+        vals = torch.from_numpy(np.frombuffer(vb, np.int16).copy())
+        state[n].reshape(-1).view(torch.int16)[idx] = vals
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+
+    model = tiny_qwen3(hidden_size=args.hidden, layers=args.layers, vocab_size=args.vocab).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    data = stdlib_corpus()
+    g = torch.Generator().manual_seed(0)
+    tensors, _ = named_tensors(model)
+    bf16 = {n: t.to(torch.bfloat16) for n, t in tensors.items()}
+    numel = sum(t.numel() for t in bf16.values())
+    print(f"model: {numel / 1e6:.1f}M parameters ({len(bf16)} tensors), lr {args.lr}, machine: {machine()}")
+
+    snap = Snapshot(bf16)
+    copy_s = plain_copy_s(bf16)
+    tmp = Path(tempfile.mkdtemp(prefix="deltasync-bench-"))
+    anchor = tmp / "anchor.safetensors"
+    write_step(anchor, kind="anchor", step=0, base_step=None, headers=snapshot_headers(snap), anchor_tensors=bf16)
+    full_bytes = anchor.stat().st_size
+    replica = Replica.from_anchor(StepObject(anchor, where="anchor"))
+    base_state = {n: t.clone() for n, t in bf16.items()}
+    base_states = {"idx32": {n: t.clone() for n, t in bf16.items()}, "gap16": {n: t.clone() for n, t in bf16.items()}}
+
+    rows = []
+    for step in range(1, args.steps + 1):
+        starts = torch.randint(0, data.numel() - args.seq - 1, (args.batch,), generator=g)
+        batch = torch.stack([data[s : s + args.seq + 1] for s in starts])
+        model(input_ids=batch[:, :-1], labels=batch[:, 1:]).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        new = {n: t.to(torch.bfloat16) for n, t in tensors.items()}  # what the trainer would serve
+        copy_s = min(copy_s, plain_copy_s(new, repeats=1))
+
+        t0 = time.perf_counter()
+        changes = [c for c in snap.diff(new) if c.changed]
+        t1 = time.perf_counter()
+        path = tmp / f"{step}.safetensors"
+        write_step(path, kind="delta", step=step, base_step=step - 1, headers=snapshot_headers(snap), changes=changes)
+        t2 = time.perf_counter()
+        obj = StepObject(path, where=f"step {step}")
+        replica.apply(obj, verify="incremental")
+        t3 = time.perf_counter()
+        assert all(torch.equal(replica.tensors[n].view(torch.int16), new[n].view(torch.int16)) for n in new)
+        changed = sum(c.changed for c in changes)
+        row = {
+            "step": step,
+            "density": changed / numel,
+            "changed": changed,
+            "copy_s": copy_s,
+            "deltasync": {
+                "bytes": path.stat().st_size,
+                "diff_s": t1 - t0,
+                "encode_s": t2 - t1,
+                "diff_encode_s": t2 - t0,
+                "decode_apply_s": t3 - t2,
+            },
+            "full": {"bytes": full_bytes, "diff_encode_s": copy_s, "decode_apply_s": copy_s},
+        }
+        tb = time.perf_counter()
+        bd = baseline_diff(base_state, new)
+        tbd = time.perf_counter() - tb
+        for kind in ("idx32", "gap16"):
+            te = time.perf_counter()
+            nbytes, blobs = baseline_encode(bd, kind)
+            te = time.perf_counter() - te
+            ta = time.perf_counter()
+            baseline_apply(base_states[kind], blobs, kind)
+            ta = time.perf_counter() - ta
+            row[kind] = {"bytes": nbytes, "diff_encode_s": tbd + te, "decode_apply_s": ta}
+        base_state = {n: t.clone() for n, t in new.items()}
+        for k in ("deltasync", "full", "idx32", "gap16"):
+            row[k]["bytes_per_changed"] = row[k]["bytes"] / changed if changed else float("nan")
+        rows.append(row)
+        d = row["deltasync"]
+        print(
+            f"step {step:3d}: density {row['density']:.2%}  {d['bytes_per_changed']:.2f} B/changed  "
+            f"diff+encode {d['diff_encode_s'] * 1e3:.0f} ms ({d['diff_encode_s'] / copy_s:.1f}x copy)  "
+            f"decode+apply {d['decode_apply_s'] * 1e3:.0f} ms ({d['decode_apply_s'] / copy_s:.1f}x copy)",
+            flush=True,
+        )
+
+    from rich.console import Console
+    from rich.table import Table
+
+    def mean(key: str, field: str) -> float:
+        return float(np.mean([r[key][field] for r in rows]))
+
+    table = Table(title=f"codec benchmark: {numel / 1e6:.0f}M params, {len(rows)} AdamW steps, lr {args.lr}, "
+                  f"mean density {np.mean([r['density'] for r in rows]):.2%}; plain copy {copy_s * 1e3:.0f} ms")
+    for col in ("encoding", "B/changed", "MB/step", "diff+encode ms", "x copy", "decode+apply ms", "x copy"):
+        table.add_column(col, justify="right")
+    for k in ("deltasync", "gap16", "idx32", "full"):
+        table.add_row(
+            k,
+            f"{mean(k, 'bytes_per_changed'):.2f}",
+            f"{mean(k, 'bytes') / 1e6:.2f}",
+            f"{mean(k, 'diff_encode_s') * 1e3:.0f}",
+            f"{mean(k, 'diff_encode_s') / copy_s:.2f}",
+            f"{mean(k, 'decode_apply_s') * 1e3:.0f}",
+            f"{mean(k, 'decode_apply_s') / copy_s:.2f}",
+        )
+    Console(width=140).print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"codec-{dt.date.today().isoformat()}.json"
+    path.write_text(json.dumps({"machine": machine(), "args": vars(args), "numel": numel, "copy_s": copy_s, "rows": rows}, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

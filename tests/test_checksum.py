@@ -1,0 +1,65 @@
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltasync import checksum as C
+from deltasync._bits import np_bits
+
+M = (1 << 64) - 1
+
+
+def _mix(z: int) -> int:
+    z ^= z >> 30
+    z = (z * 0xBF58476D1CE4E5B9) & M
+    z ^= z >> 27
+    z = (z * 0x94D049BB133111EB) & M
+    return z ^ (z >> 31)
+
+
+def reference(t: torch.Tensor) -> int:
+    """docs/FORMAT.md section 4, written out in plain Python."""
+    return sum(_mix(int(u) ^ _mix(i)) for i, u in enumerate(np_bits(t.contiguous()).tolist())) & M
+
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int64, torch.bool, torch.float8_e4m3fn]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(DTYPES), st.integers(0, 300), st.integers(0, 2**31))
+def test_kernels_torch_and_reference_agree(dtype, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(n, generator=g) * 3).to(dtype)
+    want = reference(t)
+    assert C.tensor_checksum(t) == want
+    assert C._torch_checksum(C.int_view(t), 0) == want
+    assert C.checksum_elements(t, torch.arange(n)) == want
+
+
+def test_parts_add_up():
+    t = torch.randn(40, 30).bfloat16()
+    rows = [C.checksum_elements(t[a:b], torch.arange(a * 30, b * 30)) for a, b in ((0, 7), (7, 31), (31, 40))]
+    assert C.add(*rows) == C.tensor_checksum(t)
+    cols = t[:, 10:20]  # a non-contiguous slice, as a row-parallel shard would be
+    idx = (torch.arange(40)[:, None] * 30 + torch.arange(10, 20)[None, :]).reshape(-1)
+    rest = torch.cat([t[:, :10], t[:, 20:]], 1)
+    idx_rest = (torch.arange(40)[:, None] * 30 + torch.cat([torch.arange(10), torch.arange(20, 30)])[None, :]).reshape(-1)
+    assert C.add(C.checksum_elements(cols, idx), C.checksum_elements(rest, idx_rest)) == C.tensor_checksum(t)
+
+
+def test_detects_single_bit_flip_and_swaps():
+    t = torch.randn(1000).bfloat16()
+    base = C.tensor_checksum(t)
+    u = t.clone()
+    u.view(torch.int16)[500] ^= 1
+    assert C.tensor_checksum(u) != base
+    s = t.clone()
+    s[1], s[2] = t[2].clone(), t[1].clone()
+    assert t[1] != t[2] and C.tensor_checksum(s) != base
+
+
+def test_format_parse_and_state_digest():
+    assert C.format_checksum(5) == "0x0000000000000005"
+    assert C.parse_checksum(C.format_checksum(M)) == M
+    a = C.state_checksum({"b": "0x1", "a": "0x2"})
+    assert a == C.state_checksum({"a": "0x2", "b": "0x1"}) and len(a) == 64
+    assert a != C.state_checksum({"a": "0x1", "b": "0x2"})

@@ -1,0 +1,75 @@
+import numpy as np
+import pytest
+import torch
+
+from deltasync.checksum import tensor_checksum
+from deltasync.diff import Snapshot, _diff_torch
+from deltasync._bits import int_view
+from deltasync.errors import TensorMismatchError
+from tests.conftest import bits_equal, perturb
+
+
+def test_diff_finds_exact_bits_and_advances_snapshot(small_state, gen):
+    snap = Snapshot(small_state)
+    new = {k: perturb(v, 0.05, gen) for k, v in small_state.items()}
+    changes = {c.name: c for c in snap.diff(new)}
+    for name, t in new.items():
+        old = small_state[name].reshape(-1).view(torch.uint8).view(-1, t.element_size())
+        cur = t.reshape(-1).view(torch.uint8).view(-1, t.element_size())
+        want = torch.nonzero((old != cur).any(1)).squeeze(1).numpy()
+        assert np.array_equal(changes[name].positions, want)
+        assert bits_equal(snap.tensors[name], t)
+        assert snap.checksums[name] == tensor_checksum(t) == changes[name].checksum
+    assert all(c.changed == 0 for c in snap.diff(new))
+
+
+def test_signed_zero_and_nan_payloads_are_changes():
+    old = torch.tensor([0.0, float("nan"), 1.0], dtype=torch.bfloat16)
+    new = old.clone()
+    new[0] = -0.0
+    new.view(torch.int16)[1] ^= 1  # another NaN
+    (c,) = Snapshot({"t": old}).diff({"t": new})
+    assert c.positions.tolist() == [0, 1]
+
+
+def test_host_snapshot_of_device_tensor_streams_in_chunks(gen):
+    # "cpu" snapshot with a tiny chunk size exercises the chunked path that device tensors take
+    t = torch.randn(10_001, generator=gen).bfloat16()
+    snap = Snapshot({"t": t}, device="cpu", max_chunk_bytes=64)
+    new = perturb(t, 0.1, gen)
+    from deltasync import diff as D
+
+    pos, xor, delta = D._diff_np(D.np_bits(new), D.np_bits(snap.tensors["t"].clone()), 0)
+    (c,) = snap.diff({"t": new})
+    assert np.array_equal(c.positions, pos) and np.array_equal(c.xor, xor)
+
+
+def test_torch_path_matches_numba_path(gen):
+    """The path used for accelerator tensors gives the same result as the CPU kernels."""
+    t = torch.randn(5000, generator=gen).bfloat16()
+    new = perturb(t, 0.03, gen)
+    a = Snapshot({"t": t})
+    (c,) = a.diff({"t": new})
+    snap_copy = t.clone()
+    pos, xor, delta = _diff_torch(int_view(new), int_view(snap_copy), 777, 2)
+    assert np.array_equal(pos, c.positions) and np.array_equal(xor, c.xor)
+    assert (tensor_checksum(t) + delta) % 2**64 == c.checksum
+    assert bits_equal(snap_copy, new)
+
+
+def test_publishes_fp32_master_weights_as_bf16(gen):
+    master = {"w": torch.randn(1000, generator=gen)}
+    snap = Snapshot(master, dtype=torch.bfloat16)
+    assert snap.tensors["w"].dtype == torch.bfloat16
+    master["w"] += 1e-2
+    (c,) = snap.diff(master)
+    assert c.changed > 0 and bits_equal(snap.tensors["w"], master["w"].bfloat16())
+
+
+def test_layout_changes_are_refused(small_state):
+    snap = Snapshot(small_state)
+    with pytest.raises(TensorMismatchError, match="missing"):
+        snap.diff({k: v for k, v in small_state.items() if k != "scale"})
+    bad = dict(small_state, **{"layer.0.bias": torch.zeros(65).bfloat16()})
+    with pytest.raises(TensorMismatchError, match="layer.0.bias"):
+        snap.diff(bad)

@@ -1,0 +1,107 @@
+import json
+import re
+from pathlib import Path
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+from deltasync.errors import FormatError
+from deltasync.format import FORMAT_VERSION, StepHeader, StepObject, write_anchor
+from deltasync.publisher import snapshot_headers, write_step
+from deltasync.diff import Snapshot
+from tests.conftest import perturb
+
+DOC = Path(__file__).parent.parent / "docs" / "FORMAT.md"
+
+
+def _doc_json_blocks() -> list[dict]:
+    blocks = re.findall(r"```json\n(.*?)```", DOC.read_text(), re.S)
+    return [json.loads(b.replace("…", "")) for b in blocks]
+
+
+def test_format_doc_examples_parse():
+    header, manifest = _doc_json_blocks()
+    header["state_checksum"] = "0" * 64
+    for t in header["tensors"].values():
+        t["checksum"] = t["checksum"] if len(t["checksum"]) == 18 else "0x" + "0" * 16
+    header["aliases"] = {}
+    h = StepHeader.from_json(json.dumps(header), where="FORMAT.md")
+    assert h.format_version == FORMAT_VERSION and h.kind == "delta" and h.base_step == 11
+    from deltasync.store import Manifest
+
+    manifest["object_sha256"] = "0" * 64
+    assert Manifest.from_json(json.dumps(manifest), where="FORMAT.md").step == 12
+
+
+def _delta_file(tmp_path, small_state, gen):
+    snap = Snapshot(small_state)
+    changes = [c for c in snap.diff({k: perturb(v, 0.1, gen) for k, v in small_state.items()}) if c.changed]
+    path = tmp_path / "d.safetensors"
+    write_step(path, kind="delta", step=5, base_step=4, headers=snapshot_headers(snap), changes=changes)
+    return path
+
+
+def test_delta_is_valid_safetensors_and_self_describing(tmp_path, small_state, gen):
+    path = _delta_file(tmp_path, small_state, gen)
+    with safetensors.safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        assert meta["format"] == "pt"
+        header = json.loads(meta["deltasync"])
+        assert all(k.endswith((":positions", ":values")) for k in f.keys())
+    assert header["step"] == 5 and header["base_step"] == 4
+    assert set(header["tensors"]) == set(small_state)
+    h = StepObject(path, where="x").header
+    assert h.changed == sum(t["changed"] for t in header["tensors"].values()) > 0
+
+
+def test_anchor_is_an_ordinary_checkpoint(tmp_path, small_state):
+    snap = Snapshot(small_state)
+    path = tmp_path / "a.safetensors"
+    write_step(path, kind="anchor", step=0, base_step=None, headers=snapshot_headers(snap), anchor_tensors=small_state)
+    loaded = safetensors.torch.load_file(str(path))
+    assert loaded.keys() == small_state.keys()
+    assert all(torch.equal(loaded[k], small_state[k]) for k in loaded if loaded[k].numel())
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda h: h.update(format_version=99), "format version 99"),
+        (lambda h: h.update(kind="patch"), "bad kind"),
+        (lambda h: h.update(base_step=7), "base step"),
+        (lambda h: h["tensors"]["scale"].update(dtype="F12"), "unknown dtype"),
+        (lambda h: h["tensors"]["scale"].update(checksum="12"), "checksum"),
+        (lambda h: h["tensors"]["embed.weight"].update(changed=10**9), "changed count"),
+        (lambda h: h.update(aliases={"lm_head.weight": "nope"}), "alias"),
+    ],
+)
+def test_bad_headers_are_format_errors(mutate, message, tmp_path, small_state, gen):
+    path = _delta_file(tmp_path, small_state, gen)
+    with safetensors.safe_open(str(path), "pt") as f:
+        header = json.loads(f.metadata()["deltasync"])
+    mutate(header)
+    with pytest.raises(FormatError, match=message):
+        StepHeader.from_json(json.dumps(header), where="step 5")
+
+
+def test_truncated_and_garbage_files_are_format_errors(tmp_path, small_state, gen):
+    path = _delta_file(tmp_path, small_state, gen)
+    data = path.read_bytes()
+    for i, bad in enumerate([data[: len(data) // 2], b"garbage" * 10, data[:4]]):
+        p = tmp_path / f"bad{i}"
+        p.write_bytes(bad)
+        with pytest.raises(FormatError, match=f"bad{i}"):
+            StepObject(p, where=str(p))
+
+
+def test_object_missing_a_blob_is_refused(tmp_path, small_state, gen):
+    path = _delta_file(tmp_path, small_state, gen)
+    with safetensors.safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors.pop(sorted(tensors)[0])
+    safetensors.torch.save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(FormatError, match="missing"):
+        StepObject(path, where="s")

@@ -1,0 +1,193 @@
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from deltasync import DeltaPublisher, StreamReader
+from deltasync.errors import PublishError, StepOrderError, StoreError
+from deltasync.store import Store
+from tests.conftest import perturb, states_equal
+
+
+def train(state, gen, density=0.03):
+    for v in state.values():
+        v.copy_(perturb(v, density, gen))
+    return {k: v.clone() for k, v in state.items()}
+
+
+def test_long_chain_with_anchors_replays_every_step(tmp_path, small_state, gen):
+    truth = {}
+    with DeltaPublisher(str(tmp_path), small_state, anchor_every=7, on_backlog="block") as pub:
+        for s in range(0, 60, 2):  # step numbers need not be consecutive
+            truth[s] = train(small_state, gen)
+            assert pub.publish(s)
+    reader = StreamReader(str(tmp_path))
+    assert reader.steps() == sorted(truth)
+    assert [m.kind for m in pub.metrics].count("anchor") == 5
+    for s, want in truth.items():
+        assert states_equal(reader.state_dict(s), want), s
+    assert len(reader.chain(58)) <= 7
+
+
+def test_module_source_with_tied_weights(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
+    model[1].weight = model[0].weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with DeltaPublisher(str(tmp_path), model, dtype=torch.bfloat16) as pub:
+        for s in range(3):
+            model(torch.arange(10)).sum().backward()
+            opt.step()
+            pub.publish(s)
+    reader = StreamReader(str(tmp_path))
+    with reader.open(2) as obj:
+        assert obj.header.aliases == {"1.weight": "0.weight"}
+    sd = reader.state_dict(2)
+    assert sd["1.weight"] is sd["0.weight"]
+    assert torch.equal(sd["0.weight"], model[0].weight.detach().bfloat16())
+
+
+class SlowStore(Store):
+    def __init__(self, *a, delay_s=0.05, **kw):
+        super().__init__(*a, **kw)
+        self.delay_s = delay_s
+
+    def commit(self, manifest, local_object):
+        time.sleep(self.delay_s)
+        super().commit(manifest, local_object)
+
+
+def test_backlog_coalesces_steps_without_losing_changes(tmp_path, small_state, gen):
+    truth = {}
+    with DeltaPublisher(SlowStore(str(tmp_path)), small_state, max_pending=1, anchor_every=100) as pub:
+        captured = []
+        for s in range(20):
+            truth[s] = train(small_state, gen)
+            captured.append(pub.publish(s))
+    assert not all(captured), "a slow store must make steps coalesce"
+    reader = StreamReader(str(tmp_path))
+    steps = reader.steps()
+    assert steps[-1] == 19  # the trailing coalesced step is flushed on close
+    coalesced = [c for s in steps for c in reader.manifest(s).stats["coalesced_steps"]]
+    assert sorted(coalesced + steps) == list(range(20))
+    for s in steps:
+        assert states_equal(reader.state_dict(s), truth[s])
+
+
+def test_step_numbers_must_increase(tmp_path, small_state, gen):
+    with DeltaPublisher(str(tmp_path), small_state) as pub:
+        pub.publish(5)
+        with pytest.raises(StepOrderError, match="step 5 is not after the last published step 5"):
+            pub.publish(5)
+
+
+def test_restart_resumes_after_last_committed_step(tmp_path, small_state, gen):
+    with DeltaPublisher(str(tmp_path), small_state, on_backlog="block") as pub:
+        for s in range(3):
+            train(small_state, gen)
+            pub.publish(s)
+    with DeltaPublisher(str(tmp_path), small_state) as pub:
+        assert pub.last_committed_step == 2
+        with pytest.raises(StepOrderError):
+            pub.publish(2)
+        want = train(small_state, gen)
+        pub.publish(3)
+    reader = StreamReader(str(tmp_path))
+    assert reader.steps() == [0, 1, 2, 3] and reader.manifest(3).kind == "anchor"
+    assert states_equal(reader.state_dict(3), want)
+
+
+class FailingStore(Store):
+    fail_steps: set = set()
+
+    def commit(self, manifest, local_object):
+        if manifest.step in self.fail_steps:
+            raise StoreError(f"{self.url}: upload of step {manifest.step} failed (injected)")
+        super().commit(manifest, local_object)
+
+
+def test_failed_upload_is_reported_and_next_step_is_an_anchor(tmp_path, small_state, gen):
+    store = FailingStore(str(tmp_path))
+    store.fail_steps = {2}
+    truth = {}
+    pub = DeltaPublisher(store, small_state, on_backlog="block", anchor_every=100)
+    for s in range(3):
+        truth[s] = train(small_state, gen)
+        pub.publish(s)
+    pub._queue.join()
+    with pytest.raises(PublishError, match="step 2 failed"):
+        pub.publish(3)
+    truth[3] = train(small_state, gen)
+    pub.publish(3)
+    truth[4] = train(small_state, gen)
+    pub.publish(4)
+    pub.close()
+    reader = StreamReader(str(tmp_path))
+    assert reader.steps() == [0, 1, 3, 4]
+    assert reader.manifest(3).kind == "anchor"
+    for s in reader.steps():
+        assert states_equal(reader.state_dict(s), truth[s])
+
+
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch
+    from deltasync import DeltaPublisher
+    from deltasync.store import Store
+
+    class DyingStore(Store):
+        def write_bytes(self, rel, data):
+            if rel.endswith("{kill_step:012d}/manifest.json"):
+                os._exit(9)  # killed after the object was written, before the commit
+            super().write_bytes(rel, data)
+
+    g = torch.Generator().manual_seed(0)
+    state = {{"w": torch.randn(1000, generator=g).bfloat16()}}
+    pub = DeltaPublisher(DyingStore(sys.argv[1]), state, on_backlog="block")
+    for s in range(10):
+        state["w"][s * 10] += 1
+        pub.publish(s)
+        pub.flush()
+    """
+)
+
+
+@pytest.mark.parametrize("kill_step", [0, 3])
+def test_writer_killed_before_commit_leaves_no_visible_step(tmp_path, kill_step):
+    url = str(tmp_path / "s")
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT.format(kill_step=kill_step), url], capture_output=True)
+    assert proc.returncode == 9, proc.stderr.decode()
+    store = Store(url)
+    assert store.steps() == list(range(kill_step))
+    assert kill_step in store.step_folders()  # the object is there, but not committed
+    reader = StreamReader(url)
+    if kill_step:
+        assert reader.latest_step() == kill_step - 1
+        reader.state_dict(kill_step - 1)
+    state = {"w": torch.zeros(1000).bfloat16()}
+    with DeltaPublisher(url, state) as pub:  # a restarted writer cleans up and resumes
+        assert kill_step not in store.step_folders()
+        pub.publish(kill_step)
+    assert StreamReader(url).steps() == list(range(kill_step + 1))
+    assert torch.equal(StreamReader(url).state_dict(kill_step)["w"], state["w"])
+
+
+def test_publish_does_not_wait_for_uploads(tmp_path, small_state, gen):
+    gate = threading.Event()
+
+    class GatedStore(Store):
+        def commit(self, manifest, local_object):
+            gate.wait(10)
+            super().commit(manifest, local_object)
+
+    pub = DeltaPublisher(GatedStore(str(tmp_path)), small_state, max_pending=4)
+    for s in range(3):
+        train(small_state, gen)
+        assert pub.publish(s)  # returns while the store is blocked
+    assert StreamReader(str(tmp_path)).steps() == []
+    gate.set()
+    pub.close()
+    assert StreamReader(str(tmp_path)).steps() == [0, 1, 2]
