@@ -22,7 +22,6 @@ app = typer.Typer(
     add_completion=False,
 )
 out = Console()
-err = Console(stderr=True)
 
 StorageOpt = Annotated[
     Optional[list[str]],
@@ -187,7 +186,7 @@ def main() -> None:
     try:
         app()
     except DeltaSyncError as e:
-        err.print(f"[red]error:[/red] {type(e).__name__}: {e}")
+        typer.echo(f"error: {type(e).__name__}: {e}", err=True)  # one line, never wrapped
         sys.exit(2)
 
 

@@ -64,7 +64,7 @@ def stdlib_corpus(max_bytes: int = 4 << 20, seed: int = 0) -> torch.Tensor:
         buf += f.read_bytes()
         if len(buf) >= max_bytes:
             break
-    return torch.frombuffer(bytes(buf[:max_bytes]), dtype=torch.uint8).to(torch.long)
+    return torch.frombuffer(buf[:max_bytes], dtype=torch.uint8).to(torch.long)
 
 
 def bf16_checksums(model: torch.nn.Module) -> dict[str, str]:
