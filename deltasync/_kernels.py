@@ -64,67 +64,143 @@ def checksum_at(u: np.ndarray, indices: np.ndarray) -> np.uint64:
 
 
 @_pjit
-def diff_count(aw: np.ndarray, bw: np.ndarray, a: np.ndarray, b: np.ndarray, group: np.int64) -> np.ndarray:
-    """Per block, the number of elements of ``a`` that differ from ``b``.
-
-    ``aw``/``bw`` are 8-byte word views of ``a``/``b`` holding ``group`` elements each (or the element arrays
-    themselves with ``group == 1``), so that equal words are skipped with one compare.
-    """
-    nblocks = (aw.size + _BLOCK - 1) // _BLOCK
-    counts = np.zeros(nblocks, np.int64)
-    for k in numba.prange(nblocks):
-        s = k * _BLOCK
-        e = min(s + _BLOCK, aw.size)
-        c = 0
-        for i in range(s, e):
-            if aw[i] != bw[i]:
-                for j in range(i * group, i * group + group):
-                    if a[j] != b[j]:
-                        c += 1
-        counts[k] = c
-    return counts
-
-
-@_pjit
-def diff_gather(
+def diff_scan(
     aw: np.ndarray,
     bw: np.ndarray,
     a: np.ndarray,
     b: np.ndarray,
     group: np.int64,
-    base: np.int64,
-    offsets: np.ndarray,
-    positions: np.ndarray,
-    xor: np.ndarray,
-) -> np.uint64:
-    """Write changed positions (``base`` + local index) and ``a ^ b`` there, set ``b = a`` there.
+    block_words: np.int64,
+    first_block: np.int64,
+    nblocks: np.int64,
+    scratch_pos: np.ndarray,
+    scratch_xor: np.ndarray,
+    counts: np.ndarray,
+    sums: np.ndarray,
+) -> None:
+    """One read pass over blocks ``first_block .. first_block + nblocks`` of ``a`` vs ``b``.
 
-    Returns the change of the checksum of ``b`` (new minus old, mod 2^64).
+    ``aw``/``bw`` are 8-byte word views of ``a``/``b`` holding ``group`` elements each (or the element
+    arrays themselves with ``group == 1``), so an unchanged word costs one compare. Block ``k`` writes its
+    changed local indices and ``a ^ b`` to its own scratch region (``block_words * group`` entries), its
+    count to ``counts`` and its checksum change to ``sums``; it also sets ``b = a`` where they differ.
     """
-    nblocks = offsets.size - 1
-    parts = np.zeros(nblocks, np.uint64)
-    for k in numba.prange(nblocks):
-        s = k * _BLOCK
-        e = min(s + _BLOCK, aw.size)
-        p = offsets[k]
+    stride = block_words * group
+    for kk in numba.prange(nblocks):
+        s = (first_block + kk) * block_words
+        e = min(s + block_words, aw.size)
+        out = kk * stride
+        c = 0
         acc = np.uint64(0)
-        for i in range(s, e):
+        i = s
+        while i < e:
+            # skip 4 unchanged words with one branch (most of them, at RL densities)
+            if i + 4 <= e and ((aw[i] ^ bw[i]) | (aw[i + 1] ^ bw[i + 1]) | (aw[i + 2] ^ bw[i + 2]) | (aw[i + 3] ^ bw[i + 3])) == 0:
+                i += 4
+                continue
             if aw[i] != bw[i]:
                 for j in range(i * group, i * group + group):
                     x = a[j]
                     y = b[j]
                     if x != y:
-                        g = base + j
-                        positions[p] = g
-                        xor[p] = x ^ y
-                        acc += element_hash(g, np.uint64(x)) - element_hash(g, np.uint64(y))
+                        scratch_pos[out + c] = j
+                        scratch_xor[out + c] = x ^ y
+                        acc += element_hash(j, np.uint64(x)) - element_hash(j, np.uint64(y))
                         b[j] = x
-                        p += 1
-        parts[k] = acc
-    total = np.uint64(0)
-    for k in range(nblocks):
-        total += parts[k]
-    return total
+                        c += 1
+            i += 1
+        counts[kk] = c
+        sums[kk] = acc
+
+
+@_jit
+def compact(
+    scratch_pos: np.ndarray, scratch_xor: np.ndarray, counts: np.ndarray, stride: np.int64, base: np.int64,
+    out_pos: np.ndarray, out_xor: np.ndarray,
+) -> None:
+    """Gather the blocks' scratch regions into contiguous outputs, adding ``base`` to positions."""
+    p = 0
+    for kk in range(counts.size):
+        src = kk * stride
+        for i in range(counts[kk]):
+            out_pos[p] = scratch_pos[src + i] + base
+            out_xor[p] = scratch_xor[src + i]
+            p += 1
+
+
+@_jit
+def gap16_encode(positions: np.ndarray) -> np.ndarray:
+    """The ``gap16`` entries of sorted positions, already byte-shuffled (all low bytes, then high bytes)."""
+    n = positions.size
+    entries = 0
+    prev = -1
+    for i in range(n):
+        entries += (positions[i] - prev - 1) // 65535 + 1
+        prev = positions[i]
+    out = np.empty(2 * entries, np.uint8)
+    e = 0
+    prev = -1
+    for i in range(n):
+        gap = positions[i] - prev
+        while gap > 65535:
+            out[e] = 0
+            out[entries + e] = 0
+            e += 1
+            gap -= 65535
+        out[e] = gap & 0xFF
+        out[entries + e] = gap >> 8
+        e += 1
+        prev = positions[i]
+    return out
+
+
+@_jit
+def gap16_decode(shuffled: np.ndarray, max_count: np.int64) -> np.ndarray:
+    """Sorted positions from byte-shuffled ``gap16`` entries; at most ``max_count`` (more returns -1 marker)."""
+    entries = shuffled.size // 2
+    count = 0
+    for e in range(entries):
+        if shuffled[e] != 0 or shuffled[entries + e] != 0:
+            count += 1
+    if count > max_count:
+        return np.full(1, -1, np.int64)
+    out = np.empty(count, np.int64)
+    pos = np.int64(-1)
+    k = 0
+    for e in range(entries):
+        v = np.int64(shuffled[e]) | (np.int64(shuffled[entries + e]) << 8)
+        if v == 0:
+            pos += 65535
+        else:
+            pos += v
+            out[k] = pos
+            k += 1
+    return out
+
+
+@_jit
+def shuffle_bytes(x: np.ndarray) -> np.ndarray:
+    """Byte ``k`` of every element, for k = 0 .. width-1 (little-endian), concatenated."""
+    n = x.size
+    w = x.itemsize
+    out = np.empty(n * w, np.uint8)
+    for i in range(n):
+        v = np.uint64(x[i])
+        for k in range(w):
+            out[k * n + i] = np.uint8((v >> np.uint64(8 * k)) & np.uint64(0xFF))
+    return out
+
+
+@_jit
+def unshuffle_bytes(data: np.ndarray, out: np.ndarray) -> None:
+    """Inverse of ``shuffle_bytes`` into ``out`` (unsigned, ``data.size == out.size * width``)."""
+    n = out.size
+    w = out.itemsize
+    for i in range(n):
+        v = np.uint64(0)
+        for k in range(w):
+            v |= np.uint64(data[k * n + i]) << np.uint64(8 * k)
+        out[i] = v
 
 
 @_pjit

@@ -70,7 +70,7 @@ class Replica:
                 f"{obj.where}: delta to step {h.step} is based on step {h.base_step}, but the replica holds step {self.step}"
             )
         _check_layout(h, self.tensors, obj.where)
-        patches = list(obj.patches())  # decodes and validates everything before any write
+        patches = obj.patches()  # decodes and validates everything before any write
         deltas = _apply_patches(self.tensors, patches)
         new = {name: (c + deltas.get(name, 0)) & MASK64 for name, c in self.checksums.items()}
         if verify == "full":

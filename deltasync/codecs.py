@@ -6,15 +6,23 @@ every count and index against the header before anything is applied.
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import zstandard
 
+from . import _kernels
 from ._bits import UNSIGNED_NP
 from .diff import TensorChange
 from .errors import FormatError
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 DENSE_FRACTION = 0.25  # above this share of changed elements, list every element (no positions)
 ZSTD_MIN_SAVING = 0.05  # keep zstd only when it saves at least this share
@@ -39,6 +47,15 @@ class EncodedTensor:
 
 
 _local = threading.local()
+_pool: ThreadPoolExecutor | None = None
+
+
+def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    """Map over tensors on a small shared thread pool: the kernels and zstd release the GIL."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="deltasync-codec")
+    return list(_pool.map(fn, items))
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
@@ -50,14 +67,13 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
 
 def encode_change(change: TensorChange, *, zstd_level: int = 1) -> EncodedTensor:
     """Encode one tensor's change; chooses the dense form above ``DENSE_FRACTION`` changed."""
-    width = change.xor.itemsize
     if change.changed > DENSE_FRACTION * change.numel:
         dense = np.zeros(change.numel, change.xor.dtype)
         dense[change.positions] = change.xor
-        values, vchain = _pack(dense, width, zstd_level)
+        values, vchain = _pack(*_shuffled(dense), zstd_level)
         return EncodedTensor(positions=None, values=values, positions_chain=("dense",), values_chain=("xor", *vchain))
-    positions, pchain = _pack(_gap16_encode(change.positions), 2, zstd_level)
-    values, vchain = _pack(change.xor, width, zstd_level)
+    positions, pchain = _pack(_kernels.gap16_encode(change.positions), ("shuffle",), zstd_level)
+    values, vchain = _pack(*_shuffled(change.xor), zstd_level)
     return EncodedTensor(
         positions=positions, values=values, positions_chain=("gap16", *pchain), values_chain=("xor", *vchain)
     )
@@ -84,9 +100,14 @@ def decode_change(
         raise FormatError(f"{where}: unknown values codec chain {values_chain!r}")
     dense = positions_chain[0] == "dense"
     count = numel if dense else changed
-    xor = _unpack(values, values_chain[1:], width, count, where=f"{where} values").view(UNSIGNED_NP[width])
-    if xor.size != count:
-        raise FormatError(f"{where}: expected {count} values, found {xor.size}")
+    raw = _unpack(values, values_chain[1:], width, count, where=f"{where} values")
+    if len(raw) != count * width:
+        raise FormatError(f"{where}: expected {count} values, found {len(raw) / width:g}")
+    xor = np.empty(count, UNSIGNED_NP[width])
+    if "shuffle" in values_chain and width > 1:
+        _kernels.unshuffle_bytes(np.frombuffer(raw, np.uint8), xor)
+    else:
+        xor[:] = np.frombuffer(raw, UNSIGNED_NP[width])
     if dense:
         nonzero = int(np.count_nonzero(xor))
         if nonzero != changed:
@@ -95,55 +116,40 @@ def decode_change(
     if positions is None:
         raise FormatError(f"{where}: positions are missing")
     max_entries = changed + numel // _ESCAPE_GAP + 1
-    gaps = _unpack(positions, positions_chain[1:], 2, max_entries, where=f"{where} positions").view(np.uint16)
-    pos = _gap16_decode(gaps)
-    if pos.size != changed:
-        raise FormatError(f"{where}: header says {changed} changed elements, positions list {pos.size}")
+    entries = np.frombuffer(_unpack(positions, positions_chain[1:], 2, max_entries, where=f"{where} positions"), np.uint8)
+    if entries.size % 2:
+        raise FormatError(f"{where}: positions hold an odd number of bytes ({entries.size})")
+    if "shuffle" not in positions_chain:
+        entries = _kernels.shuffle_bytes(entries.view(np.uint16))
+    pos = _kernels.gap16_decode(entries, changed)
+    if pos.size != changed or (pos.size == 1 and pos[0] < 0):
+        raise FormatError(f"{where}: header says {changed} changed elements, positions list a different number")
     if pos.size and pos[-1] >= numel:
         raise FormatError(f"{where}: position {int(pos[-1])} is out of range for {numel} elements")
     return pos, xor
 
 
-def _gap16_encode(positions: np.ndarray) -> np.ndarray:
-    gaps = np.diff(positions, prepend=-1)  # >= 1
-    escapes = (gaps - 1) // _ESCAPE_GAP
-    out = np.zeros(positions.size + int(escapes.sum()), np.uint16)
-    ends = np.cumsum(escapes + 1) - 1
-    out[ends] = gaps - escapes * _ESCAPE_GAP
-    return out
+def _shuffled(arr: np.ndarray) -> tuple[np.ndarray, tuple[str, ...]]:
+    if arr.itemsize == 1:
+        return arr.view(np.uint8), ()
+    return _kernels.shuffle_bytes(arr), ("shuffle",)
 
 
-def _gap16_decode(entries: np.ndarray) -> np.ndarray:
-    steps = entries.astype(np.int64)
-    is_escape = steps == 0
-    steps[is_escape] = _ESCAPE_GAP
-    return (np.cumsum(steps) - 1)[~is_escape]
-
-
-def _pack(arr: np.ndarray, width: int, zstd_level: int) -> tuple[bytes, tuple[str, ...]]:
-    chain: list[str] = []
-    if width > 1:
-        arr = np.ascontiguousarray(arr.view(np.uint8).reshape(-1, width).T)
-        chain.append("shuffle")
-    raw = arr.tobytes()
+def _pack(data: np.ndarray, chain: tuple[str, ...], zstd_level: int) -> tuple[bytes, tuple[str, ...]]:
+    raw = data.tobytes()
     if raw:
         packed = _compressor(zstd_level).compress(raw)
         if len(packed) <= (1 - ZSTD_MIN_SAVING) * len(raw):
             return packed, (*chain, "zstd")
-    return raw, tuple(chain)
+    return raw, chain
 
 
-def _unpack(data: bytes, chain: list[str], width: int, max_count: int, *, where: str) -> np.ndarray:
+def _unpack(data: bytes, chain: list[str], width: int, max_count: int, *, where: str) -> bytes:
     if list(chain) not in (["shuffle", "zstd"], ["shuffle"], ["zstd"], []):
         raise FormatError(f"{where}: unsupported codec chain {chain!r}")
     if "zstd" in chain:
         try:
-            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=max_count * width)
+            return zstandard.ZstdDecompressor().decompress(data, max_output_size=max_count * width)
         except zstandard.ZstdError as e:
             raise FormatError(f"{where}: zstd frame is corrupt ({e})") from None
-    if len(data) % width:
-        raise FormatError(f"{where}: {len(data)} bytes is not a whole number of {width}-byte elements")
-    arr = np.frombuffer(data, np.uint8)
-    if "shuffle" in chain and width > 1:
-        arr = np.ascontiguousarray(arr.reshape(width, -1).T)
-    return arr.reshape(-1)
+    return data

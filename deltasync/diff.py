@@ -57,6 +57,7 @@ class Snapshot:
         self.dtype = dtype
         self.max_chunk_bytes = max_chunk_bytes
         self.tensors: dict[str, torch.Tensor] = {}
+        self._scratch = _Scratch()
         for name, t in tensors.items():
             t = self._cast(t.detach())
             copy = t.to("cpu", copy=True) if device == "cpu" else t.clone(memory_format=torch.contiguous_format)
@@ -96,7 +97,7 @@ class Snapshot:
         changes = []
         for name, t in tensors.items():
             snap = self.tensors[name]
-            positions, xor, delta = _diff_tensor(self._cast(t.detach()), snap, self.max_chunk_bytes)
+            positions, xor, delta = _diff_tensor(self._cast(t.detach()), snap, self.max_chunk_bytes, self._scratch)
             self.checksums[name] = (self.checksums[name] + delta) & MASK64
             changes.append(
                 TensorChange(name=name, positions=positions, xor=xor, numel=snap.numel(), checksum=self.checksums[name])
@@ -104,7 +105,9 @@ class Snapshot:
         return changes
 
 
-def _diff_tensor(cur: torch.Tensor, snap: torch.Tensor, max_chunk_bytes: int) -> tuple[np.ndarray, np.ndarray, int]:
+def _diff_tensor(
+    cur: torch.Tensor, snap: torch.Tensor, max_chunk_bytes: int, scratch: _Scratch
+) -> tuple[np.ndarray, np.ndarray, int]:
     """Positions, xor bits and checksum delta of ``cur`` vs ``snap``; sets ``snap`` to ``cur``."""
     if not cur.is_contiguous():
         cur = cur.contiguous()
@@ -112,41 +115,69 @@ def _diff_tensor(cur: torch.Tensor, snap: torch.Tensor, max_chunk_bytes: int) ->
     if snap.device.type == "cpu":
         snap_u = np_bits(snap)
         if cur.device.type == "cpu":
-            return _diff_np(np_bits(cur), snap_u, 0)
+            return _diff_np(np_bits(cur), snap_u, 0, scratch)
         # device tensor, host snapshot: stream through bounded host chunks
         step = max(1, max_chunk_bytes // width)
         cur_bits = int_view(cur)
         parts = [
-            _diff_np(np_bits(cur_bits[s : s + step].to("cpu")), snap_u[s : s + step], s)
+            _diff_np(np_bits(cur_bits[s : s + step].to("cpu")), snap_u[s : s + step], s, scratch)
             for s in range(0, cur.numel(), step)
         ]
         return _concat(parts, width)
     return _diff_torch(int_view(cur), int_view(snap), max(1, max_chunk_bytes // width), width)
 
 
-def _diff_np(a: np.ndarray, b: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray, int]:
+_BLOCK_ELEMS = 1 << 15  # elements per parallel work item
+_SUPER_BLOCKS = 64  # work items per kernel call: bounds the scratch memory to ~20 MB
+
+
+class _Scratch:
+    """Reusable per-block output regions of the diff kernel (bounded temporary memory)."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def get(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        if width not in self._arrays:
+            n = _SUPER_BLOCKS * _BLOCK_ELEMS
+            self._arrays[width] = (np.empty(n, np.int64), np.empty(n, UNSIGNED_NP[width]))
+        return self._arrays[width]
+
+
+def _diff_np(a: np.ndarray, b: np.ndarray, base: int, scratch: _Scratch) -> tuple[np.ndarray, np.ndarray, int]:
     words_a, group = np_words(a)
     words_b, _ = np_words(b)
     parts = []
     covered = 0
     if words_a is not None and words_b is not None:
         covered = words_a.size * group
-        parts.append(_gather(words_a, words_b, a[:covered], b[:covered], group, base))
+        parts += _scan(words_a, words_b, a[:covered], b[:covered], group, base, scratch)
     if covered < a.size:
         ta, tb = a[covered:], b[covered:]
-        parts.append(_gather(ta, tb, ta, tb, 1, base + covered))
+        parts += _scan(ta, tb, ta, tb, 1, base + covered, scratch)
     return _concat(parts, a.itemsize)
 
 
-def _gather(aw, bw, a, b, group: int, base: int) -> tuple[np.ndarray, np.ndarray, int]:
-    counts = _kernels.diff_count(aw, bw, a, b, group)
-    offsets = np.zeros(counts.size + 1, np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    n = int(offsets[-1])
-    positions = np.empty(n, np.int64)
-    xor = np.empty(n, a.dtype)
-    delta = _kernels.diff_gather(aw, bw, a, b, group, base, offsets, positions, xor)
-    return positions, xor, int(delta)
+def _scan(aw, bw, a, b, group: int, base: int, scratch: _Scratch) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    block_words = _BLOCK_ELEMS // group
+    total_blocks = -(-aw.size // block_words)
+    scratch_pos, scratch_xor = scratch.get(a.itemsize)
+    counts = np.zeros(_SUPER_BLOCKS, np.int64)
+    sums = np.zeros(_SUPER_BLOCKS, np.uint64)
+    parts = []
+    for first in range(0, total_blocks, _SUPER_BLOCKS):
+        n = min(_SUPER_BLOCKS, total_blocks - first)
+        _kernels.diff_scan(aw, bw, a, b, group, block_words, first, n, scratch_pos, scratch_xor, counts, sums)
+        changed = int(counts[:n].sum())
+        delta = int(sums[:n].sum(dtype=np.uint64))
+        if changed:
+            pos = np.empty(changed, np.int64)
+            xor = np.empty(changed, a.dtype)
+            _kernels.compact(scratch_pos, scratch_xor, counts[:n], block_words * group, base, pos, xor)
+            parts.append((pos, xor, delta))
+        elif delta:
+            raise AssertionError("checksum changed without a changed element")
+    return parts
 
 
 def _diff_torch(cur: torch.Tensor, snap: torch.Tensor, step: int, width: int) -> tuple[np.ndarray, np.ndarray, int]:

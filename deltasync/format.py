@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -21,7 +21,7 @@ import torch
 
 from ._bits import DTYPES, dtype_from_name
 from .checksum import ALGORITHM, parse_checksum
-from .codecs import EncodedTensor, decode_change
+from .codecs import EncodedTensor, decode_change, parallel_map
 from .errors import FormatError
 
 FORMAT_VERSION = 1
@@ -237,8 +237,7 @@ class StepObject:
             where=f"{self.where} tensor {name!r}",
         )
 
-    def patches(self) -> Iterator[tuple[str, np.ndarray | None, np.ndarray]]:
-        for name, h in self.header.tensors.items():
-            if h.changed:
-                pos, xor = self.patch(name)
-                yield name, pos, xor
+    def patches(self) -> list[tuple[str, np.ndarray | None, np.ndarray]]:
+        """Every changed tensor's decoded change (decoded in parallel; any error is raised here)."""
+        names = [name for name, h in self.header.tensors.items() if h.changed]
+        return [(name, *patch) for name, patch in zip(names, parallel_map(self.patch, names))]

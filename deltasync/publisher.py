@@ -23,7 +23,7 @@ import torch
 
 from ._bits import dtype_name
 from .checksum import format_checksum, state_checksum
-from .codecs import EncodedTensor, encode_change
+from .codecs import EncodedTensor, encode_change, parallel_map
 from .diff import Snapshot, SnapshotDevice, TensorChange
 from .errors import PublishError, StepOrderError
 from .format import Kind, StepHeader, TensorHeader, write_anchor, write_delta
@@ -353,8 +353,8 @@ def write_step(
     """
     headers = dict(headers)
     encoded: dict[str, EncodedTensor] = {}
-    for c in changes:
-        enc = encode_change(c, zstd_level=zstd_level)
+    encodings = parallel_map(lambda c: encode_change(c, zstd_level=zstd_level), changes)
+    for c, enc in zip(changes, encodings):
         encoded[c.name] = enc
         headers[c.name] = replace(headers[c.name], changed=c.changed, positions=enc.positions_chain, values=enc.values_chain)
     header = StepHeader(

@@ -39,7 +39,7 @@ def test_host_snapshot_of_device_tensor_streams_in_chunks(gen):
     new = perturb(t, 0.1, gen)
     from deltasync import diff as D
 
-    pos, xor, delta = D._diff_np(D.np_bits(new), D.np_bits(snap.tensors["t"].clone()), 0)
+    pos, xor, delta = D._diff_np(D.np_bits(new), D.np_bits(snap.tensors["t"].clone()), 0, D._Scratch())
     (c,) = snap.diff({"t": new})
     assert np.array_equal(c.positions, pos) and np.array_equal(c.xor, xor)
 
