@@ -9,10 +9,13 @@ what was last *captured*) carries its change, so memory stays bounded and nothin
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import socket
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -25,7 +28,7 @@ from ._bits import dtype_name
 from .checksum import format_checksum, state_checksum
 from .codecs import EncodedTensor, encode_change, parallel_map
 from .diff import Snapshot, SnapshotDevice, TensorChange
-from .errors import PublishError, StepOrderError
+from .errors import DeltaSyncError, PublishError, StepOrderError
 from .format import Kind, StepHeader, TensorHeader, write_anchor, write_delta
 from .store import Manifest, Store, sha256_file
 
@@ -112,6 +115,10 @@ class DeltaPublisher:
     costs one copy of the model. ``dtype`` publishes floating tensors in that dtype (e.g. fp32 master
     weights as the bf16 weights the engine serves). ``max_pending`` bounds captured steps waiting for upload;
     ``on_backlog="block"`` waits instead of coalescing. Use as a context manager or call ``close()``.
+
+    One publisher per stream: it holds a lease object (``writer_id``, renewed every ``lease_s / 3``) and a
+    second publisher is refused with ``WriterConflictError`` unless it passes ``take_over=True``; a writer
+    that lost its lease commits nothing more.
     """
 
     def __init__(
@@ -128,6 +135,9 @@ class DeltaPublisher:
         dtype: torch.dtype | None = None,
         storage_options: dict[str, Any] | None = None,
         spool_dir: str | Path | None = None,
+        writer_id: str | None = None,
+        take_over: bool = False,
+        lease_s: float = 120.0,
     ) -> None:
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
@@ -149,7 +159,10 @@ class DeltaPublisher:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
-        self.store.remove_uncommitted()
+        self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.lease_s = lease_s
+        self.store.acquire_lease(self.writer_id, ttl_s=lease_s, take_over=take_over)
+        self.store.remove_uncommitted()  # only the lease holder may clean up
         self.last_committed_step: int | None = self.store.latest_step()
         self._last_captured = self.last_committed_step
         if self.last_committed_step is not None:
@@ -189,13 +202,17 @@ class DeltaPublisher:
         self._raise_background_error()
 
     def close(self) -> None:
-        """Flush, stop the background thread."""
+        """Flush, stop the background thread, release the stream."""
         try:
             self.flush()
         finally:
             if self._thread.is_alive():
                 self._queue.put(None)
                 self._thread.join()
+            try:
+                self.store.release_lease(self.writer_id)
+            except DeltaSyncError as e:
+                log.warning("could not release the writer lease: %s", e)
 
     def __enter__(self) -> DeltaPublisher:
         return self
@@ -249,7 +266,11 @@ class DeltaPublisher:
     def _run(self) -> None:
         failed_since: int | None = None
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=self.lease_s / 3)
+            except queue.Empty:
+                self._renew_lease()
+                continue
             try:
                 if job is None:
                     return
@@ -267,6 +288,14 @@ class DeltaPublisher:
                     self._force_anchor = True
             finally:
                 self._queue.task_done()
+
+    def _renew_lease(self) -> None:
+        try:
+            self.store.renew_lease(self.writer_id, ttl_s=self.lease_s)
+        except DeltaSyncError as e:
+            log.error("%s", e)
+            with self._lock:
+                self._error = e
 
     def _write(self, job: _Job) -> None:
         """Encode and write the object (encode_s), hash it (write_s), commit it (upload_s)."""
@@ -309,6 +338,7 @@ class DeltaPublisher:
             stats=manifest_stats,
         )
         try:
+            self.store.renew_lease(self.writer_id, ttl_s=self.lease_s)  # never commit after losing the stream
             self.store.commit(manifest, local)
         finally:
             local.unlink(missing_ok=True)

@@ -16,7 +16,6 @@ import re
 import shutil
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,8 +23,9 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from .errors import CorruptObjectError, FormatError, StepNotFoundError, StoreError
+from .errors import CorruptObjectError, FormatError, StepNotFoundError, StoreError, WriterConflictError
 from .format import FORMAT_VERSION, Kind
+from .transports import LocalTransport, transport_for
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ _STEP_DIR = re.compile(r"^(\d{12})$")
 MANIFEST = "manifest.json"
 LATEST = "latest.json"
 STREAM = "stream.json"
+WRITER = "writer.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +64,14 @@ class Manifest:
             return cls(**d)
         except (json.JSONDecodeError, TypeError, AttributeError) as e:
             raise FormatError(f"{where}: invalid manifest ({e})") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lease:
+    """Who may write a stream, until when. Renewed by the holder; expired leases may be taken."""
+
+    owner: str
+    expires_unix_s: float
 
 
 def step_dir(step: int) -> str:
@@ -97,7 +106,11 @@ class Store:
         except (ImportError, ValueError) as e:
             raise StoreError(f"cannot open store {url!r}: {e}") from e
         self.root = self.root.rstrip("/")
-        self.is_local = "file" in _protocols(self.fs)
+        try:
+            self.transport = transport_for(self.fs, self.root, storage_options or {})
+        except ImportError as e:
+            raise StoreError(f"cannot open store {url!r}: {e} (install the extra: pip install 'deltasync[hf]')") from e
+        self.is_local = isinstance(self.transport, LocalTransport)
         self.retries = retries
         self.retry_base_s = retry_base_s
         self._cache_dir = Path(cache_dir) if cache_dir else None
@@ -148,17 +161,12 @@ class Store:
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Write a whole object so that readers see either the old or the new content."""
-        target = self.path(rel)
-        if self.is_local:
-            tmp = f"{target}.tmp-{uuid.uuid4().hex}"
-            self.fs.makedirs(os.path.dirname(target), exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        else:
-            self.call(f"write {rel}", lambda: self.fs.pipe_file(target, data))
+        self.write_many([(data, rel)])
+
+    def write_many(self, items: list[tuple[bytes, str]]) -> None:
+        """Write small objects in order (the order is what makes a commit)."""
+        paths = [(data, self.path(rel)) for data, rel in items]
+        self.call(f"write {', '.join(rel for _, rel in items)}", lambda: self.transport.put_bytes(paths))
 
     def exists(self, rel: str) -> bool:
         return self.call(f"check {rel}", lambda: self.fs.exists(self.path(rel)))
@@ -248,7 +256,7 @@ class Store:
             if not (path.exists() and path.stat().st_size == manifest.object_bytes):
                 part = path.with_suffix(".part")
                 try:
-                    self.call(f"download {rel}", lambda: self.fs.get_file(self.path(rel), str(part)))
+                    self.call(f"download {rel}", lambda: self.transport.get_file(self.path(rel), part))
                 except FileNotFoundError:
                     raise CorruptObjectError(f"{where}: missing, though the step is committed") from None
                 os.replace(part, path)
@@ -265,20 +273,63 @@ class Store:
     def commit(self, manifest: Manifest, local_object: str | Path) -> None:
         """Publish one step: object, then manifest (the commit), then the latest hint.
 
-        ``local_object`` is consumed (moved into place on a local store, deleted after upload otherwise).
+        ``local_object`` may be consumed (moved into place on a local store).
         """
         d = step_dir(manifest.step)
         target = self.path(d, manifest.object)
-        if self.is_local:
-            self.fs.makedirs(self.path(d), exist_ok=True)
-            with open(local_object, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(local_object, target)
-        else:
-            self.call(f"upload {d}/{manifest.object}", lambda: self.fs.put_file(str(local_object), target))
-            os.unlink(local_object)
-        self.write_bytes(f"{d}/{MANIFEST}", manifest.to_json().encode())
-        self.write_bytes(LATEST, json.dumps({"step": manifest.step}).encode())
+        self.call(f"upload {d}/{manifest.object}", lambda: self.transport.move_in(Path(local_object), target))
+        self.write_many(
+            [(manifest.to_json().encode(), f"{d}/{MANIFEST}"), (json.dumps({"step": manifest.step}).encode(), LATEST)]
+        )
+
+    # --- the writer lease (one publisher per stream) ---
+
+    def lease(self) -> Lease | None:
+        try:
+            d = json.loads(self.read_bytes(WRITER))
+            return Lease(owner=str(d["owner"]), expires_unix_s=float(d["expires_unix_s"]))
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError):
+            log.warning("%s: unreadable %s; treating the stream as unheld", self.url, WRITER)
+            return None
+
+    def acquire_lease(self, owner: str, *, ttl_s: float, take_over: bool = False) -> Lease:
+        """Become the stream's only writer, or raise ``WriterConflictError`` naming the holder.
+
+        A lease object with an expiry (object stores offer no portable compare-and-swap): after writing it
+        the writer reads it back, and it checks it again before every commit (``renew_lease``).
+        """
+        held = self.lease()
+        now = time.time()
+        if held and held.owner != owner and held.expires_unix_s > now and not take_over:
+            raise WriterConflictError(
+                f"{self.url}: stream is held by writer {held.owner!r} for {held.expires_unix_s - now:.0f}s more; "
+                f"stop it, wait for its lease to expire, or take over explicitly (take_over=True, CLI --take-over)"
+            )
+        if held and held.owner != owner and take_over:
+            log.warning("%s: taking the stream over from writer %r", self.url, held.owner)
+        return self.renew_lease(owner, ttl_s=ttl_s, check=False)
+
+    def renew_lease(self, owner: str, *, ttl_s: float, check: bool = True) -> Lease:
+        """Extend ``owner``'s lease; with ``check``, first make sure nobody took the stream over."""
+        if check:
+            held = self.lease()
+            if held is None or held.owner != owner:
+                raise WriterConflictError(
+                    f"{self.url}: writer {owner!r} lost the stream to {held.owner if held else 'nobody (lease deleted)'!r}"
+                )
+        lease = Lease(owner=owner, expires_unix_s=time.time() + ttl_s)
+        self.write_bytes(WRITER, json.dumps(asdict(lease)).encode())
+        held = self.lease()
+        if held is None or held.owner != owner:
+            raise WriterConflictError(f"{self.url}: writer {held.owner if held else None!r} took the stream at the same time")
+        return lease
+
+    def release_lease(self, owner: str) -> None:
+        held = self.lease()
+        if held is not None and held.owner == owner:
+            self.delete(WRITER)
 
     def remove_uncommitted(self, *, newer_than: int | None = None) -> list[int]:
         """Delete step folders without a manifest (leftovers of a writer that died); returns their steps."""
@@ -290,7 +341,3 @@ class Store:
             log.info("%s: removed uncommitted step folders %s", self.url, removed)
         return removed
 
-
-def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
-    p = fs.protocol
-    return (p,) if isinstance(p, str) else tuple(p)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deltasync import DeltaPublisher, StreamReader
-from deltasync.errors import PublishError, StepOrderError, StoreError
+from deltasync.errors import PublishError, StepOrderError, StoreError, WriterConflictError
 from deltasync.store import Store
 from tests.conftest import perturb, states_equal
 
@@ -139,10 +139,10 @@ KILL_SCRIPT = textwrap.dedent(
     from deltasync.store import Store
 
     class DyingStore(Store):
-        def write_bytes(self, rel, data):
-            if rel.endswith("{kill_step:012d}/manifest.json"):
+        def write_many(self, items):
+            if any(rel.endswith("{kill_step:012d}/manifest.json") for _, rel in items):
                 os._exit(9)  # killed after the object was written, before the commit
-            super().write_bytes(rel, data)
+            super().write_many(items)
 
     g = torch.Generator().manual_seed(0)
     state = {{"w": torch.randn(1000, generator=g).bfloat16()}}
@@ -168,7 +168,9 @@ def test_writer_killed_before_commit_leaves_no_visible_step(tmp_path, kill_step)
         assert reader.latest_step() == kill_step - 1
         reader.state_dict(kill_step - 1)
     state = {"w": torch.zeros(1000).bfloat16()}
-    with DeltaPublisher(url, state) as pub:  # a restarted writer cleans up and resumes
+    with pytest.raises(WriterConflictError, match="held by writer"):
+        DeltaPublisher(url, state)  # the dead writer's lease has not expired
+    with DeltaPublisher(url, state, take_over=True) as pub:  # a restarted writer cleans up and resumes
         assert kill_step not in store.step_folders()
         pub.publish(kill_step)
     assert StreamReader(url).steps() == list(range(kill_step + 1))
@@ -191,3 +193,29 @@ def test_publish_does_not_wait_for_uploads(tmp_path, small_state, gen):
     gate.set()
     pub.close()
     assert StreamReader(str(tmp_path)).steps() == [0, 1, 2]
+
+
+def test_one_writer_per_stream(tmp_path, small_state, gen):
+    first = DeltaPublisher(str(tmp_path), small_state, writer_id="trainer-a", on_backlog="block")
+    first.publish(0)
+    first.flush()
+    with pytest.raises(WriterConflictError, match="held by writer 'trainer-a'"):
+        DeltaPublisher(str(tmp_path), small_state, writer_id="trainer-b")
+    second = DeltaPublisher(str(tmp_path), small_state, writer_id="trainer-b", take_over=True)
+    train(small_state, gen)
+    first.publish(1)
+    with pytest.raises(PublishError, match="lost the stream to 'trainer-b'"):
+        first.flush()
+    first.close()
+    assert StreamReader(str(tmp_path)).steps() == [0]  # the old writer committed nothing more
+    second.publish(1)
+    second.close()
+    assert StreamReader(str(tmp_path)).steps() == [0, 1]
+    assert second.store.lease() is None  # released on close
+
+
+def test_expired_lease_can_be_taken_without_asking(tmp_path, small_state):
+    store = Store(str(tmp_path))
+    store.acquire_lease("gone", ttl_s=-1)
+    with DeltaPublisher(str(tmp_path), small_state) as pub:
+        pub.publish(0)
