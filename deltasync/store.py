@@ -25,7 +25,7 @@ import fsspec
 
 from .errors import CorruptObjectError, FormatError, StepNotFoundError, StoreError, WriterConflictError
 from .format import FORMAT_VERSION, Kind
-from .transports import LocalTransport, transport_for
+from .transports import LocalTransport, transient_errors, transport_for
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class Store:
         except ImportError as e:
             raise StoreError(f"cannot open store {url!r}: {e} (install the extra: pip install 'deltasync[hf]')") from e
         self.is_local = isinstance(self.transport, LocalTransport)
+        self._transient = transient_errors()
         self.retries = retries
         self.retry_base_s = retry_base_s
         self._cache_dir = Path(cache_dir) if cache_dir else None
@@ -137,6 +138,11 @@ class Store:
             self._tmp = None
             self._cache_dir = None
 
+    def _fresh(self) -> fsspec.AbstractFileSystem:
+        """The filesystem with its listing cache dropped: other processes write this stream."""
+        self.fs.invalidate_cache()
+        return self.fs
+
     # --- retries ---
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
@@ -146,7 +152,7 @@ class Store:
                 return fn()
             except FileNotFoundError:
                 raise
-            except (OSError, TimeoutError, ConnectionError) as e:
+            except self._transient as e:
                 if attempt == self.retries:
                     raise StoreError(f"{self.url}: {what} failed after {attempt + 1} attempts: {e}") from e
                 delay = self.retry_base_s * 2**attempt * (0.5 + random.random())
@@ -169,7 +175,7 @@ class Store:
         self.call(f"write {', '.join(rel for _, rel in items)}", lambda: self.transport.put_bytes(paths))
 
     def exists(self, rel: str) -> bool:
-        return self.call(f"check {rel}", lambda: self.fs.exists(self.path(rel)))
+        return self.call(f"check {rel}", lambda: self._fresh().exists(self.path(rel)))
 
     def delete(self, rel: str, *, recursive: bool = False) -> None:
         def _rm() -> None:
@@ -183,22 +189,23 @@ class Store:
     # --- steps ---
 
     def step_folders(self) -> list[int]:
-        """Every step folder, committed or not."""
+        """Every step folder holding any object, committed or not (empty folders do not count)."""
         try:
-            entries = self.call("list steps", lambda: self.fs.ls(self.path("steps"), detail=False))
+            found = self.call("list step objects", lambda: self._fresh().find(self.path("steps")))
         except FileNotFoundError:
             return []
-        out = []
-        for e in entries:
-            m = _STEP_DIR.match(e.rstrip("/").rsplit("/", 1)[-1])
+        out = set()
+        prefix = self.path("steps") + "/"
+        for p in found:
+            m = _STEP_DIR.match(p[len(prefix) :].split("/", 1)[0]) if p.startswith(prefix) else None
             if m:
-                out.append(int(m.group(1)))
+                out.add(int(m.group(1)))
         return sorted(out)
 
     def steps(self) -> list[int]:
         """Committed steps (those with a manifest), ascending."""
         try:
-            found = self.call("list manifests", lambda: self.fs.glob(self.path("steps", "*", MANIFEST)))
+            found = self.call("list manifests", lambda: self._fresh().glob(self.path("steps", "*", MANIFEST)))
         except FileNotFoundError:
             return []
         out = []

