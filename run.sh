@@ -22,11 +22,30 @@ setup() {
   echo "$want" > "$STAMP"
 }
 
+# The demo through a real S3 server: SeaweedFS (installed in .venv) on loopback, stopped afterwards.
+demo_s3() {
+  local port=18333
+  WEED_DIR=$(mktemp -d)
+  local log="$WEED_DIR/weed.log"
+  "$VENV/bin/weed" server -dir="$WEED_DIR" -ip=127.0.0.1 -ip.bind=127.0.0.1 -s3 -s3.port=$port \
+    -s3.port.iceberg=0 -s3.port.lance=0 -master.telemetry=false >"$log" 2>&1 &
+  WEED_PID=$!
+  trap 'kill $WEED_PID 2>/dev/null; wait $WEED_PID 2>/dev/null; rm -rf "$WEED_DIR"' EXIT
+  local opts=(-S key=demo -S secret=demo -S endpoint_url=http://127.0.0.1:$port)
+  for _ in $(seq 60); do
+    "$VENV/bin/python" -c "import s3fs,sys; s3fs.S3FileSystem(key='demo',secret='demo',endpoint_url='http://127.0.0.1:$port').mkdir('deltasync-demo')" 2>/dev/null && break
+    sleep 0.5
+  done
+  echo "SeaweedFS S3 server on http://127.0.0.1:$port (log: $log)"
+  "$VENV/bin/deltasync" demo --store s3://deltasync-demo/run "${opts[@]}" "$@"
+}
+
 cmd=${1:-help}
 shift || true
 case "$cmd" in
   demo) setup; exec "$VENV/bin/deltasync" demo "$@" ;;
+  demo-s3) setup; demo_s3 "$@" ;;
   test) setup; exec "$VENV/bin/python" -m pytest -q "$@" ;;
   setup) setup ;;
-  *) echo "usage: ./run.sh demo [--steps N ...] | ./run.sh test [pytest args]" >&2; exit 2 ;;
+  *) echo "usage: ./run.sh demo [--steps N ...] | ./run.sh demo-s3 [...] | ./run.sh test [pytest args]" >&2; exit 2 ;;
 esac

@@ -174,11 +174,17 @@ def demo(
     lr: Annotated[float, typer.Option(help="AdamW learning rate (RL-like).")] = 1e-6,
     hidden_size: Annotated[int, typer.Option(help="Model width (multiple of 64).")] = 256,
     layers: Annotated[int, typer.Option(help="Transformer layers.")] = 4,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Train a small Qwen3-shaped model, publish every step, follow it, and prove the weights match."""
     from .demo import DemoConfig, run_demo
 
-    run_demo(store, DemoConfig(steps=steps, lr=lr, hidden_size=hidden_size, layers=layers), echo=out.print)
+    run_demo(
+        store,
+        DemoConfig(steps=steps, lr=lr, hidden_size=hidden_size, layers=layers),
+        storage_options=_storage_options(storage_option),
+        echo=out.print,
+    )
 
 
 def main() -> None:

@@ -73,7 +73,9 @@ def bf16_checksums(model: torch.nn.Module) -> dict[str, str]:
     return {n: format_checksum(tensor_checksum(t.to(torch.bfloat16) if t.is_floating_point() else t)) for n, t in tensors.items()}
 
 
-def run_demo(url: str | None = None, config: DemoConfig = DemoConfig(), *, echo=print) -> list[dict]:
+def run_demo(
+    url: str | None = None, config: DemoConfig = DemoConfig(), *, storage_options: dict | None = None, echo=print
+) -> list[dict]:
     """Run the demo; returns one row per step. ``echo`` prints (the library itself never prints)."""
     from rollout_loader import Follower, StateDictTarget
 
@@ -94,11 +96,20 @@ def run_demo(url: str | None = None, config: DemoConfig = DemoConfig(), *, echo=
 
     live_at: dict[int, float] = {}
     target = StateDictTarget(verify="full")
-    follower = Follower(url, target, on_step=lambda s: live_at.setdefault(s, time.perf_counter()))
+    follower = Follower(
+        url, target, on_step=lambda s: live_at.setdefault(s, time.perf_counter()), storage_options=storage_options
+    )
     trainer_sums: dict[int, str] = {}
     published_at: dict[int, float] = {}
     gen = torch.Generator().manual_seed(config.seed)
-    with DeltaPublisher(url, model, dtype=torch.bfloat16, anchor_every=config.anchor_every, on_backlog="block") as pub:
+    with DeltaPublisher(
+        url,
+        model,
+        dtype=torch.bfloat16,
+        anchor_every=config.anchor_every,
+        on_backlog="block",
+        storage_options=storage_options,
+    ) as pub:
         follower.start()
         for step in range(config.steps):
             starts = torch.randint(0, data.numel() - config.seq_len - 1, (config.batch_size,), generator=gen)
@@ -145,7 +156,7 @@ def run_demo(url: str | None = None, config: DemoConfig = DemoConfig(), *, echo=
             f"{lag:.0f}",
             "yes" if exact else "NO",
         )
-    Console().print(table)
+    Console(width=max(Console().width, 120)).print(table)
     ok = all(r["exact"] for r in rows) and final == trainer_sums[config.steps - 1]
     deltas = [r for r in rows if r["kind"] == "delta"]
     if deltas:

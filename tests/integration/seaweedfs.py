@@ -108,14 +108,27 @@ class SeaweedFS:
         return f"s3://deltasync-tests/{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory):
+def _server(path: Path):
     try:
-        server = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
+        server = SeaweedFS(path)
     except FileNotFoundError as e:
         if os.environ.get("CI"):
             raise
         pytest.skip(str(e))
     server.start()
-    yield server
-    server.stop()
+    try:
+        yield server
+    finally:
+        server.stop(crash=True)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One S3 server for the session (tests that stop it use ``private_s3_server``)."""
+    yield from _server(tmp_path_factory.mktemp("seaweedfs"))
+
+
+@pytest.fixture
+def private_s3_server(tmp_path):
+    """An S3 server of the test's own, always stopped afterwards, for outage tests."""
+    yield from _server(tmp_path)

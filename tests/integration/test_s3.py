@@ -17,7 +17,7 @@ from deltasync.errors import CorruptObjectError, PublishError
 from deltasync.store import Store, step_dir
 from rollout_loader import Follower, StateDictTarget
 from tests.conftest import perturb, states_equal
-from tests.integration.seaweedfs import SeaweedFS, s3_server  # noqa: F401 - fixture
+from tests.integration.seaweedfs import private_s3_server, s3_server  # noqa: F401 - fixtures
 from tests.store_contract import StoreContract
 
 pytestmark = pytest.mark.s3
@@ -61,11 +61,11 @@ def test_corrupt_object_on_s3_is_detected_and_consumer_recovers(s3_server):  # n
     assert states_equal(target.state_dict(), _state(4))
 
 
-def test_server_outage_mid_upload_then_restart(tmp_path):
+def test_server_outage_mid_upload_then_restart(private_s3_server):  # noqa: F811
     """The S3 server stops while step 3 uploads and comes back: no partial step is ever visible, the
     consumer keeps serving its last good step, and the publisher's retries complete the upload."""
-    server = SeaweedFS(tmp_path)
-    server.start()
+    server = private_s3_server
+    restart = threading.Timer(2.0, server.start)
     try:
         url = server.new_url()
         opts = server.storage_options
@@ -77,7 +77,7 @@ def test_server_outage_mid_upload_then_restart(tmp_path):
             if "/000000000003/" in path and not outage.is_set():
                 outage.set()
                 server.stop(crash=True)  # the server dies during this upload
-                threading.Timer(2.0, server.start).start()
+                restart.start()
             return original(local, path)
 
         store.transport.move_in = move_in
@@ -107,12 +107,12 @@ def test_server_outage_mid_upload_then_restart(tmp_path):
             assert states_equal(reader.state_dict(s), _state(s))
         assert states_equal(target.state_dict(), _state(3))
     finally:
-        server.stop()
+        restart.cancel()
+        restart.join()
 
 
-def test_outage_longer_than_retries_is_a_clear_error(tmp_path):
-    server = SeaweedFS(tmp_path)
-    server.start()
+def test_outage_longer_than_retries_is_a_clear_error(private_s3_server):  # noqa: F811
+    server = private_s3_server
     url = server.new_url()
     store = Store(url, storage_options=server.storage_options, retries=1, retry_base_s=0.05)
     pub = DeltaPublisher(store, _state(0), on_backlog="block")
@@ -131,7 +131,6 @@ def test_outage_longer_than_retries_is_a_clear_error(tmp_path):
     reader = StreamReader(url, storage_options=server.storage_options)
     assert reader.steps() == [0, 2] and reader.manifest(2).kind == "anchor"
     assert states_equal(reader.state_dict(2), _state(2))
-    server.stop()
 
 
 PUBLISHER = textwrap.dedent(
