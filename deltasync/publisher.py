@@ -162,6 +162,7 @@ class DeltaPublisher:
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.lease_s = lease_s
         self.store.acquire_lease(self.writer_id, ttl_s=lease_s, take_over=take_over)
+        self._lease_renewed_at = time.monotonic()
         self.store.remove_uncommitted()  # only the lease holder may clean up
         self.last_committed_step: int | None = self.store.latest_step()
         self._last_captured = self.last_committed_step
@@ -292,6 +293,7 @@ class DeltaPublisher:
     def _renew_lease(self) -> None:
         try:
             self.store.renew_lease(self.writer_id, ttl_s=self.lease_s)
+            self._lease_renewed_at = time.monotonic()
         except DeltaSyncError as e:
             log.error("%s", e)
             with self._lock:
@@ -338,7 +340,12 @@ class DeltaPublisher:
             stats=manifest_stats,
         )
         try:
-            self.store.renew_lease(self.writer_id, ttl_s=self.lease_s)  # never commit after losing the stream
+            # never commit after losing the stream: one read per commit, a renewal when a third has passed
+            if time.monotonic() - self._lease_renewed_at > self.lease_s / 3:
+                self.store.renew_lease(self.writer_id, ttl_s=self.lease_s)
+                self._lease_renewed_at = time.monotonic()
+            else:
+                self.store.check_lease(self.writer_id)
             self.store.commit(manifest, local)
         finally:
             local.unlink(missing_ok=True)

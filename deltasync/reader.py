@@ -28,6 +28,7 @@ class StreamReader:
         cache_dir: str | Path | None = None,
     ) -> None:
         self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options, cache_dir=cache_dir)
+        self._manifests: dict[int, Manifest] = {}  # committed manifests never change: saves a GET each
 
     @property
     def url(self) -> str:
@@ -40,7 +41,13 @@ class StreamReader:
         return self.store.latest_step()
 
     def manifest(self, step: int) -> Manifest:
-        return self.store.manifest(step)
+        m = self._manifests.get(step)
+        if m is None:
+            m = self.store.manifest(step)
+            if len(self._manifests) >= 4096:
+                self._manifests.pop(next(iter(self._manifests)))
+            self._manifests[step] = m
+        return m
 
     def wait_for(self, step: int | None = None, *, timeout_s: float = 60.0, poll_s: float = 0.05) -> int:
         """Block until ``step`` (or, with None, any step) is committed; returns the latest committed step."""

@@ -321,17 +321,21 @@ class Store:
     def renew_lease(self, owner: str, *, ttl_s: float, check: bool = True) -> Lease:
         """Extend ``owner``'s lease; with ``check``, first make sure nobody took the stream over."""
         if check:
-            held = self.lease()
-            if held is None or held.owner != owner:
-                raise WriterConflictError(
-                    f"{self.url}: writer {owner!r} lost the stream to {held.owner if held else 'nobody (lease deleted)'!r}"
-                )
+            self.check_lease(owner)
         lease = Lease(owner=owner, expires_unix_s=time.time() + ttl_s)
         self.write_bytes(WRITER, json.dumps(asdict(lease)).encode())
         held = self.lease()
         if held is None or held.owner != owner:
             raise WriterConflictError(f"{self.url}: writer {held.owner if held else None!r} took the stream at the same time")
         return lease
+
+    def check_lease(self, owner: str) -> None:
+        """Raise ``WriterConflictError`` unless ``owner`` holds the stream (one read)."""
+        held = self.lease()
+        if held is None or held.owner != owner:
+            raise WriterConflictError(
+                f"{self.url}: writer {owner!r} lost the stream to {held.owner if held else 'nobody (lease deleted)'!r}"
+            )
 
     def release_lease(self, owner: str) -> None:
         held = self.lease()

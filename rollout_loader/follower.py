@@ -95,15 +95,11 @@ class Follower:
                 return []
         if step == self.target.step:
             return []
-        chain = self.reader.chain(step)  # from the nearest anchor
         held = self.target.step
-        if (
-            not self._from_anchor
-            and held is not None
-            and held in chain[:-1]
-            and len(chain) - chain.index(held) - 1 <= self.max_chain
-        ):
-            chain = chain[chain.index(held) + 1 :]
+        # walk back only to the step the target holds (or to the nearest anchor when it is not on the chain)
+        chain = self.reader.chain(step, start=None if self._from_anchor else held)
+        if len(chain) > self.max_chain and self.reader.manifest(chain[0]).kind == "delta":
+            chain = self.reader.chain(step)  # too far behind: start again from the nearest anchor
         applied = []
         for s in chain:
             try:
