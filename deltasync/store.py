@@ -130,6 +130,7 @@ class Store:
         if self._cache_dir is None:
             self._tmp = tempfile.mkdtemp(prefix="deltasync-cache-")
             self._cache_dir = Path(self._tmp)
+        self._cache_dir.mkdir(parents=True, exist_ok=True)  # a missing local folder must not read as a missing object
         return self._cache_dir
 
     def close(self) -> None:

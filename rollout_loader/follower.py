@@ -123,7 +123,7 @@ class Follower:
             self.reader.wait_for(step, timeout_s=timeout_s)
             self.sync()
         with self._changed:
-            while (self.target.step or -1) < step:
+            while self.target.step is None or self.target.step < step:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise WaitTimeoutError(

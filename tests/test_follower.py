@@ -42,3 +42,11 @@ def test_recovers_from_a_damaged_delta_at_the_next_anchor(tmp_path, small_state,
     assert target.step == 1 and states_equal(target.state_dict(), truth[1])  # still consistent
     assert follower.sync() == [4, 5]  # from the anchor at 4
     assert states_equal(target.state_dict(), truth[5])
+
+
+def test_wait_for_step_zero(tmp_path, small_state):
+    target = StateDictTarget()
+    with Follower(str(tmp_path), target) as follower:
+        with DeltaPublisher(str(tmp_path), small_state) as pub:
+            pub.publish(0)
+        assert follower.wait_for(0, timeout_s=10) == 0

@@ -30,3 +30,15 @@ def test_transient_errors_are_retried_then_reported(tmp_path):
 
     with pytest.raises(StoreError, match="down op failed after 3 attempts"):
         store.call("down op", down)
+
+
+def test_remote_objects_download_into_a_new_cache_dir(tmp_path, small_state):
+    import uuid
+
+    from deltasync import DeltaPublisher, StreamReader
+
+    url = f"memory://cache-{uuid.uuid4().hex}"
+    with DeltaPublisher(url, small_state) as pub:
+        pub.publish(0)
+    reader = StreamReader(url, cache_dir=tmp_path / "not" / "yet")
+    assert set(reader.state_dict(0)) == set(small_state)
