@@ -48,6 +48,11 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def plain_copy_s(tensors: dict[str, torch.Tensor], repeats: int = 3) -> float:
     dst = {n: torch.empty_like(t) for n, t in tensors.items()}
     best = float("inf")
@@ -115,7 +120,11 @@ def main() -> None:
     numel = sum(t.numel() for t in bf16.values())
     print(f"model: {numel / 1e6:.1f}M parameters ({len(bf16)} tensors), lr {args.lr}, machine: {machine()}")
 
+    rss0 = rss_bytes()
     snap = Snapshot(bf16)
+    snapshot_rss = rss_bytes() - rss0
+    model_bytes = sum(t.numel() * t.element_size() for t in bf16.values())
+    print(f"snapshot (last-published copy, host): {snapshot_rss / 1e6:.0f} MB resident for a {model_bytes / 1e6:.0f} MB bf16 model")
     copy_s = plain_copy_s(bf16)
     tmp = Path(tempfile.mkdtemp(prefix="deltasync-bench-"))
     anchor = tmp / "anchor.safetensors"
@@ -126,6 +135,12 @@ def main() -> None:
     base_states = {"idx32": {n: t.clone() for n, t in bf16.items()}, "gap16": {n: t.clone() for n, t in bf16.items()}}
 
     rows = []
+    # warm-up: load the compiled kernels from numba's cache, outside the measurement
+    _warm = {"w": torch.zeros(1 << 16, dtype=torch.bfloat16)}
+    _s = Snapshot(_warm)
+    _warm["w"][::7] = 1
+    _s.diff(_warm)
+
     for step in range(1, args.steps + 1):
         starts = torch.randint(0, data.numel() - args.seq - 1, (args.batch,), generator=g)
         batch = torch.stack([data[s : s + args.seq + 1] for s in starts])
@@ -207,7 +222,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"codec-{dt.date.today().isoformat()}.json"
-    path.write_text(json.dumps({"machine": machine(), "args": vars(args), "numel": numel, "copy_s": copy_s, "rows": rows}, indent=1))
+    diff_rss = rss_bytes() - rss0 - snapshot_rss
+    path.write_text(json.dumps({
+        "machine": machine(), "args": vars(args), "numel": numel, "copy_s": copy_s, "model_bytes": model_bytes,
+        "snapshot_rss_bytes": snapshot_rss, "rss_growth_after_run_bytes": diff_rss, "rows": rows,
+    }, indent=1))
     print(f"wrote {path}")
 
 
