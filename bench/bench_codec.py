@@ -136,10 +136,14 @@ def main() -> None:
 
     rows = []
     # warm-up: load the compiled kernels from numba's cache, outside the measurement
-    _warm = {"w": torch.zeros(1 << 16, dtype=torch.bfloat16)}
-    _s = Snapshot(_warm)
-    _warm["w"][::7] = 1
-    _s.diff(_warm)
+    warm = {"w": torch.zeros(1 << 16, dtype=torch.bfloat16)}
+    wsnap = Snapshot(warm)
+    write_step(tmp / "w0", kind="anchor", step=0, base_step=None, headers=snapshot_headers(wsnap), anchor_tensors=warm)
+    wrep = Replica.from_anchor(StepObject(tmp / "w0", where="warm-up"))
+    warm["w"][::7] = 1
+    wchanges = [c for c in wsnap.diff(warm) if c.changed]
+    write_step(tmp / "w1", kind="delta", step=1, base_step=0, headers=snapshot_headers(wsnap), changes=wchanges)
+    wrep.apply(StepObject(tmp / "w1", where="warm-up"))
 
     for step in range(1, args.steps + 1):
         starts = torch.randint(0, data.numel() - args.seq - 1, (args.batch,), generator=g)
