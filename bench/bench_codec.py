@@ -206,9 +206,10 @@ def main() -> None:
     from rich.table import Table
 
     def mean(key: str, field: str) -> float:
-        return float(np.mean([r[key][field] for r in rows]))
+        """Median over steps: robust to another process stealing the CPU during one step."""
+        return float(np.median([r[key][field] for r in rows]))
 
-    table = Table(title=f"codec benchmark: {numel / 1e6:.0f}M params, {len(rows)} AdamW steps, lr {args.lr}, "
+    table = Table(title=f"codec benchmark (medians over steps): {numel / 1e6:.0f}M params, {len(rows)} AdamW steps, lr {args.lr}, "
                   f"mean density {np.mean([r['density'] for r in rows]):.2%}; plain copy {copy_s * 1e3:.0f} ms")
     for col in ("encoding", "B/changed", "MB/step", "diff+encode ms", "x copy", "decode+apply ms", "x copy"):
         table.add_column(col, justify="right")
