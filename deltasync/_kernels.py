@@ -8,8 +8,27 @@ views of the tensors' bits; indices are int64. Callers live in ``diff.py``, ``ch
 
 from __future__ import annotations
 
+import sys
+
 import numba
 import numpy as np
+
+
+def _shield_llvmlite() -> None:
+    """Let a vLLM engine start after numba (hence llvmlite) was imported in the same process.
+
+    vLLM 0.32's CPU start-up scans every module namespace and calls ``vars(x).get(...)`` on anything with a
+    ``__dict__``; llvmlite's library proxy answers any attribute (``__dict__`` included) with a function
+    wrapper, and the engine dies with "'_lib_fn_wrapper' object has no attribute 'get'". An empty
+    ``__dict__`` entry is harmless to llvmlite.
+    """
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
+
+
+_shield_llvmlite()
 
 _BLOCK = 1 << 15  # elements (or words) per parallel work item
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

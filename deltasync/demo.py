@@ -54,6 +54,22 @@ def tiny_qwen3(*, hidden_size: int = 256, layers: int = 4, vocab_size: int = 512
     return Qwen3ForCausalLM(cfg)
 
 
+def save_model_dir(model: torch.nn.Module, out: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A checkpoint folder an inference engine loads: config, weights in ``dtype``, a byte-level tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out)
+    state = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    model.save_pretrained(out, state_dict=state)  # a copy: the trainer's fp32 master weights stay untouched
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(out)
+    return out
+
+
 def stdlib_corpus(max_bytes: int = 4 << 20, seed: int = 0) -> torch.Tensor:
     """Bytes of the Python standard library's source, as token ids."""
     root = Path(sysconfig.get_paths()["stdlib"])
