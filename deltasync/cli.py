@@ -174,6 +174,7 @@ def demo(
     lr: Annotated[float, typer.Option(help="AdamW learning rate (RL-like).")] = 1e-6,
     hidden_size: Annotated[int, typer.Option(help="Model width (multiple of 64).")] = 256,
     layers: Annotated[int, typer.Option(help="Transformer layers.")] = 4,
+    engine: Annotated[str, typer.Option(help="Who follows: 'vllm' (a real engine) or 'torch' (a state dict).")] = "vllm",
     storage_option: StorageOpt = None,
 ) -> None:
     """Train a small Qwen3-shaped model, publish every step, follow it, and prove the weights match."""
@@ -181,7 +182,7 @@ def demo(
 
     run_demo(
         store,
-        DemoConfig(steps=steps, lr=lr, hidden_size=hidden_size, layers=layers),
+        DemoConfig(steps=steps, lr=lr, hidden_size=hidden_size, layers=layers, engine=engine),
         storage_options=_storage_options(storage_option),
         echo=out.print,
     )

@@ -32,6 +32,7 @@ class DemoConfig:
     seq_len: int = 128
     batch_size: int = 8
     seed: int = 0
+    engine: str = "vllm"  # "vllm": a real vLLM engine follows; "torch": a state dict in this process
 
 
 def tiny_qwen3(*, hidden_size: int = 256, layers: int = 4, vocab_size: int = 512, tie: bool = False, seed: int = 0):
@@ -111,10 +112,26 @@ def run_demo(
     echo(f"store: {url}")
 
     live_at: dict[int, float] = {}
-    target = StateDictTarget(verify="full")
-    follower = Follower(
-        url, target, on_step=lambda s: live_at.setdefault(s, time.perf_counter()), storage_options=storage_options
-    )
+    paused: dict[int, float] = {}
+    llm = None
+    if config.engine == "vllm":
+        from rollout_loader.vllm import VllmTarget, start_engine
+
+        model_dir = save_model_dir(model, Path(workdir or tempfile.mkdtemp(prefix="deltasync-demo-")) / "model-step0")
+        echo("starting a vLLM engine on the initial weights (in-process, CPU)...")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        llm = start_engine(model_dir, in_process=True, dtype="bfloat16", enforce_eager=True, max_model_len=256)
+        target = VllmTarget(llm, verify="all")  # every tensor's checksum compared after every step
+    else:
+        target = StateDictTarget(verify="full")
+
+    def on_step(s: int) -> None:
+        live_at.setdefault(s, time.perf_counter())
+        if llm is not None:
+            paused[s] = target.pauses_s[-1]
+
+    follower = Follower(url, target, on_step=on_step, storage_options=storage_options)
     trainer_sums: dict[int, str] = {}
     published_at: dict[int, float] = {}
     gen = torch.Generator().manual_seed(config.seed)
@@ -145,10 +162,18 @@ def run_demo(
 
     # the follower verified every step against the manifests (checksums after each step); here the last
     # state is compared again with the trainer's own, independently computed checksums
-    final = state_checksum({n: format_checksum(c) for n, c in target.replica.checksums.items()})
+    if llm is not None:
+        from rollout_loader.worker import engine_checksums
+
+        held = engine_checksums(llm)
+        final = state_checksum({n: format_checksum(held[n]) for n in held})
+    else:
+        final = state_checksum({n: format_checksum(c) for n, c in target.replica.checksums.items()})
     rows = []
-    table = Table(title="deltasync demo: trainer -> store -> follower")
-    for col in ("step", "kind", "density", "bytes", "vs full", "B/changed", "diff ms", "encode ms", "commit ms", "live +ms", "exact"):
+    table = Table(title=f"deltasync demo: trainer -> store -> {'vLLM engine' if llm is not None else 'follower'}")
+    cols = ["step", "kind", "density", "bytes", "vs full", "B/changed", "diff ms", "encode ms", "commit ms", "live +ms"]
+    cols += ["engine paused ms", "exact"] if llm is not None else ["exact"]
+    for col in cols:
         table.add_column(col, justify="right")
     for m in pub.metrics:
         exact = m.step in live_at and pub.store.manifest(m.step).state_checksum == trainer_sums[m.step]
@@ -156,6 +181,7 @@ def run_demo(
         row = {
             **m.to_dict(),
             "live_after_publish_ms": lag,
+            "engine_paused_ms": paused[m.step] * 1e3 if m.step in paused else None,
             "exact": bool(exact),
         }
         rows.append(row)
@@ -170,6 +196,7 @@ def run_demo(
             f"{m.encode_s * 1e3:.1f}",
             f"{(m.write_s + m.upload_s) * 1e3:.1f}",
             f"{lag:.0f}",
+            *([f"{paused[m.step] * 1e3:.1f}" if m.step in paused else "-"] if llm is not None else []),
             "yes" if exact else "NO",
         )
     Console(width=max(Console().width, 120)).print(table)
@@ -181,7 +208,8 @@ def run_demo(
             f"deltas: mean {mean_bytes / 1e6:.2f} MB = {mean_bytes / deltas[0]['full_bytes']:.1%} of a full bf16 checkpoint, "
             f"mean density {sum(r['density'] for r in deltas) / len(deltas):.2%}"
         )
-    echo(f"follower state at step {target.step}: {final[:16]}…  trainer: {trainer_sums[config.steps - 1][:16]}…")
+    who = "vLLM engine" if llm is not None else "follower"
+    echo(f"{who} weights at step {target.step}: {final[:16]}…  trainer: {trainer_sums[config.steps - 1][:16]}…")
     echo("BIT-EXACT: every step verified" if ok else "MISMATCH: see the table")
     if not ok:
         raise SystemExit(1)
