@@ -22,6 +22,7 @@ app = typer.Typer(
     add_completion=False,
 )
 out = Console()
+err = Console(stderr=True)
 
 StorageOpt = Annotated[
     Optional[list[str]],
@@ -165,6 +166,46 @@ def show(
     for n, t in h.tensors.items():
         table.add_row(n, t.dtype, "x".join(map(str, t.shape)), f"{t.changed:,}", f"{t.changed / max(t.numel, 1):.2%}", t.checksum)
     out.print(table)
+
+
+@app.command()
+def follow(
+    url: Annotated[str, typer.Argument(help="Stream URL.")],
+    server: Annotated[str, typer.Option(help="Base URL of a vLLM OpenAI server started with "
+                                        "--worker-extension-cls rollout_loader.worker.DeltaWorkerExtension "
+                                        "and VLLM_SERVER_DEV_MODE=1.")],
+    until: Annotated[Optional[int], typer.Option(help="Exit once the engine holds this step (default: follow forever).")] = None,
+    engine_step: Annotated[Optional[int], typer.Option(help="The step the engine already holds, if it was started from one.")] = None,
+    verify: Annotated[str, typer.Option(help="Checksums after each step: 'changed' tensors or 'all'.")] = "changed",
+    mode: Annotated[str, typer.Option(help="Worker mode: auto, live or reload.")] = "auto",
+    poll_s: Annotated[float, typer.Option(help="Seconds between polls of the store.")] = 0.1,
+    timeout_s: Annotated[float, typer.Option(help="With --until: give up after this long.")] = 600.0,
+    storage_option: StorageOpt = None,
+) -> None:
+    """Keep a running vLLM server at the newest step of a stream (prints one line per step)."""
+    import time
+
+    from rollout_loader import Follower
+    from rollout_loader.vllm import VllmTarget
+
+    target = VllmTarget(server, step=engine_step, mode=mode, verify=verify)  # type: ignore[arg-type]
+
+    def report(step: int) -> None:
+        out.print(f"step {step} live in {server} (generation paused {target.pauses_s[-1] * 1e3:.1f} ms, checksums match)")
+
+    follower = Follower(url, target, poll_s=poll_s, on_step=report, storage_options=_storage_options(storage_option))
+    if until is not None:
+        follower.reader.wait_for(until, timeout_s=timeout_s)
+        follower.sync(until)
+        return
+    follower.start()
+    try:
+        while True:
+            time.sleep(1.0)
+            if follower.last_error:
+                err.print(f"[yellow]retrying:[/yellow] {follower.last_error}")
+    except KeyboardInterrupt:
+        follower.stop()
 
 
 @app.command()

@@ -294,6 +294,8 @@ class DeltaWorkerExtension:
         t0 = time.perf_counter()
         model = self.get_model()  # type: ignore[attr-defined]
         checkpoint = weights_path or self.vllm_config.model_config.model  # type: ignore[attr-defined]
+        if hf_shapes_json in ("", "null"):  # HTTP /collective_rpc passes strings only
+            hf_shapes_json = None
         shapes, dtypes = _parse_layout(hf_shapes_json) if hf_shapes_json is not None else _checkpoint_layout(checkpoint)
         table = build_table(model, shapes, ignore=ignore)
 
@@ -421,14 +423,18 @@ class DeltaWorkerExtension:
         return True
 
     @_replies
-    def deltasync_checksums(self, names: list[str] | None = None) -> dict[str, int]:
+    def deltasync_checksums(self, names: list[str] | str | None = None) -> dict[str, int]:
         """``mix64-sum`` checksum of each checkpoint tensor over the elements this rank owns.
+
+        ``names`` may be a JSON list (HTTP ``/collective_rpc`` passes strings only); None or "" for all.
 
         Computed from exactly the engine elements routed from that name (q's rows of ``qkv_proj``, with q's
         own flat indices), or from the host copy for layers served by reload. Each element is owned by one
         rank, so summing the ranks' values mod 2**64 gives the checkpoint tensor's checksum.
         """
         state = self._state()
+        if isinstance(names, str):
+            names = json.loads(names) if names else None
         out: dict[str, int] = {}
         for name in names if names is not None else list(state.targets):
             target = state.targets.get(name)

@@ -10,7 +10,7 @@ from deltasync.checksum import parse_checksum
 from deltasync.errors import BaseStepMismatchError, ChecksumMismatchError
 from rollout_loader import Follower
 from rollout_loader.vllm import VllmTarget
-from rollout_loader.worker import engine_checksums
+from rollout_loader.worker import engine_checksums  # noqa: F401
 from tests.integration.conftest import build_checkpoint, engine, generate, save_like
 
 pytestmark = pytest.mark.vllm

@@ -1,0 +1,98 @@
+"""Server mode against a real `vllm` OpenAI server process (default multiprocess engine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from deltasync import StreamReader
+from deltasync.checksum import parse_checksum
+from rollout_loader.vllm import VllmTarget
+from tests.integration.conftest import PROMPTS, build_checkpoint, engine, save_like
+from tests.integration.seaweedfs import _free_port
+from tests.integration.test_vllm_follow import train_and_publish
+
+pytestmark = pytest.mark.vllm
+
+
+def _get(url: str, timeout: float = 5) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+def _completions(base: str, prompts: list[str]) -> list[str]:
+    out = []
+    for p in prompts:
+        body = json.dumps({"model": "m", "prompt": p, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out.append(json.loads(r.read())["choices"][0]["text"])
+    return out
+
+
+@pytest.fixture
+def server(tmp_path):
+    model_dir = tmp_path / "model"
+    build_checkpoint(model_dir, tie=False)
+    port = _free_port()
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", DELTASYNC_CPU_LIVE_WEIGHTS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    log = open(tmp_path / "server.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", "m",
+         "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port),
+         "--worker-extension-cls", "rollout_loader.worker.DeltaWorkerExtension"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            _get(f"{base}/health")
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError((tmp_path / "server.log").read_text()[-3000:]) from None
+            time.sleep(1)
+    try:
+        yield base, model_dir
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_follow_keeps_a_running_server_in_sync(server, tmp_path):
+    base, model_dir = server
+    url = str(tmp_path / "stream")
+    states = train_and_publish(model_dir, url, 6)
+    before = _completions(base, PROMPTS)
+
+    # the command a user runs next to the server
+    cli = subprocess.run(
+        [sys.executable, "-m", "deltasync.cli", "follow", url, "--server", base, "--until", "5", "--verify", "all"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    # from the nearest anchor (step 4, anchor_every=4), loaded through the server's reload path, then step 5
+    assert [line.split()[1] for line in cli.stdout.splitlines() if line.startswith("step ")] == ["4", "5"]
+
+    with StreamReader(url).open(5) as obj:
+        want = {n: parse_checksum(t.checksum) for n, t in obj.header.tensors.items()}
+    assert VllmTarget(base, step=5).checksums() == want  # the server's weights are the trainer's, bit for bit
+    served = _completions(base, PROMPTS)  # the long prompt proves the prefix cache was reset
+    assert served != before
+
+    with engine(save_like(model_dir, tmp_path / "trained", states[5]), "bfloat16", live=True) as fresh:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        assert [o.outputs[0].text for o in fresh.generate(PROMPTS, sp, use_tqdm=False)] == served
