@@ -265,6 +265,10 @@ class _State:
     feeds: dict[str, tuple[str, ...]] = field(default_factory=dict)  # reloaded module -> checkpoint names
     undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     undo_modules: set[str] = field(default_factory=set)
+    # this rank's part of each tensor's checksum, kept current by every apply (incremental verification);
+    # filled from the bits themselves on first use
+    sums: dict[str, int] = field(default_factory=dict)
+    undo_sums: dict[str, int] = field(default_factory=dict)
 
 
 class DeltaWorkerExtension:
@@ -370,19 +374,24 @@ class DeltaWorkerExtension:
         """
         state = self._state()
         t0 = time.perf_counter()
-        state.undo, state.undo_modules = [], set()  # a failed apply leaves nothing to roll back on this rank
+        # a failed apply leaves nothing to roll back on this rank
+        state.undo, state.undo_modules, state.undo_sums = [], set(), {}
         patch = decode_patch(payload)
         _validate(state, patch)
-        plan = [(state.targets[name], *_localize(state.targets[name], pos, xor)) for name, (pos, xor) in patch.items()]
+        plan = [(name, state.targets[name], *_localize(state.targets[name], pos, xor)) for name, (pos, xor) in patch.items()]
+        sums = {name: self._sum(state, name) for name, *_ in plan}
         undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         modules: set[str] = set()
         try:
             with torch.inference_mode():
-                for target, idx, x in plan:
+                for name, target, idx, x, hf_idx in plan:
                     old = target.bits[idx]
                     undo.append((target.bits, idx, old))
                     target.bits[idx] = old ^ x
                     modules.update(target.modules)
+                    if target.route.owner:  # read back what landed: the checksum follows the real bits
+                        new = target.bits[idx]
+                        sums[name] = (sums[name] + checksum_elements(new, hf_idx) - checksum_elements(old, hf_idx)) & MASK64
             self._sync_kernels(state, modules)
         except BaseException:
             try:
@@ -391,8 +400,11 @@ class DeltaWorkerExtension:
                 log.exception("deltasync: restoring the old weights after a failed apply failed too")
             raise
         state.undo, state.undo_modules = undo, modules
-        elements = sum(int(idx.numel()) for _, idx, _ in plan)
+        state.undo_sums = {name: state.sums[name] for name in sums}
+        state.sums.update(sums)
+        elements = sum(int(idx.numel()) for _, _, idx, _, _ in plan)
         return {
+            "checksums": sums,  # this rank's parts after the apply, for verification by the driver
             "tensors": len(plan),
             "elements": elements,
             "modules_synced": len(modules),
@@ -408,9 +420,10 @@ class DeltaWorkerExtension:
             self.reload_weights(  # type: ignore[attr-defined]
                 weights_iterator=((name, f.get_tensor(name)) for name in f.keys()), is_checkpoint_format=True
             )
+        reload_s = time.perf_counter() - t0
         self.__dict__.pop("_deltasync", None)  # parameters may have been replaced: routes are rebuilt
         summary = type(self).deltasync_init.__wrapped__(self, None, mode, path)  # type: ignore[attr-defined]
-        return {**summary, "seconds": round(time.perf_counter() - t0, 4)}
+        return {**summary, "reload_s": round(reload_s, 4), "seconds": round(time.perf_counter() - t0, 4)}
 
     @_replies
     def deltasync_rollback(self) -> bool:
@@ -419,7 +432,8 @@ class DeltaWorkerExtension:
         if not state.undo:
             return False
         self._restore(state, state.undo, state.undo_modules)
-        state.undo, state.undo_modules = [], set()
+        state.sums.update(state.undo_sums)
+        state.undo, state.undo_modules, state.undo_sums = [], set(), {}
         return True
 
     @_replies
@@ -453,6 +467,12 @@ class DeltaWorkerExtension:
         return out
 
     # --- internals ---
+
+    def _sum(self, state: _State, name: str) -> int:
+        """This rank's running checksum part for ``name`` (computed from the bits the first time)."""
+        if name not in state.sums:
+            state.sums[name] = type(self).deltasync_checksums.__wrapped__(self, [name])[name]  # type: ignore[attr-defined]
+        return state.sums[name]
 
     def _state(self) -> _State:
         if self._deltasync is None:
@@ -519,20 +539,24 @@ def _validate(state: _State, patch: Patch) -> None:
         raise PatchError(f"patch rejected, weights untouched ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
 
 
-def _localize(target: _Target, pos: torch.Tensor | None, xor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat indices into the target's bits, xor values there) for this rank."""
+def _localize(
+    target: _Target, pos: torch.Tensor | None, xor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(flat indices into the target's bits, xor values there, their checkpoint flat indices) for this rank."""
     xor = xor.reshape(-1).view(_SIGNED[xor.element_size()])
     if target.host:  # the host copy is the whole checkpoint tensor
         idx = pos if pos is not None else torch.arange(xor.numel(), dtype=torch.int64)
-        return idx, xor
+        return idx, xor, idx
     route = target.route
     if pos is None:
         if route.whole and route.hf_shape == route.param_shape:
-            return torch.arange(xor.numel(), dtype=torch.int64), xor
-        parts = [(box.param_indices(), xor[box.hf_indices()]) for box in _chunks(route)]
-        return torch.cat([p for p, _ in parts]), torch.cat([x for _, x in parts])
+            idx = torch.arange(xor.numel(), dtype=torch.int64)
+            return idx, xor, idx
+        parts = [(box.param_indices(), box.hf_indices()) for box in _chunks(route)]
+        hf = torch.cat([h for _, h in parts])
+        return torch.cat([p for p, _ in parts]), xor[hf], hf
     keep, idx = route.localize(pos)
-    return idx, xor[keep]
+    return idx, xor[keep], pos.reshape(-1)[keep]
 
 
 def build_table(

@@ -10,7 +10,7 @@ from deltasync.checksum import parse_checksum
 from deltasync.errors import BaseStepMismatchError, ChecksumMismatchError
 from rollout_loader import Follower
 from rollout_loader.vllm import VllmTarget
-from rollout_loader.worker import engine_checksums  # noqa: F401
+from rollout_loader.worker import engine_checksums
 from tests.integration.conftest import build_checkpoint, engine, generate, save_like
 
 pytestmark = pytest.mark.vllm
@@ -78,9 +78,11 @@ def test_damaged_step_rolls_back_and_refuses_to_serve_a_false_step(tmp_path):
     train_and_publish(model_dir, url, 3)
     reader = StreamReader(url)
     with engine(model_dir, "bfloat16", live=True) as llm:
-        target = VllmTarget(llm)
+        target = VllmTarget(llm)  # verify="incremental"
         Follower(reader, target).sync(1)
-        held = engine_checksums(llm)
+        held = engine_checksums(llm)  # a full recomputation agrees with the incrementally verified step
+        with reader.open(1) as obj:
+            assert held == {n: parse_checksum(t.checksum) for n, t in obj.header.tensors.items()}
         tokens = generate(llm)
         with reader.open(2) as obj:
             # the trainer's checksum for one changed tensor is made wrong: the apply cannot verify
