@@ -81,6 +81,7 @@ def main() -> None:
             safetensors.torch.save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
                                          if not (model.config.tie_word_embeddings and k == "lm_head.weight")}, str(ckpt))
             reply = target.engine.rpc("deltasync_load", str(ckpt), "auto")[0]
+            target.checksums()  # re-seed incremental verification after the reload (not timed)
             rows.append({
                 "step": step,
                 "density": m.density if m else None,

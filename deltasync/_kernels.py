@@ -249,6 +249,33 @@ def xor_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> np.uint64:
 
 
 @_pjit
+def xor_at_indexed(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: np.ndarray, old_out: np.ndarray) -> np.uint64:
+    """``u[local] ^= xor``, keeping the old bits in ``old_out``; returns the checksum change hashed with the
+    elements' global indices ``hashed`` (a slice of a larger tensor: a fused or sharded parameter).
+
+    The new bits are read back from ``u`` after the write, so the checksum follows what landed.
+    """
+    n = local.size
+    nblocks = (n + _BLOCK - 1) // _BLOCK
+    parts = np.zeros(nblocks, np.uint64)
+    for k in numba.prange(nblocks):
+        s = k * _BLOCK
+        e = min(s + _BLOCK, n)
+        acc = np.uint64(0)
+        for i in range(s, e):
+            g = local[i]
+            old = u[g]
+            old_out[i] = old
+            u[g] = old ^ xor[i]
+            acc += element_hash(hashed[i], np.uint64(u[g])) - element_hash(hashed[i], np.uint64(old))
+        parts[k] = acc
+    total = np.uint64(0)
+    for k in range(nblocks):
+        total += parts[k]
+    return total
+
+
+@_pjit
 def xor_dense(u: np.ndarray, xor: np.ndarray, base: np.int64) -> np.uint64:
     """``u ^= xor`` for a whole (chunk of a) tensor; returns the change of the checksum."""
     nblocks = (u.size + _BLOCK - 1) // _BLOCK

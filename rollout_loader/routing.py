@@ -96,9 +96,23 @@ class Route:
         """Flat local-parameter indices of the same elements, in the same order as :meth:`hf_indices`."""
         return _box_indices(self.param_shape, self.param_start, self.extent)
 
-    def localize(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For flat checkpoint ``positions``: (mask of those held on this rank, their flat param indices)."""
+    def localize(self, positions: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """For flat checkpoint ``positions``: (mask of those held on this rank, or None for all of them,
+        their flat param indices)."""
         pos = positions.reshape(-1).to(torch.int64)
+        trailing_whole = all(
+            hs == 0 and ext == size and psize == size
+            for size, psize, hs, ext in zip(self.hf_shape[1:], self.param_shape[1:], self.hf_start[1:], self.extent[1:])
+        )
+        if self.hf_shape and trailing_whole:
+            # a block of whole rows (q/k/v in qkv_proj, gate/up, a column-parallel shard): one shift
+            row = math.prod(self.hf_shape[1:])
+            lo, hi = self.hf_start[0] * row, (self.hf_start[0] + self.extent[0]) * row
+            shift = self.param_start[0] * row - lo
+            if lo == 0 and hi == math.prod(self.hf_shape):
+                return None, pos + shift if shift else pos
+            keep = (pos >= lo) & (pos < hi)
+            return keep, pos[keep] + shift
         keep = torch.ones_like(pos, dtype=torch.bool)
         out = torch.zeros_like(pos)
         hf_strides = _strides(self.hf_shape)

@@ -142,6 +142,8 @@ class VllmTarget:
 
     def _init(self) -> None:
         self.engine.rpc("deltasync_init", None, self.mode)  # routes from the engine's own checkpoint
+        if self.verify == "incremental":
+            self.checksums()  # the base of incremental verification, computed now rather than inside a pause
         self._ready = True
 
     def checksums(self, names: list[str] | None = None) -> dict[str, int]:

@@ -385,13 +385,11 @@ class DeltaWorkerExtension:
         try:
             with torch.inference_mode():
                 for name, target, idx, x, hf_idx in plan:
-                    old = target.bits[idx]
+                    old, delta = _xor_into(target.bits, idx, x, hf_idx)
                     undo.append((target.bits, idx, old))
-                    target.bits[idx] = old ^ x
                     modules.update(target.modules)
-                    if target.route.owner:  # read back what landed: the checksum follows the real bits
-                        new = target.bits[idx]
-                        sums[name] = (sums[name] + checksum_elements(new, hf_idx) - checksum_elements(old, hf_idx)) & MASK64
+                    if target.route.owner:  # the checksum follows the bits read back after the write
+                        sums[name] = (sums[name] + delta) & MASK64
             self._sync_kernels(state, modules)
         except BaseException:
             try:
@@ -464,6 +462,7 @@ class DeltaWorkerExtension:
                 bits = target.bits[hf_idx] if target.host else target.bits[box.param_indices()]
                 total += checksum_elements(bits, hf_idx)
             out[name] = total & MASK64
+        state.sums.update(out)  # exact for the bits as they are now: the base of incremental verification
         return out
 
     # --- internals ---
@@ -539,6 +538,28 @@ def _validate(state: _State, patch: Patch) -> None:
         raise PatchError(f"patch rejected, weights untouched ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
 
 
+def _xor_into(bits: torch.Tensor, idx: torch.Tensor, x: torch.Tensor, hf_idx: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``bits[idx] ^= x``: (the old bits, the checksum change over those elements at checkpoint ``hf_idx``)."""
+    if bits.device.type == "cpu" and bits.is_contiguous():
+        from deltasync._bits import UNSIGNED_NP
+        from deltasync._kernels import xor_at_indexed
+
+        unsigned = UNSIGNED_NP[bits.element_size()]
+        old = torch.empty_like(x)
+        delta = xor_at_indexed(
+            bits.numpy().view(unsigned),
+            idx.contiguous().numpy(),
+            x.contiguous().numpy().view(unsigned),
+            hf_idx.to(torch.int64).contiguous().numpy(),
+            old.numpy().view(unsigned),
+        )
+        return old, int(delta)
+    old = bits[idx]
+    bits[idx] = old ^ x
+    new = bits[idx]  # read back what landed
+    return old, (checksum_elements(new, hf_idx) - checksum_elements(old, hf_idx)) & MASK64
+
+
 def _localize(
     target: _Target, pos: torch.Tensor | None, xor: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -556,6 +577,8 @@ def _localize(
         hf = torch.cat([h for _, h in parts])
         return torch.cat([p for p, _ in parts]), xor[hf], hf
     keep, idx = route.localize(pos)
+    if keep is None:
+        return idx, xor, pos.reshape(-1)
     return idx, xor[keep], pos.reshape(-1)[keep]
 
 

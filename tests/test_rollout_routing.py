@@ -161,7 +161,8 @@ def test_localize_agrees_with_the_box(tp: int, rank: int) -> None:
         pos = torch.randperm(n, generator=g)[: n // 3].sort().values
         keep, idx = route.localize(pos)
         held = dict(zip(route.hf_indices().tolist(), route.param_indices().tolist(), strict=True))
-        assert keep.tolist() == [p in held for p in pos.tolist()], name
+        kept = [True] * pos.numel() if keep is None else keep.tolist()  # None: every position is held
+        assert kept == [p in held for p in pos.tolist()], name
         assert idx.tolist() == [held[p] for p in pos.tolist() if p in held], name
 
 
