@@ -14,11 +14,7 @@ Prints a table and writes bench/results/codec-<date>.json.
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -29,23 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._common import machine, parser, write_results  # noqa: E402
 from deltasync.apply import Replica  # noqa: E402
 from deltasync.demo import stdlib_corpus, tiny_qwen3  # noqa: E402
 from deltasync.diff import Snapshot  # noqa: E402
 from deltasync.format import StepObject  # noqa: E402
 from deltasync.publisher import named_tensors, snapshot_headers, write_step  # noqa: E402
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def rss_bytes() -> int:
@@ -100,15 +85,9 @@ def baseline_apply(state: dict[str, torch.Tensor], blobs: dict, kind: str) -> No
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap = parser(__doc__, steps=10)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
 
     model = tiny_qwen3(hidden_size=args.hidden, layers=args.layers, vocab_size=args.vocab).float()
@@ -224,15 +203,10 @@ def main() -> None:
             f"{mean(k, 'decode_apply_s') / copy_s:.2f}",
         )
     Console(width=140).print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"codec-{dt.date.today().isoformat()}.json"
-    diff_rss = rss_bytes() - rss0 - snapshot_rss
-    path.write_text(json.dumps({
-        "machine": machine(), "args": vars(args), "numel": numel, "copy_s": copy_s, "model_bytes": model_bytes,
-        "snapshot_rss_bytes": snapshot_rss, "rss_growth_after_run_bytes": diff_rss, "rows": rows,
-    }, indent=1))
-    print(f"wrote {path}")
+    write_results(args, "codec", {
+        "numel": numel, "copy_s": copy_s, "model_bytes": model_bytes, "snapshot_rss_bytes": snapshot_rss,
+        "rss_growth_after_run_bytes": rss_bytes() - rss0 - snapshot_rss, "rows": rows,
+    })
 
 
 if __name__ == "__main__":

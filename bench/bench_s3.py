@@ -12,9 +12,6 @@ Prints a table and writes bench/results/s3-<date>.json.
 
 from __future__ import annotations
 
-import datetime as dt
-import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -26,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_codec import machine  # noqa: E402
+from bench._common import machine, parser, write_results  # noqa: E402
 from deltasync import DeltaPublisher, StreamReader  # noqa: E402
 from deltasync.demo import stdlib_corpus, tiny_qwen3  # noqa: E402
 from deltasync.store import Store, step_dir  # noqa: E402
@@ -39,14 +36,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20, help="delta steps measured (after one anchor)")
-    ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args()
+    args = parser(__doc__, steps=20).parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="deltasync-bench-s3-"))
     server = SeaweedFS(work)
@@ -151,11 +141,7 @@ def run(args, server: SeaweedFS, work: Path) -> None:
     for d, plain, ours in (("upload", "plain_put_s", "deltasync_put_s"), ("download (+SHA-256 check)", "plain_get_s", "deltasync_get_s")):
         t2.add_row(d, f"{tput(plain):.0f}", f"{tput(ours):.0f}", f"{tput(ours) / tput(plain):.2f}")
     Console(width=120).print(t2)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"s3-{dt.date.today().isoformat()}.json"
-    path.write_text(json.dumps({"machine": machine(), "args": vars(args), "numel": numel, "rows": rows}, indent=1))
-    print(f"wrote {path}")
+    write_results(args, "s3", {"numel": numel, "rows": rows})
 
 
 if __name__ == "__main__":

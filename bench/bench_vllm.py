@@ -11,9 +11,6 @@ reload of the same step's checkpoint through vLLM's reload_weights. Prints a tab
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
-import json
 import os
 import sys
 import tempfile
@@ -25,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_codec import machine  # noqa: E402
+from bench._common import machine, parser, write_results  # noqa: E402
 from deltasync import DeltaPublisher  # noqa: E402
 from deltasync.demo import save_model_dir, stdlib_corpus, tiny_qwen3  # noqa: E402
 from rollout_loader import Follower  # noqa: E402
@@ -33,14 +30,7 @@ from rollout_loader.vllm import VllmTarget, start_engine  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args()
+    args = parser(__doc__, steps=10).parse_args()
 
     import safetensors.torch
 
@@ -109,11 +99,7 @@ def main() -> None:
     t.add_row("paused / full reload", f"{med['paused_s'] / med['full_reload_s']:.1%}", "<= 10%")
     t.add_row("publish() returned -> live in engine", f"{med['live_after_publish_s'] * 1e3:.0f}", "<= 1000")
     Console(width=120).print(t)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"vllm-{dt.date.today().isoformat()}.json"
-    path.write_text(json.dumps({"machine": machine(), "args": vars(args), "numel": numel, "rows": rows}, indent=1))
-    print(f"wrote {path}")
+    write_results(args, "vllm", {"numel": numel, "rows": rows})
 
 
 if __name__ == "__main__":
