@@ -182,6 +182,7 @@ class StepObject:
             raise FormatError(f"{where}: safetensors file has no '{METADATA_KEY}' header metadata")
         self.header = StepHeader.from_json(metadata[METADATA_KEY], where=where)
         self._keys = set(self._file.keys())
+        self._offsets: tuple[int, dict[str, tuple[int, int]]] | None = None
         self._check_keys()
 
     def close(self) -> None:
@@ -219,8 +220,46 @@ class StepObject:
             raise FormatError(f"{self.where}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, header says {h.shape} {h.dtype}")
         return t
 
-    def _blob(self, key: str) -> bytes:
-        return self._file.get_tensor(key).numpy().tobytes()
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """An anchor's tensor read into fresh memory: writable, and freed when dropped.
+
+        ``tensor`` maps the file instead; its pages stay resident (and count towards the process's memory)
+        until the object is closed, and writing to them costs a page fault per page.
+        """
+        h = self.header.tensors[name]
+        t = torch.empty(h.shape, dtype=h.torch_dtype)
+        if t.numel():
+            self._read_into(name, t.reshape(-1).view(torch.uint8).numpy())
+        return t
+
+    def _read_into(self, key: str, out: np.ndarray | bytearray) -> None:
+        """Read a stored tensor's bytes into ``out`` (a writable buffer of its size) with a plain read."""
+        start, offsets = self._data_offsets()
+        begin, end = offsets[key]
+        view = memoryview(out).cast("B")
+        if end - begin != view.nbytes:
+            raise FormatError(f"{self.where}: tensor {key!r} holds {end - begin} bytes, expected {view.nbytes}")
+        with open(self.path, "rb") as f:  # a handle per read: decoding runs on several threads
+            f.seek(start + begin)
+            if f.readinto(view) != view.nbytes:
+                raise FormatError(f"{self.where}: tensor {key!r} is truncated")
+
+    def _data_offsets(self) -> tuple[int, dict[str, tuple[int, int]]]:
+        """Where the data buffer starts, and each tensor's byte range in it (safetensors layout)."""
+        if self._offsets is None:
+            with open(self.path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                entries = json.loads(f.read(size))
+            ranges = {k: (int(v["data_offsets"][0]), int(v["data_offsets"][1])) for k, v in entries.items() if k != "__metadata__"}
+            self._offsets = (8 + size, ranges)
+        return self._offsets
+
+    def _blob(self, key: str) -> bytearray:
+        # a plain read, not the memory map: a reader that keeps many objects open holds no mapped pages
+        begin, end = self._data_offsets()[1][key]
+        buf = bytearray(end - begin)
+        self._read_into(key, buf)
+        return buf
 
     def patch(self, name: str) -> tuple[np.ndarray | None, np.ndarray]:
         """A delta's decoded change for one tensor: (positions or None for dense, xor bits)."""

@@ -105,3 +105,19 @@ def test_object_missing_a_blob_is_refused(tmp_path, small_state, gen):
     safetensors.torch.save_file(tensors, str(path), metadata=meta)
     with pytest.raises(FormatError, match="missing"):
         StepObject(path, where="s")
+
+
+def test_anchor_tensors_read_into_fresh_memory(tmp_path, small_state):
+    snap = Snapshot(small_state)
+    path = tmp_path / "a.safetensors"
+    write_step(path, kind="anchor", step=0, base_step=None, headers=snapshot_headers(snap), anchor_tensors=small_state)
+    before = path.read_bytes()
+    with StepObject(path, where="a") as obj:
+        for name, want in small_state.items():
+            got = obj.read_tensor(name)
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+            got.reshape(-1)[:1] = 0 if got.numel() else got.reshape(-1)[:0]  # writable, and not the file
+        assert path.read_bytes() == before
+        path.write_bytes(before[: 8 + int.from_bytes(before[:8], "little") + 1])  # truncated after it was opened
+        with pytest.raises(FormatError, match="'embed.weight' is truncated"):
+            obj.read_tensor("embed.weight")
