@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from ._bits import dtype_name
+from .checkpoints import ModelFiles, collect_model_files, write_model_files
 from .checksum import format_checksum, state_checksum
 from .codecs import EncodedTensor, encode_change, parallel_map
 from .diff import Snapshot, SnapshotDevice, TensorChange
@@ -119,6 +120,10 @@ class DeltaPublisher:
     One publisher per stream: it holds a lease object (``writer_id``, renewed every ``lease_s / 3``) and a
     second publisher is refused with ``WriterConflictError`` unless it passes ``take_over=True``; a writer
     that lost its lease commits nothing more.
+
+    ``files`` (a checkpoint folder, or name -> bytes) are the model's non-weight files: config, tokenizer,
+    generation config. They are stored once per stream, before the first commit, so that
+    ``deltasync replay`` writes folders that transformers and vLLM load as they are.
     """
 
     def __init__(
@@ -138,6 +143,7 @@ class DeltaPublisher:
         writer_id: str | None = None,
         take_over: bool = False,
         lease_s: float = 120.0,
+        files: str | Path | ModelFiles | None = None,
     ) -> None:
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
@@ -149,6 +155,7 @@ class DeltaPublisher:
         self.zstd_level = zstd_level
         self.max_chunk_bytes = max_chunk_bytes
         self.dtype = dtype
+        self._model_files = collect_model_files(files) if files is not None else None
         self.metrics: list[StepMetrics] = []
         self._spool = Path(spool_dir) if spool_dir else Path(tempfile.mkdtemp(prefix="deltasync-spool-"))
         self._snapshot: Snapshot | None = None
@@ -317,28 +324,9 @@ class DeltaPublisher:
         )
         t1 = time.perf_counter()
         headers = header.tensors
-        size = local.stat().st_size
-        manifest_stats = {
-            "numel": header.numel,
-            "changed": header.changed if job.kind == "delta" else header.numel,
-            "density": header.changed / header.numel if job.kind == "delta" and header.numel else 1.0,
-            "coalesced_steps": list(job.coalesced),
-            "capture_s": round(job.capture_s, 6),
-            "encode_s": round(t1 - t0, 6),
-        }
-        digest = sha256_file(local)
+        manifest = step_manifest(local, header, coalesced=job.coalesced, capture_s=job.capture_s, encode_s=t1 - t0)
+        size = manifest.object_bytes
         t2 = time.perf_counter()
-        manifest = Manifest(
-            step=job.step,
-            base_step=job.base_step,
-            kind=job.kind,
-            object=name,
-            object_bytes=size,
-            object_sha256=digest,
-            state_checksum=header.state_checksum,
-            created_unix_s=time.time(),
-            stats=manifest_stats,
-        )
         try:
             # never commit after losing the stream: one read per commit, a renewal when a third has passed
             if time.monotonic() - self._lease_renewed_at > self.lease_s / 3:
@@ -346,6 +334,9 @@ class DeltaPublisher:
                 self._lease_renewed_at = time.monotonic()
             else:
                 self.store.check_lease(self.writer_id)
+            if self._model_files is not None:  # once, before the first commit: a reader of any step finds them
+                write_model_files(self.store, self._model_files)
+                self._model_files = None
             self.store.commit(manifest, local)
         finally:
             local.unlink(missing_ok=True)
@@ -407,6 +398,31 @@ def write_step(
     else:
         write_delta(path, header, encoded)
     return header
+
+
+def step_manifest(
+    path: str | Path, header: StepHeader, *, coalesced: Sequence[int] = (), capture_s: float = 0.0, encode_s: float = 0.0
+) -> Manifest:
+    """The manifest that commits the object written at ``path`` (hashes it; docs/FORMAT.md section 5)."""
+    path = Path(path)
+    return Manifest(
+        step=header.step,
+        base_step=header.base_step,
+        kind=header.kind,
+        object=f"{header.kind}.safetensors",
+        object_bytes=path.stat().st_size,
+        object_sha256=sha256_file(path),
+        state_checksum=header.state_checksum,
+        created_unix_s=time.time(),
+        stats={
+            "numel": header.numel,
+            "changed": header.changed if header.kind == "delta" else header.numel,
+            "density": header.changed / header.numel if header.kind == "delta" and header.numel else 1.0,
+            "coalesced_steps": list(coalesced),
+            "capture_s": round(capture_s, 6),
+            "encode_s": round(encode_s, 6),
+        },
+    )
 
 
 def snapshot_headers(snapshot: Snapshot) -> dict[str, TensorHeader]:

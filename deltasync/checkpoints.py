@@ -1,0 +1,156 @@
+"""Checkpoint folders in and out of a stream: model files, loading checkpoints, writing one tensor at a time.
+
+A stream stores the model's non-weight files (config, tokenizer, generation config) once, under
+``URL/files/``, with ``URL/files.json`` (names, sizes, SHA-256) written last as their commit marker
+(docs/FORMAT.md section 5). Replay copies them beside the weights it writes, so that the folder loads in
+transformers and vLLM as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from .errors import CorruptObjectError, FormatError
+from .format import FORMAT_VERSION, TensorHeader
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+FILES_DIR = "files"
+FILES_INDEX = "files.json"
+ModelFiles = Mapping[str, bytes]
+
+# weights (replay writes its own), their shard indexes (they would name the wrong files), training state
+_NOT_MODEL_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|.*\.index\.json$|^\..*")
+_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+
+
+def collect_model_files(source: str | Path | ModelFiles) -> dict[str, bytes]:
+    """The non-weight files of a checkpoint folder (config, tokenizer, ...), or a name -> bytes mapping.
+
+    Top-level files only; weights (``*.safetensors``, ``*.bin``, ``*.pt``, ...), shard indexes and hidden
+    files are skipped.
+    """
+    if isinstance(source, Mapping):
+        files = {str(name): bytes(data) for name, data in source.items()}
+    else:
+        folder = Path(source)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder}: not a folder of model files")
+        files = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and not _NOT_MODEL_FILES.match(p.name)}
+    for name in files:
+        if not _FILE_NAME.match(name):
+            raise ValueError(f"model file name {name!r} must be a plain file name (letters, digits, . _ + -)")
+    return files
+
+
+def write_model_files(store: Store, files: ModelFiles) -> bool:
+    """Upload ``files`` under ``URL/files/``, then the index; skipped (returns False) when identical ones are there."""
+    index = {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()}
+    held = read_model_file_index(store)
+    if held == index:
+        return False
+    store.write_many([(data, f"{FILES_DIR}/{name}") for name, data in files.items()])
+    store.write_bytes(FILES_INDEX, json.dumps({"format_version": FORMAT_VERSION, "files": index}, indent=1).encode())
+    log.info("%s: stored model files %s", store.url, sorted(files))
+    return True
+
+
+def read_model_file_index(store: Store) -> dict[str, dict[str, Any]] | None:
+    """The stream's model files (name -> bytes, sha256), or None when it holds none."""
+    try:
+        d = json.loads(store.read_bytes(FILES_INDEX))
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise FormatError(f"{store.url}: {FILES_INDEX} is not valid JSON ({e})") from None
+    if not isinstance(d, dict) or d.get("format_version") != FORMAT_VERSION or not isinstance(d.get("files"), dict):
+        raise FormatError(f"{store.url}: {FILES_INDEX} has an unknown layout or format version")
+    return d["files"]
+
+
+def read_model_files(store: Store) -> dict[str, bytes]:
+    """The stream's model files, each checked against the index (empty when the stream has none)."""
+    out = {}
+    for name, entry in (read_model_file_index(store) or {}).items():
+        try:
+            data = store.read_bytes(f"{FILES_DIR}/{name}")
+        except FileNotFoundError:
+            raise CorruptObjectError(f"{store.url}: model file {name} is listed in {FILES_INDEX} but missing") from None
+        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise CorruptObjectError(f"{store.url}: model file {name} differs from {FILES_INDEX} (size or SHA-256)")
+        out[name] = data
+    return out
+
+
+def load_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a ``.safetensors`` file, or of every ``*.safetensors`` shard in a checkpoint folder."""
+    import safetensors.torch
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files:
+        raise FormatError(f"{path}: no *.safetensors weights in the folder (convert .bin/.pt checkpoints first)")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            part = safetensors.torch.load_file(str(f))
+        except Exception as e:  # safetensors raises several types for unreadable files
+            raise FormatError(f"{f}: not a readable safetensors file ({e})") from None
+        for name in part.keys() & tensors.keys():
+            raise FormatError(f"{path}: tensor {name!r} is in more than one shard")
+        tensors.update(part)
+    return tensors
+
+
+class CheckpointWriter:
+    """Write a safetensors file tensor by tensor, in the order of ``layout``, without holding them all.
+
+    The header is written first (every name, dtype and shape is known from a step header), then each
+    tensor's bytes as it arrives; the file is an ordinary safetensors checkpoint.
+    """
+
+    def __init__(self, path: str | Path, layout: Mapping[str, TensorHeader], *, metadata: Mapping[str, str] | None = None) -> None:
+        self.path = Path(path)
+        self._order = list(layout)
+        self._next = 0
+        entries: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        offset = 0
+        for name, h in layout.items():
+            size = h.numel * h.torch_dtype.itemsize
+            entries[name] = {"dtype": h.dtype, "shape": list(h.shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        text = json.dumps(entries, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data buffer starts 8-byte aligned
+        self._file: BinaryIO = open(self.path, "wb")
+        self._file.write(len(text).to_bytes(8, "little") + text)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self._order) or name != self._order[self._next]:
+            expected = self._order[self._next] if self._next < len(self._order) else "nothing more"
+            raise ValueError(f"{self.path}: expected tensor {expected!r} next, got {name!r}")
+        if tensor.numel():
+            self._file.write(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+        self._next += 1
+
+    def close(self) -> None:
+        self._file.close()
+        if self._next != len(self._order):
+            raise ValueError(f"{self.path}: {len(self._order) - self._next} tensor(s) were never written")
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._file.close()
