@@ -9,6 +9,10 @@ Consumer::
 
     reader = StreamReader("s3://bucket/run1")
     state = reader.state_dict(step)   # exact weights of any step
+
+History::
+
+    replay_to_folder("s3://bucket/run1", step, "ckpt-step")   # a folder transformers and vLLM load
 """
 
 from .apply import Replica
@@ -19,6 +23,7 @@ from .errors import (
     CorruptObjectError,
     DeltaSyncError,
     FormatError,
+    OutputExistsError,
     PublishError,
     StepNotFoundError,
     StepOrderError,
@@ -28,6 +33,8 @@ from .errors import (
     WriterConflictError,
 )
 from .format import FORMAT_VERSION, StepHeader, StepObject, TensorHeader
+from .history import Comparison, ReplayResult, compare, push_checkpoint, reconstruct_state_dict, reconstruct_tensor
+from .history import replay_to_folder
 from .publisher import DeltaPublisher, StepMetrics
 from .reader import StreamReader
 from .store import Manifest, Store
@@ -36,13 +43,16 @@ __all__ = [
     "FORMAT_VERSION",
     "BaseStepMismatchError",
     "ChecksumMismatchError",
+    "Comparison",
     "CorruptObjectError",
     "DeltaPublisher",
     "DeltaSyncError",
     "FormatError",
     "Manifest",
+    "OutputExistsError",
     "PublishError",
     "Replica",
+    "ReplayResult",
     "StepHeader",
     "StepMetrics",
     "StepNotFoundError",
@@ -55,6 +65,11 @@ __all__ = [
     "TensorMismatchError",
     "WaitTimeoutError",
     "WriterConflictError",
+    "compare",
+    "push_checkpoint",
+    "reconstruct_state_dict",
+    "reconstruct_tensor",
+    "replay_to_folder",
     "state_checksum",
     "tensor_checksum",
 ]

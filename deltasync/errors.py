@@ -53,3 +53,7 @@ class PublishError(DeltaSyncError, RuntimeError):
 
 class WaitTimeoutError(DeltaSyncError, TimeoutError):
     """A wait for a step ran out of time."""
+
+
+class OutputExistsError(DeltaSyncError, FileExistsError):
+    """An output (a replayed checkpoint folder) already exists and replacing it was not asked for."""

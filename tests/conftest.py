@@ -44,3 +44,12 @@ def small_state(gen) -> dict[str, torch.Tensor]:
         "empty": torch.zeros(0, 4),
         "counts": torch.arange(10, dtype=torch.int64),
     }
+
+
+@pytest.fixture(scope="session")
+def qwen_stream(tmp_path_factory):
+    """A tied Qwen3 model trained 10 steps with AdamW, published as bf16 with its model files (anchors at
+    0, 4, 8). Read-only: copy ``qwen_stream.url`` before damaging it."""
+    from tests.streams import make_qwen_stream
+
+    return make_qwen_stream(tmp_path_factory.mktemp("qwen"))

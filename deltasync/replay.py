@@ -1,0 +1,199 @@
+"""Replay stage: rebuild tensors through a chain of objects (an anchor, then deltas), one tensor at a time.
+
+Each tensor is read from the anchor into fresh memory, then patched by each delta in turn, its checksum
+computed from the bits after every link for comparison with that step's header. A few tensors are rebuilt
+at once on worker threads, in order, so that memory stays near one tensor per worker (one model copy when
+the caller keeps them all); nothing is memory-mapped, so nothing counts twice. Used by ``history`` (replay,
+compare, push) and ``maintenance`` (verify).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numba
+import torch
+
+from .apply import xor_into
+from .checksum import add, format_checksum, parse_checksum, state_checksum, tensor_checksum
+from .errors import ChecksumMismatchError, DeltaSyncError, FormatError, StepNotFoundError, TensorMismatchError
+from .format import StepHeader, StepObject
+from .reader import StreamReader
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+ProgressFn = Callable[[str, int, int], None]
+"""``progress(what, done, total)``, called during long work (the CLI draws a progress bar)."""
+
+_WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+
+def open_reader(url: str | StreamReader, storage_options: dict[str, Any] | None = None) -> StreamReader:
+    return url if isinstance(url, StreamReader) else StreamReader(url, storage_options=storage_options)
+
+
+def require_steps(reader: StreamReader) -> list[int]:
+    """The stream's committed steps; a one-line ``StepNotFoundError`` when there is no stream at all."""
+    steps = reader.steps()
+    if not steps:
+        store = reader.store
+        exists = store.call("check the stream location", lambda: store.fs.exists(store.root))
+        why = "it has no committed steps" if exists else "the location does not exist"
+        raise StepNotFoundError(f"{store.url}: no deltasync stream here ({why})")
+    return steps
+
+
+def chain_steps(reader: StreamReader, step: int) -> list[int]:
+    """``reader.chain(step)``, with clearer errors for a step that is not committed and a URL without a stream."""
+    try:
+        reader.manifest(step)  # a step that is not committed is named as such, with its neighbours
+        return reader.chain(step)
+    except StepNotFoundError:
+        require_steps(reader)
+        raise
+
+
+class Chain:
+    """The opened objects of one step's chain, anchor first; rebuilds its tensors one at a time."""
+
+    def __init__(self, objects: list[StepObject]) -> None:
+        self.objects = objects
+        self.steps = [o.header.step for o in objects]
+        for obj in objects[1:]:
+            check_layout(objects[0], obj)
+
+    @classmethod
+    def open(cls, reader: StreamReader, step: int, *, progress: ProgressFn | None = None) -> Chain:
+        """Fetch and verify every object of ``step``'s chain (size, SHA-256, header against manifest)."""
+        steps = chain_steps(reader, step)
+        objects: list[StepObject] = []
+        try:
+            for i, s in enumerate(steps):
+                objects.append(open_checked(reader, s))
+                if progress:
+                    progress(f"fetch step {step}'s chain", i + 1, len(steps))
+            return cls(objects)
+        except BaseException:
+            for o in objects:
+                o.close()
+            raise
+
+    @property
+    def header(self) -> StepHeader:
+        return self.objects[-1].header
+
+    def close(self) -> None:
+        for o in self.objects:
+            o.close()
+
+    def __enter__(self) -> Chain:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def rebuild(self, names: Iterable[str] | None = None, *, keep: int | None = None, progress: ProgressFn | None = None) -> Iterator[Rebuilt]:
+        """Each tensor rebuilt through the whole chain, in order, a few at a time on worker threads.
+
+        Errors are returned in ``Rebuilt.error``, not raised, so that a caller can report them per step.
+        """
+        names = list(self.header.tensors) if names is None else list(names)
+        # kernels run single-threaded inside each worker: one numba thread pool shared by two busy threads
+        # stalls whenever another process holds a core; the workers split the tensors between the cores
+        pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="deltasync-replay", initializer=numba.set_num_threads, initargs=(1,))
+        try:
+            for k, rebuilt in enumerate(_ahead(pool, lambda n: self._rebuild(n, keep), names, depth=_WORKERS + 1)):
+                yield rebuilt
+                if progress:
+                    progress(f"replay step {self.steps[-1]}", k + 1, len(names))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _rebuild(self, name: str, keep: int | None) -> Rebuilt:
+        out = Rebuilt(name=name, tensor=torch.empty(0))
+        link = 0
+        try:
+            t = out.tensor = self.objects[0].read_tensor(name)
+            checksum = tensor_checksum(t)
+            for link, obj in enumerate(self.objects):
+                if link and obj.header.tensors[name].changed:
+                    positions, xor = obj.patch(name)
+                    checksum = add(checksum, xor_into(t, positions, xor))
+                out.checksums.append(checksum)
+                if link == keep:
+                    out.kept = t.clone()
+        except DeltaSyncError as e:
+            out.error = (link, e)
+        return out
+
+    def failure(self, rebuilt: Rebuilt) -> tuple[int, DeltaSyncError] | None:
+        """Where rebuilding a tensor first went wrong: (link, error), a checksum mismatch or a decoding error."""
+        for link, checksum in enumerate(rebuilt.checksums):
+            h = self.objects[link].header
+            expected = h.tensors[rebuilt.name].checksum
+            if checksum != parse_checksum(expected):
+                return link, ChecksumMismatchError(
+                    f"{self.objects[link].where}: tensor {rebuilt.name!r} does not match the trainer's checksum after "
+                    f"step {h.step}: expected {expected}, got {format_checksum(checksum)}"
+                )
+        return rebuilt.error
+
+    def check(self, rebuilt: Rebuilt) -> None:
+        """Raise the first error or checksum mismatch on the way to the chain's last step."""
+        failed = self.failure(rebuilt)
+        if failed:
+            raise failed[1]
+
+    def tensors(self, names: Iterable[str] | None = None, *, progress: ProgressFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each tensor at the chain's last step, its checksum checked at every step on the way."""
+        for rebuilt in self.rebuild(names, progress=progress):
+            self.check(rebuilt)
+            yield rebuilt.name, rebuilt.tensor
+
+
+@dataclass(kw_only=True)
+class Rebuilt:
+    """One tensor rebuilt through a chain: its state at the last link, and its checksum after each link."""
+
+    name: str
+    tensor: torch.Tensor
+    checksums: list[int] = field(default_factory=list)
+    kept: torch.Tensor | None = None  # a copy at the link asked for
+    error: tuple[int, DeltaSyncError] | None = None  # (link, error) when the chain could not be followed
+
+
+def check_layout(anchor: StepObject, obj: StepObject) -> None:
+    """Raise ``TensorMismatchError`` unless ``obj`` holds the tensor names, shapes and dtypes of ``anchor``."""
+    a, h = anchor.header.tensors, obj.header.tensors
+    if h.keys() != a.keys() or any((t.dtype, t.shape) != (a[n].dtype, a[n].shape) for n, t in h.items()):
+        raise TensorMismatchError(f"{obj.where}: tensor names, shapes or dtypes differ from those of its anchor, step {anchor.header.step}")
+
+
+def open_checked(reader: StreamReader, step: int) -> StepObject:
+    """``reader.open`` plus the state checksum: the header agrees with its manifest and with itself."""
+    obj = reader.open(step)
+    m, h = reader.manifest(step), obj.header
+    if h.state_checksum != m.state_checksum or state_checksum(h.checksums()) != h.state_checksum:
+        obj.close()
+        raise FormatError(
+            f"{reader.url} step {step}: the object header's state checksum {h.state_checksum[:16]}… disagrees with "
+            f"its manifest's {m.state_checksum[:16]}… or with its own tensor checksums"
+        )
+    return obj
+
+
+def _ahead(pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable[T], *, depth: int) -> Iterator[R]:
+    """``map(fn, items)`` on ``pool``, in order, with at most ``depth`` results computed ahead (bounded memory)."""
+    it = iter(items)
+    pending: deque[Future[R]] = deque(pool.submit(fn, item) for item in itertools.islice(it, depth))
+    while pending:
+        result = pending.popleft().result()
+        pending.extend(pool.submit(fn, item) for item in itertools.islice(it, 1))
+        yield result

@@ -1,0 +1,184 @@
+import json
+import shutil
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+from deltasync import (
+    ChecksumMismatchError,
+    CorruptObjectError,
+    OutputExistsError,
+    StepNotFoundError,
+    StepOrderError,
+    StreamReader,
+    TensorMismatchError,
+    compare,
+    push_checkpoint,
+    reconstruct_state_dict,
+    reconstruct_tensor,
+    replay_to_folder,
+)
+from deltasync.checkpoints import FILES_INDEX
+from deltasync.history import layer_of
+from deltasync.store import Store
+from tests.conftest import bits_equal, states_equal
+from tests.damage import object_path, rewrite_header, wrong_checksum
+
+
+@pytest.fixture
+def damaged(qwen_stream, tmp_path):
+    """A copy of the stream to damage."""
+    url = str(tmp_path / "stream")
+    shutil.copytree(qwen_stream.url, url)
+    return url
+
+
+def test_replay_of_every_step_equals_the_trainers_state(qwen_stream):
+    reader = StreamReader(qwen_stream.url)
+    for step, want in qwen_stream.truth.items():
+        got = reconstruct_state_dict(reader, step)
+        assert states_equal(got, want), step
+        assert got["lm_head.weight"] is got["model.embed_tokens.weight"]  # tied, as in the trainer
+
+
+def test_replayed_folder_loads_in_transformers_with_the_trainers_logits(qwen_stream, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    x = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    for step in (6, 9):  # anchor 4 + two deltas; anchor 8 + one delta
+        out = tmp_path / f"step{step}"
+        result = replay_to_folder(qwen_stream.url, step, out, verify="full")
+        assert result.chain == ((4, 5, 6) if step == 6 else (8, 9))
+        assert set(result.model_files) == {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+        with safetensors.safe_open(str(out / "model.safetensors"), framework="pt") as f:
+            assert "lm_head.weight" not in f.keys()  # tied: left out, as save_pretrained does
+            assert f.metadata()["deltasync_step"] == str(step)
+        loaded = AutoModelForCausalLM.from_pretrained(out).eval()  # as it is: no arguments
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+        with torch.no_grad():
+            assert torch.equal(loaded(x).logits, qwen_stream.model_at(step)(x).logits)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step6", "step9"]  # no temporary folders left
+
+
+def test_reconstruct_one_tensor(qwen_stream):
+    truth = qwen_stream.truth[7]
+    for name in ("model.layers.1.mlp.down_proj.weight", "lm_head.weight", "model.norm.weight"):
+        assert bits_equal(reconstruct_tensor(qwen_stream.url, 7, name), truth[name])
+    with pytest.raises(TensorMismatchError, match="step 7: no tensor 'nope'"):
+        reconstruct_tensor(qwen_stream.url, 7, "nope")
+
+
+def test_replay_writes_nothing_unless_verified(damaged, tmp_path):
+    store = Store(damaged)
+    rewrite_header(store, 6, wrong_checksum)  # consistent object and manifest: only replaying finds it
+    out = tmp_path / "out"
+    with pytest.raises(ChecksumMismatchError, match="step 6: tensor .* does not match the trainer's checksum after step 6"):
+        replay_to_folder(damaged, 7, out)
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["stream"]
+    object_path(store, 9).write_bytes(b"garbage")
+    with pytest.raises(CorruptObjectError, match="step 9 object delta.safetensors: 7 bytes"):
+        replay_to_folder(damaged, 9, out)
+    assert not out.exists()
+
+
+def test_replay_replaces_an_existing_folder_only_when_asked(qwen_stream, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("keep me")
+    with pytest.raises(OutputExistsError, match="already exists and is not empty"):
+        replay_to_folder(qwen_stream.url, 3, out)
+    assert (out / "old.txt").exists()
+    replay_to_folder(qwen_stream.url, 3, out, overwrite=True)
+    assert not (out / "old.txt").exists() and (out / "model.safetensors").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_missing_steps_name_their_neighbours(damaged, tmp_path):
+    with pytest.raises(StepNotFoundError, match=r"step 42 is not committed \(nearest committed: 9; stream holds 0..9\)"):
+        reconstruct_state_dict(damaged, 42)
+    Store(damaged).delete("steps/000000000005", recursive=True)  # collected, or never published
+    with pytest.raises(StepNotFoundError, match=r"step 5 is not committed \(nearest committed: 4, 6"):
+        replay_to_folder(damaged, 5, tmp_path / "out")
+    with pytest.raises(StepNotFoundError, match="the chain to step 7 is broken at step 5"):
+        replay_to_folder(damaged, 7, tmp_path / "out")
+    with pytest.raises(StepNotFoundError, match="no deltasync stream here \\(the location does not exist\\)"):
+        replay_to_folder(str(tmp_path / "nowhere"), 1, tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StepNotFoundError, match="no deltasync stream here \\(it has no committed steps\\)"):
+        reconstruct_state_dict(str(tmp_path / "empty"), 1)
+    assert not (tmp_path / "out").exists()
+
+
+def _expected(a: dict, b: dict, name: str) -> tuple[int, float, float]:
+    ta, tb = a[name], b[name]
+    changed = int((ta.view(torch.int16) != tb.view(torch.int16)).sum())
+    d = tb.float() - ta.float()
+    return changed, float(d.norm() / ta.float().norm()), float(d.abs().max())
+
+
+@pytest.mark.parametrize("a,b", [(6, 7), (5, 9), (9, 3), (4, 4)])
+def test_compare_per_tensor_and_per_layer(qwen_stream, a, b):
+    c = compare(qwen_stream.url, a, b)
+    ta, tb = qwen_stream.truth[a], qwen_stream.truth[b]
+    assert [d.name for d in c.tensors] == [n for n in ta if n != "lm_head.weight"]
+    for d in c.tensors:
+        changed, rel, top = _expected(ta, tb, d.name)
+        assert d.changed == changed
+        assert d.rel_l2 == pytest.approx(rel, rel=1e-4, abs=1e-12)
+        assert d.max_abs_change == pytest.approx(top, rel=1e-6)
+    assert [d.name for d in c.layers] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"]
+    layer0 = [d for d in c.tensors if layer_of(d.name) == "model.layers.0"]
+    assert c.layers[1].changed == sum(d.changed for d in layer0) and c.layers[1].numel == sum(d.numel for d in layer0)
+    assert (sum(d.changed for d in c.tensors) == 0) == (a == b)
+    json.dumps(c.to_dict(), allow_nan=False)
+
+
+def test_push_checkpoints_into_a_browsable_history(qwen_stream, tmp_path):
+    url = str(tmp_path / "imported")
+    for step in (0, 3, 6):  # an existing run's saved checkpoints, one file each
+        path = tmp_path / f"ckpt-{step}.safetensors"
+        safetensors.torch.save_file({n: t for n, t in qwen_stream.truth[step].items() if n != "lm_head.weight"}, str(path))
+        m = push_checkpoint(url, step, path)
+        assert (m.kind, m.base_step) == (("anchor", None) if step == 0 else ("delta", step - 3))
+    for step in (0, 3, 6):
+        want = {n: t for n, t in qwen_stream.truth[step].items() if n != "lm_head.weight"}
+        assert states_equal(reconstruct_state_dict(url, step), want)
+    with pytest.raises(StepOrderError, match="step 6 is not after the stream's latest step 6"):
+        push_checkpoint(url, 6, tmp_path / "ckpt-6.safetensors")
+
+
+def test_push_replayed_folders_reproduces_the_steps(qwen_stream, tmp_path):
+    # folders as transformers saves them (the tied lm_head left out), with their model files
+    url = str(tmp_path / "copy")
+    replay_to_folder(qwen_stream.url, 4, tmp_path / "s4")
+    replay_to_folder(qwen_stream.url, 7, tmp_path / "s7")
+    push_checkpoint(url, 4, tmp_path / "s4")
+    m = push_checkpoint(url, 7, tmp_path / "s7", dtype=torch.bfloat16)
+    assert m.kind == "delta" and m.state_checksum == StreamReader(qwen_stream.url).manifest(7).state_checksum
+    assert states_equal(
+        {n: t for n, t in reconstruct_state_dict(url, 7).items()},
+        {n: t for n, t in qwen_stream.truth[7].items() if n != "lm_head.weight"},
+    )
+    assert json.loads(Store(url).read_bytes(FILES_INDEX))["files"].keys() == {
+        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"
+    }
+
+
+def test_push_onto_a_stream_with_tied_names(qwen_stream, tmp_path):
+    url = str(tmp_path / "stream")
+    shutil.copytree(qwen_stream.url, url)
+    new = {n: t.clone() for n, t in qwen_stream.truth[9].items()}
+    new["model.norm.weight"] += 1
+    both = tmp_path / "both.safetensors"  # the tied name saved too, with the same bits
+    safetensors.torch.save_file({n: t.clone() for n, t in new.items()}, str(both))
+    m = push_checkpoint(url, 10, both)
+    assert (m.kind, m.base_step, m.stats["changed"]) == ("delta", 9, 64)
+    got = reconstruct_state_dict(url, 10)
+    assert states_equal(got, new) and got["lm_head.weight"] is got["model.embed_tokens.weight"]
+    new["lm_head.weight"] = new["lm_head.weight"] + 1
+    safetensors.torch.save_file(new, str(both))
+    with pytest.raises(TensorMismatchError, match="'lm_head.weight' is tied to 'model.embed_tokens.weight'"):
+        push_checkpoint(url, 11, both)
