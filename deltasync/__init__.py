@@ -13,6 +13,7 @@ Consumer::
 History::
 
     replay_to_folder("s3://bucket/run1", step, "ckpt-step")   # a folder transformers and vLLM load
+    verify("s3://bucket/run1"); collect_garbage("s3://bucket/run1", keep_last=100)
 """
 
 from .apply import Replica
@@ -35,6 +36,7 @@ from .errors import (
 from .format import FORMAT_VERSION, StepHeader, StepObject, TensorHeader
 from .history import Comparison, ReplayResult, compare, push_checkpoint, reconstruct_state_dict, reconstruct_tensor
 from .history import replay_to_folder
+from .maintenance import GcPlan, VerifyReport, collect_garbage, plan_gc, read_heartbeats, run_gc, verify, write_heartbeat
 from .publisher import DeltaPublisher, StepMetrics
 from .reader import StreamReader
 from .store import Manifest, Store
@@ -48,6 +50,7 @@ __all__ = [
     "DeltaPublisher",
     "DeltaSyncError",
     "FormatError",
+    "GcPlan",
     "Manifest",
     "OutputExistsError",
     "PublishError",
@@ -63,13 +66,20 @@ __all__ = [
     "StreamReader",
     "TensorHeader",
     "TensorMismatchError",
+    "VerifyReport",
     "WaitTimeoutError",
     "WriterConflictError",
+    "collect_garbage",
     "compare",
+    "plan_gc",
     "push_checkpoint",
+    "read_heartbeats",
     "reconstruct_state_dict",
     "reconstruct_tensor",
     "replay_to_folder",
+    "run_gc",
     "state_checksum",
     "tensor_checksum",
+    "verify",
+    "write_heartbeat",
 ]

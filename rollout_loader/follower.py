@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from deltasync import Replica, StepObject, StreamReader
 from deltasync.apply import Verify
 from deltasync.errors import DeltaSyncError, WaitTimeoutError
+from deltasync.maintenance import check_consumer_id, write_heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class Follower:
 
     ``start()`` runs a background thread polling every ``poll_s``; ``sync()`` catches up once in the
     caller's thread. ``on_step(step)`` is called after each step is live in the target. If the target is
-    more than ``max_chain`` deltas behind, it restarts from the nearest anchor instead.
+    more than ``max_chain`` deltas behind, it restarts from the nearest anchor instead. With ``consumer_id``
+    it records its step in the store after each step (a heartbeat that garbage collection respects).
     """
 
     def __init__(
@@ -71,12 +73,14 @@ class Follower:
         max_chain: int = 50,
         on_step: Callable[[int], None] | None = None,
         storage_options: dict[str, Any] | None = None,
+        consumer_id: str | None = None,
     ) -> None:
         self.reader = url if isinstance(url, StreamReader) else StreamReader(url, storage_options=storage_options)
         self.target = target
         self.poll_s = poll_s
         self.max_chain = max_chain
         self.on_step = on_step
+        self.consumer_id = consumer_id if consumer_id is None else check_consumer_id(consumer_id)
         self.last_error: BaseException | None = None
         self._from_anchor = False  # after a failure, rebuild from the nearest anchor
         self._stop = threading.Event()
@@ -114,6 +118,11 @@ class Follower:
                 self._changed.notify_all()
             if self.on_step:
                 self.on_step(s)
+            if self.consumer_id is not None:
+                try:
+                    write_heartbeat(self.reader.store, self.consumer_id, s)
+                except (DeltaSyncError, OSError) as e:  # a missed heartbeat must not stop the follower
+                    log.warning("follower: heartbeat for step %d failed: %s", s, e)
         return applied
 
     def wait_for(self, step: int, *, timeout_s: float = 60.0) -> int:

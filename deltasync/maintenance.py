@@ -1,0 +1,362 @@
+"""Keeping a stream healthy: verify every step by replaying it, and collect garbage without hurting consumers.
+
+Garbage collection is planned by a pure function (``plan_gc``: committed steps and consumer positions in,
+a ``GcPlan`` out) and executed by ``run_gc``; ``collect_garbage`` does both. Consumers record their position in the store
+(``consumers/<id>.json``, a heartbeat written by ``Follower(consumer_id=...)``); a plan never deletes a
+step that a consumer with a recent heartbeat holds or may still need to catch up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from .errors import ChecksumMismatchError, CorruptObjectError, DeltaSyncError, FormatError, StepNotFoundError, TensorMismatchError
+from .format import StepObject
+from .replay import Chain, ProgressFn, check_layout, open_checked, open_reader, require_steps
+from .reader import StreamReader
+from .store import MANIFEST, Manifest, Store, step_dir
+
+log = logging.getLogger(__name__)
+
+CONSUMERS_DIR = "consumers"
+_CONSUMER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+# --- verify ---
+
+ProblemKind = Literal["manifest", "object", "header", "chain", "checksum"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """One thing wrong with one step."""
+
+    step: int
+    kind: ProblemKind
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyReport:
+    """Which steps were replayed with every checksum reproduced, and what was wrong with the others."""
+
+    url: str
+    first: int
+    last: int
+    verified: tuple[int, ...]
+    problems: tuple[Problem, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def verify(
+    url: str | StreamReader,
+    *,
+    first: int | None = None,
+    last: int | None = None,
+    all_problems: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    progress: ProgressFn | None = None,
+) -> VerifyReport:
+    """Check every committed step in ``first..last``: manifest, object (size, SHA-256), header (valid, and
+    agreeing with the manifest), chain (each delta's base is committed and sound) and checksums, by
+    replaying every tensor through every step.
+
+    Stops at the first problem (the lowest step) unless ``all_problems``. A step whose chain starts below
+    ``first`` is replayed from its anchor; problems there are reported under their own step.
+    """
+    reader = open_reader(url, storage_options)
+    committed = require_steps(reader)
+    lo = committed[0] if first is None else first
+    hi = committed[-1] if last is None else last
+    targets = [s for s in committed if lo <= s <= hi]
+    if not targets:
+        raise StepNotFoundError(f"{reader.url}: no committed steps in {lo}..{hi} (the stream holds {committed[0]}..{committed[-1]})")
+    run = _Verification(reader, set(committed), all_problems)
+    segments = run.segments(targets)
+    for k, segment in enumerate(segments):
+        if run.done(segment[0]):
+            break
+        run.replay(segment, progress)
+        if progress:
+            progress("verify", k + 1, len(segments))
+    problems = sorted(run.problems, key=lambda p: p.step)
+    if not all_problems:
+        problems = problems[:1]
+    bad = {p.step for p in run.problems}
+    verified = tuple(s for s in targets if s in run.replayed and s not in bad)
+    return VerifyReport(url=reader.url, first=lo, last=hi, verified=verified, problems=tuple(problems))
+
+
+class _Verification:
+    def __init__(self, reader: StreamReader, committed: set[int], all_problems: bool) -> None:
+        self.reader = reader
+        self.committed = committed
+        self.all_problems = all_problems
+        self.problems: list[Problem] = []
+        self.replayed: set[int] = set()
+        self._folders: set[int] | None = None
+
+    def report(self, step: int, kind: ProblemKind, message: str) -> None:
+        self.problems.append(Problem(step=step, kind=kind, message=message))
+
+    def done(self, step: int) -> bool:
+        """Without ``all_problems``, stop once a problem below ``step`` is known (it is the first)."""
+        return not self.all_problems and any(p.step < step for p in self.problems)
+
+    def segments(self, targets: list[int]) -> list[list[int]]:
+        """The targets as linear chains (anchor first), from their manifests; chain problems reported."""
+        out: list[list[int]] = []
+        for s in targets:
+            try:
+                m = self.reader.manifest(s)
+            except FormatError as e:
+                self.report(s, "manifest", str(e))
+                continue
+            if m.kind == "anchor":
+                out.append([s])
+            elif out and out[-1][-1] == m.base_step:
+                out[-1].append(s)
+            elif m.base_step not in self.committed:
+                self.report(s, "chain", f"{self.reader.url}: step {s} is a delta on step {m.base_step}, which is not committed{self._leftover(m.base_step)}")
+            else:
+                try:
+                    out.append(self.reader.chain(s))
+                except (StepNotFoundError, FormatError) as e:
+                    self.report(s, "chain", str(e))
+        return out
+
+    def _leftover(self, step: int | None) -> str:
+        if self._folders is None:
+            self._folders = set(self.reader.store.step_folders())
+        return f" (its folder holds objects but no {MANIFEST})" if step in self._folders else ""
+
+    def replay(self, segment: list[int], progress: ProgressFn | None) -> None:
+        objects: list[StepObject] = []
+        try:
+            failed = self._open(segment, objects)
+            if objects and failed is None:
+                failed = self._check_checksums(objects, progress)
+            if failed is not None:
+                for s in segment[failed + 1 :]:
+                    self.report(s, "chain", f"{self.reader.url}: step {s} builds on step {segment[failed]}, which failed verification")
+            self.replayed.update(segment[: len(objects) if failed is None else failed])
+        finally:
+            for o in objects:
+                o.close()
+
+    def _open(self, segment: list[int], objects: list[StepObject]) -> int | None:
+        """Open each object of the segment; the index of the first that failed, or None."""
+        for i, s in enumerate(segment):
+            try:
+                objects.append(open_checked(self.reader, s))
+                check_layout(objects[0], objects[-1])
+            except CorruptObjectError as e:
+                self.report(s, "object", str(e))
+            except (FormatError, TensorMismatchError) as e:
+                self.report(s, "header", str(e))
+            except StepNotFoundError as e:
+                self.report(s, "manifest", str(e))
+            else:
+                continue
+            return i
+        return None
+
+    def _check_checksums(self, objects: list[StepObject], progress: ProgressFn | None) -> int | None:
+        """Replay every tensor through the segment; the index of the first step that failed, or None."""
+        chain = Chain(objects)
+        first: dict[int, DeltaSyncError] = {}  # link -> the first error found there
+        for rebuilt in chain.rebuild(progress=progress):
+            failed = chain.failure(rebuilt)
+            if failed:
+                first.setdefault(*failed)
+        if not first:
+            return None
+        link = min(first)
+        kind: ProblemKind = "checksum" if isinstance(first[link], ChecksumMismatchError) else "object"
+        self.report(chain.steps[link], kind, str(first[link]))
+        return link
+
+
+# --- consumer positions ---
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerPosition:
+    """A consumer's heartbeat: the step it holds, and when it said so."""
+
+    consumer_id: str
+    step: int
+    updated_unix_s: float
+
+
+def write_heartbeat(store: Store, consumer_id: str, step: int) -> None:
+    """Record that ``consumer_id`` holds ``step`` (``consumers/<consumer_id>.json``); garbage collection
+    keeps what it needs while the heartbeat is recent."""
+    position = ConsumerPosition(consumer_id=check_consumer_id(consumer_id), step=step, updated_unix_s=time.time())
+    store.write_bytes(f"{CONSUMERS_DIR}/{consumer_id}.json", json.dumps(asdict(position)).encode())
+
+
+def check_consumer_id(consumer_id: str) -> str:
+    """``consumer_id`` if it can name a heartbeat object, else ``ValueError``."""
+    if not _CONSUMER_ID.match(consumer_id):
+        raise ValueError(f"consumer id {consumer_id!r} must be 1-128 letters, digits, '.', '_' or '-'")
+    return consumer_id
+
+
+def read_heartbeats(store: Store) -> list[ConsumerPosition]:
+    """Every consumer's last heartbeat (unreadable ones are skipped with a warning)."""
+    def listing() -> list[str]:
+        store.fs.invalidate_cache()  # other processes write heartbeats
+        return store.fs.find(store.path(CONSUMERS_DIR))
+
+    try:
+        paths = store.call("list consumers", listing)
+    except FileNotFoundError:
+        return []
+    out = []
+    for path in sorted(p for p in paths if p.endswith(".json")):
+        rel = f"{CONSUMERS_DIR}/{path.rsplit('/', 1)[-1]}"
+        try:
+            d = json.loads(store.read_bytes(rel))
+            out.append(ConsumerPosition(consumer_id=str(d["consumer_id"]), step=int(d["step"]), updated_unix_s=float(d["updated_unix_s"])))
+        except FileNotFoundError:
+            continue  # removed since the listing
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("%s: skipping unreadable heartbeat %s (%s)", store.url, rel, e)
+    return out
+
+
+# --- garbage collection ---
+
+
+@dataclass(frozen=True, kw_only=True)
+class GcPlan:
+    """What a garbage collection keeps and deletes. Plain data: ``run_gc`` executes it."""
+
+    keep: dict[int, str]  # step -> why it is kept
+    delete: tuple[int, ...]  # committed steps, newest first: an interrupted run leaves whole chains
+    leftovers: tuple[int, ...]  # step folders without a manifest, older than the latest step
+    freed_bytes: int
+    live_consumers: tuple[ConsumerPosition, ...]
+    stale_consumers: tuple[ConsumerPosition, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["keep"] = [{"step": s, "reason": r} for s, r in sorted(self.keep.items())]
+        return d
+
+
+def plan_gc(
+    manifests: Sequence[Manifest],
+    *,
+    keep_last: int,
+    keep_anchor_every: int | None = None,
+    consumers: Sequence[ConsumerPosition] = (),
+    now_unix_s: float,
+    consumer_max_age_s: float = 3600.0,
+    folders: Sequence[int] = (),
+) -> GcPlan:
+    """Decide what to delete: only steps that no retained step needs.
+
+    Retained: the last ``keep_last`` committed steps; with ``keep_anchor_every`` M, the first anchor of
+    every M-step window (a sparse history to replay from); for each consumer whose heartbeat is at most
+    ``consumer_max_age_s`` old, the step it holds and every later step (it may still replay each).
+    Every retained step keeps its whole chain (its anchor and the deltas in between). ``folders`` are
+    the stream's step folders: those without a manifest and older than the latest step are leftovers.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    if keep_anchor_every is not None and keep_anchor_every < 1:
+        raise ValueError(f"keep_anchor_every must be at least 1, got {keep_anchor_every}")
+    by_step = {m.step: m for m in manifests}
+    steps = sorted(by_step)
+    live = tuple(c for c in consumers if now_unix_s - c.updated_unix_s <= consumer_max_age_s)
+    stale = tuple(c for c in consumers if c not in live)
+    roots: dict[int, str] = {}
+    for s in steps[-keep_last:]:
+        roots.setdefault(s, f"one of the last {keep_last} steps")
+    if keep_anchor_every:
+        windows: set[int] = set()
+        for s in steps:
+            if by_step[s].kind == "anchor" and s // keep_anchor_every not in windows:
+                windows.add(s // keep_anchor_every)
+                roots.setdefault(s, f"first anchor of steps {s // keep_anchor_every * keep_anchor_every}..")
+    for c in live:
+        for s in steps:
+            if s >= c.step:
+                roots.setdefault(s, f"consumer {c.consumer_id} holds step {c.step}" if s == c.step else f"consumer {c.consumer_id} may catch up through it")
+    keep: dict[int, str] = {}
+    for root in sorted(roots):
+        s: int | None = root
+        why = roots[root]
+        while s is not None and s in by_step and s not in keep:
+            keep[s] = why if s == root else roots.get(s, f"in the chain of step {root}")
+            s = None if by_step[s].kind == "anchor" else by_step[s].base_step
+    delete = tuple(sorted((s for s in steps if s not in keep), reverse=True))
+    latest = steps[-1] if steps else -1
+    return GcPlan(
+        keep=dict(sorted(keep.items())),
+        delete=delete,
+        leftovers=tuple(sorted(f for f in set(folders) if f not in by_step and f < latest)),
+        freed_bytes=sum(by_step[s].object_bytes for s in delete),
+        live_consumers=live,
+        stale_consumers=stale,
+    )
+
+
+def run_gc(store: Store, plan: GcPlan, *, progress: ProgressFn | None = None) -> None:
+    """Execute ``plan``: each step's manifest first (readers stop seeing it), then its folder."""
+    total = len(plan.delete) + len(plan.leftovers)
+    for k, s in enumerate(plan.delete):
+        store.delete(f"{step_dir(s)}/{MANIFEST}")
+        store.delete(step_dir(s), recursive=True)
+        if progress:
+            progress("delete", k + 1, total)
+    for k, s in enumerate(plan.leftovers):
+        store.delete(step_dir(s), recursive=True)
+        if progress:
+            progress("delete", len(plan.delete) + k + 1, total)
+    if total:
+        log.info("%s: deleted steps %s and leftovers %s", store.url, list(plan.delete), list(plan.leftovers))
+
+
+def collect_garbage(
+    url: str | Store,
+    *,
+    keep_last: int,
+    keep_anchor_every: int | None = None,
+    consumer_max_age_s: float = 3600.0,
+    dry_run: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    progress: ProgressFn | None = None,
+) -> GcPlan:
+    """Plan a garbage collection of the stream at ``url`` (``plan_gc``) and, unless ``dry_run``, execute it.
+
+    Fails, deleting nothing, when a manifest cannot be read.
+    """
+    store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
+    require_steps(StreamReader(store))
+    manifests = [store.manifest(s) for s in store.steps()]
+    plan = plan_gc(
+        manifests,
+        keep_last=keep_last,
+        keep_anchor_every=keep_anchor_every,
+        consumers=read_heartbeats(store),
+        now_unix_s=time.time(),
+        consumer_max_age_s=consumer_max_age_s,
+        folders=store.step_folders(),
+    )
+    if not dry_run:
+        run_gc(store, plan, progress=progress)
+    return plan
