@@ -39,6 +39,7 @@ from .history import replay_to_folder
 from .maintenance import GcPlan, VerifyReport, collect_garbage, plan_gc, read_heartbeats, run_gc, verify, write_heartbeat
 from .publisher import DeltaPublisher, StepMetrics
 from .reader import StreamReader
+from .stats import StreamStats, layer_density, plot_stats, stream_stats
 from .store import Manifest, Store
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "Store",
     "StoreError",
     "StreamReader",
+    "StreamStats",
     "TensorHeader",
     "TensorMismatchError",
     "VerifyReport",
@@ -71,7 +73,9 @@ __all__ = [
     "WriterConflictError",
     "collect_garbage",
     "compare",
+    "layer_density",
     "plan_gc",
+    "plot_stats",
     "push_checkpoint",
     "read_heartbeats",
     "reconstruct_state_dict",
@@ -79,6 +83,7 @@ __all__ = [
     "replay_to_folder",
     "run_gc",
     "state_checksum",
+    "stream_stats",
     "tensor_checksum",
     "verify",
     "write_heartbeat",

@@ -1,0 +1,240 @@
+"""Stream statistics: density, bytes, compression and stage timings per step, and a picture of them.
+
+``stream_stats`` reads only manifests. ``layer_density`` reads each delta's step header with two small
+ranged reads (no object download) to tell how much of each layer changed at each step. ``plot_stats``
+draws both with matplotlib (``pip install 'deltasync[plot]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import FormatError, StepNotFoundError
+from .format import METADATA_KEY, StepHeader
+from .history import layer_of
+from .reader import StreamReader
+from .replay import ProgressFn, open_reader, require_steps
+from .store import Manifest, Store, step_dir
+
+_MAX_HEADER_BYTES = 256 << 20  # safetensors' own limit is 100 MB
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStats:
+    """One step as its manifest describes it. ``full_bytes`` is the size of the nearest anchor at or below it."""
+
+    step: int
+    kind: str
+    base_step: int | None
+    object_bytes: int
+    full_bytes: int | None
+    numel: int
+    changed: int
+    density: float
+    capture_s: float | None
+    encode_s: float | None
+    coalesced_steps: tuple[int, ...]
+    created_unix_s: float
+
+    @property
+    def share_of_full(self) -> float | None:
+        return self.object_bytes / self.full_bytes if self.full_bytes else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamStats:
+    """Per-step figures of a stream and their summary."""
+
+    url: str
+    steps: tuple[StepStats, ...]
+
+    def summary(self) -> dict[str, Any]:
+        """Counts, bytes, compression and medians over the deltas (anchors are full copies)."""
+        deltas = [s for s in self.steps if s.kind == "delta"]
+        anchors = [s for s in self.steps if s.kind == "anchor"]
+        total = sum(s.object_bytes for s in self.steps)
+        full = [s.full_bytes for s in self.steps if s.full_bytes]
+        return {
+            "steps": len(self.steps),
+            "anchors": len(anchors),
+            "deltas": len(deltas),
+            "first_step": self.steps[0].step if self.steps else None,
+            "last_step": self.steps[-1].step if self.steps else None,
+            "total_bytes": total,
+            # what the same steps would take as full checkpoints, over what they take
+            "compression_ratio": sum(full) / total if full and total else None,
+            "delta": {
+                "mean_bytes": statistics.fmean(s.object_bytes for s in deltas) if deltas else None,
+                "mean_share_of_full": _mean(s.share_of_full for s in deltas),
+                "density": _spread(s.density for s in deltas),
+                "capture_s": _spread(s.capture_s for s in deltas),
+                "encode_s": _spread(s.encode_s for s in deltas),
+            },
+            "anchor": {
+                "mean_bytes": statistics.fmean(s.object_bytes for s in anchors) if anchors else None,
+                "capture_s": _spread(s.capture_s for s in anchors),
+                "encode_s": _spread(s.encode_s for s in anchors),
+            },
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "summary": self.summary(), "steps": [asdict(s) for s in self.steps]}
+
+
+def _mean(values: Any) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def _spread(values: Any) -> dict[str, float] | None:
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+    return {"min": vals[0], "median": statistics.median(vals), "mean": statistics.fmean(vals), "max": vals[-1]}
+
+
+def stream_stats(
+    url: str | StreamReader, *, first: int | None = None, last: int | None = None, storage_options: dict[str, Any] | None = None
+) -> StreamStats:
+    """Figures of every committed step in ``first..last``, from the manifests alone."""
+    reader = open_reader(url, storage_options)
+    committed = require_steps(reader)
+    rows = []
+    anchor_bytes: int | None = None
+    for s in committed:
+        if last is not None and s > last:
+            break
+        m = reader.manifest(s)
+        if m.kind == "anchor":
+            anchor_bytes = m.object_bytes
+        if first is not None and s < first:
+            continue
+        st = m.stats
+        rows.append(
+            StepStats(
+                step=s,
+                kind=m.kind,
+                base_step=m.base_step,
+                object_bytes=m.object_bytes,
+                full_bytes=anchor_bytes,
+                numel=int(st.get("numel", 0)),
+                changed=int(st.get("changed", 0)),
+                density=float(st.get("density", 1.0)),
+                capture_s=st.get("capture_s"),
+                encode_s=st.get("encode_s"),
+                coalesced_steps=tuple(st.get("coalesced_steps", ())),
+                created_unix_s=m.created_unix_s,
+            )
+        )
+    if not rows:
+        raise StepNotFoundError(f"{reader.url}: no committed steps in {first}..{last} (the stream holds {committed[0]}..{committed[-1]})")
+    return StreamStats(url=reader.url, steps=tuple(rows))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerDensity:
+    """Share of each layer's elements changed at each delta step (``None`` for anchors: no change recorded)."""
+
+    layers: tuple[str, ...]
+    steps: tuple[int, ...]
+    density: tuple[tuple[float | None, ...], ...]  # [layer][step]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def layer_density(
+    url: str | StreamReader, steps: Sequence[int] | None = None, *, storage_options: dict[str, Any] | None = None,
+    progress: ProgressFn | None = None,
+) -> LayerDensity:
+    """Per layer (``history.layer_of``) and step, the share of elements that changed, from step headers."""
+    reader = open_reader(url, storage_options)
+    steps = list(steps) if steps is not None else require_steps(reader)
+    columns: list[dict[str, float] | None] = []
+    layers: dict[str, None] = {}  # ordered set, in model order
+    for k, s in enumerate(steps):
+        m = reader.manifest(s)
+        if m.kind == "anchor":
+            columns.append(None)
+        else:
+            h = read_step_header(reader.store, m)
+            changed: dict[str, int] = {}
+            numel: dict[str, int] = {}
+            for name, t in h.tensors.items():
+                layer = layer_of(name)
+                layers.setdefault(layer)
+                changed[layer] = changed.get(layer, 0) + t.changed
+                numel[layer] = numel.get(layer, 0) + t.numel
+            columns.append({layer: changed[layer] / numel[layer] if numel[layer] else 0.0 for layer in changed})
+        if progress:
+            progress("read step headers", k + 1, len(steps))
+    grid = tuple(tuple(None if col is None else col.get(layer) for col in columns) for layer in layers)
+    return LayerDensity(layers=tuple(layers), steps=tuple(steps), density=grid)
+
+
+def read_step_header(store: Store, manifest: Manifest) -> StepHeader:
+    """A step's header from the first bytes of its object (two ranged reads; the object is not verified)."""
+    path = store.path(step_dir(manifest.step), manifest.object)
+    where = f"{store.url} step {manifest.step} object"
+    head = store.call(f"read {where} header size", lambda: store.fs.cat_file(path, start=0, end=8))
+    size = int.from_bytes(head, "little")
+    if len(head) != 8 or not 0 < size <= _MAX_HEADER_BYTES:
+        raise FormatError(f"{where}: not a safetensors file (header size {size})")
+    text = store.call(f"read {where} header", lambda: store.fs.cat_file(path, start=8, end=8 + size))
+    try:
+        metadata = json.loads(text).get("__metadata__") or {}
+        return StepHeader.from_json(metadata[METADATA_KEY], where=where)
+    except (ValueError, KeyError, AttributeError) as e:
+        raise FormatError(f"{where}: no readable step header ({type(e).__name__}: {e})") from None
+
+
+def plot_stats(stats: StreamStats, density: LayerDensity, path: str | Path) -> Path:
+    """Draw a heat map of change density per layer over steps, and the bytes of each step, to ``path`` (PNG)."""
+    try:
+        from matplotlib import colormaps
+        from matplotlib.colors import LogNorm
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter, LogLocator
+    except ImportError as e:
+        raise ImportError("plotting needs matplotlib: pip install 'deltasync[plot]'") from e
+    import numpy as np
+
+    path = Path(path)
+    n_layers, n_steps = len(density.layers), len(density.steps)
+    grid = np.array([[np.nan if v is None else v for v in row] for row in density.density], dtype=float).reshape(n_layers, n_steps)
+    positive = grid[np.isfinite(grid) & (grid > 0)]
+    low = positive.min() if positive.size else 1e-6
+    high = max(positive.max(), low * 1.01) if positive.size else 1.0
+    cmap = colormaps["viridis"].with_extremes(bad="#d0d0d0", under="black")  # anchors: no change recorded; unchanged
+    shown = np.where(grid == 0, low / 10, grid)  # below the colour scale, so drawn in the "under" colour
+    percent = FuncFormatter(lambda v, _: f"{v * 100:.3g}%")
+
+    fig = Figure(figsize=(max(6.0, min(18.0, 2.0 + 0.25 * n_steps)), 2.5 + max(2.0, 0.22 * n_layers)), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[max(2.0, 0.22 * n_layers), 1.6])
+    image = top.imshow(
+        np.ma.masked_invalid(shown), aspect="auto", interpolation="nearest", cmap=cmap, norm=LogNorm(vmin=low, vmax=high)
+    )
+    top.set_yticks(range(n_layers), [layer.removeprefix("model.") for layer in density.layers], fontsize=7)
+    top.set_title(f"{stats.url}: share of elements changed per layer (grey: anchor, black: unchanged)", fontsize=9)
+    bar = fig.colorbar(image, ax=top, label="changed / elements", pad=0.01)
+    bar.ax.yaxis.set_major_formatter(percent)
+    bar.ax.yaxis.set_minor_formatter(percent)
+    by_step = {s.step: s for s in stats.steps}
+    sizes = [by_step[s].object_bytes / 1e6 if s in by_step else 0.0 for s in density.steps]
+    colors = ["#c44e52" if s in by_step and by_step[s].kind == "anchor" else "#4c72b0" for s in density.steps]
+    bottom.bar(range(n_steps), sizes, color=colors, width=0.85)
+    bottom.set_yscale("log")
+    bottom.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    bottom.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    bottom.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    bottom.set_ylabel("MB per step")
+    bottom.set_xlabel("step (red: anchor, blue: delta)")
+    ticks = list(range(0, n_steps, max(1, n_steps // 20)))
+    bottom.set_xticks(ticks, [str(density.steps[i]) for i in ticks], fontsize=7)
+    fig.savefig(path, dpi=120)
+    return path
