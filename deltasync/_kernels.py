@@ -298,4 +298,14 @@ def xor_dense(u: np.ndarray, xor: np.ndarray, base: np.int64) -> np.uint64:
     return total
 
 
+@_jit
+def xor_plain_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> None:
+    """``u[positions] ^= xor`` in place, without a checksum update (replay checks the result once, in full).
+
+    Positions must be in range (callers validate first).
+    """
+    for i in range(positions.size):
+        u[positions[i]] ^= xor[i]
+
+
 BLOCK = _BLOCK

@@ -4,7 +4,7 @@
 transformers and vLLM load as they are; ``reconstruct_state_dict`` and ``reconstruct_tensor`` give the
 same weights in memory; ``compare`` says what changed between two steps, per tensor and per layer;
 ``push_checkpoint`` turns saved checkpoints into steps of a stream. All rebuild tensors one at a time
-through a step's chain (``replay.Chain``), every checksum checked on the way.
+through a step's chain (``replay.Chain``), each checked against the step's checksums.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def reconstruct_state_dict(
     if step is None:
         step = require_steps(reader)[-1]
     with Chain.open(reader, step, progress=progress) as chain:
-        out = dict(chain.tensors(progress=progress))
+        rebuilt = dict(chain.tensors(progress=progress))
+        out = {name: rebuilt[name] for name in chain.header.tensors}  # the trainer's order
         for alias, target in chain.header.aliases.items():
             out[alias] = out[target]
     return out
@@ -66,7 +67,7 @@ def reconstruct_state_dict(
 def reconstruct_tensor(
     url: str | StreamReader, step: int, name: str, *, storage_options: dict[str, Any] | None = None
 ) -> torch.Tensor:
-    """One tensor of ``step`` (an alias names its target), checked at every step of the chain, without the rest."""
+    """One tensor of ``step`` (an alias names its target), checked against the step's checksum, without the rest."""
     reader = open_reader(url, storage_options)
     with Chain.open(reader, step) as chain:
         target = chain.header.aliases.get(name, name)
@@ -126,8 +127,9 @@ def replay_to_folder(
                 (tmp / name).write_bytes(data)
             weights = tmp / WEIGHTS_FILE
             meta = {"deltasync_step": str(step), "deltasync_state_checksum": header.state_checksum}
-            with CheckpointWriter(weights, header.tensors, metadata=meta) as writer:
-                for name, t in chain.tensors(progress=progress):
+            order = chain.order()  # the file holds the tensors in the order they are rebuilt in
+            with CheckpointWriter(weights, {n: header.tensors[n] for n in order}, metadata=meta) as writer:
+                for name, t in chain.tensors(order, progress=progress):
                     writer.write(name, t)
             if verify == "full":
                 _check_written(weights, header, progress)
@@ -323,22 +325,26 @@ def compare(
     Both states are rebuilt tensor by tensor (one chain walk when ``a`` lies on ``b``'s chain).
     """
     reader = open_reader(url, storage_options)
-    diffs: list[Difference] = []
+    diffs: dict[str, Difference] = {}
     if a in chain_steps(reader, b):
         with Chain.open(reader, b, progress=progress) as chain:
+            names = list(chain.header.tensors)
             at = chain.steps.index(a)
             for rebuilt in chain.rebuild(keep=at, progress=progress):
                 chain.check(rebuilt)
-                diffs.append(_difference(rebuilt.name, rebuilt.kept, rebuilt.tensor))
+                diffs[rebuilt.name] = _difference(rebuilt.name, rebuilt.kept, rebuilt.tensor)
     else:
         with Chain.open(reader, a, progress=progress) as ca, Chain.open(reader, b, progress=progress) as cb:
             if ca.header.tensors.keys() != cb.header.tensors.keys():
                 raise TensorMismatchError(f"{reader.url}: steps {a} and {b} hold different tensor names")
-            for (name, ta), (_, tb) in zip(ca.tensors(), cb.tensors(ca.header.tensors, progress=progress)):
+            names = list(cb.header.tensors)
+            order = cb.order()
+            for (name, ta), (_, tb) in zip(ca.tensors(order), cb.tensors(order, progress=progress)):
                 if ta.shape != tb.shape or ta.dtype != tb.dtype:
                     raise TensorMismatchError(f"{reader.url}: tensor {name!r} is {ta.shape} {ta.dtype} at step {a}, {tb.shape} {tb.dtype} at step {b}")
-                diffs.append(_difference(name, ta, tb))
-    return Comparison(url=reader.url, a=a, b=b, tensors=tuple(diffs), layers=tuple(_by_layer(diffs)))
+                diffs[name] = _difference(name, ta, tb)
+    ordered = [diffs[name] for name in names]  # the trainer's order
+    return Comparison(url=reader.url, a=a, b=b, tensors=tuple(ordered), layers=tuple(_by_layer(ordered)))
 
 
 def _difference(name: str, a: torch.Tensor, b: torch.Tensor) -> Difference:

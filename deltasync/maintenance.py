@@ -176,7 +176,7 @@ class _Verification:
         """Replay every tensor through the segment; the index of the first step that failed, or None."""
         chain = Chain(objects)
         first: dict[int, DeltaSyncError] = {}  # link -> the first error found there
-        for rebuilt in chain.rebuild(progress=progress):
+        for rebuilt in chain.rebuild(check="each", progress=progress):
             failed = chain.failure(rebuilt)
             if failed:
                 first.setdefault(*failed)

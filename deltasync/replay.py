@@ -1,11 +1,11 @@
 """Replay stage: rebuild tensors through a chain of objects (an anchor, then deltas), one tensor at a time.
 
-Each tensor is read from the anchor into fresh memory, then patched by each delta in turn, its checksum
-computed from the bits after every link for comparison with that step's header. A few tensors are rebuilt
-at once on worker threads, in order, so that memory stays near one tensor per worker (one model copy when
-the caller keeps them all); nothing is memory-mapped, so nothing counts twice. Used by ``history`` (replay,
-compare, push) and ``maintenance`` (verify).
-"""
+Each tensor is read from the anchor into fresh memory, then patched by each delta in turn; its checksum
+is computed from the resulting bits and compared with the last step's header (``verify`` instead follows
+it through every link, to name the step that broke a tensor). A few tensors are rebuilt at once on
+worker threads, in order, so that memory stays near one tensor per worker (one model copy when the
+caller keeps them all); nothing is memory-mapped, so nothing counts twice. Used by ``history`` (replay,
+compare, push) and ``maintenance`` (verify)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,14 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numba
+import numpy as np
 import torch
 
+from . import _kernels
+from ._bits import np_bits
 from .apply import xor_into
 from .checksum import add, format_checksum, parse_checksum, state_checksum, tensor_checksum
 from .errors import ChecksumMismatchError, DeltaSyncError, FormatError, StepNotFoundError, TensorMismatchError
@@ -29,6 +32,7 @@ from .reader import StreamReader
 T = TypeVar("T")
 R = TypeVar("R")
 
+Check = Literal["result", "each"]
 ProgressFn = Callable[[str, int, int], None]
 """``progress(what, done, total)``, called during long work (the CLI draws a progress bar)."""
 
@@ -74,16 +78,24 @@ class Chain:
         """Fetch and verify every object of ``step``'s chain (size, SHA-256, header against manifest)."""
         steps = chain_steps(reader, step)
         objects: list[StepObject] = []
-        try:
-            for i, s in enumerate(steps):
-                objects.append(open_checked(reader, s))
-                if progress:
-                    progress(f"fetch step {step}'s chain", i + 1, len(steps))
-            return cls(objects)
-        except BaseException:
-            for o in objects:
-                o.close()
-            raise
+        # downloads and SHA-256 checks on a few threads: the anchor's hash overlaps the deltas'
+        with ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="deltasync-fetch") as pool:
+            futures = [pool.submit(open_checked, reader, s) for s in steps]
+            try:
+                for i, future in enumerate(futures):
+                    objects.append(future.result())
+                    if progress:
+                        progress(f"fetch step {step}'s chain", i + 1, len(steps))
+                return cls(objects)
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                for future in futures:
+                    if not future.cancelled() and future.exception() is None and future.result() not in objects:
+                        future.result().close()
+                for o in objects:
+                    o.close()
+                raise
 
     @property
     def header(self) -> StepHeader:
@@ -99,49 +111,74 @@ class Chain:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def rebuild(self, names: Iterable[str] | None = None, *, keep: int | None = None, progress: ProgressFn | None = None) -> Iterator[Rebuilt]:
-        """Each tensor rebuilt through the whole chain, in order, a few at a time on worker threads.
+    def order(self) -> list[str]:
+        """The tensors, largest first: the workers finish together instead of one rebuilding the last
+        large tensor (an embedding, a head) alone."""
+        return sorted(self.header.tensors, key=lambda n: -self.header.tensors[n].numel)
 
-        Errors are returned in ``Rebuilt.error``, not raised, so that a caller can report them per step.
+    def rebuild(
+        self, names: Iterable[str] | None = None, *, check: Check = "result", keep: int | None = None,
+        progress: ProgressFn | None = None,
+    ) -> Iterator[Rebuilt]:
+        """Each tensor rebuilt through the whole chain (by default in ``order()``), a few at a time on worker
+        threads, yielded in order.
+
+        ``check="result"`` computes the checksum of each tensor as it is at the chain's last step (and at
+        link ``keep``, whose state is returned as a copy): enough to prove the result, at one pass over
+        the bits. ``"each"`` follows the checksum through every link (an anchor's in full, then each
+        delta's change), so that ``failure`` names the step that broke a tensor. Errors are returned in
+        ``Rebuilt.error``, not raised, so that a caller can report them per step.
         """
-        names = list(self.header.tensors) if names is None else list(names)
+        names = self.order() if names is None else list(names)
         # kernels run single-threaded inside each worker: one numba thread pool shared by two busy threads
         # stalls whenever another process holds a core; the workers split the tensors between the cores
-        pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="deltasync-replay", initializer=numba.set_num_threads, initargs=(1,))
+        pool = ThreadPoolExecutor(
+            max_workers=_WORKERS, thread_name_prefix="deltasync-replay", initializer=numba.set_num_threads, initargs=(1,)
+        )
         try:
-            for k, rebuilt in enumerate(_ahead(pool, lambda n: self._rebuild(n, keep), names, depth=_WORKERS + 1)):
+            for k, rebuilt in enumerate(_ahead(pool, lambda n: self._rebuild(n, check, keep), names, depth=2 * _WORKERS + 2)):
                 yield rebuilt
                 if progress:
                     progress(f"replay step {self.steps[-1]}", k + 1, len(names))
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _rebuild(self, name: str, keep: int | None) -> Rebuilt:
+    def _rebuild(self, name: str, check: Check, keep: int | None) -> Rebuilt:
         out = Rebuilt(name=name, tensor=torch.empty(0))
+        last = len(self.objects) - 1
         link = 0
         try:
             t = out.tensor = self.objects[0].read_tensor(name)
-            checksum = tensor_checksum(t)
+            checksum = tensor_checksum(t) if check == "each" else 0
             for link, obj in enumerate(self.objects):
                 if link and obj.header.tensors[name].changed:
                     positions, xor = obj.patch(name)
-                    checksum = add(checksum, xor_into(t, positions, xor))
-                out.checksums.append(checksum)
+                    if check == "each":
+                        checksum = add(checksum, xor_into(t, positions, xor))
+                    else:
+                        _xor_plain(t, positions, xor)
                 if link == keep:
                     out.kept = t.clone()
+                    if check == "result" and link != last:
+                        out.checksums[link] = tensor_checksum(out.kept)
+                if check == "each":
+                    out.checksums[link] = checksum
+            if check == "result":
+                out.checksums[last] = tensor_checksum(t)
         except DeltaSyncError as e:
             out.error = (link, e)
         return out
 
     def failure(self, rebuilt: Rebuilt) -> tuple[int, DeltaSyncError] | None:
         """Where rebuilding a tensor first went wrong: (link, error), a checksum mismatch or a decoding error."""
-        for link, checksum in enumerate(rebuilt.checksums):
+        for link, checksum in sorted(rebuilt.checksums.items()):
             h = self.objects[link].header
             expected = h.tensors[rebuilt.name].checksum
             if checksum != parse_checksum(expected):
                 return link, ChecksumMismatchError(
                     f"{self.objects[link].where}: tensor {rebuilt.name!r} does not match the trainer's checksum after "
                     f"step {h.step}: expected {expected}, got {format_checksum(checksum)}"
+                    + ("" if len(rebuilt.checksums) == len(self.objects) else " (`deltasync verify` names the step that broke it)")
                 )
         return rebuilt.error
 
@@ -152,7 +189,7 @@ class Chain:
             raise failed[1]
 
     def tensors(self, names: Iterable[str] | None = None, *, progress: ProgressFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each tensor at the chain's last step, its checksum checked at every step on the way."""
+        """Each tensor at the chain's last step, its checksum checked against that step's header."""
         for rebuilt in self.rebuild(names, progress=progress):
             self.check(rebuilt)
             yield rebuilt.name, rebuilt.tensor
@@ -160,13 +197,21 @@ class Chain:
 
 @dataclass(kw_only=True)
 class Rebuilt:
-    """One tensor rebuilt through a chain: its state at the last link, and its checksum after each link."""
+    """One tensor rebuilt through a chain: its state at the last link, and its checksum at checked links."""
 
     name: str
     tensor: torch.Tensor
-    checksums: list[int] = field(default_factory=list)
+    checksums: dict[int, int] = field(default_factory=dict)  # link -> checksum computed from the bits
     kept: torch.Tensor | None = None  # a copy at the link asked for
     error: tuple[int, DeltaSyncError] | None = None  # (link, error) when the chain could not be followed
+
+
+def _xor_plain(t: torch.Tensor, positions: np.ndarray | None, xor: np.ndarray) -> None:
+    bits = np_bits(t)
+    if positions is None:
+        np.bitwise_xor(bits, xor, out=bits)
+    else:
+        _kernels.xor_plain_at(bits, positions, xor)
 
 
 def check_layout(anchor: StepObject, obj: StepObject) -> None:

@@ -50,3 +50,19 @@ def wrong_checksum(header: dict) -> None:
     name = next(n for n, t in header["tensors"].items() if t["changed"] or header["kind"] == "anchor")
     old = int(header["tensors"][name]["checksum"], 16)
     header["tensors"][name]["checksum"] = f"0x{(old + 1) % (1 << 64):016x}"
+
+
+def damage_blob(store: Store, step: int) -> str:
+    """Flip bytes inside a delta's first values blob, keeping the manifest consistent (SHA-256 passes):
+    only decoding finds it. Returns the tensor's name."""
+    path = object_path(store, step)
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        metadata = dict(f.metadata())
+        tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
+    key = sorted(k for k in tensors if k.endswith(":values"))[0]
+    blob = tensors[key]
+    blob[len(blob) // 2 : len(blob) // 2 + 8] ^= 0xFF
+    safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+    data = path.read_bytes()
+    write_manifest(store, step, object_bytes=len(data), object_sha256=hashlib.sha256(data).hexdigest())
+    return key.rsplit(":", 1)[0]

@@ -9,6 +9,7 @@ import torch
 from deltasync import (
     ChecksumMismatchError,
     CorruptObjectError,
+    FormatError,
     OutputExistsError,
     StepNotFoundError,
     StepOrderError,
@@ -24,7 +25,7 @@ from deltasync.checkpoints import FILES_INDEX
 from deltasync.history import layer_of
 from deltasync.store import Store
 from tests.conftest import bits_equal, states_equal
-from tests.damage import object_path, rewrite_header, wrong_checksum
+from tests.damage import damage_blob, object_path, rewrite_header, wrong_checksum
 
 
 @pytest.fixture
@@ -72,16 +73,21 @@ def test_reconstruct_one_tensor(qwen_stream):
 
 def test_replay_writes_nothing_unless_verified(damaged, tmp_path):
     store = Store(damaged)
-    rewrite_header(store, 6, wrong_checksum)  # consistent object and manifest: only replaying finds it
+    rewrite_header(store, 7, wrong_checksum)  # consistent object and manifest: only replaying finds it
     out = tmp_path / "out"
-    with pytest.raises(ChecksumMismatchError, match="step 6: tensor .* does not match the trainer's checksum after step 6"):
+    with pytest.raises(ChecksumMismatchError, match="step 7: tensor .* does not match the trainer's checksum after step 7"):
         replay_to_folder(damaged, 7, out)
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["stream"]
+    replay_to_folder(damaged, 6, out)  # the steps before it are sound
     object_path(store, 9).write_bytes(b"garbage")
     with pytest.raises(CorruptObjectError, match="step 9 object delta.safetensors: 7 bytes"):
-        replay_to_folder(damaged, 9, out)
-    assert not out.exists()
+        replay_to_folder(damaged, 9, tmp_path / "out9")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "stream"]
+    name = damage_blob(store, 5)  # passes SHA-256; decoding finds it
+    with pytest.raises(FormatError, match=f"step 5 tensor '{name}'"):
+        replay_to_folder(damaged, 6, tmp_path / "out6")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "stream"]
 
 
 def test_replay_replaces_an_existing_folder_only_when_asked(qwen_stream, tmp_path):

@@ -8,7 +8,7 @@ from deltasync.maintenance import ConsumerPosition
 from deltasync.store import Manifest, Store, step_dir
 from rollout_loader import Follower, StateDictTarget
 from tests.conftest import states_equal
-from tests.damage import object_path, rewrite_header, write_manifest, wrong_checksum
+from tests.damage import damage_blob, object_path, rewrite_header, write_manifest, wrong_checksum
 
 
 @pytest.fixture
@@ -56,6 +56,10 @@ def _checksum_does_not_replay(store):
     rewrite_header(store, 6, wrong_checksum)
 
 
+def _blob_does_not_decode(store):
+    damage_blob(store, 6)
+
+
 def _anchor_checksum_does_not_replay(store):
     rewrite_header(store, 4, wrong_checksum)
 
@@ -71,6 +75,7 @@ def _anchor_checksum_does_not_replay(store):
         (_manifest_disagrees_with_header, 6, "header", "step 6: the object header's state checksum .* disagrees with its manifest", [7]),
         (_header_names_another_step, 6, "header", r"step 6: object header \(step 9, delta\) disagrees with its manifest", [7]),
         (_checksum_does_not_replay, 6, "checksum", "step 6: tensor .* does not match the trainer's checksum after step 6", [7]),
+        (_blob_does_not_decode, 6, "object", "step 6 tensor '.*' values", [7]),
         (_anchor_checksum_does_not_replay, 4, "checksum", "step 4: tensor .* does not match the trainer's checksum after step 4", [5, 6, 7]),
     ],
 )
