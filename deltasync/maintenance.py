@@ -1,9 +1,9 @@
 """Keeping a stream healthy: verify every step by replaying it, and collect garbage without hurting consumers.
 
 Garbage collection is planned by a pure function (``plan_gc``: committed steps and consumer positions in,
-a ``GcPlan`` out) and executed by ``run_gc``; ``collect_garbage`` does both. Consumers record their position in the store
-(``consumers/<id>.json``, a heartbeat written by ``Follower(consumer_id=...)``); a plan never deletes a
-step that a consumer with a recent heartbeat holds or may still need to catch up.
+a ``GcPlan`` out) and executed by ``run_gc``; ``collect_garbage`` does both. Consumers record their
+position in the store (``consumers/<id>.json``, a heartbeat written by ``Follower(consumer_id=...)``); a
+plan never deletes a step that a consumer with a recent heartbeat holds or may still need to catch up.
 """
 
 from __future__ import annotations
@@ -144,13 +144,14 @@ class _Verification:
     def replay(self, segment: list[int], progress: ProgressFn | None) -> None:
         objects: list[StepObject] = []
         try:
-            failed = self._open(segment, objects)
-            if objects and failed is None:
-                failed = self._check_checksums(objects, progress)
-            if failed is not None:
-                for s in segment[failed + 1 :]:
-                    self.report(s, "chain", f"{self.reader.url}: step {s} builds on step {segment[failed]}, which failed verification")
-            self.replayed.update(segment[: len(objects) if failed is None else failed])
+            failures = [self._open(segment, objects)]  # the steps before a bad object are replayed all the same
+            failures.append(self._check_checksums(objects, progress) if objects else None)
+            first = min((f for f in failures if f is not None), default=len(segment))
+            reported = {p.step for p in self.problems}
+            for s in segment[first + 1 :]:
+                if s not in reported:
+                    self.report(s, "chain", f"{self.reader.url}: step {s} builds on step {segment[first]}, which failed verification")
+            self.replayed.update(segment[:first])
         finally:
             for o in objects:
                 o.close()
@@ -159,8 +160,13 @@ class _Verification:
         """Open each object of the segment; the index of the first that failed, or None."""
         for i, s in enumerate(segment):
             try:
-                objects.append(open_checked(self.reader, s))
-                check_layout(objects[0], objects[-1])
+                obj = open_checked(self.reader, s)
+                try:
+                    check_layout(objects[0] if objects else obj, obj)
+                except TensorMismatchError:
+                    obj.close()
+                    raise
+                objects.append(obj)
             except CorruptObjectError as e:
                 self.report(s, "object", str(e))
             except (FormatError, TensorMismatchError) as e:

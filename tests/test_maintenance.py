@@ -178,3 +178,12 @@ def test_heartbeats(tmp_path, small_state):
         write_heartbeat(store, "../x", 1)
     with pytest.raises(ValueError):
         Follower(str(tmp_path), StateDictTarget(), consumer_id="a b")
+
+
+def test_steps_before_a_bad_object_are_still_replayed(stream):
+    store = Store(stream)
+    rewrite_header(store, 5, wrong_checksum)
+    object_path(store, 6).unlink()
+    report = verify(stream, all_problems=True)
+    assert [(p.step, p.kind) for p in report.problems] == [(5, "checksum"), (6, "object"), (7, "chain")]
+    assert report.verified == (0, 1, 2, 3, 4, 8, 9)
