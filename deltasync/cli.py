@@ -291,7 +291,7 @@ def replay(
     step: Annotated[int, typer.Option("--step", help="Step to replay.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Checkpoint folder to write (absent or empty).")],
     overwrite: Annotated[bool, typer.Option(help="Replace an existing folder.")] = False,
-    full_check: Annotated[bool, typer.Option("--full-check", help="Also re-read the written file and checksum it.")] = False,
+    reread: Annotated[bool, typer.Option("--reread", help="Also read the written file back and checksum it.")] = False,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
 ) -> None:
@@ -302,7 +302,7 @@ def replay(
     from .history import replay_to_folder
 
     with _progress() as progress:
-        r = replay_to_folder(url, step, output, overwrite=overwrite, verify="full" if full_check else "incremental",
+        r = replay_to_folder(url, step, output, overwrite=overwrite, reread=reread,
                              storage_options=_storage_options(storage_option), progress=progress)
     if as_json:
         _print_json(r.to_dict())

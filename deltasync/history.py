@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -101,15 +101,15 @@ def replay_to_folder(
     *,
     storage_options: dict[str, Any] | None = None,
     overwrite: bool = False,
-    verify: Literal["incremental", "full"] = "incremental",
+    reread: bool = False,
     progress: ProgressFn | None = None,
 ) -> ReplayResult:
     """Write the exact weights of ``step`` as a checkpoint folder that transformers and vLLM load as it is.
 
     The folder holds the stream's model files (config, tokenizer, ...) and ``model.safetensors`` (tied
     aliases left out, as ``save_pretrained`` does). It is written beside ``out_dir`` and renamed into place
-    only once every tensor's checksum matched step ``step``'s header and manifest; ``verify="full"`` also
-    re-reads the written file and checksums it. An existing non-empty ``out_dir`` is replaced only with
+    only once every tensor's checksum matched step ``step``'s header and manifest; ``reread`` also reads
+    the written file back and checksums it. An existing non-empty ``out_dir`` is replaced only with
     ``overwrite``.
     """
     t0 = time.perf_counter()
@@ -131,7 +131,7 @@ def replay_to_folder(
             with CheckpointWriter(weights, {n: header.tensors[n] for n in order}, metadata=meta) as writer:
                 for name, t in chain.tensors(order, progress=progress):
                     writer.write(name, t)
-            if verify == "full":
+            if reread:
                 _check_written(weights, header, progress)
             _move_into_place(tmp, out)
         except BaseException:
