@@ -352,8 +352,7 @@ def collect_garbage(
     Fails, deleting nothing, when a manifest cannot be read.
     """
     store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
-    require_steps(StreamReader(store))
-    manifests = [store.manifest(s) for s in store.steps()]
+    manifests = [store.manifest(s) for s in require_steps(StreamReader(store))]
     plan = plan_gc(
         manifests,
         keep_last=keep_last,

@@ -53,3 +53,13 @@ def qwen_stream(tmp_path_factory):
     from tests.streams import make_qwen_stream
 
     return make_qwen_stream(tmp_path_factory.mktemp("qwen"))
+
+
+@pytest.fixture
+def stream_copy(qwen_stream, tmp_path):
+    """A copy of ``qwen_stream`` (at ``tmp_path / "stream"``) to damage or collect; returns its URL."""
+    import shutil
+
+    url = str(tmp_path / "stream")
+    shutil.copytree(qwen_stream.url, url)
+    return url

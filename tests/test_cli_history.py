@@ -1,7 +1,6 @@
 """The history commands: replay, push, compare, stats, verify, gc (and their --json, which scripts rely on)."""
 
 import json
-import shutil
 
 import pytest
 import safetensors.torch
@@ -31,13 +30,6 @@ def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
     return e.value.code, captured.out, captured.err
 
 
-@pytest.fixture
-def stream(qwen_stream, tmp_path):
-    url = str(tmp_path / "stream")
-    shutil.copytree(qwen_stream.url, url)
-    return url
-
-
 def test_replay(qwen_stream, tmp_path):
     out = tmp_path / "step7"
     r = runner.invoke(app, ["replay", qwen_stream.url, "--step", "7", "-o", str(out)])
@@ -50,15 +42,15 @@ def test_replay(qwen_stream, tmp_path):
     assert d["chain"] == [0, 1, 2, 3] and d["state_checksum"] == StreamReader(qwen_stream.url).manifest(3).state_checksum
 
 
-def test_replay_errors_are_one_line_and_write_nothing(stream, tmp_path, monkeypatch, capsys):
+def test_replay_errors_are_one_line_and_write_nothing(stream_copy, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
-    code, _, err = run_main(monkeypatch, capsys, "replay", stream, "--step", "12", "-o", str(out))
+    code, _, err = run_main(monkeypatch, capsys, "replay", stream_copy, "--step", "12", "-o", str(out))
     assert code == 2 and err.count("\n") == 1
     assert "StepNotFoundError" in err and "step 12 is not committed (nearest committed: 9; stream holds 0..9)" in err
     code, _, err = run_main(monkeypatch, capsys, "replay", str(tmp_path / "nowhere"), "--step", "1", "-o", str(out))
     assert code == 2 and "no deltasync stream here (the location does not exist)" in err
-    object_path(Store(stream), 6).write_bytes(b"x" * 10)
-    code, _, err = run_main(monkeypatch, capsys, "replay", stream, "--step", "7", "-o", str(out))
+    object_path(Store(stream_copy), 6).write_bytes(b"x" * 10)
+    code, _, err = run_main(monkeypatch, capsys, "replay", stream_copy, "--step", "7", "-o", str(out))
     assert code == 2 and "CorruptObjectError" in err and "step 6" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stream"]
 
@@ -101,32 +93,32 @@ def test_stats_and_plot(qwen_stream, tmp_path):
     assert "8 steps 2..9 (2 anchors, 6 deltas)" in r.output and png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_verify_exit_codes(stream, monkeypatch, capsys):
-    code, out, _ = run_main(monkeypatch, capsys, "verify", stream)
+def test_verify_exit_codes(stream_copy, monkeypatch, capsys):
+    code, out, _ = run_main(monkeypatch, capsys, "verify", stream_copy)
     assert code == 0 and "steps 0..9 verified (10 steps)" in out
-    Store(stream).delete("steps/000000000002/manifest.json")
-    code, out, _ = run_main(monkeypatch, capsys, "verify", stream)
+    Store(stream_copy).delete("steps/000000000002/manifest.json")
+    code, out, _ = run_main(monkeypatch, capsys, "verify", stream_copy)
     assert code == 1 and out.splitlines() == [
-        f"step 3: chain: {stream}: step 3 is a delta on step 2, which is not committed (its folder holds objects but no manifest.json)"
+        f"step 3: chain: {stream_copy}: step 3 is a delta on step 2, which is not committed (its folder holds objects but no manifest.json)"
     ]
-    d = run_json("verify", stream, "--all")
+    d = run_json("verify", stream_copy, "--all")
     assert list(d) == ["url", "first", "last", "verified", "problems", "ok"]
     assert [(p["step"], p["kind"]) for p in d["problems"]] == [(3, "chain")]
     assert d["verified"] == [0, 1, 4, 5, 6, 7, 8, 9] and d["ok"] is False
-    code, _, _ = run_main(monkeypatch, capsys, "verify", stream, "--from", "4")
+    code, _, _ = run_main(monkeypatch, capsys, "verify", stream_copy, "--from", "4")
     assert code == 0
 
 
-def test_gc(stream):
-    d = run_json("gc", stream, "--keep-last", "3", "--dry-run")
+def test_gc(stream_copy):
+    d = run_json("gc", stream_copy, "--keep-last", "3", "--dry-run")
     assert list(d) == ["keep", "delete", "leftovers", "freed_bytes", "live_consumers", "stale_consumers", "dry_run"]
     assert d["delete"] == [3, 2, 1, 0] and d["dry_run"] is True
     assert d["keep"][0] == {"step": 4, "reason": "in the chain of step 7"}
-    assert StreamReader(stream).steps() == list(range(10))
-    r = runner.invoke(app, ["gc", stream, "--keep-last", "3", "--keep-anchor-every", "100"])
+    assert StreamReader(stream_copy).steps() == list(range(10))
+    r = runner.invoke(app, ["gc", stream_copy, "--keep-last", "3", "--keep-anchor-every", "100"])
     assert r.exit_code == 0, r.output
     assert "deleted 3 steps" in r.output and "first anchor of steps 0.." in r.output
-    assert StreamReader(stream).steps() == [0, 4, 5, 6, 7, 8, 9]
+    assert StreamReader(stream_copy).steps() == [0, 4, 5, 6, 7, 8, 9]
 
 
 def test_help_lists_the_history_commands():

@@ -28,14 +28,6 @@ from tests.conftest import bits_equal, states_equal
 from tests.damage import damage_blob, object_path, rewrite_header, wrong_checksum
 
 
-@pytest.fixture
-def damaged(qwen_stream, tmp_path):
-    """A copy of the stream to damage."""
-    url = str(tmp_path / "stream")
-    shutil.copytree(qwen_stream.url, url)
-    return url
-
-
 def test_replay_of_every_step_equals_the_trainers_state(qwen_stream):
     reader = StreamReader(qwen_stream.url)
     for step, want in qwen_stream.truth.items():
@@ -71,22 +63,22 @@ def test_reconstruct_one_tensor(qwen_stream):
         reconstruct_tensor(qwen_stream.url, 7, "nope")
 
 
-def test_replay_writes_nothing_unless_verified(damaged, tmp_path):
-    store = Store(damaged)
+def test_replay_writes_nothing_unless_verified(stream_copy, tmp_path):
+    store = Store(stream_copy)
     rewrite_header(store, 7, wrong_checksum)  # consistent object and manifest: only replaying finds it
     out = tmp_path / "out"
     with pytest.raises(ChecksumMismatchError, match="step 7: tensor .* does not match the trainer's checksum after step 7"):
-        replay_to_folder(damaged, 7, out)
+        replay_to_folder(stream_copy, 7, out)
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["stream"]
-    replay_to_folder(damaged, 6, out)  # the steps before it are sound
+    replay_to_folder(stream_copy, 6, out)  # the steps before it are sound
     object_path(store, 9).write_bytes(b"garbage")
     with pytest.raises(CorruptObjectError, match="step 9 object delta.safetensors: 7 bytes"):
-        replay_to_folder(damaged, 9, tmp_path / "out9")
+        replay_to_folder(stream_copy, 9, tmp_path / "out9")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "stream"]
     name = damage_blob(store, 5)  # passes SHA-256; decoding finds it
     with pytest.raises(FormatError, match=f"step 5 tensor '{name}'"):
-        replay_to_folder(damaged, 6, tmp_path / "out6")
+        replay_to_folder(stream_copy, 6, tmp_path / "out6")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "stream"]
 
 
@@ -102,14 +94,14 @@ def test_replay_replaces_an_existing_folder_only_when_asked(qwen_stream, tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
-def test_missing_steps_name_their_neighbours(damaged, tmp_path):
+def test_missing_steps_name_their_neighbours(stream_copy, tmp_path):
     with pytest.raises(StepNotFoundError, match=r"step 42 is not committed \(nearest committed: 9; stream holds 0..9\)"):
-        reconstruct_state_dict(damaged, 42)
-    Store(damaged).delete("steps/000000000005", recursive=True)  # collected, or never published
+        reconstruct_state_dict(stream_copy, 42)
+    Store(stream_copy).delete("steps/000000000005", recursive=True)  # collected, or never published
     with pytest.raises(StepNotFoundError, match=r"step 5 is not committed \(nearest committed: 4, 6"):
-        replay_to_folder(damaged, 5, tmp_path / "out")
+        replay_to_folder(stream_copy, 5, tmp_path / "out")
     with pytest.raises(StepNotFoundError, match="the chain to step 7 is broken at step 5"):
-        replay_to_folder(damaged, 7, tmp_path / "out")
+        replay_to_folder(stream_copy, 7, tmp_path / "out")
     with pytest.raises(StepNotFoundError, match="no deltasync stream here \\(the location does not exist\\)"):
         replay_to_folder(str(tmp_path / "nowhere"), 1, tmp_path / "out")
     (tmp_path / "empty").mkdir()

@@ -1,5 +1,4 @@
 import json
-import shutil
 
 import pytest
 
@@ -9,14 +8,6 @@ from deltasync.store import Manifest, Store, step_dir
 from rollout_loader import Follower, StateDictTarget
 from tests.conftest import states_equal
 from tests.damage import damage_blob, object_path, rewrite_header, write_manifest, wrong_checksum
-
-
-@pytest.fixture
-def stream(qwen_stream, tmp_path):
-    """A copy of the qwen stream (anchors at 0, 4, 8) to damage or collect."""
-    url = str(tmp_path / "stream")
-    shutil.copytree(qwen_stream.url, url)
-    return url
 
 
 def test_a_sound_stream_verifies(qwen_stream):
@@ -79,26 +70,26 @@ def _anchor_checksum_does_not_replay(store):
         (_anchor_checksum_does_not_replay, 4, "checksum", "step 4: tensor .* does not match the trainer's checksum after step 4", [5, 6, 7]),
     ],
 )
-def test_verify_finds_planted_damage(stream, plant, step, kind, message, dependents):
-    plant(Store(stream))
-    report = verify(stream)
+def test_verify_finds_planted_damage(stream_copy, plant, step, kind, message, dependents):
+    plant(Store(stream_copy))
+    report = verify(stream_copy)
     assert not report.ok and len(report.problems) == 1
     first = report.problems[0]
     assert (first.step, first.kind) == (step, kind)
     assert __import__("re").search(message, first.message), first.message
-    everything = verify(stream, all_problems=True)
+    everything = verify(stream_copy, all_problems=True)
     assert [(p.step, p.kind) for p in everything.problems] == [(step, kind)] + [(s, "chain") for s in dependents]
     assert set(everything.verified) == set(range(10)) - {step, *dependents} - ({5} if plant is _missing_manifest_mid_chain else set())
-    assert verify(stream, first=8).ok  # the next anchor starts a sound chain
+    assert verify(stream_copy, first=8).ok  # the next anchor starts a sound chain
 
 
-def test_verify_from_a_step_replays_its_chain_from_below(stream):
-    rewrite_header(Store(stream), 5, wrong_checksum)
-    report = verify(stream, first=6, last=6)
+def test_verify_from_a_step_replays_its_chain_from_below(stream_copy):
+    rewrite_header(Store(stream_copy), 5, wrong_checksum)
+    report = verify(stream_copy, first=6, last=6)
     assert [(p.step, p.kind) for p in report.problems] == [(5, "checksum")]
-    assert verify(stream, first=8, last=9).ok
+    assert verify(stream_copy, first=8, last=9).ok
     with pytest.raises(StepNotFoundError, match="no committed steps in 20..30"):
-        verify(stream, first=20, last=30)
+        verify(stream_copy, first=20, last=30)
 
 
 def _manifests(kinds: str) -> list[Manifest]:
@@ -139,30 +130,30 @@ def test_plan_keeps_sparse_anchors_and_live_consumers():
         plan_gc(manifests, keep_last=0, now_unix_s=0)
 
 
-def test_gc_respects_a_following_consumer_and_dry_run(stream, qwen_stream):
-    follower = Follower(stream, StateDictTarget(), consumer_id="rollout-0")
+def test_gc_respects_a_following_consumer_and_dry_run(stream_copy, qwen_stream):
+    follower = Follower(stream_copy, StateDictTarget(), consumer_id="rollout-0")
     follower.sync(2)
-    store = Store(stream)
+    store = Store(stream_copy)
     [position] = read_heartbeats(store)
     assert (position.consumer_id, position.step) == ("rollout-0", 2)
-    plan = collect_garbage(stream, keep_last=2, dry_run=True)
+    plan = collect_garbage(stream_copy, keep_last=2, dry_run=True)
     assert sorted(plan.keep) == list(range(10)) and plan.delete == ()
-    assert StreamReader(stream).steps() == list(range(10))
+    assert StreamReader(stream_copy).steps() == list(range(10))
 
     write_heartbeat(store, "rollout-0", 6)
-    plan = collect_garbage(stream, keep_last=2, dry_run=True)
-    assert plan.delete == (3, 2, 1, 0) and StreamReader(stream).steps() == list(range(10))  # dry run: nothing gone
-    plan = collect_garbage(stream, keep_last=2)
+    plan = collect_garbage(stream_copy, keep_last=2, dry_run=True)
+    assert plan.delete == (3, 2, 1, 0) and StreamReader(stream_copy).steps() == list(range(10))  # dry run: nothing gone
+    plan = collect_garbage(stream_copy, keep_last=2)
     assert plan.delete == (3, 2, 1, 0)
-    assert StreamReader(stream).steps() == list(range(4, 10)) and store.step_folders() == list(range(4, 10))
-    assert verify(stream).ok
-    assert states_equal(StreamReader(stream).state_dict(6), qwen_stream.truth[6])
+    assert StreamReader(stream_copy).steps() == list(range(4, 10)) and store.step_folders() == list(range(4, 10))
+    assert verify(stream_copy).ok
+    assert states_equal(StreamReader(stream_copy).state_dict(6), qwen_stream.truth[6])
     with pytest.raises(StepNotFoundError, match=r"step 2 is not committed \(nearest committed: 4; stream holds 4..9\)"):
-        StreamReader(stream).state_dict(2)
+        StreamReader(stream_copy).state_dict(2)
 
-    plan = collect_garbage(stream, keep_last=2, consumer_max_age_s=0.0)  # the consumer went quiet
+    plan = collect_garbage(stream_copy, keep_last=2, consumer_max_age_s=0.0)  # the consumer went quiet
     assert plan.delete == (7, 6, 5, 4) and [c.consumer_id for c in plan.stale_consumers] == ["rollout-0"]
-    assert StreamReader(stream).steps() == [8, 9]
+    assert StreamReader(stream_copy).steps() == [8, 9]
 
 
 def test_heartbeats(tmp_path, small_state):
@@ -180,10 +171,10 @@ def test_heartbeats(tmp_path, small_state):
         Follower(str(tmp_path), StateDictTarget(), consumer_id="a b")
 
 
-def test_steps_before_a_bad_object_are_still_replayed(stream):
-    store = Store(stream)
+def test_steps_before_a_bad_object_are_still_replayed(stream_copy):
+    store = Store(stream_copy)
     rewrite_header(store, 5, wrong_checksum)
     object_path(store, 6).unlink()
-    report = verify(stream, all_problems=True)
+    report = verify(stream_copy, all_problems=True)
     assert [(p.step, p.kind) for p in report.problems] == [(5, "checksum"), (6, "object"), (7, "chain")]
     assert report.verified == (0, 1, 2, 3, 4, 8, 9)
