@@ -44,7 +44,11 @@ class StoreError(DeltaSyncError, OSError):
 
 
 class WriterConflictError(StoreError):
-    """Another publisher holds this stream."""
+    """Another publisher holds this stream, or took it over from this one (its lease expired)."""
+
+
+class StepExistsError(DeltaSyncError, FileExistsError):
+    """A step is already committed: a committed step is never replaced."""
 
 
 class PublishError(DeltaSyncError, RuntimeError):
