@@ -26,6 +26,9 @@ R = TypeVar("R")
 
 DENSE_FRACTION = 0.25  # above this share of changed elements, list every element (no positions)
 ZSTD_MIN_SAVING = 0.05  # keep zstd only when it saves at least this share
+# the most a zstd frame can expand (a 3-byte RLE block header + 1 byte per 128 KiB block): bounds what a
+# blob of n bytes may decompress to, whatever its frame header claims
+ZSTD_MAX_RATIO = 1 << 15
 _ESCAPE_GAP = 65535
 
 POSITION_CODECS = frozenset({"gap16", "dense"})
@@ -86,13 +89,15 @@ def decode_change(
     changed: int,
     positions_chain: list[str],
     values_chain: list[str],
-    positions: bytes | None,
-    values: bytes,
+    positions: bytes | bytearray | None,
+    values: bytes | bytearray,
     where: str,
 ) -> tuple[np.ndarray | None, np.ndarray]:
     """Decode and validate one tensor's change: (sorted int64 positions or None for dense, xor bits).
 
-    ``where`` names the step and tensor for error messages.
+    ``numel``, ``width`` and ``changed`` come from the step header; callers check them against the state they
+    patch first. Every size is checked before its allocation, and decompression stops at the size the
+    header allows (never at the size a zstd frame claims). ``where`` names the step and tensor for errors.
     """
     if not positions_chain or positions_chain[0] not in POSITION_CODECS:
         raise FormatError(f"{where}: unknown positions codec chain {positions_chain!r}")
@@ -100,9 +105,9 @@ def decode_change(
         raise FormatError(f"{where}: unknown values codec chain {values_chain!r}")
     dense = positions_chain[0] == "dense"
     count = numel if dense else changed
-    raw = _unpack(values, values_chain[1:], width, count, where=f"{where} values")
-    if len(raw) != count * width:
-        raise FormatError(f"{where}: expected {count} values, found {len(raw) / width:g}")
+    if "zstd" not in values_chain and len(values) != count * width:
+        raise FormatError(f"{where}: expected {count} values, found {len(values) / width:g}")
+    raw = _unpack(values, values_chain[1:], exact=count * width, where=f"{where} values")
     xor = np.empty(count, UNSIGNED_NP[width])
     if "shuffle" in values_chain and width > 1:
         _kernels.unshuffle_bytes(np.frombuffer(raw, np.uint8), xor)
@@ -116,7 +121,7 @@ def decode_change(
     if positions is None:
         raise FormatError(f"{where}: positions are missing")
     max_entries = changed + numel // _ESCAPE_GAP + 1
-    entries = np.frombuffer(_unpack(positions, positions_chain[1:], 2, max_entries, where=f"{where} positions"), np.uint8)
+    entries = np.frombuffer(_unpack(positions, positions_chain[1:], at_most=2 * max_entries, where=f"{where} positions"), np.uint8)
     if entries.size % 2:
         raise FormatError(f"{where}: positions hold an odd number of bytes ({entries.size})")
     if "shuffle" not in positions_chain:
@@ -144,12 +149,38 @@ def _pack(data: np.ndarray, chain: tuple[str, ...], zstd_level: int) -> tuple[by
     return raw, chain
 
 
-def _unpack(data: bytes, chain: list[str], width: int, max_count: int, *, where: str) -> bytes:
+def _unpack(data: bytes | bytearray, chain: list[str], *, where: str, exact: int | None = None, at_most: int | None = None) -> bytes | bytearray:
+    """Undo the byte codecs of a chain, producing ``exact`` bytes or at most ``at_most`` bytes.
+
+    A zstd frame's declared content size is checked against that bound before anything is allocated, and
+    a frame without one is decompressed into at most the bound; neither can exceed what a zstd frame of this
+    many bytes can hold (``ZSTD_MAX_RATIO``), so a small object never costs a large allocation.
+    """
     if list(chain) not in (["shuffle", "zstd"], ["shuffle"], ["zstd"], []):
         raise FormatError(f"{where}: unsupported codec chain {chain!r}")
-    if "zstd" in chain:
-        try:
-            return zstandard.ZstdDecompressor().decompress(data, max_output_size=max_count * width)
-        except zstandard.ZstdError as e:
-            raise FormatError(f"{where}: zstd frame is corrupt ({e})") from None
-    return data
+    bound = exact if exact is not None else at_most
+    assert bound is not None
+    if "zstd" not in chain:
+        if len(data) != exact and (exact is not None or len(data) > bound):
+            raise FormatError(f"{where}: {len(data)} bytes, expected {'exactly' if exact is not None else 'at most'} {bound}")
+        return data
+    limit = min(bound, len(data) * ZSTD_MAX_RATIO)
+    if exact is not None and exact > limit:
+        raise FormatError(f"{where}: a zstd frame of {len(data)} bytes cannot hold the {exact} bytes the header implies")
+    try:
+        declared = zstandard.frame_content_size(data)
+        if declared > limit or (exact is not None and declared not in (-1, exact)):
+            raise FormatError(f"{where}: zstd frame claims {declared} bytes, expected {'' if exact is not None else 'at most '}{bound if exact is not None else limit}")
+        out = _decompressor().decompress(data) if declared >= 0 else _decompressor().decompress(data, max_output_size=limit)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"{where}: zstd frame is corrupt or larger than expected ({e})") from None
+    if exact is not None and len(out) != exact:
+        raise FormatError(f"{where}: {len(out)} bytes after zstd, expected {exact}")
+    return out
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = _local.__dict__.get("decompressor")
+    if d is None:
+        d = _local.decompressor = zstandard.ZstdDecompressor()
+    return d

@@ -1,149 +1,40 @@
-"""The object format (docs/FORMAT.md): step headers, and writing/reading delta and anchor objects.
+"""The object format (docs/FORMAT.md): writing delta and anchor objects, and reading them back safely.
 
-Objects are written to local files first (then uploaded or renamed into place) so that a large anchor is
-never held twice in memory, and read through ``safetensors.safe_open`` (memory-mapped).
+Objects are written with safetensors. They are read here, not through ``safe_open``: an object comes from a
+store and is untrusted, so its safetensors header is parsed with the same strict rules safetensors applies
+(bounded size, offsets that tile the data buffer exactly, byte lengths that match dtype and shape) plus the
+format's own (the step header, the tensors it promises), all before any tensor-sized allocation. An object is
+read from a file descriptor opened once (a collected file stays readable until closed) or from memory.
 """
 
 from __future__ import annotations
 
-import json
 import math
+import mmap
+import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Literal
 
+import msgspec
 import numpy as np
-import safetensors
 import safetensors.numpy
 import safetensors.torch
 import torch
 
-from ._bits import DTYPES, dtype_from_name
-from .checksum import ALGORITHM, parse_checksum
 from .codecs import EncodedTensor, decode_change, parallel_map
+from .documents import FORMAT_VERSION, ITEMSIZE, MAX_HEADER_BYTES, MAX_OBJECT_BYTES, Count, DtypeName, StepHeader, TensorHeader, decode
 from .errors import FormatError
 
-FORMAT_VERSION = 1
+__all__ = ["FORMAT_VERSION", "METADATA_KEY", "Kind", "StepHeader", "StepObject", "TensorHeader", "write_anchor",
+           "write_delta", "blob_names"]
+
 METADATA_KEY = "deltasync"
 Kind = Literal["delta", "anchor"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class TensorHeader:
-    """One tensor's entry in a step header: its state after the step, and how its change is encoded."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    changed: int
-    checksum: str
-    positions: tuple[str, ...] | None = None
-    values: tuple[str, ...] | None = None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "changed": self.changed, "checksum": self.checksum}
-        if self.positions is not None:
-            d["positions"] = list(self.positions)
-            d["values"] = list(self.values or ())
-        return d
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepHeader:
-    """The self-description of one object (docs/FORMAT.md section 2)."""
-
-    kind: Kind
-    step: int
-    base_step: int | None
-    state_checksum: str
-    tensors: dict[str, TensorHeader]
-    aliases: dict[str, str] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
-    checksum_algorithm: str = ALGORITHM
-
-    @property
-    def numel(self) -> int:
-        return sum(t.numel for t in self.tensors.values())
-
-    @property
-    def changed(self) -> int:
-        return sum(t.changed for t in self.tensors.values())
-
-    def checksums(self) -> dict[str, str]:
-        return {name: t.checksum for name, t in self.tensors.items()}
-
-    def to_json(self) -> str:
-        d = {k: v for k, v in asdict(self).items() if k != "tensors"}
-        d["tensors"] = {name: t.to_json() for name, t in self.tensors.items()}
-        return json.dumps(d, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str, *, where: str) -> StepHeader:
-        """Parse and validate; every problem is a ``FormatError`` that names ``where``."""
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise FormatError(f"{where}: step header is not valid JSON ({e})") from None
-        if not isinstance(d, dict):
-            raise FormatError(f"{where}: step header must be a JSON object")
-        version = d.get("format_version")
-        if version != FORMAT_VERSION:
-            raise FormatError(f"{where}: format version {version!r} is not supported (this library reads {FORMAT_VERSION})")
-        if d.get("checksum_algorithm") != ALGORITHM:
-            raise FormatError(f"{where}: unknown checksum algorithm {d.get('checksum_algorithm')!r}")
-        try:
-            kind, step, base = d["kind"], d["step"], d["base_step"]
-            if kind not in ("delta", "anchor") or not isinstance(step, int) or step < 0:
-                raise ValueError(f"bad kind {kind!r} or step {step!r}")
-            if kind == "anchor" and base is not None:
-                raise ValueError("an anchor has no base step")
-            if kind == "delta" and not (isinstance(base, int) and 0 <= base < step):
-                raise ValueError(f"a delta's base step must be an integer below its step, got {base!r}")
-            tensors = {name: _tensor_from_json(t, kind) for name, t in d["tensors"].items()}
-            aliases = dict(d.get("aliases") or {})
-            for alias, target in aliases.items():
-                if target not in tensors or alias in tensors:
-                    raise ValueError(f"alias {alias!r} -> {target!r} does not name exactly one stored tensor")
-            return cls(
-                kind=kind,
-                step=step,
-                base_step=base,
-                state_checksum=str(d["state_checksum"]),
-                tensors=tensors,
-                aliases=aliases,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise FormatError(f"{where}: invalid step header ({type(e).__name__}: {e})") from None
-
-
-def _tensor_from_json(d: dict[str, Any], kind: str) -> TensorHeader:
-    dtype_from_name(d["dtype"])
-    shape = tuple(d["shape"])
-    if not all(isinstance(s, int) and s >= 0 for s in shape):
-        raise ValueError(f"bad shape {shape!r}")
-    changed = d["changed"]
-    if not isinstance(changed, int) or not 0 <= changed <= math.prod(shape):
-        raise ValueError(f"bad changed count {changed!r} for shape {shape}")
-    parse_checksum(d["checksum"])
-    pos, val = d.get("positions"), d.get("values")
-    if kind == "delta" and changed and (pos is None or val is None):
-        raise ValueError("a changed tensor needs positions and values codec chains")
-    return TensorHeader(
-        dtype=d["dtype"],
-        shape=shape,
-        changed=changed,
-        checksum=d["checksum"],
-        positions=tuple(pos) if pos is not None else None,
-        values=tuple(val) if val is not None else None,
-    )
+# the safetensors header: the step header (up to MAX_HEADER_BYTES) plus one short entry per tensor or blob
+_MAX_SAFETENSORS_HEADER = MAX_HEADER_BYTES + (64 << 20)
 
 
 def blob_names(name: str) -> tuple[str, str]:
@@ -167,26 +58,133 @@ def write_anchor(path: str | Path, header: StepHeader, tensors: Mapping[str, tor
     safetensors.torch.save_file(cpu, str(path), metadata={"format": "pt", METADATA_KEY: header.to_json()})
 
 
-class StepObject:
-    """A published object opened for reading (memory-mapped): its header and its tensors or patches."""
+# --- reading ---
 
-    def __init__(self, path: str | Path, *, where: str) -> None:
-        self.path = str(path)
-        self.where = where
-        try:
-            self._file = safetensors.safe_open(self.path, framework="pt")
-            metadata = self._file.metadata() or {}
-        except Exception as e:  # safetensors raises its own SafetensorError and OSError
-            raise FormatError(f"{where}: not a readable safetensors file ({e})") from None
-        if METADATA_KEY not in metadata:
-            raise FormatError(f"{where}: safetensors file has no '{METADATA_KEY}' header metadata")
-        self.header = StepHeader.from_json(metadata[METADATA_KEY], where=where)
-        self._keys = set(self._file.keys())
-        self._offsets: tuple[int, dict[str, tuple[int, int]]] | None = None
-        self._check_keys()
+
+@dataclass(frozen=True, kw_only=True)
+class _Entry:
+    dtype: DtypeName
+    shape: Annotated[tuple[Count, ...], msgspec.Meta(max_length=16)]
+    data_offsets: tuple[Annotated[int, msgspec.Meta(ge=0, le=MAX_OBJECT_BYTES)], Annotated[int, msgspec.Meta(ge=0, le=MAX_OBJECT_BYTES)]]
+
+
+class _Source:
+    """Random-access reads of an object's bytes: a file descriptor (``pread``) or a buffer in memory."""
+
+    def __init__(self, source: str | Path | bytes | bytearray | memoryview | mmap.mmap) -> None:
+        self.path: str | None = None
+        self._fd: int | None = None
+        self._buf: memoryview | None = None
+        if isinstance(source, (str, Path)):
+            self.path = str(source)
+            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self.size = os.fstat(self._fd).st_size
+        else:
+            self._buf = memoryview(source).cast("B")
+            self.size = self._buf.nbytes
+
+    def read_into(self, offset: int, out: memoryview) -> int:
+        """Fill ``out`` from ``offset``; returns the bytes read (fewer only at the end of the object)."""
+        if self._buf is not None:
+            n = max(0, min(out.nbytes, self.size - offset))
+            out[:n] = self._buf[offset : offset + n]
+            return n
+        assert self._fd is not None, "read from a closed object"
+        done = 0
+        while done < out.nbytes:  # a handle shared by threads: pread has no file position
+            n = os.preadv(self._fd, [out[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def read(self, offset: int, size: int) -> bytearray:
+        buf = bytearray(size)
+        if self.read_into(offset, memoryview(buf)) != size:
+            raise EOFError
+        return buf
 
     def close(self) -> None:
-        self._file = None  # releases the memory map
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._buf = None
+
+
+def parse_header(read: Callable[[int, int], bytes | bytearray], size: int, *, where: str) -> tuple[int, dict[str, _Entry], StepHeader]:
+    """Parse an object's safetensors header with safetensors' own rules, then its step header.
+
+    ``read(offset, size)`` reads bytes of the object (a file, a buffer, or ranged GETs of a remote object of
+    ``size`` bytes: only the first ``8 + header`` bytes are read). Returns where the data buffer starts,
+    each tensor's entry, and the step header.
+    """
+    if size < 8:
+        raise FormatError(f"{where}: {size} bytes, too short for a safetensors file")
+    n = int.from_bytes(_read_exactly(read, 0, 8, where), "little")
+    if not 2 <= n <= min(_MAX_SAFETENSORS_HEADER, size - 8):
+        raise FormatError(f"{where}: safetensors header of {n} bytes in an object of {size} bytes")
+    raw = decode(_read_exactly(read, 8, n, where), dict[str, msgspec.Raw], where=f"{where} safetensors header",
+                 max_bytes=_MAX_SAFETENSORS_HEADER)
+    metadata: dict[str, str] = {}
+    entries: dict[str, _Entry] = {}
+    for key, value in raw.items():
+        if key == "__metadata__":
+            metadata = decode(value, dict[str, str], where=f"{where} safetensors metadata", max_bytes=n)
+        else:
+            entries[key] = decode(value, _Entry, where=f"{where} safetensors entry {key[:200]!r}", max_bytes=n)
+    data_bytes = size - 8 - n
+    end = 0
+    for key, e in sorted(entries.items(), key=lambda kv: kv[1].data_offsets):
+        begin, stop = e.data_offsets
+        want = math.prod(e.shape) * ITEMSIZE[e.dtype]
+        if begin != end or stop - begin != want:
+            raise FormatError(
+                f"{where}: tensor {key[:200]!r} occupies bytes {begin}..{stop} of the data buffer, expected "
+                f"{want} bytes ({e.dtype} {list(e.shape)}) starting at {end}"
+            )
+        end = stop
+    if end != data_bytes:
+        raise FormatError(f"{where}: tensors cover {end} bytes of a {data_bytes}-byte data buffer (truncated or padded)")
+    if METADATA_KEY not in metadata:
+        raise FormatError(f"{where}: safetensors file has no '{METADATA_KEY}' header metadata")
+    return 8 + n, entries, StepHeader.from_json(metadata[METADATA_KEY], where=where)
+
+
+def _read_exactly(read: Callable[[int, int], bytes | bytearray], offset: int, size: int, where: str) -> bytes | bytearray:
+    try:
+        data = read(offset, size)
+    except EOFError:
+        data = b""
+    if len(data) != size:
+        raise FormatError(f"{where}: truncated (wanted bytes {offset}..{offset + size})")
+    return data
+
+
+class StepObject:
+    """A published object opened for reading: its validated header, and its tensors or decoded patches.
+
+    ``source`` is a local path (opened once; reads use that descriptor) or the object's bytes. Every check a
+    reader relies on runs here, at open: so ``verify`` and every consumer refuse exactly the same objects.
+    """
+
+    def __init__(self, source: str | Path | bytes | bytearray | memoryview | mmap.mmap, *, where: str) -> None:
+        self.where = where
+        try:
+            self._src = _Source(source)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise FormatError(f"{where}: cannot open the object ({e})") from None
+        self.path = self._src.path
+        try:
+            self._data_start, self._entries, self.header = parse_header(self._src.read, self._src.size, where=where)
+            self._check_entries()
+        except BaseException:
+            self._src.close()
+            raise
+
+    def close(self) -> None:
+        self._src.close()
 
     def __enter__(self) -> StepObject:
         return self
@@ -194,7 +192,12 @@ class StepObject:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check_keys(self) -> None:
+    @property
+    def nbytes(self) -> int:
+        return self._src.size
+
+    def _check_entries(self) -> None:
+        """The object holds exactly the tensors its header promises, in the promised dtypes and shapes."""
         h = self.header
         if h.kind == "anchor":
             expected = set(h.tensors)
@@ -206,57 +209,44 @@ class StepObject:
                     expected.add(val)
                     if t.positions and t.positions[0] != "dense":
                         expected.add(pos)
-        if self._keys != expected:
+        keys = set(self._entries)
+        if keys != expected:
             raise FormatError(
-                f"{self.where}: object tensors do not match its header: missing {sorted(expected - self._keys)[:5]}, "
-                f"unexpected {sorted(self._keys - expected)[:5]}"
+                f"{self.where}: object tensors do not match its header: missing {sorted(expected - keys)[:5]}, "
+                f"unexpected {sorted(keys - expected)[:5]}"
             )
+        for key, e in self._entries.items():
+            if h.kind == "anchor":
+                t = h.tensors[key]
+                ok, want = (e.dtype, e.shape) == (t.dtype, t.shape), f"{t.dtype} {list(t.shape)} (as its header says)"
+            else:
+                ok, want = e.dtype == "U8" and len(e.shape) == 1, "a 1-D U8 blob"
+            if not ok:
+                raise FormatError(f"{self.where}: tensor {key!r} is stored as {e.dtype} {list(e.shape)}, expected {want}")
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """An anchor's tensor, checked against its header entry."""
-        t = self._file.get_tensor(name)
-        h = self.header.tensors[name]
-        if tuple(t.shape) != h.shape or t.dtype != h.torch_dtype:
-            raise FormatError(f"{self.where}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, header says {h.shape} {h.dtype}")
-        return t
+    def keys(self) -> list[str]:
+        return list(self._entries)
 
     def read_tensor(self, name: str) -> torch.Tensor:
-        """An anchor's tensor read into fresh memory: writable, and freed when dropped.
-
-        ``tensor`` maps the file instead; its pages stay resident (and count towards the process's memory)
-        until the object is closed, and writing to them costs a page fault per page.
-        """
+        """An anchor's tensor, read into fresh memory (writable; its size was checked at open)."""
         h = self.header.tensors[name]
         t = torch.empty(h.shape, dtype=h.torch_dtype)
         if t.numel():
             self._read_into(name, t.reshape(-1).view(torch.uint8).numpy())
         return t
 
+    tensor = read_tensor
+
     def _read_into(self, key: str, out: np.ndarray | bytearray) -> None:
-        """Read a stored tensor's bytes into ``out`` (a writable buffer of its size) with a plain read."""
-        start, offsets = self._data_offsets()
-        begin, end = offsets[key]
+        begin, end = self._entries[key].data_offsets
         view = memoryview(out).cast("B")
         if end - begin != view.nbytes:
             raise FormatError(f"{self.where}: tensor {key!r} holds {end - begin} bytes, expected {view.nbytes}")
-        with open(self.path, "rb") as f:  # a handle per read: decoding runs on several threads
-            f.seek(start + begin)
-            if f.readinto(view) != view.nbytes:
-                raise FormatError(f"{self.where}: tensor {key!r} is truncated")
-
-    def _data_offsets(self) -> tuple[int, dict[str, tuple[int, int]]]:
-        """Where the data buffer starts, and each tensor's byte range in it (safetensors layout)."""
-        if self._offsets is None:
-            with open(self.path, "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                entries = json.loads(f.read(size))
-            ranges = {k: (int(v["data_offsets"][0]), int(v["data_offsets"][1])) for k, v in entries.items() if k != "__metadata__"}
-            self._offsets = (8 + size, ranges)
-        return self._offsets
+        if self._src.read_into(self._data_start + begin, view) != view.nbytes:
+            raise FormatError(f"{self.where}: tensor {key!r} is truncated")
 
     def _blob(self, key: str) -> bytearray:
-        # a plain read, not the memory map: a reader that keeps many objects open holds no mapped pages
-        begin, end = self._data_offsets()[1][key]
+        begin, end = self._entries[key].data_offsets
         buf = bytearray(end - begin)
         self._read_into(key, buf)
         return buf
@@ -267,11 +257,11 @@ class StepObject:
         pos_key, val_key = blob_names(name)
         return decode_change(
             numel=h.numel,
-            width=h.torch_dtype.itemsize,
+            width=h.itemsize,
             changed=h.changed,
             positions_chain=list(h.positions or ()),
             values_chain=list(h.values or ()),
-            positions=self._blob(pos_key) if pos_key in self._keys else None,
+            positions=self._blob(pos_key) if pos_key in self._entries else None,
             values=self._blob(val_key),
             where=f"{self.where} tensor {name!r}",
         )

@@ -68,12 +68,12 @@ def test_anchor_is_an_ordinary_checkpoint(tmp_path, small_state):
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda h: h.update(format_version=99), "format version 99"),
-        (lambda h: h.update(kind="patch"), "bad kind"),
+        (lambda h: h.update(format_version=99), "value 99 - at `\\$.format_version`"),
+        (lambda h: h.update(kind="patch"), "value 'patch' - at `\\$.kind`"),
         (lambda h: h.update(base_step=7), "base step"),
-        (lambda h: h["tensors"]["scale"].update(dtype="F12"), "unknown dtype"),
-        (lambda h: h["tensors"]["scale"].update(checksum="12"), "checksum"),
-        (lambda h: h["tensors"]["embed.weight"].update(changed=10**9), "changed count"),
+        (lambda h: h["tensors"]["scale"].update(dtype="F12"), "tensor 'scale'.*'F12' - at `\\$.dtype`"),
+        (lambda h: h["tensors"]["scale"].update(checksum="12"), "tensor 'scale'.*checksum"),
+        (lambda h: h["tensors"]["embed.weight"].update(changed=10**9), "tensor 'embed.weight'.*1000000000 changed elements"),
         (lambda h: h.update(aliases={"lm_head.weight": "nope"}), "alias"),
     ],
 )

@@ -1,0 +1,324 @@
+"""Every JSON document a stream stores, as a typed dataclass with one validating, bounded parser.
+
+Documents come from a store, so they are untrusted: ``decode`` checks the size first, parses with msgspec
+into the exact types below (no coercion; integers and floats range-checked; nesting bounded by the types;
+names matched against patterns so that no name from a store can leave its folder), then runs each
+dataclass's own consistency checks. Every problem is a ``FormatError`` that names the document, the field
+(``$.tensors['w'].changed``) and what was expected. docs/FORMAT.md sections 2 and 5 specify the documents.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+
+from .errors import FormatError
+
+T = TypeVar("T")
+
+FORMAT_VERSION = 1
+CHECKSUM_ALGORITHM = "mix64-sum"
+MAX_STEP = 10**12 - 1  # step folders have 12 digits (FORMAT.md section 5)
+MAX_DOCUMENT_BYTES = 1 << 20  # manifests, hints, leases, heartbeats, files.json, stream.json
+MAX_HEADER_BYTES = 100 << 20  # a step header (safetensors' own limit for a whole header)
+MAX_FILES_BYTES = 64 << 20  # one model file (config, tokenizer, ...)
+MAX_NUMEL = 1 << 42  # elements of one tensor (16 TiB of bf16): bounds every size derived from a header
+MAX_OBJECT_BYTES = 1 << 50
+
+Kind = Literal["delta", "anchor"]
+DtypeName = Literal["BOOL", "U8", "I8", "I16", "I32", "I64", "U16", "U32", "U64", "F16", "BF16", "F32", "F64",
+                    "F8_E4M3", "F8_E5M2"]
+PositionCodec = Literal["gap16", "dense", "shuffle", "zstd"]
+ValueCodec = Literal["xor", "shuffle", "zstd"]
+
+Step = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEP)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_NUMEL)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
+UnixTime = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
+Sha256 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+Checksum = Annotated[str, msgspec.Meta(pattern=r"^0x[0-9a-f]{16}$")]
+# a plain file name: no separators, no leading dot (so neither "." nor ".."), bounded length
+FileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,254}$")]
+ObjectName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.safetensors$")]
+ConsumerId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+WriterId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+Version = Literal[1]
+
+
+def decode(data: bytes | bytearray | memoryview | str, kind: type[T], *, where: str, max_bytes: int = MAX_DOCUMENT_BYTES) -> T:
+    """Parse and validate one stored document; every problem is a ``FormatError`` naming ``where``."""
+    size = len(data)
+    if size > max_bytes:
+        raise FormatError(f"{where}: {size} bytes, expected a document of at most {max_bytes} bytes")
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except msgspec.ValidationError as e:
+        raise FormatError(f"{where}: invalid {kind.__name__}: {e}") from None
+    except msgspec.DecodeError as e:
+        raise FormatError(f"{where}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise FormatError(f"{where}: JSON nested too deeply") from None
+
+
+def encode(doc: Any, *, indent: int | None = None) -> bytes:
+    """A document's JSON bytes (``to_dict`` when it has one, so that optional fields stay out)."""
+    data = doc.to_dict() if hasattr(doc, "to_dict") else asdict(doc)
+    if indent is None:
+        return json.dumps(data, separators=(",", ":")).encode()
+    return json.dumps(data, indent=indent).encode()
+
+
+# --- the step header (inside each object) ---
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorHeader:
+    """One tensor's entry in a step header: its state after the step, and how its change is encoded."""
+
+    dtype: DtypeName
+    shape: Annotated[tuple[Count, ...], msgspec.Meta(max_length=16)]
+    changed: Count
+    checksum: Checksum
+    positions: Annotated[tuple[PositionCodec, ...], msgspec.Meta(min_length=1, max_length=4)] | None = None
+    values: Annotated[tuple[ValueCodec, ...], msgspec.Meta(min_length=1, max_length=4)] | None = None
+
+    def __post_init__(self) -> None:
+        numel = math.prod(self.shape)
+        if numel > MAX_NUMEL:
+            raise ValueError(f"shape {list(self.shape)} holds {numel} elements, at most {MAX_NUMEL} are supported")
+        if self.changed > numel:
+            raise ValueError(f"{self.changed} changed elements in a tensor of {numel}")
+        if (self.positions is None) != (self.values is None):
+            raise ValueError("positions and values codec chains come together")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def torch_dtype(self) -> Any:
+        from ._bits import DTYPES
+
+        return DTYPES[self.dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "changed": self.changed, "checksum": self.checksum}
+        if self.positions is not None:
+            d["positions"] = list(self.positions)
+            d["values"] = list(self.values or ())
+        return d
+
+
+ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepHeader:
+    """The self-description of one object (docs/FORMAT.md section 2)."""
+
+    kind: Kind
+    step: Step
+    base_step: Step | None
+    state_checksum: Sha256
+    tensors: dict[TensorName, TensorHeader]
+    aliases: dict[TensorName, TensorName] = field(default_factory=dict)
+    format_version: Version = FORMAT_VERSION
+    checksum_algorithm: Literal["mix64-sum"] = CHECKSUM_ALGORITHM
+
+    def __post_init__(self) -> None:
+        _check_base(self.kind, self.step, self.base_step)
+        for alias, target in self.aliases.items():
+            if target not in self.tensors or alias in self.tensors:
+                raise ValueError(f"alias {alias!r} -> {target!r} does not name exactly one stored tensor")
+        if self.kind == "delta":
+            for name, t in self.tensors.items():
+                if t.changed and t.positions is None:
+                    raise ValueError(f"changed tensor {name!r} needs positions and values codec chains")
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors.values())
+
+    @property
+    def changed(self) -> int:
+        return sum(t.changed for t in self.tensors.values())
+
+    def checksums(self) -> dict[str, str]:
+        return {name: t.checksum for name, t in self.tensors.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "kind": self.kind,
+            "step": self.step,
+            "base_step": self.base_step,
+            "checksum_algorithm": self.checksum_algorithm,
+            "state_checksum": self.state_checksum,
+            "aliases": dict(self.aliases),
+            "tensors": {name: t.to_dict() for name, t in self.tensors.items()},
+        }
+
+    def to_json(self) -> str:
+        return encode(self).decode()
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, where: str) -> StepHeader:
+        """Parse and validate; each tensor's entry is checked on its own, so that errors name the tensor."""
+        where = f"{where} step header"
+        raw = decode(text, _RawStepHeader, where=where, max_bytes=MAX_HEADER_BYTES)
+        tensors = {name: decode(t, TensorHeader, where=f"{where} tensor {name[:200]!r}", max_bytes=MAX_HEADER_BYTES)
+                   for name, t in raw.tensors.items()}
+        try:
+            return cls(kind=raw.kind, step=raw.step, base_step=raw.base_step, state_checksum=raw.state_checksum,
+                       tensors=tensors, aliases=raw.aliases, format_version=raw.format_version,
+                       checksum_algorithm=raw.checksum_algorithm)
+        except ValueError as e:
+            raise FormatError(f"{where}: invalid StepHeader: {e}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _RawStepHeader:
+    """A step header with its tensor entries still unparsed (``StepHeader.from_json`` parses them one by one)."""
+
+    kind: Kind
+    step: Step
+    base_step: Step | None
+    state_checksum: Sha256
+    tensors: dict[TensorName, msgspec.Raw]
+    aliases: dict[TensorName, TensorName] = field(default_factory=dict)
+    format_version: Version = FORMAT_VERSION
+    checksum_algorithm: Literal["mix64-sum"] = CHECKSUM_ALGORITHM
+
+
+def _check_base(kind: str, step: int, base_step: int | None) -> None:
+    if kind == "anchor" and base_step is not None:
+        raise ValueError(f"an anchor has no base step, got base_step {base_step}")
+    if kind == "delta" and (base_step is None or base_step >= step):
+        raise ValueError(f"a delta's base step must be an integer below its step {step}, got {base_step}")
+
+
+# --- store documents (docs/FORMAT.md section 5) ---
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManifestStats:
+    """What a step weighed and cost (informational: readers never rely on it for correctness)."""
+
+    numel: Count = 0
+    changed: Count = 0
+    density: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
+    coalesced_steps: Annotated[tuple[Step, ...], msgspec.Meta(max_length=100_000)] = ()
+    capture_s: Seconds | None = None
+    encode_s: Seconds | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "coalesced_steps": list(self.coalesced_steps)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """The commit marker of one step: what object holds it and how to check that object."""
+
+    step: Step
+    base_step: Step | None
+    kind: Kind
+    object: ObjectName
+    object_bytes: Annotated[int, msgspec.Meta(ge=8, le=MAX_OBJECT_BYTES)]
+    object_sha256: Sha256
+    state_checksum: Sha256
+    created_unix_s: UnixTime
+    stats: ManifestStats = field(default_factory=ManifestStats)
+    format_version: Version = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        _check_base(self.kind, self.step, self.base_step)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "stats": self.stats.to_dict()}
+
+    def to_json(self) -> str:
+        return encode(self, indent=1).decode()
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, where: str) -> Manifest:
+        return decode(text, cls, where=where)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LatestHint:
+    """``latest.json``: the newest committed step when it was written (a hint: readers trust manifests)."""
+
+    step: Step
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamInfo:
+    """``stream.json``: written once when a stream is created; tells "no stream here" from "no steps yet"."""
+
+    format_version: Version = FORMAT_VERSION
+    created_unix_s: UnixTime = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lease:
+    """``writer.json``: who may write a stream, until when. Renewed by the holder; expired leases may be taken."""
+
+    owner: WriterId
+    expires_unix_s: UnixTime
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerPosition:
+    """``consumers/<id>.json``: a consumer's heartbeat, the step it holds and when it said so."""
+
+    consumer_id: ConsumerId
+    step: Step
+    updated_unix_s: UnixTime
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileEntry:
+    bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_FILES_BYTES)]
+    sha256: Sha256
+
+
+@dataclass(frozen=True, kw_only=True)
+class FilesIndex:
+    """``files.json``: the model's non-weight files stored under ``files/``, each with its size and SHA-256."""
+
+    files: Annotated[dict[FileName, FileEntry], msgspec.Meta(max_length=10_000)]
+    format_version: Version = FORMAT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format_version": self.format_version, "files": {n: asdict(e) for n, e in self.files.items()}}
+
+
+def check_file_name(name: str, *, what: str = "file name") -> str:
+    """``name`` if it is a plain file name (no separator, no leading dot), else ``FormatError``."""
+    try:
+        msgspec.convert(name, FileName)
+    except msgspec.ValidationError:
+        raise FormatError(f"{what} {name!r} must be a plain file name (letters, digits, '.', '_', '+', '-'; "
+                          f"not starting with '.')") from None
+    return name
+
+
+def check_step(step: object, *, what: str = "step") -> int:
+    """``step`` if it is an int in 0..MAX_STEP (what a stream can address), else ``FormatError``."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise FormatError(f"{what} must be an integer in 0..{MAX_STEP} (12 digits), got {step!r}")
+    return step
