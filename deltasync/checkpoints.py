@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 import torch
 
 from .errors import CorruptObjectError, FormatError
-from .format import FORMAT_VERSION, TensorHeader
+from .documents import FileEntry, FilesIndex, TensorHeader, check_file_name, encode
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,6 @@ ModelFiles = Mapping[str, bytes]
 
 # weights (replay writes its own), their shard indexes (they would name the wrong files), training state
 _NOT_MODEL_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|.*\.index\.json$|^\..*")
-_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
 
 def collect_model_files(source: str | Path | ModelFiles) -> dict[str, bytes]:
@@ -47,45 +46,40 @@ def collect_model_files(source: str | Path | ModelFiles) -> dict[str, bytes]:
             raise FileNotFoundError(f"{folder}: not a folder of model files")
         files = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and not _NOT_MODEL_FILES.match(p.name)}
     for name in files:
-        if not _FILE_NAME.match(name):
-            raise ValueError(f"model file name {name!r} must be a plain file name (letters, digits, . _ + -)")
+        check_file_name(name, what="model file name")
     return files
 
 
 def write_model_files(store: Store, files: ModelFiles) -> bool:
     """Upload ``files`` under ``URL/files/``, then the index; skipped (returns False) when identical ones are there."""
-    index = {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()}
-    held = read_model_file_index(store)
-    if held == index:
+    index = FilesIndex(files={check_file_name(name, what="model file name"): FileEntry(
+        bytes=len(data), sha256=hashlib.sha256(data).hexdigest()) for name, data in files.items()})
+    if read_model_file_index(store) == index:
         return False
     store.write_many([(data, f"{FILES_DIR}/{name}") for name, data in files.items()])
-    store.write_bytes(FILES_INDEX, json.dumps({"format_version": FORMAT_VERSION, "files": index}, indent=1).encode())
+    store.write_bytes(FILES_INDEX, encode(index, indent=1))
     log.info("%s: stored model files %s", store.url, sorted(files))
     return True
 
 
-def read_model_file_index(store: Store) -> dict[str, dict[str, Any]] | None:
-    """The stream's model files (name -> bytes, sha256), or None when it holds none."""
+def read_model_file_index(store: Store) -> FilesIndex | None:
+    """The stream's model files (validated names, sizes, SHA-256), or None when it holds none."""
     try:
-        d = json.loads(store.read_bytes(FILES_INDEX))
+        return store.read_document(FILES_INDEX, FilesIndex)
     except FileNotFoundError:
         return None
-    except ValueError as e:
-        raise FormatError(f"{store.url}: {FILES_INDEX} is not valid JSON ({e})") from None
-    if not isinstance(d, dict) or d.get("format_version") != FORMAT_VERSION or not isinstance(d.get("files"), dict):
-        raise FormatError(f"{store.url}: {FILES_INDEX} has an unknown layout or format version")
-    return d["files"]
 
 
 def read_model_files(store: Store) -> dict[str, bytes]:
     """The stream's model files, each checked against the index (empty when the stream has none)."""
     out = {}
-    for name, entry in (read_model_file_index(store) or {}).items():
+    index = read_model_file_index(store)
+    for name, entry in (index.files if index else {}).items():
         try:
             data = store.read_bytes(f"{FILES_DIR}/{name}")
         except FileNotFoundError:
             raise CorruptObjectError(f"{store.url}: model file {name} is listed in {FILES_INDEX} but missing") from None
-        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
             raise CorruptObjectError(f"{store.url}: model file {name} differs from {FILES_INDEX} (size or SHA-256)")
         out[name] = data
     return out

@@ -125,7 +125,7 @@ def ls_(
     store = Store(url, storage_options=_storage_options(storage_option))
     manifests = [store.manifest(s) for s in store.steps()]
     if as_json:
-        print(json.dumps([m.__dict__ for m in manifests], indent=1))
+        print(json.dumps([m.to_dict() for m in manifests], indent=1))
         return
     table = Table(title=f"{url}: {len(manifests)} committed steps")
     for col in ("step", "kind", "base", "bytes", "density", "coalesced"):
@@ -136,8 +136,8 @@ def ls_(
             m.kind,
             "-" if m.base_step is None else str(m.base_step),
             f"{m.object_bytes:,}",
-            f"{m.stats.get('density', 1.0):.2%}",
-            ",".join(map(str, m.stats.get("coalesced_steps", []))) or "-",
+            f"{m.stats.density:.2%}",
+            ",".join(map(str, m.stats.coalesced_steps)) or "-",
         )
     out.print(table)
 
@@ -158,7 +158,7 @@ def show(
         h = obj.header
     tensors = {n: {"dtype": t.dtype, "shape": list(t.shape), "changed": t.changed, "checksum": t.checksum} for n, t in h.tensors.items()}
     if as_json:
-        print(json.dumps({"manifest": m.__dict__, "aliases": h.aliases, "tensors": tensors}, indent=1))
+        print(json.dumps({"manifest": m.to_dict(), "aliases": h.aliases, "tensors": tensors}, indent=1))
         return
     out.print(f"step {m.step} ({m.kind}{'' if m.base_step is None else f' on step {m.base_step}'}), {m.object_bytes:,} bytes")
     out.print(f"state checksum {m.state_checksum}")
@@ -332,11 +332,11 @@ def push(
     m = push_checkpoint(url, step, checkpoint, anchor=anchor, dtype=_dtype(dtype), files=files, take_over=take_over,
                         storage_options=_storage_options(storage_option))
     if as_json:
-        _print_json(m.__dict__)
+        _print_json(m.to_dict())
         return
     on = "" if m.base_step is None else f" on step {m.base_step}"
     out.print(f"{url}: pushed {checkpoint} as step {m.step} ({m.kind}{on}), {_mb(m.object_bytes)}, "
-              f"{m.stats['changed']:,} of {m.stats['numel']:,} elements ({_pct(m.stats['density'])})", soft_wrap=True, markup=False)
+              f"{m.stats.changed:,} of {m.stats.numel:,} elements ({_pct(m.stats.density)})", soft_wrap=True, markup=False)
 
 
 @app.command("compare")

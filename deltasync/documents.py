@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-from .errors import FormatError
+from .errors import DeltaSyncError, FormatError
 
 T = TypeVar("T")
 
@@ -317,8 +317,8 @@ def check_file_name(name: str, *, what: str = "file name") -> str:
     return name
 
 
-def check_step(step: object, *, what: str = "step") -> int:
-    """``step`` if it is an int in 0..MAX_STEP (what a stream can address), else ``FormatError``."""
+def check_step(step: object, *, what: str = "step", error: type[DeltaSyncError] = FormatError) -> int:
+    """``step`` if it is an int in 0..MAX_STEP (what a stream's 12-digit folders address), else ``error``."""
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-        raise FormatError(f"{what} must be an integer in 0..{MAX_STEP} (12 digits), got {step!r}")
+        raise error(f"{what} must be an integer in 0..{MAX_STEP} (12 digits), got {step!r}")
     return step

@@ -8,7 +8,6 @@ plan never deletes a step that a consumer with a recent heartbeat holds or may s
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -16,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from .documents import ConsumerPosition, check_step, encode
 from .errors import ChecksumMismatchError, CorruptObjectError, DeltaSyncError, FormatError, StepNotFoundError, TensorMismatchError
 from .format import StepObject
 from .replay import Chain, ProgressFn, check_layout, open_checked, open_reader, require_steps
@@ -197,31 +197,26 @@ class _Verification:
 # --- consumer positions ---
 
 
-@dataclass(frozen=True, kw_only=True)
-class ConsumerPosition:
-    """A consumer's heartbeat: the step it holds, and when it said so."""
-
-    consumer_id: str
-    step: int
-    updated_unix_s: float
-
-
 def write_heartbeat(store: Store, consumer_id: str, step: int) -> None:
     """Record that ``consumer_id`` holds ``step`` (``consumers/<consumer_id>.json``); garbage collection
     keeps what it needs while the heartbeat is recent."""
-    position = ConsumerPosition(consumer_id=check_consumer_id(consumer_id), step=step, updated_unix_s=time.time())
-    store.write_bytes(f"{CONSUMERS_DIR}/{consumer_id}.json", json.dumps(asdict(position)).encode())
+    position = ConsumerPosition(consumer_id=check_consumer_id(consumer_id), step=check_step(step), updated_unix_s=time.time())
+    store.write_bytes(f"{CONSUMERS_DIR}/{consumer_id}.json", encode(position))
 
 
 def check_consumer_id(consumer_id: str) -> str:
-    """``consumer_id`` if it can name a heartbeat object, else ``ValueError``."""
-    if not _CONSUMER_ID.match(consumer_id):
-        raise ValueError(f"consumer id {consumer_id!r} must be 1-128 letters, digits, '.', '_' or '-'")
+    """``consumer_id`` if it can name a heartbeat object, else ``FormatError`` (a ``ValueError``)."""
+    if not isinstance(consumer_id, str) or not _CONSUMER_ID.match(consumer_id):
+        raise FormatError(f"consumer id {consumer_id!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
     return consumer_id
 
 
 def read_heartbeats(store: Store) -> list[ConsumerPosition]:
-    """Every consumer's last heartbeat (unreadable ones are skipped with a warning)."""
+    """Every consumer's last heartbeat.
+
+    A heartbeat that cannot be read is an error (``FormatError`` naming it), not skipped: garbage collection
+    must not delete what an unknown consumer may still need. Delete the file to forget that consumer.
+    """
     def listing() -> list[str]:
         store.fs.invalidate_cache()  # other processes write heartbeats
         return store.fs.find(store.path(CONSUMERS_DIR))
@@ -232,14 +227,15 @@ def read_heartbeats(store: Store) -> list[ConsumerPosition]:
         return []
     out = []
     for path in sorted(p for p in paths if p.endswith(".json")):
-        rel = f"{CONSUMERS_DIR}/{path.rsplit('/', 1)[-1]}"
+        name = path.rsplit("/", 1)[-1]
+        rel = f"{CONSUMERS_DIR}/{name}"
         try:
-            d = json.loads(store.read_bytes(rel))
-            out.append(ConsumerPosition(consumer_id=str(d["consumer_id"]), step=int(d["step"]), updated_unix_s=float(d["updated_unix_s"])))
+            position = store.read_document(rel, ConsumerPosition)
         except FileNotFoundError:
             continue  # removed since the listing
-        except (ValueError, KeyError, TypeError) as e:
-            log.warning("%s: skipping unreadable heartbeat %s (%s)", store.url, rel, e)
+        if f"{position.consumer_id}.json" != name:
+            raise FormatError(f"{store.url}/{rel}: heartbeat names consumer {position.consumer_id!r}, not its file name")
+        out.append(position)
     return out
 
 

@@ -31,6 +31,7 @@ from .codecs import EncodedTensor, encode_change, parallel_map
 from .diff import Snapshot, SnapshotDevice, TensorChange
 from .errors import DeltaSyncError, PublishError, StepOrderError
 from .format import Kind, StepHeader, TensorHeader, write_anchor, write_delta
+from .documents import ManifestStats, check_step
 from .store import Manifest, Store, sha256_file
 
 log = logging.getLogger(__name__)
@@ -169,9 +170,11 @@ class DeltaPublisher:
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.lease_s = lease_s
         self.store.acquire_lease(self.writer_id, ttl_s=lease_s, take_over=take_over)
-        self._lease_renewed_at = time.monotonic()
-        self.store.remove_uncommitted()  # only the lease holder may clean up
-        self.last_committed_step: int | None = self.store.latest_step()
+        # leftovers of a writer that died; a young folder may belong to a writer still finishing its upload
+        self.store.remove_uncommitted(older_than_s=lease_s)
+        # resume after the newest committed manifest, never after the latest.json hint (it may be stale)
+        committed = self.store.steps()
+        self.last_committed_step: int | None = committed[-1] if committed else None
         self._last_captured = self.last_committed_step
         if self.last_committed_step is not None:
             log.info("%s: resuming after committed step %d", self.store.url, self.last_committed_step)
@@ -187,6 +190,7 @@ class DeltaPublisher:
         by an anchor at this call), ``StepOrderError`` if ``step`` does not increase.
         """
         self._raise_background_error()
+        check_step(step, what=f"{self.store.url}: step", error=StepOrderError)
         if self._last_captured is not None and step <= self._last_captured:
             raise StepOrderError(f"{self.store.url}: step {step} is not after the last published step {self._last_captured}")
         if self._skipped and step <= self._skipped[-1]:
@@ -300,7 +304,6 @@ class DeltaPublisher:
     def _renew_lease(self) -> None:
         try:
             self.store.renew_lease(self.writer_id, ttl_s=self.lease_s)
-            self._lease_renewed_at = time.monotonic()
         except DeltaSyncError as e:
             log.error("%s", e)
             with self._lock:
@@ -328,16 +331,12 @@ class DeltaPublisher:
         size = manifest.object_bytes
         t2 = time.perf_counter()
         try:
-            # never commit after losing the stream: one read per commit, a renewal when a third has passed
-            if time.monotonic() - self._lease_renewed_at > self.lease_s / 3:
-                self.store.renew_lease(self.writer_id, ttl_s=self.lease_s)
-                self._lease_renewed_at = time.monotonic()
-            else:
-                self.store.check_lease(self.writer_id)
             if self._model_files is not None:  # once, before the first commit: a reader of any step finds them
+                self.store.check_lease(self.writer_id)
                 write_model_files(self.store, self._model_files)
                 self._model_files = None
-            self.store.commit(manifest, local)
+            # never commit after losing the stream: the lease is proven right before the manifest is written
+            self.store.commit(manifest, local, owner=self.writer_id)
         finally:
             local.unlink(missing_ok=True)
         t3 = time.perf_counter()
@@ -405,23 +404,25 @@ def step_manifest(
 ) -> Manifest:
     """The manifest that commits the object written at ``path`` (hashes it; docs/FORMAT.md section 5)."""
     path = Path(path)
+    digest = sha256_file(path)
     return Manifest(
         step=header.step,
         base_step=header.base_step,
         kind=header.kind,
-        object=f"{header.kind}.safetensors",
+        # a name no other attempt at this step uses: an upload never touches another writer's object
+        object=f"{header.kind}-{digest[:16]}.safetensors",
         object_bytes=path.stat().st_size,
-        object_sha256=sha256_file(path),
+        object_sha256=digest,
         state_checksum=header.state_checksum,
         created_unix_s=time.time(),
-        stats={
-            "numel": header.numel,
-            "changed": header.changed if header.kind == "delta" else header.numel,
-            "density": header.changed / header.numel if header.kind == "delta" and header.numel else 1.0,
-            "coalesced_steps": list(coalesced),
-            "capture_s": round(capture_s, 6),
-            "encode_s": round(encode_s, 6),
-        },
+        stats=ManifestStats(
+            numel=header.numel,
+            changed=header.changed if header.kind == "delta" else header.numel,
+            density=header.changed / header.numel if header.kind == "delta" and header.numel else 1.0,
+            coalesced_steps=tuple(coalesced),
+            capture_s=round(capture_s, 6),
+            encode_s=round(encode_s, 6),
+        ),
     )
 
 

@@ -7,21 +7,19 @@ draws both with matplotlib (``pip install 'deltasync[plot]'``).
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import FormatError, StepNotFoundError
-from .format import METADATA_KEY, StepHeader
+from .errors import CorruptObjectError, StepNotFoundError
+from .format import StepHeader, parse_header
 from .history import layer_of
 from .reader import StreamReader
 from .replay import ProgressFn, open_reader, require_steps
 from .store import Manifest, Store, step_dir
 
-_MAX_HEADER_BYTES = 256 << 20  # safetensors' own limit is 100 MB
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,12 +120,12 @@ def stream_stats(
                 base_step=m.base_step,
                 object_bytes=m.object_bytes,
                 full_bytes=anchor_bytes,
-                numel=int(st.get("numel", 0)),
-                changed=int(st.get("changed", 0)),
-                density=float(st.get("density", 1.0)),
-                capture_s=st.get("capture_s"),
-                encode_s=st.get("encode_s"),
-                coalesced_steps=tuple(st.get("coalesced_steps", ())),
+                numel=st.numel,
+                changed=st.changed,
+                density=st.density,
+                capture_s=st.capture_s,
+                encode_s=st.encode_s,
+                coalesced_steps=st.coalesced_steps,
                 created_unix_s=m.created_unix_s,
             )
         )
@@ -181,16 +179,14 @@ def read_step_header(store: Store, manifest: Manifest) -> StepHeader:
     """A step's header from the first bytes of its object (two ranged reads; the object is not verified)."""
     path = store.path(step_dir(manifest.step), manifest.object)
     where = f"{store.url} step {manifest.step} object"
-    head = store.call(f"read {where} header size", lambda: store.fs.cat_file(path, start=0, end=8))
-    size = int.from_bytes(head, "little")
-    if len(head) != 8 or not 0 < size <= _MAX_HEADER_BYTES:
-        raise FormatError(f"{where}: not a safetensors file (header size {size})")
-    text = store.call(f"read {where} header", lambda: store.fs.cat_file(path, start=8, end=8 + size))
+
+    def read(offset: int, size: int) -> bytes:
+        return store.call(f"read {where} header", lambda: store.fs.cat_file(path, start=offset, end=offset + size))
+
     try:
-        metadata = json.loads(text).get("__metadata__") or {}
-        return StepHeader.from_json(metadata[METADATA_KEY], where=where)
-    except (ValueError, KeyError, AttributeError) as e:
-        raise FormatError(f"{where}: no readable step header ({type(e).__name__}: {e})") from None
+        return parse_header(read, manifest.object_bytes, where=where)[2]
+    except FileNotFoundError:
+        raise CorruptObjectError(f"{where}: missing, though the step is committed") from None
 
 
 def plot_stats(stats: StreamStats, density: LayerDensity, path: str | Path) -> Path:

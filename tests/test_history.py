@@ -173,7 +173,7 @@ def test_push_onto_a_stream_with_tied_names(qwen_stream, tmp_path):
     both = tmp_path / "both.safetensors"  # the tied name saved too, with the same bits
     safetensors.torch.save_file({n: t.clone() for n, t in new.items()}, str(both))
     m = push_checkpoint(url, 10, both)
-    assert (m.kind, m.base_step, m.stats["changed"]) == ("delta", 9, 64)
+    assert (m.kind, m.base_step, m.stats.changed) == ("delta", 9, 64)
     got = reconstruct_state_dict(url, 10)
     assert states_equal(got, new) and got["lm_head.weight"] is got["model.embed_tokens.weight"]
     new["lm_head.weight"] = new["lm_head.weight"] + 1

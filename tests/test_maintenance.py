@@ -2,6 +2,8 @@ import json
 
 import pytest
 
+from deltasync.errors import FormatError
+
 from deltasync import StepNotFoundError, StreamReader, collect_garbage, plan_gc, read_heartbeats, verify, write_heartbeat
 from deltasync.maintenance import ConsumerPosition
 from deltasync.store import Manifest, Store, step_dir
@@ -58,9 +60,9 @@ def _anchor_checksum_does_not_replay(store):
 @pytest.mark.parametrize(
     "plant,step,kind,message,dependents",
     [
-        (_missing_object, 6, "object", "step 6 object delta.safetensors: missing, though the step is committed", [7]),
-        (_truncated_object, 6, "object", r"step 6 object delta.safetensors: \d+ bytes, manifest says \d+", [7]),
-        (_garbage_object, 6, "object", "step 6 object delta.safetensors: SHA-256", [7]),
+        (_missing_object, 6, "object", "step 6 object delta-[0-9a-f]{16}.safetensors: missing, though the step is committed", [7]),
+        (_truncated_object, 6, "object", r"step 6 object delta-[0-9a-f]{16}.safetensors: \d+ bytes, manifest says \d+", [7]),
+        (_garbage_object, 6, "object", "step 6 object delta-[0-9a-f]{16}.safetensors: SHA-256", [7]),
         (_missing_manifest_mid_chain, 6, "chain",
          "step 6 is a delta on step 5, which is not committed \\(its folder holds objects but no manifest.json\\)", [7]),
         (_manifest_disagrees_with_header, 6, "header", "step 6: the object header's state checksum .* disagrees with its manifest", [7]),
@@ -161,10 +163,16 @@ def test_heartbeats(tmp_path, small_state):
     assert read_heartbeats(store) == []
     write_heartbeat(store, "a", 3)
     write_heartbeat(store, "b.1", 5)
-    store.write_bytes("consumers/broken.json", b"{")
     beats = {c.consumer_id: c for c in read_heartbeats(store)}
     assert beats.keys() == {"a", "b.1"} and beats["b.1"].step == 5
     assert json.loads(store.read_bytes("consumers/a.json")).keys() == {"consumer_id", "step", "updated_unix_s"}
+    # an unreadable heartbeat is an error, not skipped: gc must not delete what an unknown consumer needs
+    store.write_bytes("consumers/broken.json", b"{")
+    with pytest.raises(FormatError, match="consumers/broken.json: not valid JSON"):
+        read_heartbeats(store)
+    store.write_bytes("consumers/broken.json", json.dumps({"consumer_id": "other", "step": 1, "updated_unix_s": 1.0}).encode())
+    with pytest.raises(FormatError, match="names consumer 'other'"):
+        read_heartbeats(store)
     with pytest.raises(ValueError, match="consumer id '../x'"):
         write_heartbeat(store, "../x", 1)
     with pytest.raises(ValueError):

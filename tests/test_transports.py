@@ -58,7 +58,8 @@ def test_objects_upload_from_files_in_their_own_batch(bucket, tmp_path):
     obj = tmp_path / "delta.safetensors"
     obj.write_bytes(b"x" * 100)
     bucket.move_in(obj, "buckets/team/runs/run-7/steps/000000000003/delta.safetensors")
-    bucket.put_bytes([(b"{}", "buckets/team/runs/run-7/steps/000000000003/manifest.json"), (b"{}", "buckets/team/runs/run-7/latest.json")])
+    bucket.put_bytes(b"{}", "buckets/team/runs/run-7/steps/000000000003/manifest.json")
+    bucket.put_bytes(b"{}", "buckets/team/runs/run-7/latest.json")
     assert bucket.api.calls == [
         ("batch", "team/runs", [("str", "run-7/steps/000000000003/delta.safetensors")]),  # from a file, not bytes
         ("batch", "team/runs", [("bytes", "run-7/steps/000000000003/manifest.json")]),  # the commit, after
