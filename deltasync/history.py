@@ -29,12 +29,14 @@ from .checkpoints import CheckpointWriter, ModelFiles, collect_model_files, load
 from .checkpoints import read_model_files, write_model_files
 from .checksum import format_checksum, parse_checksum, tensor_checksum
 from .diff import Snapshot
-from .errors import ChecksumMismatchError, OutputExistsError, StepOrderError, TensorMismatchError
+from .documents import check_file_name, check_step
+from .errors import ChecksumMismatchError, FormatError, OutputExistsError, StepOrderError, TensorMismatchError
 from .format import StepHeader
 from .publisher import named_tensors, snapshot_headers, step_manifest, write_step
 from .reader import StreamReader
 from .replay import Chain, ProgressFn, chain_steps, open_reader, require_steps
 from .store import Manifest, Store
+from .transports import UMASK
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -114,6 +116,8 @@ def replay_to_folder(
     """
     t0 = time.perf_counter()
     out = Path(out_dir)
+    if out.is_symlink():  # write where the link points: the link itself stays as the user made it
+        out = out.resolve()
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise OutputExistsError(f"{out}: already exists and is not empty (pass overwrite=True, CLI --overwrite)")
     reader = open_reader(url, storage_options)
@@ -123,8 +127,9 @@ def replay_to_folder(
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
         try:
+            tmp.chmod(0o777 & ~UMASK)  # mkdtemp makes 0700: the folder is for other users too (servers)
             for name, data in files.items():
-                (tmp / name).write_bytes(data)
+                confined(tmp, name).write_bytes(data)
             weights = tmp / WEIGHTS_FILE
             meta = {"deltasync_step": str(step), "deltasync_state_checksum": header.state_checksum}
             order = chain.order()  # the file holds the tensors in the order they are rebuilt in
@@ -163,6 +168,15 @@ def _check_written(path: Path, header: StepHeader, progress: ProgressFn | None) 
                 progress("re-read and check", k + 1, len(header.tensors))
 
 
+def confined(folder: Path, name: str) -> Path:
+    """``folder / name`` for a plain file name from a store; anything that would leave ``folder`` is refused."""
+    check_file_name(name, what=f"file name for {folder}")
+    path = folder / name
+    if path.parent != folder:
+        raise FormatError(f"{name!r} would be written outside {folder}")
+    return path
+
+
 def _move_into_place(tmp: Path, out: Path) -> None:
     """Rename the finished folder to ``out``; an existing ``out`` is moved aside first, then removed."""
     if not out.exists():
@@ -199,11 +213,13 @@ def push_checkpoint(
     makes it fail with ``WriterConflictError`` (``take_over`` to override).
     """
     store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
+    check_step(step, what=f"{store.url}: step", error=StepOrderError)
     owner = f"push-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     store.acquire_lease(owner, ttl_s=600.0, take_over=take_over)
     try:
-        store.remove_uncommitted()
-        latest = store.latest_step()
+        store.remove_uncommitted(older_than_s=600.0)
+        committed = store.steps()  # writers trust manifests, never the latest.json hint
+        latest = committed[-1] if committed else None
         if latest is not None and step <= latest:
             raise StepOrderError(f"{store.url}: step {step} is not after the stream's latest step {latest}")
         t0 = time.perf_counter()
@@ -237,8 +253,7 @@ def push_checkpoint(
                 aliases=aliases,
             )
             manifest = step_manifest(local, header, capture_s=capture_s, encode_s=time.perf_counter() - t1)
-            store.check_lease(owner)
-            store.commit(manifest, local)
+            store.commit(manifest, local, owner=owner)
         return manifest
     finally:
         store.release_lease(owner)

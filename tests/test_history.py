@@ -1,5 +1,6 @@
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import safetensors
@@ -8,6 +9,7 @@ import torch
 
 from deltasync import (
     ChecksumMismatchError,
+    DeltaPublisher,
     CorruptObjectError,
     FormatError,
     OutputExistsError,
@@ -73,7 +75,7 @@ def test_replay_writes_nothing_unless_verified(stream_copy, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["stream"]
     replay_to_folder(stream_copy, 6, out)  # the steps before it are sound
     object_path(store, 9).write_bytes(b"garbage")
-    with pytest.raises(CorruptObjectError, match="step 9 object delta.safetensors: 7 bytes"):
+    with pytest.raises(CorruptObjectError, match=r"step 9 object delta-[0-9a-f]{16}.safetensors: 7 bytes"):
         replay_to_folder(stream_copy, 9, tmp_path / "out9")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "stream"]
     name = damage_blob(store, 5)  # passes SHA-256; decoding finds it
@@ -180,3 +182,80 @@ def test_push_onto_a_stream_with_tied_names(qwen_stream, tmp_path):
     safetensors.torch.save_file(new, str(both))
     with pytest.raises(TensorMismatchError, match="'lm_head.weight' is tied to 'model.embed_tokens.weight'"):
         push_checkpoint(url, 11, both)
+
+
+def test_replay_follows_a_symlinked_output_folder(qwen_stream, tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    replay_to_folder(qwen_stream.url, 3, link)
+    assert link.is_symlink() and (real / "model.safetensors").exists()
+    replay_to_folder(qwen_stream.url, 4, link, overwrite=True)  # replacing works through the link too
+    assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+    assert states_equal(safetensors.torch.load_file(str(real / "model.safetensors")),
+                        {n: t for n, t in qwen_stream.truth[4].items() if n != "lm_head.weight"})
+
+
+def test_replayed_files_respect_the_umask(qwen_stream, tmp_path):
+    """An inference server running as another user must be able to read a replayed folder."""
+    import os
+    import stat
+
+    from deltasync.transports import UMASK
+
+    out = replay_to_folder(qwen_stream.url, 2, tmp_path / "out").path
+    want_dir, want_file = 0o777 & ~UMASK, 0o666 & ~UMASK
+    assert stat.S_IMODE(os.stat(out).st_mode) == want_dir
+    for p in (tmp_path / "out").iterdir():
+        assert stat.S_IMODE(p.stat().st_mode) == want_file, p.name
+    store_objects = [p for p in (tmp_path / "out").parent.rglob("*")]  # nothing private left beside it
+    assert all(".partial" not in p.name for p in store_objects)
+
+
+def test_model_file_names_from_a_store_cannot_escape_the_folder(stream_copy, tmp_path):
+    """files.json names like ``../../x`` made replay write outside its folder."""
+    index = json.loads((Path(stream_copy) / FILES_INDEX).read_text())
+    entry = next(iter(index["files"].values()))
+    for bad in ("../../escaped", "/abs", "sub/x", ".hidden", ".."):
+        index["files"] = {bad: entry}
+        (Path(stream_copy) / FILES_INDEX).write_text(json.dumps(index))
+        out = tmp_path / "deep" / "out"
+        with pytest.raises(FormatError, match="files.json"):
+            replay_to_folder(stream_copy, 3, out)
+        assert not out.exists() and not (tmp_path / "escaped").exists() and not list((tmp_path / "deep").glob("*"))
+
+
+def test_a_step_collected_while_replaying_is_named(stream_copy, tmp_path, monkeypatch):
+    """gc racing a replay: "step N was collected", not a raw FileNotFoundError."""
+    from deltasync import collect_garbage
+    from deltasync import replay as replay_module
+
+    opened = replay_module.open_checked
+
+    def open_then_collect(reader, step):
+        if step == 5:  # the anchor (4) is open; gc removes the rest of the chain now
+            collect_garbage(stream_copy, keep_last=1)
+        return opened(reader, step)
+
+    monkeypatch.setattr(replay_module, "open_checked", open_then_collect)
+    monkeypatch.setattr(replay_module, "_WORKERS", 1)
+    with pytest.raises(StepNotFoundError, match="step 5"):
+        replay_to_folder(stream_copy, 6, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_push_takes_the_writer_lease(qwen_stream, tmp_path, small_state):
+    from deltasync import WriterConflictError
+
+    url = str(tmp_path / "s")
+    ckpt = tmp_path / "c.safetensors"
+    safetensors.torch.save_file({k: v for k, v in small_state.items() if v.numel()}, str(ckpt))
+    with DeltaPublisher(url, {k: v for k, v in small_state.items() if v.numel()}):
+        with pytest.raises(WriterConflictError, match="held by writer"):
+            push_checkpoint(url, 1, ckpt)
+        assert Store(url).steps() == []
+    push_checkpoint(url, 1, ckpt)  # the publisher released the stream
+    assert Store(url).steps() == [1] and Store(url).lease() is None
+    with pytest.raises(StepOrderError, match="0..999999999999"):
+        push_checkpoint(url, 10**12, ckpt)
