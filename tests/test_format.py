@@ -31,7 +31,7 @@ def test_format_doc_examples_parse():
     assert h.format_version == FORMAT_VERSION and h.kind == "delta" and h.base_step == 11
     from deltasync.store import Manifest
 
-    manifest["object_sha256"] = "0" * 64
+    manifest["object_sha256"] = manifest["state_checksum"] = "0" * 64
     assert Manifest.from_json(json.dumps(manifest), where="FORMAT.md").step == 12
 
 
