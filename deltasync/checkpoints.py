@@ -76,7 +76,7 @@ def read_model_files(store: Store) -> dict[str, bytes]:
     index = read_model_file_index(store)
     for name, entry in (index.files if index else {}).items():
         try:
-            data = store.read_bytes(f"{FILES_DIR}/{name}")
+            data = store.read_bytes(f"{FILES_DIR}/{name}", max_bytes=entry.bytes)
         except FileNotFoundError:
             raise CorruptObjectError(f"{store.url}: model file {name} is listed in {FILES_INDEX} but missing") from None
         if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from .documents import MAX_STEP, LatestHint, Lease, Manifest, StreamInfo, check_step, decode, encode
+from .documents import MAX_DOCUMENT_BYTES, MAX_STEP, LatestHint, Lease, Manifest, StreamInfo, check_step, decode, encode
 from .errors import (
     CorruptObjectError,
     FormatError,
@@ -214,7 +214,7 @@ class Store:
         detail = " ".join(failure.detail.split())  # one line, whatever the backend wrote
         hint = failure.hint(self.protocol)
         if failure.kind == "no_credentials":
-            return StoreAuthError(f"{self.url}: {what}: no credentials found ({detail}); expected {hint}")
+            return StoreAuthError(f"{self.url}: {what}: no credentials found ({detail}); {hint}")
         if failure.kind == "auth":
             return StoreAuthError(f"{self.url}: {what}: access refused ({detail}); {hint}")
         if failure.kind == "unreachable":
@@ -228,8 +228,13 @@ class Store:
 
     # --- small JSON objects ---
 
-    def read_bytes(self, rel: str) -> bytes:
-        return self.call(f"read {rel}", lambda: self.fs.cat_file(self.path(rel)))
+    def read_bytes(self, rel: str, *, max_bytes: int | None = None) -> bytes:
+        """An object's bytes; with ``max_bytes``, at most ``max_bytes + 1`` are fetched (a ranged read), so
+        that an oversized object from a hostile store costs no more than that."""
+        path = self.path(rel)
+        if max_bytes is None:
+            return self.call(f"read {rel}", lambda: self.fs.cat_file(path))
+        return self.call(f"read {rel}", lambda: self.fs.cat_file(path, start=0, end=max_bytes + 1))
 
     def write_bytes(self, rel: str, data: bytes, *, if_absent: bool = False) -> None:
         """Write a whole object so that readers see either the old or the new content.
@@ -246,7 +251,7 @@ class Store:
 
     def read_document(self, rel: str, kind: type[T]) -> T:
         """Read and validate one stored document (``FileNotFoundError`` if absent, ``FormatError`` if invalid)."""
-        return decode(self.read_bytes(rel), kind, where=f"{self.url}/{rel}")
+        return decode(self.read_bytes(rel, max_bytes=MAX_DOCUMENT_BYTES), kind, where=f"{self.url}/{rel}")
 
     def exists(self, rel: str) -> bool:
         return self.call(f"check {rel}", lambda: self._fresh().exists(self.path(rel)))
