@@ -61,3 +61,39 @@ class WaitTimeoutError(DeltaSyncError, TimeoutError):
 
 class OutputExistsError(DeltaSyncError, FileExistsError):
     """An output (a replayed checkpoint folder) already exists and replacing it was not asked for."""
+
+
+class ConfigError(DeltaSyncError, ValueError):
+    """An argument, option or setting has a value deltasync cannot use (a verify or worker mode, an engine)."""
+
+
+class MissingDependencyError(DeltaSyncError, ImportError):
+    """An optional package a feature needs is not installed; the message names the extra to install."""
+
+
+class StreamNotFoundError(StepNotFoundError):
+    """There is no deltasync stream at a URL (no ``stream.json``, no step): a wrong bucket, prefix or path."""
+
+
+class StoreAuthError(StoreError, PermissionError):
+    """The store refused access: no credentials, credentials it rejects, or no permission. Never retried."""
+
+
+class StoreUnreachableError(StoreError, ConnectionError):
+    """The store's endpoint could not be connected to (wrong endpoint, no network, server down)."""
+
+
+class StoreConfigError(StoreError, ConfigError):
+    """The store's settings are wrong, e.g. a storage option its filesystem does not know."""
+
+
+class EngineError(DeltaSyncError, RuntimeError):
+    """An inference engine (a vLLM server or ``LLM``) failed or refused a request: not a store problem."""
+
+
+class EngineUnreachableError(EngineError, ConnectionError):
+    """The inference server could not be connected to (not running, wrong URL or port)."""
+
+
+class EngineConfigError(EngineError):
+    """The engine is not set up for deltasync: a server flag or the worker extension is missing."""
