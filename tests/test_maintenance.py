@@ -186,3 +186,27 @@ def test_steps_before_a_bad_object_are_still_replayed(stream_copy):
     report = verify(stream_copy, all_problems=True)
     assert [(p.step, p.kind) for p in report.problems] == [(5, "checksum"), (6, "object"), (7, "chain")]
     assert report.verified == (0, 1, 2, 3, 4, 8, 9)
+
+
+def test_verify_refuses_an_anchor_whose_layout_disagrees_with_its_header(stream_copy):
+    """verify passed such an anchor, which every reader refuses: both now run the same checks."""
+    import hashlib
+
+    import safetensors
+    import safetensors.torch
+
+    store = Store(stream_copy)
+    path = object_path(store, 4)
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    name = next(n for n, t in tensors.items() if t.ndim == 2)
+    tensors[name] = tensors[name].reshape(-1)  # same bytes, another shape than the header says
+    safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+    data = path.read_bytes()
+    write_manifest(store, 4, object_bytes=len(data), object_sha256=hashlib.sha256(data).hexdigest())
+    report = verify(stream_copy, all_problems=True)
+    assert (4, "header") in [(p.step, p.kind) for p in report.problems]
+    assert f"tensor {name!r} is stored as" in next(p.message for p in report.problems if p.step == 4)
+    with pytest.raises(FormatError, match="is stored as"):
+        StreamReader(stream_copy).state_dict(5)
