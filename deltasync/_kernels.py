@@ -92,6 +92,7 @@ def diff_scan(
     block_words: np.int64,
     first_block: np.int64,
     nblocks: np.int64,
+    base: np.int64,
     scratch_pos: np.ndarray,
     scratch_xor: np.ndarray,
     counts: np.ndarray,
@@ -100,9 +101,12 @@ def diff_scan(
     """One read pass over blocks ``first_block .. first_block + nblocks`` of ``a`` vs ``b``.
 
     ``aw``/``bw`` are 8-byte word views of ``a``/``b`` holding ``group`` elements each (or the element
-    arrays themselves with ``group == 1``), so an unchanged word costs one compare. Block ``k`` writes its
-    changed local indices and ``a ^ b`` to its own scratch region (``block_words * group`` entries), its
-    count to ``counts`` and its checksum change to ``sums``; it also sets ``b = a`` where they differ.
+    arrays themselves with ``group == 1``), so an unchanged word costs one compare. ``a``/``b`` may be a
+    slice of a tensor (its word-aligned body, its tail, a host chunk) whose first element sits at global
+    flat index ``base``. Block ``k`` writes its changed elements' global indices and ``a ^ b`` to its own
+    scratch region (``block_words * group`` entries), its count to ``counts`` and its checksum change
+    (hashed with the global indices, as the format defines) to ``sums``; it also sets ``b = a`` where they
+    differ.
     """
     stride = block_words * group
     for kk in numba.prange(nblocks):
@@ -122,9 +126,10 @@ def diff_scan(
                     x = a[j]
                     y = b[j]
                     if x != y:
-                        scratch_pos[out + c] = j
+                        g = base + j
+                        scratch_pos[out + c] = g
                         scratch_xor[out + c] = x ^ y
-                        acc += element_hash(j, np.uint64(x)) - element_hash(j, np.uint64(y))
+                        acc += element_hash(g, np.uint64(x)) - element_hash(g, np.uint64(y))
                         b[j] = x
                         c += 1
             i += 1
@@ -134,15 +139,15 @@ def diff_scan(
 
 @_jit
 def compact(
-    scratch_pos: np.ndarray, scratch_xor: np.ndarray, counts: np.ndarray, stride: np.int64, base: np.int64,
+    scratch_pos: np.ndarray, scratch_xor: np.ndarray, counts: np.ndarray, stride: np.int64,
     out_pos: np.ndarray, out_xor: np.ndarray,
 ) -> None:
-    """Gather the blocks' scratch regions into contiguous outputs, adding ``base`` to positions."""
+    """Gather the blocks' scratch regions (global positions already) into contiguous outputs."""
     p = 0
     for kk in range(counts.size):
         src = kk * stride
         for i in range(counts[kk]):
-            out_pos[p] = scratch_pos[src + i] + base
+            out_pos[p] = scratch_pos[src + i]
             out_xor[p] = scratch_xor[src + i]
             p += 1
 

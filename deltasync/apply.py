@@ -130,18 +130,23 @@ def xor_into(t: torch.Tensor, positions: np.ndarray | None, xor: np.ndarray) -> 
 
     Positions must already be validated as in range.
     """
-    if t.device.type == "cpu" and t.is_contiguous():
-        u = np_bits(t)
-        return int(_kernels.xor_dense(u, xor, 0) if positions is None else _kernels.xor_at(u, positions, xor))
     if not t.is_contiguous():
         raise TensorMismatchError(f"cannot patch a non-contiguous tensor of shape {tuple(t.shape)} in place")
-    bits = int_view(t)
-    x = torch.from_numpy(xor.view(f"i{xor.itemsize}")).to(t.device)
+    if t.device.type == "cpu":
+        u = np_bits(t)
+        return int(_kernels.xor_dense(u, xor, 0) if positions is None else _kernels.xor_at(u, positions, xor))
+    return _xor_into_torch(int_view(t), positions, xor)
+
+
+def _xor_into_torch(bits: torch.Tensor, positions: np.ndarray | None, xor: np.ndarray) -> int:
+    """``xor_into`` for flat integer bits on an accelerator (torch ops; same numbers as the CPU kernels)."""
+    x = torch.from_numpy(xor.view(f"i{xor.itemsize}")).to(bits.device)
     idx = (
-        torch.arange(bits.numel(), device=t.device) if positions is None else torch.from_numpy(positions).to(t.device)
+        torch.arange(bits.numel(), device=bits.device)
+        if positions is None
+        else torch.from_numpy(positions).to(bits.device)
     )
     old = bits[idx]
     new = old ^ x
     bits[idx] = new
     return int((_torch_hash(_unsigned64(new), idx).sum() - _torch_hash(_unsigned64(old), idx).sum()).item()) & MASK64
-

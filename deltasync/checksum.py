@@ -37,12 +37,7 @@ def checksum_elements(t: torch.Tensor, indices: torch.Tensor) -> int:
     if t.device.type == "cpu":
         idx = indices.reshape(-1).to(torch.int64).contiguous().numpy()
         return int(_kernels.checksum_at(np_bits(t.contiguous()), idx))
-    bits = int_view(t.contiguous())
-    idx = indices.reshape(-1).to(device=t.device, dtype=torch.int64)
-    total = 0
-    for s in range(0, bits.numel(), _CHUNK):
-        total += int(_torch_hash(_unsigned64(bits[s : s + _CHUNK]), idx[s : s + _CHUNK]).sum().item())
-    return total & MASK64
+    return _torch_checksum_at(int_view(t.contiguous()), indices.reshape(-1).to(device=t.device, dtype=torch.int64))
 
 
 def add(*parts: int) -> int:
@@ -95,7 +90,16 @@ def _torch_hash(u64: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return _torch_mix64(u64 ^ _torch_mix64(indices))
 
 
+def _torch_checksum_at(bits: torch.Tensor, indices: torch.Tensor) -> int:
+    """Checksum of flat integer ``bits`` (any device) that sit at global flat ``indices`` (int64, same device)."""
+    total = 0
+    for s in range(0, bits.numel(), _CHUNK):
+        total += int(_torch_hash(_unsigned64(bits[s : s + _CHUNK]), indices[s : s + _CHUNK]).sum().item())
+    return total & MASK64
+
+
 def _torch_checksum(bits: torch.Tensor, base: int) -> int:
+    """Checksum of flat integer ``bits`` (any device), a slice whose first element sits at global index ``base``."""
     total = 0
     for s in range(0, bits.numel(), _CHUNK):
         chunk = bits[s : s + _CHUNK]

@@ -111,20 +111,26 @@ def _diff_tensor(
     """Positions, xor bits and checksum delta of ``cur`` vs ``snap``; sets ``snap`` to ``cur``."""
     if not cur.is_contiguous():
         cur = cur.contiguous()
-    width = snap.element_size()
-    if snap.device.type == "cpu":
-        snap_u = np_bits(snap)
-        if cur.device.type == "cpu":
-            return _diff_np(np_bits(cur), snap_u, 0, scratch)
-        # device tensor, host snapshot: stream through bounded host chunks
-        step = max(1, max_chunk_bytes // width)
-        cur_bits = int_view(cur)
-        parts = [
-            _diff_np(np_bits(cur_bits[s : s + step].to("cpu")), snap_u[s : s + step], s, scratch)
-            for s in range(0, cur.numel(), step)
-        ]
-        return _concat(parts, width)
-    return _diff_torch(int_view(cur), int_view(snap), max(1, max_chunk_bytes // width), width)
+    step = max(1, max_chunk_bytes // snap.element_size())
+    if snap.device.type != "cpu":
+        return _diff_torch(int_view(cur), int_view(snap), step, snap.element_size())
+    if cur.device.type == "cpu":
+        return _diff_np(np_bits(cur), np_bits(snap), 0, scratch)
+    return _diff_host_chunks(int_view(cur), np_bits(snap), step, scratch)
+
+
+def _diff_host_chunks(
+    cur: torch.Tensor, snap: np.ndarray, step: int, scratch: _Scratch
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """``cur`` (flat bits, any device) vs a host snapshot, through host copies of ``step`` elements at a time.
+
+    Bounds the host memory a device tensor costs; each chunk is diffed with its global offset.
+    """
+    parts = [
+        _diff_np(np_bits(cur[s : s + step].to("cpu")), snap[s : s + step], s, scratch)
+        for s in range(0, cur.numel(), step)
+    ]
+    return _concat(parts, snap.itemsize)
 
 
 _BLOCK_ELEMS = 1 << 15  # elements per parallel work item
@@ -145,6 +151,11 @@ class _Scratch:
 
 
 def _diff_np(a: np.ndarray, b: np.ndarray, base: int, scratch: _Scratch) -> tuple[np.ndarray, np.ndarray, int]:
+    """Diff host bits ``a`` (new) against ``b`` (snapshot, updated), a slice starting at global flat index ``base``.
+
+    The body that fills whole 8-byte words is scanned a word at a time, the rest element by element; both
+    report global positions and hash global indices (docs/FORMAT.md section 4).
+    """
     words_a, group = np_words(a)
     words_b, _ = np_words(b)
     parts = []
@@ -159,6 +170,7 @@ def _diff_np(a: np.ndarray, b: np.ndarray, base: int, scratch: _Scratch) -> tupl
 
 
 def _scan(aw, bw, a, b, group: int, base: int, scratch: _Scratch) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """Run the diff kernel over ``a`` (global index of ``a[0]``: ``base``), at most 64 blocks per call."""
     block_words = _BLOCK_ELEMS // group
     total_blocks = -(-aw.size // block_words)
     scratch_pos, scratch_xor = scratch.get(a.itemsize)
@@ -167,13 +179,13 @@ def _scan(aw, bw, a, b, group: int, base: int, scratch: _Scratch) -> list[tuple[
     parts = []
     for first in range(0, total_blocks, _SUPER_BLOCKS):
         n = min(_SUPER_BLOCKS, total_blocks - first)
-        _kernels.diff_scan(aw, bw, a, b, group, block_words, first, n, scratch_pos, scratch_xor, counts, sums)
+        _kernels.diff_scan(aw, bw, a, b, group, block_words, first, n, base, scratch_pos, scratch_xor, counts, sums)
         changed = int(counts[:n].sum())
         delta = int(sums[:n].sum(dtype=np.uint64))
         if changed:
             pos = np.empty(changed, np.int64)
             xor = np.empty(changed, a.dtype)
-            _kernels.compact(scratch_pos, scratch_xor, counts[:n], block_words * group, base, pos, xor)
+            _kernels.compact(scratch_pos, scratch_xor, counts[:n], block_words * group, pos, xor)
             parts.append((pos, xor, delta))
         elif delta:
             raise AssertionError("checksum changed without a changed element")
