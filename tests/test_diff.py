@@ -2,11 +2,12 @@ import numpy as np
 import pytest
 import torch
 
+from deltasync._bits import int_view, np_bits
 from deltasync.checksum import tensor_checksum
-from deltasync.diff import Snapshot, _diff_torch
-from deltasync._bits import int_view
+from deltasync.diff import Snapshot, _diff_host_chunks, _diff_torch, _Scratch
 from deltasync.errors import TensorMismatchError
 from tests.conftest import bits_equal, perturb
+from tests.test_checksum import reference
 
 
 def test_diff_finds_exact_bits_and_advances_snapshot(small_state, gen):
@@ -33,15 +34,31 @@ def test_signed_zero_and_nan_payloads_are_changes():
 
 
 def test_host_snapshot_of_device_tensor_streams_in_chunks(gen):
-    # "cpu" snapshot with a tiny chunk size exercises the chunked path that device tensors take
+    """The path a device tensor takes with a host snapshot, run on a CPU tensor in chunks of 13 elements
+    (chunk starts at every word offset; each chunk's positions and hashes use global indices)."""
     t = torch.randn(10_001, generator=gen).bfloat16()
-    snap = Snapshot({"t": t}, device="cpu", max_chunk_bytes=64)
     new = perturb(t, 0.1, gen)
-    from deltasync import diff as D
+    snap = np_bits(t.clone())
+    pos, xor, delta = _diff_host_chunks(int_view(new), snap, 13, _Scratch())
+    old_u, new_u = t.view(torch.int16).numpy().view(np.uint16), new.view(torch.int16).numpy().view(np.uint16)
+    want = np.flatnonzero(old_u != new_u)
+    assert want.size > 500 and np.array_equal(pos, want) and np.array_equal(xor, (old_u ^ new_u)[want])
+    assert (tensor_checksum(t) + delta) % 2**64 == tensor_checksum(new) == reference(new)
+    assert np.array_equal(snap, new_u)
 
-    pos, xor, delta = D._diff_np(D.np_bits(new), D.np_bits(snap.tensors["t"].clone()), 0, D._Scratch())
-    (c,) = snap.diff({"t": new})
-    assert np.array_equal(c.positions, pos) and np.array_equal(c.xor, xor)
+
+@pytest.mark.parametrize(
+    ("dtype", "n"), [(torch.float32, 3), (torch.bfloat16, 7), (torch.uint8, 13), (torch.float16, 301)]
+)
+def test_change_past_the_last_whole_word_has_the_right_checksum(dtype, n):
+    """Regression: the kernel hashed an element past the last whole 8-byte word with its index in that tail,
+    not in the tensor, so the publisher wrote a checksum every consumer rejected."""
+    t = (torch.arange(n) % 50 + 1).to(dtype)
+    new = t.clone()
+    new[-1] = 100
+    (c,) = Snapshot({"t": t}).diff({"t": new})
+    assert c.positions.tolist() == [n - 1]
+    assert c.checksum == reference(new)
 
 
 def test_torch_path_matches_numba_path(gen):
