@@ -1,0 +1,157 @@
+"""Real vLLM servers started without what deltasync needs, and a client without vLLM installed.
+
+A server without ``VLLM_SERVER_DEV_MODE=1`` answers 404 on ``/collective_rpc`` and ``/pause``; one without
+the worker extension answers 500 naming the missing worker method (an offline ``LLM`` raises). Either way
+the user is told which flag is missing, in one line, before anything is paused. ``deltasync follow
+--server`` needs no vLLM package. One server at a time (each test starts its own; ~20-60 s each on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from deltasync import DeltaPublisher, StreamReader
+from deltasync.checksum import parse_checksum
+from deltasync.errors import EngineConfigError, StoreError
+from rollout_loader.vllm import VllmTarget
+from tests.integration.conftest import PROMPTS, build_checkpoint, load_state, perturb, perturbed_names
+from tests.integration.seaweedfs import _free_port
+from tests.test_cli_errors import assert_one_line_error, run_cli
+
+pytestmark = pytest.mark.vllm
+
+DEV_MODE_NEEDLE = "VLLM_SERVER_DEV_MODE=1"
+EXTENSION_NEEDLE = "--worker-extension-cls rollout_loader.worker.DeltaWorkerExtension"
+
+
+@pytest.fixture(scope="module")
+def model_and_stream(tmp_path_factory) -> tuple[Path, str, dict[str, int]]:
+    """A tiny checkpoint, and a stream of it: step 0 (an anchor: these weights), step 1 (a delta); with the
+    trainer's checksums of step 1."""
+    root = tmp_path_factory.mktemp("server-errors")
+    model_dir = root / "model"
+    build_checkpoint(model_dir, tie=False)
+    url = str(root / "stream")
+    state = load_state(model_dir)
+    with DeltaPublisher(url, state, on_backlog="block") as pub:
+        pub.publish(0)
+        for name, t in perturb(state, perturbed_names(False), seed=3).items():
+            state[name].copy_(t)
+        pub.publish(1)
+    with StreamReader(url) as reader, reader.open(1) as obj:
+        want = {n: parse_checksum(t.checksum) for n, t in obj.header.tensors.items()}
+    return model_dir, url, want
+
+
+@contextmanager
+def vllm_server(model_dir: Path, log_dir: Path, *, dev_mode: bool, extension: bool) -> Iterator[str]:
+    """A vLLM OpenAI server process started as a user would, with or without the two things deltasync needs."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"}
+    env.update(DELTASYNC_CPU_LIVE_WEIGHTS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", "m",
+           "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port)]
+    if extension:
+        cmd += ["--worker-extension-cls", "rollout_loader.worker.DeltaWorkerExtension"]
+    log_path = log_dir / f"server-dev{int(dev_mode)}-ext{int(extension)}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=5).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(log_path.read_text()[-3000:]) from None
+                time.sleep(1)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def serves(base: str) -> bool:
+    """The server answers a completion: it is up and not paused (a paused server holds requests)."""
+    body = json.dumps({"model": "m", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0.0}).encode()
+    req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return bool(json.loads(r.read())["choices"][0]["text"] is not None)
+
+
+@pytest.mark.parametrize(
+    ("dev_mode", "extension", "needle"),
+    [(False, True, DEV_MODE_NEEDLE), (True, False, EXTENSION_NEEDLE)],
+    ids=["without-dev-mode", "without-worker-extension"],
+)
+def test_server_not_set_up_for_deltasync(model_and_stream, tmp_path, dev_mode, extension, needle):
+    model_dir, url, _ = model_and_stream
+    with vllm_server(model_dir, tmp_path, dev_mode=dev_mode, extension=extension) as base:
+        with pytest.raises(EngineConfigError, match=needle) as e:
+            VllmTarget(base)
+        assert not isinstance(e.value, StoreError)
+        r = run_cli("follow", url, "--server", base, "--until", "1")
+        assert_one_line_error(r.returncode, r.stderr, "EngineConfigError", needle)
+        assert r.stdout == ""
+        assert serves(base)  # still serving, and not left paused
+
+
+def test_follow_without_vllm_installed(model_and_stream, tmp_path):
+    model_dir, url, want = model_and_stream
+    with vllm_server(model_dir, tmp_path, dev_mode=True, extension=True) as base:
+        r = run_cli("follow", str(tmp_path / "no-stream-here"), "--server", base, block_vllm=True)
+        assert_one_line_error(r.returncode, r.stderr, "StreamNotFoundError", "no deltasync stream at")
+        r = run_cli("follow", url, "--server", base, "--verify", "everything", block_vllm=True)
+        assert_one_line_error(r.returncode, r.stderr, "--verify", "'everything'")
+        assert serves(base)
+
+        r = run_cli("follow", url, "--server", base, "--until", "1", "--verify", "all", block_vllm=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert [line.split()[1] for line in r.stdout.splitlines() if line.startswith("step ")] == ["0", "1"]
+        assert VllmTarget(base, step=1).checksums() == want  # the server holds the trainer's step 1, bit for bit
+        assert serves(base)
+
+
+def test_offline_engine_without_worker_extension(model_and_stream):
+    """An in-process ``LLM`` created without ``worker_extension_cls``: vLLM's in-process executor words the
+    missing method differently from the server's; both are named."""
+    import gc
+
+    from vllm import LLM, envs
+
+    model_dir, _, _ = model_and_stream
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        llm = LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0,
+                  distributed_executor_backend="uni")
+        with pytest.raises(EngineConfigError, match="worker_extension_cls='rollout_loader.worker.DeltaWorkerExtension'"):
+            VllmTarget(llm)
+        del llm
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        envs.disable_envs_cache()
+        gc.collect()
