@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +19,31 @@ from .store import Manifest, Store
 log = logging.getLogger(__name__)
 
 
+class _CachedObject(StepObject):
+    """A step object opened from the store's download cache: closing it (or dropping it) lets the cached
+    file go, so that a long-running reader keeps only the objects it has open."""
+
+    def __init__(self, path: Path, *, where: str, release: Callable[[], None]) -> None:
+        self._release = weakref.finalize(self, release)  # runs once: on close, or when dropped unclosed
+        try:
+            super().__init__(path, where=where)
+        except BaseException:
+            self._release()
+            raise
+
+    def close(self) -> None:
+        super().close()
+        self._release()
+
+
 class StreamReader:
-    """Read a deltasync stream from any fsspec URL. Objects are verified (size, SHA-256) before use."""
+    """Read a deltasync stream from any fsspec URL. Objects are verified (size, SHA-256) before use.
+
+    From a remote store, each object is downloaded into a cache (``cache_dir``, else a temporary folder)
+    and deleted again when the object opened from it is closed. ``close()`` (or a ``with`` block) removes
+    the cache; a reader that is dropped or still open at interpreter exit is cleaned up too. A reader made
+    from a ``Store`` leaves closing that store to its owner.
+    """
 
     def __init__(
         self,
@@ -27,12 +52,25 @@ class StreamReader:
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | Path | None = None,
     ) -> None:
+        self._owns_store = not isinstance(url, Store)
         self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options, cache_dir=cache_dir)
         self._manifests: dict[int, Manifest] = {}  # committed manifests never change: saves a GET each
 
     @property
     def url(self) -> str:
         return self.store.url
+
+    def close(self) -> None:
+        """Remove the downloaded objects and the cache folder (of the store this reader made)."""
+        self._manifests.clear()
+        if self._owns_store:
+            self.store.close()
+
+    def __enter__(self) -> StreamReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def steps(self) -> list[int]:
         return self.store.steps()
@@ -64,11 +102,18 @@ class StreamReader:
             time.sleep(poll_s)
 
     def open(self, step: int) -> StepObject:
-        """Fetch, verify and open one step's object."""
+        """Fetch, verify and open one step's object. Close it when done (a ``with`` block): a downloaded
+        object is deleted once nobody has it open."""
         m = self.manifest(step)
-        path = self.store.fetch_object(m)
-        obj = StepObject(path, where=f"{self.url} step {step}")
+        where = f"{self.url} step {step}"
+        if self.store.is_local:
+            obj = StepObject(self.store.fetch_object(m), where=where)
+        else:
+            path = self.store.fetch_object(m, hold=True)
+            store = self.store
+            obj = _CachedObject(path, where=where, release=lambda: store.release_object(m))
         if obj.header.step != step or obj.header.kind != m.kind or obj.header.base_step != m.base_step:
+            obj.close()
             raise FormatError(
                 f"{self.url} step {step}: object header (step {obj.header.step}, {obj.header.kind}) "
                 f"disagrees with its manifest (step {m.step}, {m.kind})"

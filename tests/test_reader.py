@@ -1,10 +1,16 @@
+import gc
 import threading
+import uuid
+from dataclasses import replace
+from pathlib import Path
 
+import fsspec
 import pytest
 
 from deltasync import DeltaPublisher, StreamReader
-from deltasync.errors import StepNotFoundError, WaitTimeoutError
-from deltasync.store import step_dir
+from deltasync.errors import FormatError, StepNotFoundError, WaitTimeoutError
+from deltasync.store import Store, step_dir
+from rollout_loader import Follower, StateDictTarget
 from tests.conftest import states_equal
 from tests.test_publisher import train
 
@@ -59,3 +65,131 @@ def test_broken_chain_names_the_missing_step(stream):
         r.state_dict(7)
     with pytest.raises(StepNotFoundError, match="step 42 is not committed"):
         r.state_dict(42)
+
+
+# --- downloads stay bounded and leave nothing behind (issue 8, "Long runs must not fill the disk") ---
+
+
+@pytest.fixture
+def remote(small_state, gen):
+    """A stream on a remote store (fsspec memory): its objects are downloaded into a cache to be read."""
+    url = f"memory://reader-{uuid.uuid4().hex}"
+    truth = {}
+    with DeltaPublisher(url, small_state, anchor_every=3, on_backlog="block") as pub:
+        for s in range(7):
+            truth[s] = train(small_state, gen)
+            pub.publish(s)
+    yield url, truth
+    fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+
+def cached(store) -> list[int]:
+    """The steps whose objects are in the store's download cache (files are named after their step)."""
+    return sorted(int(p.name[:12]) for p in store.cache_dir.iterdir() if not p.name.startswith("."))
+
+
+def test_closing_a_reader_removes_its_download_cache(remote):
+    url, truth = remote
+    with StreamReader(url) as reader:
+        assert states_equal(reader.state_dict(5), truth[5])
+        cache = reader.store.cache_dir
+        assert cache.is_dir() and cache.name.startswith("deltasync-cache-")
+    assert not cache.exists()
+
+
+def test_an_object_leaves_the_cache_when_its_last_reader_closes_it(remote):
+    url, truth = remote
+    with StreamReader(url) as reader:
+        first = reader.open(4)
+        assert cached(reader.store) == [4]
+        with reader.open(4) as second:  # the same object twice: held until both are closed
+            assert second.header.step == 4
+        assert cached(reader.store) == [4]
+        assert first.patches()  # still readable
+        first.close()
+        assert cached(reader.store) == []
+
+
+def test_a_follower_keeps_only_the_object_it_is_applying(remote):
+    url, truth = remote
+    seen: list[list[int]] = []
+
+    class Recording(StateDictTarget):
+        def apply(self, obj):
+            seen.append(cached(follower.reader.store))
+            super().apply(obj)
+
+    follower = Follower(url, Recording(), on_step=lambda s: seen.append(cached(follower.reader.store)))
+    assert follower.sync(4) == [3, 4]
+    assert follower.sync() == [6]  # 6 is an anchor: a follower goes straight to it
+    assert seen == [[3], [], [4], [], [6], []]  # in the cache while applied, gone once it is live
+    assert states_equal(follower.target.state_dict(), truth[6])
+    cache = follower.reader.store.cache_dir
+    follower.close()
+    assert not cache.exists()
+
+
+def test_the_byte_cap_bounds_objects_that_nobody_holds(remote):
+    url, _ = remote
+    with Store(url) as store:
+        manifests = [store.manifest(s) for s in store.steps()]
+        store.cache_max_bytes = max(m.object_bytes for m in manifests)
+        held = StreamReader(store).open(0)  # held objects are never evicted
+        for m in manifests[1:]:
+            path = store.fetch_object(m)
+            assert path.exists()  # the object just fetched is always there
+            unheld = [p for p in store.cache_dir.iterdir() if not p.name.startswith("000000000000-")]
+            assert sum(p.stat().st_size for p in unheld) <= max(store.cache_max_bytes, m.object_bytes)
+        assert 0 in cached(store) and held.tensor("layer.0.weight").numel()
+        held.close()
+        assert 0 not in cached(store)
+
+
+def test_a_reader_that_is_dropped_without_close_leaves_nothing(remote):
+    url, truth = remote
+    reader = StreamReader(url)
+    obj = reader.open(6)
+    cache = reader.store.cache_dir
+    assert cached(reader.store) == [6]
+    del obj  # dropped without close: the object is released
+    assert cached(reader.store) == []
+    del reader
+    gc.collect()
+    assert not cache.exists()
+
+
+def test_store_close_after_an_interrupted_download(remote, monkeypatch):
+    url, _ = remote
+    store = Store(url)
+    real = store.transport.get_file
+    folders = []
+
+    def interrupted(path, local):
+        real(path, local)
+        folders.append(Path(local).parent)
+        raise KeyboardInterrupt  # Ctrl-C after the bytes landed, before the object was renamed into place
+
+    monkeypatch.setattr(store.transport, "get_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with store:
+            store.fetch_object(store.manifest(0))
+    assert folders and not folders[0].exists()
+
+
+def test_a_given_cache_folder_is_kept_but_emptied(remote, tmp_path):
+    url, truth = remote
+    folder = tmp_path / "cache"
+    with StreamReader(url, cache_dir=folder) as reader:
+        assert states_equal(reader.state_dict(2), truth[2])
+        reader.store.fetch_object(reader.manifest(1))
+    assert folder.is_dir() and list(folder.iterdir()) == []
+
+
+def test_an_object_name_cannot_leave_the_cache(remote):
+    url, _ = remote
+    with Store(url) as store:
+        m = store.manifest(1)
+        for name in ("a/../../../escaped.safetensors", "..", "/abs.safetensors"):
+            with pytest.raises(FormatError, match="not a plain file name"):
+                store.fetch_object(replace(m, object=name))
+        assert cached(store) == [] and not (store.cache_dir.parent / "escaped.safetensors").exists()
