@@ -1,21 +1,26 @@
 """Follow a deltasync stream and keep a target (a state dict, or a vLLM engine) at the newest step.
 
 The follower fetches and verifies the next object in the background, then hands it to the target, which
-applies it all-or-nothing. A failed step is retried from the nearest anchor; the target keeps its last
-consistent step meanwhile and ``step`` never names weights the target does not hold.
+applies it all-or-nothing. A failed step is retried (from the nearest anchor when the step's content was
+at fault) with exponential backoff; the target keeps its last consistent step meanwhile and ``step`` never
+names weights the target does not hold. A follower goes to the newest step by the shortest chain: when
+the newest step is an anchor it applies only that anchor, so ``on_step`` need not see every step.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import random
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from deltasync import Replica, StepObject, StreamReader
 from deltasync.apply import Verify
-from deltasync.errors import DeltaSyncError, WaitTimeoutError
+from deltasync.errors import DeltaSyncError, TensorMismatchError, WaitTimeoutError
 from deltasync.maintenance import check_consumer_id, write_heartbeat
 
 log = logging.getLogger(__name__)
@@ -55,6 +60,24 @@ class StateDictTarget:
         return self.replica.state_dict()
 
 
+class FollowError(DeltaSyncError, RuntimeError):
+    """The follower stopped: a step cannot be applied and retrying cannot help (the cause is chained)."""
+
+
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (TensorMismatchError,)
+"""Errors a follower does not retry. ``TensorMismatchError``: the stream's model changed names, shapes or
+dtypes, and the target cannot hold it; every later step would fail the same way. Everything else is
+retried: store and network errors, a damaged or missing object (retried from the next anchor), a checksum
+mismatch (the target rolled back), an engine that refused or crashed, a bug in ``on_step``."""
+
+
+def retry_delay_s(failures: int, *, poll_s: float, max_s: float, rng: random.Random | None = None) -> float:
+    """Seconds to wait after ``failures`` failed attempts in a row: doubling from ``poll_s``, capped at
+    ``max_s``, with jitter (uniform in the upper half) so that many followers of one stream spread out."""
+    ceiling = min(max_s, poll_s * 2.0 ** min(max(failures - 1, 0), 64))
+    return max(poll_s, min(ceiling, (rng or random).uniform(ceiling / 2, ceiling)))
+
+
 class Follower:
     """Keep ``target`` at the newest committed step of the stream at ``url``.
 
@@ -62,6 +85,16 @@ class Follower:
     caller's thread. ``on_step(step)`` is called after each step is live in the target. If the target is
     more than ``max_chain`` deltas behind, it restarts from the nearest anchor instead. With ``consumer_id``
     it records its step in the store after each step (a heartbeat that garbage collection respects).
+
+    Failures: every exception is recorded in ``last_error``, with the step it happened at in
+    ``last_error_step`` (None when no step was being applied, e.g. listing the store failed); both are
+    cleared by the next success. The thread never dies from one failure: it retries after
+    ``retry_delay_s`` (``poll_s`` doubling up to ``max_backoff_s``), logging each distinct error once. An
+    error in ``PERMANENT_ERRORS`` stops it; ``wait_for`` then raises ``FollowError`` from that error, and
+    on its deadline ``WaitTimeoutError`` from the last error. ``sync()`` raises the error itself.
+
+    ``close()`` (or leaving a ``with`` block, which also ``start()``s) stops the thread and removes the
+    download cache of the reader it made from ``url``.
     """
 
     def __init__(
@@ -70,19 +103,28 @@ class Follower:
         target: Target,
         *,
         poll_s: float = 0.05,
+        max_backoff_s: float = 30.0,
         max_chain: int = 50,
         on_step: Callable[[int], None] | None = None,
         storage_options: dict[str, Any] | None = None,
         consumer_id: str | None = None,
     ) -> None:
+        self._owns_reader = not isinstance(url, StreamReader)
         self.reader = url if isinstance(url, StreamReader) else StreamReader(url, storage_options=storage_options)
         self.target = target
         self.poll_s = poll_s
+        self.max_backoff_s = max(max_backoff_s, poll_s)
         self.max_chain = max_chain
         self.on_step = on_step
         self.consumer_id = consumer_id if consumer_id is None else check_consumer_id(consumer_id)
         self.last_error: BaseException | None = None
+        self.last_error_step: int | None = None
+        self.failures = 0  # failed attempts since the last success
+        self.stopped_by: BaseException | None = None  # the permanent error that stopped the thread
+        self._logged: tuple[str, str] | None = None  # the error last logged: each distinct one once
+        self._at_step: int | None = None  # the step being applied
         self._from_anchor = False  # after a failure, rebuild from the nearest anchor
+        self._sync_lock = threading.Lock()  # one sync at a time (thread and caller)
         self._stop = threading.Event()
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -91,8 +133,27 @@ class Follower:
     def step(self) -> int | None:
         return self.target.step
 
+    @property
+    def running(self) -> bool:
+        """Whether the background thread is following (False after ``stop()`` or a permanent error)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def sync(self, step: int | None = None) -> list[int]:
-        """Bring the target to ``step`` (default: latest committed); returns the steps applied."""
+        """Bring the target to ``step`` (default: latest committed); returns the steps applied.
+
+        Raises what stopped it (also recorded in ``last_error``); the target keeps its last consistent step.
+        """
+        with self._sync_lock:
+            try:
+                applied = self._sync(step)
+            except Exception as e:
+                self._failed(e)
+                raise
+            self._succeeded()
+            return applied
+
+    def _sync(self, step: int | None) -> list[int]:
+        self._at_step = None
         if step is None:
             step = self.reader.latest_step()
             if step is None:
@@ -106,11 +167,12 @@ class Follower:
             chain = self.reader.chain(step)  # too far behind: start again from the nearest anchor
         applied = []
         for s in chain:
+            self._at_step = s
             try:
                 with self.reader.open(s) as obj:
                     self.target.apply(obj)
             except DeltaSyncError:
-                self._from_anchor = True
+                self._from_anchor = True  # the content was at fault: the next attempt starts at an anchor
                 raise
             self._from_anchor = False
             applied.append(s)
@@ -121,54 +183,153 @@ class Follower:
             if self.consumer_id is not None:
                 try:
                     write_heartbeat(self.reader.store, self.consumer_id, s)
-                except (DeltaSyncError, OSError) as e:  # a missed heartbeat must not stop the follower
-                    log.warning("follower: heartbeat for step %d failed: %s", s, e)
+                except Exception as e:  # noqa: BLE001 - a missed heartbeat must not stop the follower
+                    log.warning("follower: heartbeat for step %d failed: %s", s, str(e))
+        self._at_step = None
         return applied
 
+    def _failed(self, e: Exception) -> None:
+        """Record a failure; log it unless it is the one logged last."""
+        self.last_error, self.last_error_step = e, self._at_step
+        self.failures += 1
+        key = (type(e).__name__, str(e))
+        if key != self._logged:
+            self._logged = key
+            at = "" if self._at_step is None else f" at step {self._at_step}"
+            permanent = isinstance(e, PERMANENT_ERRORS)
+            what = "stopping: retrying cannot help" if permanent else "retrying"
+            # text only: a log record that kept the exception would keep its frames (the reader, its
+            # downloads) alive as long as any handler keeps the record
+            where = "" if isinstance(e, DeltaSyncError) else "\n" + "".join(traceback.format_exception(e)).rstrip()
+            log.log(logging.ERROR if permanent else logging.WARNING, "follower%s: %s: %s (%s)%s", at, key[0], key[1], what, where)
+        with self._changed:
+            self._changed.notify_all()
+
+    def _succeeded(self) -> None:
+        if self._logged is not None:
+            log.info("follower: recovered, the target holds step %s", self.target.step)
+        self.last_error = self.last_error_step = None
+        self.failures = 0
+        self._logged = None
+
     def wait_for(self, step: int, *, timeout_s: float = 60.0) -> int:
-        """Block until the target holds ``step`` or later (with ``start()``), or sync to it (without)."""
+        """Block until the target holds ``step`` or later; returns the step it holds.
+
+        With ``start()`` the thread does the work; without, this syncs in the caller's thread, retrying
+        failures like the thread does. Raises ``FollowError`` (from the error) once the follower stopped on
+        a permanent error, ``WaitTimeoutError`` (from the last error, if any) at the deadline.
+        """
         deadline = time.monotonic() + timeout_s
         if self._thread is None:
-            self.reader.wait_for(step, timeout_s=timeout_s)
-            self.sync()
+            return self._wait_here(step, deadline, timeout_s)
         with self._changed:
-            while self.target.step is None or self.target.step < step:
+            while not self._holds(step):
+                self._raise_if_stopped(step)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise WaitTimeoutError(
-                        f"{self.reader.url}: target holds step {self.target.step}, step {step} not live within {timeout_s}s"
-                        + (f" (last error: {self.last_error})" if self.last_error else "")
-                    )
+                    self._timed_out(step, timeout_s)
                 self._changed.wait(min(left, 0.05))
         return self.target.step  # type: ignore[return-value]
 
+    def _wait_here(self, step: int, deadline: float, timeout_s: float) -> int:
+        while not self._holds(step):
+            self._raise_if_stopped(step)
+            try:
+                latest = self.reader.latest_step()
+                if latest is not None and latest >= step:
+                    self.sync()
+                    continue
+                delay = self.poll_s
+            except Exception as e:
+                if e is not self.last_error:  # not recorded by sync (listing the store failed)
+                    self._at_step = None
+                    self._failed(e)
+                if isinstance(e, PERMANENT_ERRORS):
+                    self.stopped_by = e
+                    self._raise_if_stopped(step)
+                delay = retry_delay_s(self.failures, poll_s=self.poll_s, max_s=self.max_backoff_s)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._timed_out(step, timeout_s)
+            time.sleep(min(left, delay))
+        return self.target.step  # type: ignore[return-value]
+
+    def _holds(self, step: int) -> bool:
+        held = self.target.step
+        return held is not None and held >= step
+
+    def _raise_if_stopped(self, step: int) -> None:
+        e = self.stopped_by
+        if e is not None:
+            at = f" at step {self.last_error_step}" if self.last_error_step is not None else ""
+            raise FollowError(
+                f"{self.reader.url}: the follower stopped{at} and cannot reach step {step} "
+                f"(the target holds step {self.target.step}): {type(e).__name__}: {e}"
+            ) from e
+
+    def _timed_out(self, step: int, timeout_s: float) -> None:
+        e = self.last_error
+        why = "" if e is None else f" (last error{'' if self.last_error_step is None else f' at step {self.last_error_step}'}: {type(e).__name__}: {e})"
+        raise WaitTimeoutError(
+            f"{self.reader.url}: target holds step {self.target.step}, step {step} not live within {timeout_s}s{why}"
+        ) from e
+
     def start(self) -> Follower:
-        if self._thread is None:
+        """Follow in a background thread (again after ``stop()`` or a permanent error)."""
+        if not self.running:
             self._stop.clear()
+            self.stopped_by = None
             self._thread = threading.Thread(target=self._run, name="deltasync-follower", daemon=True)
             self._thread.start()
+            # stopped before deltasync removes its caches at exit: the thread may be downloading into one
+            atexit.register(self._halt)
         return self
 
     def stop(self) -> None:
+        """Stop the background thread (waits for the step in progress)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            atexit.unregister(self._halt)
+            if thread is not threading.current_thread():
+                thread.join()
+
+    def close(self) -> None:
+        """Stop, and remove the download cache of the reader made from ``url`` (also after an error)."""
+        try:
+            self.stop()
+        finally:
+            if self._owns_reader:
+                self.reader.close()
 
     def __enter__(self) -> Follower:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.close()
+
+    def _halt(self) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=max(10.0, 2 * self.poll_s))
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 self.sync()
-                self.last_error = None
-            except (DeltaSyncError, OSError) as e:
-                # the target still holds its last consistent step; try again (from an anchor if needed)
-                if str(e) != str(self.last_error):
-                    log.warning("follower: %s", e)
-                self.last_error = e
-            self._stop.wait(self.poll_s)
+                delay = self.poll_s
+            except Exception as e:  # recorded and logged by sync
+                if isinstance(e, PERMANENT_ERRORS):
+                    self.stopped_by = e
+                    with self._changed:
+                        self._changed.notify_all()
+                    return
+                delay = retry_delay_s(self.failures, poll_s=self.poll_s, max_s=self.max_backoff_s)
+            except BaseException as e:  # SystemExit and the like end the thread: say why first
+                self.stopped_by = self.last_error = e
+                log.error("follower: stopped by %s", type(e).__name__)
+                with self._changed:
+                    self._changed.notify_all()
+                raise
+            self._stop.wait(delay)
