@@ -1,10 +1,81 @@
-"""Shared fixtures: small random models and streams."""
+"""Shared fixtures: small random models and streams; and the check that no test leaves temporary folders."""
 
 from __future__ import annotations
+
+import gc
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+LEAK_PREFIX = "deltasync-"  # every temporary folder the library makes (caches, spools, pushes, demos)
+_TMP_KEY = pytest.StashKey[tuple]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Run the session in a private temporary folder (``TMPDIR``, inherited by subprocesses).
+
+    Other engineers' test runs share /tmp: a private folder lets the leak checks below see this session's
+    folders only. pytest's own ``tmp_path`` folders stay where pytest keeps them (the real temp folder).
+    """
+    real = tempfile.gettempdir()
+    root = tempfile.mkdtemp(prefix="dstest-", dir=real)  # short: vLLM puts IPC socket paths in TMPDIR
+    config.stash[_TMP_KEY] = (root, os.environ.get("TMPDIR"), os.environ.get("PYTEST_DEBUG_TEMPROOT"))
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", real)
+    os.environ["TMPDIR"] = root
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    root, tmpdir, temproot = config.stash.get(_TMP_KEY, (None, None, None))
+    if root is None:
+        return
+    for key, value in (("TMPDIR", tmpdir), ("PYTEST_DEBUG_TEMPROOT", temproot)):
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    tempfile.tempdir = None
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def leftovers() -> set[str]:
+    """The library's temporary folders now in the (private) temp folder."""
+    return {p.name for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(LEAK_PREFIX)}
+
+
+def _leaked(before: set[str]) -> list[str]:
+    new = leftovers() - before
+    if new:  # objects in a reference cycle are cleaned when collected: give them that chance first
+        gc.collect()
+        new = leftovers() - before
+    return sorted(new)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_leaves_no_temp_folders():
+    """The whole session (session fixtures included) leaves nothing behind."""
+    before = leftovers()
+    yield
+    leaked = _leaked(before)
+    if leaked:
+        pytest.fail(f"the test session left temporary folders behind: {leaked}")
+
+
+@pytest.fixture(autouse=True)
+def _test_leaves_no_temp_folders(request):
+    """Each test closes what it opens: a publisher's spool, a reader's or follower's download cache."""
+    before = leftovers()
+    yield
+    leaked = _leaked(before)
+    if leaked:
+        for name in leaked:  # the next tests start clean; this one fails
+            shutil.rmtree(Path(tempfile.gettempdir()) / name, ignore_errors=True)
+        pytest.fail(f"{request.node.nodeid} left temporary folders behind: {leaked}")
 
 
 def perturb(t: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
