@@ -18,9 +18,9 @@ import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import fsspec
 import pytest
@@ -47,16 +47,23 @@ class Backend:
 
     url: str
     tmp: Path
+    storage_options: dict[str, Any] = field(default_factory=dict)
 
     def store(self) -> Store:
-        return Store(self.url, cache_dir=self.tmp / f"cache-{uuid.uuid4().hex[:6]}", retries=1, retry_base_s=0.01)
+        return Store(
+            self.url,
+            storage_options=self.storage_options,
+            cache_dir=self.tmp / f"cache-{uuid.uuid4().hex[:6]}",
+            retries=1,
+            retry_base_s=0.01,
+        )
 
     def reader(self) -> StreamReader:
         return StreamReader(self.store())
 
     @property
     def _fs(self) -> tuple[fsspec.AbstractFileSystem, str]:
-        fs, root = fsspec.core.url_to_fs(self.url)
+        fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         fs.invalidate_cache()
         return fs, root.rstrip("/")
 
@@ -80,6 +87,7 @@ class Backend:
 
 @pytest.fixture(params=["local", "memory"])
 def backend(request, tmp_path) -> Iterator[Backend]:
+    """The stream the races run on (tests/integration/test_crash_s3.py runs them on S3 too)."""
     if request.param == "local":
         yield Backend(str(tmp_path / "stream"), tmp_path)
         return

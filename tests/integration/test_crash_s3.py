@@ -1,4 +1,5 @@
-"""The crash harness of tests/test_crash.py on a real S3 server (SeaweedFS on loopback).
+"""The crash harness of tests/test_crash.py and the races of tests/test_commit_races.py on a real S3 server
+(SeaweedFS on loopback), where create-only commits and the lease rest on conditional writes.
 
 The monitor lists the bucket with s3fs directly: an object's ETag and LastModified change whenever it is
 rewritten, so a replaced manifest is seen from the listing alone.
@@ -11,6 +12,15 @@ from typing import Any
 import pytest
 
 from tests.integration.seaweedfs import s3_server  # noqa: F401 - fixture
+from tests.test_commit_races import (  # noqa: F401 - the races, run here against the S3 backend below
+    Backend,
+    test_commit_by_a_writer_that_lost_the_lease_writes_no_manifest,
+    test_commit_never_replaces_a_committed_object_of_the_same_name,
+    test_commit_never_replaces_a_committed_step,
+    test_lease_is_checked_right_before_the_manifest,
+    test_restart_after_a_stale_hint_resumes_after_the_newest_manifest,
+    test_writer_that_lost_its_lease_during_an_upload_cannot_replace_the_step,
+)
 from tests.test_crash import (
     KILLS,
     MANIFEST,
@@ -26,6 +36,12 @@ from tests.test_crash import (
 pytestmark = pytest.mark.s3
 
 S3_KILLS = KILLS or 12
+
+
+@pytest.fixture
+def backend(s3_server, tmp_path) -> Backend:  # noqa: F811
+    """The races' stream on S3 (overrides tests/test_commit_races.py's local and memory ones)."""
+    return Backend(s3_server.new_url(), tmp_path, s3_server.storage_options)
 
 
 class S3Manifests:
