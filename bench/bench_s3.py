@@ -108,7 +108,7 @@ def run(args, server: SeaweedFS, work: Path) -> None:
         rows.append({
             "step": step,
             "object_bytes": m.object_bytes,
-            "density": m.stats["density"],
+            "density": m.stats.density,
             "latency_s": lat[step],
             "capture_s": metrics[step].capture_s,
             "encode_s": metrics[step].encode_s,

@@ -1,21 +1,27 @@
-"""The ``deltasync`` command line: diff/patch checkpoints like files, inspect, replay and maintain streams, run the demo."""
+"""The ``deltasync`` command line: diff/patch checkpoints like files, inspect, replay and maintain streams, run the demo.
+
+Exit status: 0 done; 1 ``verify`` found a problem; 2 an error caused by input, configuration or environment (one
+line on stderr: the error's type, what was expected, what arrived, and where); 3 an unexpected error, i.e. a
+bug (one line too; ``DELTASYNC_DEBUG=1`` prints the traceback, for any error); 130 interrupted (Ctrl-C).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import DeltaSyncError
+from .errors import DeltaSyncError, StepNotFoundError, StreamNotFoundError
 
 app = typer.Typer(
     help="Ship only what changed: sparse bit-exact weight deltas from an RL trainer to inference engines.",
@@ -43,6 +49,37 @@ def _storage_options(pairs: list[str] | None) -> dict[str, Any]:
         except json.JSONDecodeError:
             opts[key] = value
     return opts
+
+
+def _reader(url: str, storage_option: list[str] | None) -> Any:
+    """A ``StreamReader`` for a command; open it in a ``with`` block, so that its downloads are removed
+    when the command ends, fails or is interrupted (Ctrl-C)."""
+    from .reader import StreamReader
+
+    return StreamReader(url, storage_options=_storage_options(storage_option))
+
+
+def _require_stream(store: Any) -> None:
+    """Raise ``StreamNotFoundError`` where ``store``'s URL holds no deltasync stream at all (no ``stream.json``,
+    no ``steps/`` folder): a wrong bucket, prefix or path, as opposed to a stream with no steps yet.
+
+    Streams written before ``stream.json`` existed have a ``steps/`` folder; once every stream has
+    ``stream.json`` this belongs in ``Store`` (for the follower too).
+    """
+    from .store import STREAM
+
+    if store.exists(STREAM) or store.exists("steps"):
+        return
+    try:  # what is there instead helps to spot a wrong prefix
+        found = store.call("list the location", lambda: store.fs.ls(store.root, detail=False))
+        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found)
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        there = f"it holds {', '.join(names[:5])}{more}" if names else "it is empty"
+    except FileNotFoundError:
+        there = "the location does not exist"
+    raise StreamNotFoundError(
+        f"no deltasync stream at {store.url} (no {STREAM} and no steps/ folder; {there}); check the bucket, prefix or path"
+    )
 
 
 def _load_safetensors(path: Path) -> dict:
@@ -122,8 +159,10 @@ def ls_(
     """List the committed steps of a stream."""
     from .store import Store
 
-    store = Store(url, storage_options=_storage_options(storage_option))
-    manifests = [store.manifest(s) for s in store.steps()]
+    with Store(url, storage_options=_storage_options(storage_option)) as store:
+        manifests = [store.manifest(s) for s in store.steps()]
+        if not manifests:
+            _require_stream(store)  # "no stream at this URL" is an error; "a stream with no steps yet" is not
     if as_json:
         print(json.dumps([m.to_dict() for m in manifests], indent=1))
         return
@@ -152,10 +191,14 @@ def show(
     """Show one step: its manifest and, per tensor, how many elements changed."""
     from .reader import StreamReader
 
-    reader = StreamReader(url, storage_options=_storage_options(storage_option))
-    m = reader.manifest(step)
-    with reader.open(step) as obj:
-        h = obj.header
+    with StreamReader(url, storage_options=_storage_options(storage_option)) as reader:
+        try:
+            m = reader.manifest(step)
+        except StepNotFoundError:
+            _require_stream(reader.store)
+            raise
+        with reader.open(step) as obj:
+            h = obj.header
     tensors = {n: {"dtype": t.dtype, "shape": list(t.shape), "changed": t.changed, "checksum": t.checksum} for n, t in h.tensors.items()}
     if as_json:
         print(json.dumps({"manifest": m.to_dict(), "aliases": h.aliases, "tensors": tensors}, indent=1))
@@ -178,36 +221,46 @@ def follow(
                                         "and VLLM_SERVER_DEV_MODE=1.")],
     until: Annotated[Optional[int], typer.Option(help="Exit once the engine holds this step (default: follow forever).")] = None,
     engine_step: Annotated[Optional[int], typer.Option(help="The step the engine already holds, if it was started from one.")] = None,
-    verify: Annotated[str, typer.Option(help="Checksums after each step: 'changed' tensors or 'all'.")] = "changed",
-    mode: Annotated[str, typer.Option(help="Worker mode: auto, live or reload.")] = "auto",
-    poll_s: Annotated[float, typer.Option(help="Seconds between polls of the store.")] = 0.1,
-    timeout_s: Annotated[float, typer.Option(help="With --until: give up after this long.")] = 600.0,
+    verify: Annotated[Literal["incremental", "changed", "all"], typer.Option(
+        help="Checksums after each delta: 'incremental' (from the patched elements), the 'changed' tensors, or 'all'.")] = "changed",
+    mode: Annotated[Literal["auto", "live", "reload"], typer.Option(help="Worker mode: auto, live or reload.")] = "auto",
+    poll_s: Annotated[float, typer.Option(min=0.0, help="Seconds between polls of the store.")] = 0.1,
+    timeout_s: Annotated[float, typer.Option(min=0.0, help="With --until: give up after this long.")] = 600.0,
     storage_option: StorageOpt = None,
 ) -> None:
-    """Keep a running vLLM server at the newest step of a stream (prints one line per step)."""
+    """Keep a running vLLM server at the newest step of a stream (prints one line per step).
+
+    Before anything is paused: the options are checked, the server is asked whether it is set up for deltasync
+    (the flags above), and the URL must hold a stream. Needs no vLLM package here (only on the server).
+    """
     import time
+
+    from rich.markup import escape
 
     from rollout_loader import Follower
     from rollout_loader.vllm import VllmTarget
 
-    target = VllmTarget(server, step=engine_step, mode=mode, verify=verify)  # type: ignore[arg-type]
+    target = VllmTarget(server, step=engine_step, mode=mode, verify=verify)
 
     def report(step: int) -> None:
         out.print(f"step {step} live in {server} (generation paused {target.pauses_s[-1] * 1e3:.1f} ms, checksums match)")
 
     follower = Follower(url, target, poll_s=poll_s, on_step=report, storage_options=_storage_options(storage_option))
-    if until is not None:
-        follower.reader.wait_for(until, timeout_s=timeout_s)
-        follower.sync(until)
-        return
-    follower.start()
-    try:
+    try:  # close() stops the thread and removes the downloads, however the command ends (Ctrl-C too)
+        _require_stream(follower.reader.store)
+        if until is not None:
+            follower.reader.wait_for(until, timeout_s=timeout_s)
+            follower.sync(until)
+            return
+        follower.start()
         while True:
             time.sleep(1.0)
             if follower.last_error:
-                err.print(f"[yellow]retrying:[/yellow] {follower.last_error}")
+                err.print(f"[yellow]retrying:[/yellow] {escape(str(follower.last_error))}")
     except KeyboardInterrupt:
-        follower.stop()
+        pass
+    finally:
+        follower.close()
 
 
 @app.command()
@@ -217,7 +270,8 @@ def demo(
     lr: Annotated[float, typer.Option(help="AdamW learning rate (RL-like).")] = 1e-6,
     hidden_size: Annotated[int, typer.Option(help="Model width (multiple of 64).")] = 256,
     layers: Annotated[int, typer.Option(help="Transformer layers.")] = 4,
-    engine: Annotated[str, typer.Option(help="Who follows: 'vllm' (a real engine) or 'torch' (a state dict).")] = "vllm",
+    engine: Annotated[Literal["vllm", "torch"], typer.Option(
+        help="Who follows: 'vllm' (a real engine) or 'torch' (a state dict).")] = "vllm",
     storage_option: StorageOpt = None,
 ) -> None:
     """Train a small Qwen3-shaped model, publish every step, follow it, and prove the weights match."""
@@ -301,9 +355,8 @@ def replay(
     """
     from .history import replay_to_folder
 
-    with _progress() as progress:
-        r = replay_to_folder(url, step, output, overwrite=overwrite, reread=reread,
-                             storage_options=_storage_options(storage_option), progress=progress)
+    with _reader(url, storage_option) as reader, _progress() as progress:
+        r = replay_to_folder(reader, step, output, overwrite=overwrite, reread=reread, progress=progress)
     if as_json:
         _print_json(r.to_dict())
         return
@@ -328,9 +381,10 @@ def push(
 ) -> None:
     """Publish a safetensors checkpoint as a step: a delta on the latest step (an anchor on an empty stream)."""
     from .history import push_checkpoint
+    from .store import Store
 
-    m = push_checkpoint(url, step, checkpoint, anchor=anchor, dtype=_dtype(dtype), files=files, take_over=take_over,
-                        storage_options=_storage_options(storage_option))
+    with Store(url, storage_options=_storage_options(storage_option)) as store:
+        m = push_checkpoint(store, step, checkpoint, anchor=anchor, dtype=_dtype(dtype), files=files, take_over=take_over)
     if as_json:
         _print_json(m.to_dict())
         return
@@ -350,8 +404,8 @@ def compare_(
     """Per tensor and per layer: elements changed between two steps, relative L2 change, largest change."""
     from .history import compare
 
-    with _progress() as progress:
-        c = compare(url, a, b, storage_options=_storage_options(storage_option), progress=progress)
+    with _reader(url, storage_option) as reader, _progress() as progress:
+        c = compare(reader, a, b, progress=progress)
     if as_json:
         _print_json(c.to_dict())
         return
@@ -376,16 +430,16 @@ def stats(
     """Density, bytes, compression and stage timings over a stream (from manifests); --plot draws a heat map."""
     from .stats import layer_density, plot_stats, stream_stats
 
-    opts = _storage_options(storage_option)
-    s = stream_stats(url, first=first, last=last, storage_options=opts)
-    density = None
-    if plot is not None:
-        with _progress() as progress:
-            density = layer_density(url, [r.step for r in s.steps], storage_options=opts, progress=progress)
-        try:
-            plot_stats(s, density, plot)
-        except ImportError as e:
-            raise typer.BadParameter(str(e)) from None
+    with _reader(url, storage_option) as reader:
+        s = stream_stats(reader, first=first, last=last)
+        density = None
+        if plot is not None:
+            with _progress() as progress:
+                density = layer_density(reader, [r.step for r in s.steps], progress=progress)
+            try:
+                plot_stats(s, density, plot)
+            except ImportError as e:
+                raise typer.BadParameter(str(e)) from None
     if as_json:
         _print_json({**s.to_dict(), **({"layer_density": density.to_dict()} if density else {})})
         return
@@ -419,9 +473,8 @@ def verify_(
     """Check every committed step by replaying it: objects, headers, chains and checksums. Exit 1 on a problem."""
     from .maintenance import verify
 
-    with _progress() as progress:
-        report = verify(url, first=first, last=last, all_problems=all_problems,
-                        storage_options=_storage_options(storage_option), progress=progress)
+    with _reader(url, storage_option) as reader, _progress() as progress:
+        report = verify(reader, first=first, last=last, all_problems=all_problems, progress=progress)
     if as_json:
         _print_json(report.to_dict())
     elif report.ok:
@@ -478,13 +531,52 @@ def _runs(rows: list[tuple[int, str, str]]) -> Iterator[tuple[int, int, str, str
             start = None
 
 
+EXIT_USER_ERROR = 2  # input, configuration or environment: the user can fix it
+EXIT_BUG = 3  # an unexpected exception: a bug in deltasync
+DEBUG_ENV = "DELTASYNC_DEBUG"
+
+
 def main() -> None:
+    """Run the CLI. Every failure a user can cause is one line on stderr and exit status 2, never a traceback:
+    ``DeltaSyncError``s, ``OSError``s (a disk, a permission) and usage errors (an unknown option, a bad value).
+    Anything else is a bug: one line, exit 3. ``DELTASYNC_DEBUG=1`` adds the traceback."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        app()
-    except DeltaSyncError as e:
-        typer.echo(f"error: {type(e).__name__}: {e}", err=True)  # one line, never wrapped
-        sys.exit(2)
+        code = app(standalone_mode=False)  # errors come back here instead of being printed by click/typer
+    except typer.Exit as e:
+        code = e.exit_code
+    except (DeltaSyncError, OSError) as e:
+        if isinstance(e, BrokenPipeError):  # `deltasync ls URL | head`: not an error worth a word
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
+        _fail(f"{type(e).__name__}: {e}", EXIT_USER_ERROR)
+    except typer.TyperException as e:  # click's usage errors: an unknown option, a bad value, a missing argument
+        ctx = getattr(e, "ctx", None)
+        if type(e).__name__ == "NoArgsIsHelpError":
+            e.show()  # type: ignore[attr-defined]  # no arguments at all: the help is the answer
+            sys.exit(e.exit_code)
+        where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        _fail(f"{e.format_message()}{where}", e.exit_code)
+    except typer.Abort:
+        _fail("aborted", 1)
+    except Exception as e:  # noqa: BLE001 - the last resort: a bug, said in one line
+        hint = "" if _debug() else f"; rerun with {DEBUG_ENV}=1 for the traceback"
+        _fail(f"internal error (a bug in deltasync, please report it): {type(e).__name__}: {e}{hint}", EXIT_BUG)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _fail(message: str, code: int) -> None:
+    """Print ``error: message`` as exactly one line on stderr (after the traceback with DELTASYNC_DEBUG=1), exit."""
+    if _debug():
+        import traceback
+
+        traceback.print_exc()
+    typer.echo(f"error: {' '.join(message.split())}", err=True)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import logging
 import os
 import queue
 import socket
-import tempfile
 import threading
 import time
 import uuid
@@ -32,6 +31,7 @@ from .diff import Snapshot, SnapshotDevice, TensorChange
 from .errors import DeltaSyncError, PublishError, StepOrderError
 from .format import Kind, StepHeader, TensorHeader, write_anchor, write_delta
 from .documents import ManifestStats, check_step
+from .scratch import ScratchFolder
 from .store import Manifest, Store, sha256_file
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,8 @@ class DeltaPublisher:
         self.dtype = dtype
         self._model_files = collect_model_files(files) if files is not None else None
         self.metrics: list[StepMetrics] = []
-        self._spool = Path(spool_dir) if spool_dir else Path(tempfile.mkdtemp(prefix="deltasync-spool-"))
+        # where objects are written before upload: made on first use, removed by close() (scratch.py)
+        self._spool_folder = ScratchFolder("spool", spool_dir)
         self._snapshot: Snapshot | None = None
         self._aliases: dict[str, str] = {}
         self._since_anchor = 0
@@ -214,17 +215,24 @@ class DeltaPublisher:
         self._raise_background_error()
 
     def close(self) -> None:
-        """Flush, stop the background thread, release the stream."""
+        """Flush, stop the background thread, release the stream, remove the spool folder (also on error)."""
         try:
             self.flush()
         finally:
-            if self._thread.is_alive():
-                self._queue.put(None)
-                self._thread.join()
             try:
-                self.store.release_lease(self.writer_id)
-            except DeltaSyncError as e:
-                log.warning("could not release the writer lease: %s", e)
+                if self._thread.is_alive():
+                    self._queue.put(None)
+                    self._thread.join()
+                try:
+                    self.store.release_lease(self.writer_id)
+                except DeltaSyncError as e:
+                    log.warning("could not release the writer lease: %s", e)
+            finally:
+                self._spool_folder.remove()  # also after a failed step: nothing stays in the temp folder
+
+    @property
+    def _spool(self) -> Path:
+        return self._spool_folder.path
 
     def __enter__(self) -> DeltaPublisher:
         return self

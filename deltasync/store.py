@@ -87,9 +87,9 @@ class Store:
         self._option_names = frozenset(options)
         config = options.get("config_kwargs", {})
         if self.protocol in ("s3", "s3a") and isinstance(config, dict):
-            # unless told otherwise: a connect that has not succeeded in 3 s will not (botocore waits 60 s, five
+            # unless told otherwise: a connect that has not succeeded in 2 s will not (botocore waits 60 s, five
             # times), and one attempt per request in botocore, since call() retries (and bounds the time)
-            config = {"connect_timeout": 3, **config, "retries": dict(config.get("retries", {"max_attempts": 1}))}
+            config = {"connect_timeout": 2, **config, "retries": dict(config.get("retries", {"max_attempts": 1}))}
             options["config_kwargs"] = config
         where = f"cannot open store {url!r}"
         try:
@@ -202,7 +202,7 @@ class Store:
                 spent = time.monotonic() - started
                 if attempt == self.retries or spent + delay > self.retry_max_s:
                     raise StoreError(f"{self.url}: {what} failed after {attempt + 1} attempts in {spent:.1f}s: {e}") from e
-                log.warning("%s: %s failed (%s); retrying in %.2fs", self.url, what, e, delay)
+                log.warning("%s: %s failed (%s); retrying in %.2fs", self.url, what, str(e), delay)
                 time.sleep(delay)
             else:
                 self._answered = True
@@ -304,7 +304,7 @@ class Store:
         except FileNotFoundError:
             hint = None
         except FormatError as e:
-            log.warning("%s: ignoring the latest hint: %s", self.url, e)
+            log.warning("%s: ignoring the latest hint: %s", self.url, str(e))
             hint = None
         if hint is not None and hint < MAX_STEP and self.exists(f"{step_dir(hint)}/{MANIFEST}") and not self.exists(
             f"{step_dir(hint + 1)}/{MANIFEST}"
@@ -347,7 +347,7 @@ class Store:
             plain_name(manifest.object, where=f"{self.url} step {manifest.step}")
             path = Path(self.path(rel))
             if not path.exists():
-                raise CorruptObjectError(f"{where}: missing, though the step is committed")
+                raise self._missing(manifest, where)
             self._check_object(path, manifest, where)
             return path
         name = self._cache_name(manifest)
@@ -360,7 +360,7 @@ class Store:
                     os.replace(part, path)
                 except FileNotFoundError:
                     part.unlink(missing_ok=True)
-                    raise CorruptObjectError(f"{where}: missing, though the step is committed") from None
+                    raise self._missing(manifest, where) from None
                 except BaseException:
                     part.unlink(missing_ok=True)  # failed or interrupted (Ctrl-C): no half file stays
                     raise
@@ -371,6 +371,13 @@ class Store:
                 raise
             cache.add(name, hold=hold)
         return path
+
+    def _missing(self, manifest: Manifest, where: str) -> StepNotFoundError | CorruptObjectError:
+        """The error for an object that is not there: its step was collected meanwhile (no manifest either),
+        or the store lost it (the manifest is still there)."""
+        if not self.exists(f"{step_dir(manifest.step)}/{MANIFEST}"):
+            return StepNotFoundError(f"{self.url}: step {manifest.step} was collected (deleted by gc) while it was being read")
+        return CorruptObjectError(f"{where}: missing, though the step is committed")
 
     def _check_object(self, path: Path, manifest: Manifest, where: str) -> None:
         """The object at ``path`` has the manifest's size and SHA-256, or ``CorruptObjectError``."""
@@ -440,7 +447,7 @@ class Store:
         try:
             return decode(data, Lease, where=f"{self.url}/{WRITER}"), version
         except FormatError as e:
-            log.warning("%s", e)
+            log.warning("%s", str(e))
             return Lease(owner="(unreadable writer.json)", expires_unix_s=float("inf")), version
 
     def lease(self) -> Lease | None:

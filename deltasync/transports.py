@@ -333,8 +333,8 @@ _CONNECT = frozenset({
 _UNKNOWN_KWARG = re.compile(r"unexpected keyword argument '(\w+)'")
 _HINTS: dict[str, dict[str, str]] = {
     "s3": {
-        "no_credentials": "expected storage options key and secret (CLI: -S key=... -S secret=...), "
-        "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or an AWS profile; anon=true for a public bucket",
+        "no_credentials": "give storage options key and secret (CLI: -S key=... -S secret=...), set "
+        "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or use an AWS profile; anon=true for a public bucket",
         "auth": "check the access key and secret (storage options key/secret, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) "
         "and the bucket's permissions",
         "unreachable": "check the endpoint (storage option endpoint_url or client_kwargs.endpoint_url), "

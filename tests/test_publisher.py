@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 import textwrap
@@ -158,7 +159,10 @@ KILL_SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("kill_step", [0, 3])
 def test_writer_killed_before_commit_leaves_no_visible_step(tmp_path, kill_step):
     url = str(tmp_path / "s")
-    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT.format(kill_step=kill_step), url], capture_output=True)
+    tmp = tmp_path / "tmp"  # a killed writer cannot remove its spool: keep it inside the test's folder
+    tmp.mkdir()
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT.format(kill_step=kill_step), url], capture_output=True,
+                          env={**os.environ, "TMPDIR": str(tmp)})
     assert proc.returncode == 9, proc.stderr.decode()
     store = Store(url)
     assert store.steps() == list(range(kill_step))

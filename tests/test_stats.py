@@ -12,7 +12,7 @@ def test_stream_stats_from_manifests(qwen_stream):
     assert sorted(anchors) == [0, 4, 8]
     for r in s.steps:
         m = reader.manifest(r.step)
-        assert (r.object_bytes, r.density, r.changed) == (m.object_bytes, m.stats["density"], m.stats["changed"])
+        assert (r.object_bytes, r.density, r.changed) == (m.object_bytes, m.stats.density, m.stats.changed)
         assert r.full_bytes == anchors[max(a for a in anchors if a <= r.step)]
     sm = s.summary()
     assert (sm["steps"], sm["anchors"], sm["deltas"]) == (10, 3, 7)
