@@ -75,7 +75,7 @@ def run(args, server: SeaweedFS, work: Path) -> None:
             published[step] = time.perf_counter()
         pub.flush()
         follower.wait_for(args.steps, timeout_s=120)
-        follower.stop()
+        follower.close()
     metrics = {m.step: m for m in pub.metrics}
     lat = {s: live[s] - published[s] for s in range(1, args.steps + 1)}
     print(f"latency publish()->applied in consumer: p50 {pct(list(lat.values()), 50) * 1e3:.0f} ms, "

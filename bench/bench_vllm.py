@@ -84,7 +84,7 @@ def main() -> None:
             print(f"step {step:3d}: density {r['density']:.2%}  paused {paused * 1e3:.0f} ms  "
                   f"live +{r['live_after_publish_s'] * 1e3:.0f} ms  full reload {r['full_reload_s'] * 1e3:.0f} ms "
                   f"({paused / r['full_reload_s']:.1%})", flush=True)
-        follower.stop()
+        follower.close()
 
     from rich.console import Console
     from rich.table import Table

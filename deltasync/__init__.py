@@ -27,6 +27,7 @@ from .errors import (
     EngineConfigError,
     EngineError,
     EngineUnreachableError,
+    FollowError,
     FormatError,
     MissingDependencyError,
     OutputExistsError,
@@ -53,6 +54,7 @@ from .stats import StreamStats, layer_density, plot_stats, stream_stats
 from .store import Manifest, Store
 
 __all__ = [
+    "FollowError",
     "StreamNotFoundError",
     "StoreUnreachableError",
     "StoreConfigError",

@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import DeltaSyncError, StepNotFoundError, StreamNotFoundError
+from .errors import DeltaSyncError, StepNotFoundError
 
 app = typer.Typer(
     help="Ship only what changed: sparse bit-exact weight deltas from an RL trainer to inference engines.",
@@ -57,29 +57,6 @@ def _reader(url: str, storage_option: list[str] | None) -> Any:
     from .reader import StreamReader
 
     return StreamReader(url, storage_options=_storage_options(storage_option))
-
-
-def _require_stream(store: Any) -> None:
-    """Raise ``StreamNotFoundError`` where ``store``'s URL holds no deltasync stream at all (no ``stream.json``,
-    no ``steps/`` folder): a wrong bucket, prefix or path, as opposed to a stream with no steps yet.
-
-    Streams written before ``stream.json`` existed have a ``steps/`` folder; once every stream has
-    ``stream.json`` this belongs in ``Store`` (for the follower too).
-    """
-    from .store import STREAM
-
-    if store.exists(STREAM) or store.exists("steps"):
-        return
-    try:  # what is there instead helps to spot a wrong prefix
-        found = store.call("list the location", lambda: store.fs.ls(store.root, detail=False))
-        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found)
-        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
-        there = f"it holds {', '.join(names[:5])}{more}" if names else "it is empty"
-    except FileNotFoundError:
-        there = "the location does not exist"
-    raise StreamNotFoundError(
-        f"no deltasync stream at {store.url} (no {STREAM} and no steps/ folder; {there}); check the bucket, prefix or path"
-    )
 
 
 def _load_safetensors(path: Path) -> dict:
@@ -162,7 +139,7 @@ def ls_(
     with Store(url, storage_options=_storage_options(storage_option)) as store:
         manifests = [store.manifest(s) for s in store.steps()]
         if not manifests:
-            _require_stream(store)  # "no stream at this URL" is an error; "a stream with no steps yet" is not
+            store.require_stream()  # "no stream at this URL" is an error; "a stream with no steps yet" is not
     if as_json:
         print(json.dumps([m.to_dict() for m in manifests], indent=1))
         return
@@ -195,7 +172,7 @@ def show(
         try:
             m = reader.manifest(step)
         except StepNotFoundError:
-            _require_stream(reader.store)
+            reader.store.require_stream()
             raise
         with reader.open(step) as obj:
             h = obj.header
@@ -247,16 +224,22 @@ def follow(
 
     follower = Follower(url, target, poll_s=poll_s, on_step=report, storage_options=_storage_options(storage_option))
     try:  # close() stops the thread and removes the downloads, however the command ends (Ctrl-C too)
-        _require_stream(follower.reader.store)
+        follower.reader.store.require_stream()
         if until is not None:
-            follower.reader.wait_for(until, timeout_s=timeout_s)
-            follower.sync(until)
+            follower.wait_for(until, timeout_s=timeout_s)  # retries like the thread; raises what stopped it
             return
         follower.start()
-        while True:
+        shown: str | None = None
+        while follower.running:
             time.sleep(1.0)
-            if follower.last_error:
-                err.print(f"[yellow]retrying:[/yellow] {escape(str(follower.last_error))}")
+            error = follower.last_error
+            if error is not None and str(error) != shown:  # once per distinct error
+                shown = str(error)
+                err.print(f"[yellow]retrying:[/yellow] {escape(shown)}")
+            elif error is None:
+                shown = None
+        if follower.stopped_by is not None:  # a permanent error stopped the thread: one line, exit 2
+            raise follower.stopped_by
     except KeyboardInterrupt:
         pass
     finally:

@@ -156,7 +156,7 @@ def run_demo(
             published_at[step] = time.perf_counter()
         pub.flush()
         follower.wait_for(config.steps - 1, timeout_s=60)
-        follower.stop()
+        follower.close()
     if follower.last_error:
         echo(f"follower error: {follower.last_error}")
 

@@ -59,6 +59,10 @@ class WaitTimeoutError(DeltaSyncError, TimeoutError):
     """A wait for a step ran out of time."""
 
 
+class FollowError(DeltaSyncError, RuntimeError):
+    """A follower stopped: a step cannot be applied and retrying cannot help (the cause is chained)."""
+
+
 class OutputExistsError(DeltaSyncError, FileExistsError):
     """An output (a replayed checkpoint folder) already exists and replacing it was not asked for."""
 

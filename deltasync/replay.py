@@ -44,13 +44,12 @@ def open_reader(url: str | StreamReader, storage_options: dict[str, Any] | None 
 
 
 def require_steps(reader: StreamReader) -> list[int]:
-    """The stream's committed steps; a one-line ``StepNotFoundError`` when there is no stream at all."""
+    """The stream's committed steps, at least one: ``StreamNotFoundError`` where there is no stream at all,
+    ``StepNotFoundError`` for a stream with no steps yet."""
     steps = reader.steps()
     if not steps:
-        store = reader.store
-        exists = store.call("check the stream location", lambda: store.fs.exists(store.root))
-        why = "it has no committed steps" if exists else "the location does not exist"
-        raise StepNotFoundError(f"{store.url}: no deltasync stream here ({why})")
+        reader.store.require_stream()
+        raise StepNotFoundError(f"{reader.store.url}: the stream has no committed steps yet")
     return steps
 
 

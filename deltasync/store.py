@@ -35,6 +35,7 @@ from .errors import (
     StoreConfigError,
     StoreError,
     StoreUnreachableError,
+    StreamNotFoundError,
     WriterConflictError,
 )
 from .scratch import ObjectCache, plain_name
@@ -420,6 +421,25 @@ class Store:
             return self.read_document(STREAM, StreamInfo)
         except FileNotFoundError:
             return None
+
+    def require_stream(self) -> None:
+        """Raise ``StreamNotFoundError`` where this URL holds no deltasync stream at all (no ``stream.json``, no
+        ``steps/`` folder): a wrong bucket, prefix or path, as opposed to a stream with no steps yet.
+
+        Streams written before ``stream.json`` existed are recognised by their ``steps/`` folder.
+        """
+        if self.exists(STREAM) or self.exists("steps"):
+            return
+        try:  # what is there instead helps to spot a wrong prefix
+            found = self.call("list the location", lambda: self._fresh().ls(self.root, detail=False))
+            names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found)
+            more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+            there = f"it holds {', '.join(names[:5])}{more}" if names else "it is empty"
+        except FileNotFoundError:
+            there = "the location does not exist"
+        raise StreamNotFoundError(
+            f"no deltasync stream at {self.url} (no {STREAM} and no steps/ folder; {there}); check the bucket, prefix or path"
+        )
 
     def create_stream(self) -> StreamInfo:
         """Write ``stream.json`` if the stream has none yet (create-only); returns the stream's."""

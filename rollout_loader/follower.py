@@ -20,7 +20,17 @@ from typing import Any, Protocol
 
 from deltasync import Replica, StepObject, StreamReader
 from deltasync.apply import Verify
-from deltasync.errors import DeltaSyncError, TensorMismatchError, WaitTimeoutError
+from deltasync.errors import (
+    ConfigError,
+    DeltaSyncError,
+    EngineConfigError,
+    FollowError,
+    MissingDependencyError,
+    StoreAuthError,
+    StoreConfigError,
+    TensorMismatchError,
+    WaitTimeoutError,
+)
 from deltasync.maintenance import check_consumer_id, write_heartbeat
 
 log = logging.getLogger(__name__)
@@ -60,15 +70,15 @@ class StateDictTarget:
         return self.replica.state_dict()
 
 
-class FollowError(DeltaSyncError, RuntimeError):
-    """The follower stopped: a step cannot be applied and retrying cannot help (the cause is chained)."""
-
-
-PERMANENT_ERRORS: tuple[type[BaseException], ...] = (TensorMismatchError,)
-"""Errors a follower does not retry. ``TensorMismatchError``: the stream's model changed names, shapes or
-dtypes, and the target cannot hold it; every later step would fail the same way. Everything else is
-retried: store and network errors, a damaged or missing object (retried from the next anchor), a checksum
-mismatch (the target rolled back), an engine that refused or crashed, a bug in ``on_step``."""
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
+    TensorMismatchError, StoreAuthError, StoreConfigError, EngineConfigError, ConfigError, MissingDependencyError,
+)
+"""Errors a follower does not retry, because retrying cannot help: the stream's model changed names, shapes
+or dtypes (``TensorMismatchError``); credentials, storage options, the engine's flags or an argument are
+wrong, or a package is missing. Everything else is retried: store and network errors, a URL with no
+stream yet (``StreamNotFoundError``: the publisher may not have started), a damaged or missing object
+(retried from the next anchor), a checksum mismatch (the target rolled back), an engine that refused or
+crashed, a bug in ``on_step``."""
 
 
 def retry_delay_s(failures: int, *, poll_s: float, max_s: float, rng: random.Random | None = None) -> float:
@@ -124,6 +134,7 @@ class Follower:
         self._logged: tuple[str, str] | None = None  # the error last logged: each distinct one once
         self._at_step: int | None = None  # the step being applied
         self._from_anchor = False  # after a failure, rebuild from the nearest anchor
+        self._stream_seen = False  # stream.json (or a step) was seen: an empty listing is a quiet stream
         self._sync_lock = threading.Lock()  # one sync at a time (thread and caller)
         self._stop = threading.Event()
         self._changed = threading.Condition()
@@ -157,6 +168,9 @@ class Follower:
         if step is None:
             step = self.reader.latest_step()
             if step is None:
+                if not self._stream_seen:  # a wrong URL must not look like a quiet stream
+                    self.reader.store.require_stream()
+                    self._stream_seen = True
                 return []
         if step == self.target.step:
             return []

@@ -48,7 +48,7 @@ def test_replay_errors_are_one_line_and_write_nothing(stream_copy, tmp_path, mon
     assert code == 2 and err.count("\n") == 1
     assert "StepNotFoundError" in err and "step 12 is not committed (nearest committed: 9; stream holds 0..9)" in err
     code, _, err = run_main(monkeypatch, capsys, "replay", str(tmp_path / "nowhere"), "--step", "1", "-o", str(out))
-    assert code == 2 and "no deltasync stream here (the location does not exist)" in err
+    assert code == 2 and "no deltasync stream at" in err and "the location does not exist" in err
     object_path(Store(stream_copy), 6).write_bytes(b"x" * 10)
     code, _, err = run_main(monkeypatch, capsys, "replay", stream_copy, "--step", "7", "-o", str(out))
     assert code == 2 and "CorruptObjectError" in err and "step 6" in err

@@ -178,3 +178,30 @@ def test_retry_delays_grow_exponentially_with_jitter_up_to_the_cap(poll_s, max_s
         assert all(max(poll_s, ceiling / 2) <= d <= ceiling for d in delays), (failures, min(delays), max(delays))
         if ceiling / 2 > poll_s:
             assert len(set(delays)) > 1  # jittered: followers of one stream do not retry in lockstep
+
+
+def test_a_wrong_url_is_reported_not_waited_on_silently(tmp_path, small_state):
+    """Today a Follower on a wrong URL or prefix waited forever without a word."""
+    from deltasync import StreamNotFoundError, WaitTimeoutError
+
+    (tmp_path / "runs" / "run-7").mkdir(parents=True)
+    follower = Follower(str(tmp_path / "runs"), StateDictTarget(), poll_s=0.01)  # the prefix is one level short
+    with pytest.raises(StreamNotFoundError, match="no deltasync stream at .*it holds run-7"):
+        follower.sync()
+    with follower:
+        with pytest.raises(WaitTimeoutError, match="StreamNotFoundError: no deltasync stream") as e:
+            follower.wait_for(0, timeout_s=0.5)
+        assert isinstance(e.value.__cause__, StreamNotFoundError) and follower.running  # the publisher may start later
+    # a stream with no steps yet is not an error: the follower just waits for its first step
+    with DeltaPublisher(str(tmp_path / "runs" / "run-7"), small_state):
+        pass
+    assert Follower(str(tmp_path / "runs" / "run-7"), StateDictTarget()).sync() == []
+
+
+def test_errors_retrying_cannot_fix_stop_the_follower():
+    from rollout_loader.follower import PERMANENT_ERRORS
+
+    from deltasync import ConfigError, EngineConfigError, MissingDependencyError, StoreAuthError, TensorMismatchError
+
+    for cls in (TensorMismatchError, StoreAuthError, EngineConfigError, ConfigError, MissingDependencyError):
+        assert issubclass(cls, PERMANENT_ERRORS)

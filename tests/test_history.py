@@ -15,6 +15,7 @@ from deltasync import (
     OutputExistsError,
     StepNotFoundError,
     StepOrderError,
+    StreamNotFoundError,
     StreamReader,
     TensorMismatchError,
     compare,
@@ -104,11 +105,14 @@ def test_missing_steps_name_their_neighbours(stream_copy, tmp_path):
         replay_to_folder(stream_copy, 5, tmp_path / "out")
     with pytest.raises(StepNotFoundError, match="the chain to step 7 is broken at step 5"):
         replay_to_folder(stream_copy, 7, tmp_path / "out")
-    with pytest.raises(StepNotFoundError, match="no deltasync stream here \\(the location does not exist\\)"):
+    with pytest.raises(StreamNotFoundError, match="no deltasync stream at .*nowhere .*the location does not exist"):
         replay_to_folder(str(tmp_path / "nowhere"), 1, tmp_path / "out")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(StepNotFoundError, match="no deltasync stream here \\(it has no committed steps\\)"):
+    with pytest.raises(StreamNotFoundError, match="no deltasync stream at .*empty .*it is empty"):
         reconstruct_state_dict(str(tmp_path / "empty"), 1)
+    Store(str(tmp_path / "created")).create_stream()  # a stream with no steps yet is not "no stream"
+    with pytest.raises(StepNotFoundError, match="created: the stream has no committed steps"):
+        reconstruct_state_dict(str(tmp_path / "created"), 1)
     assert not (tmp_path / "out").exists()
 
 

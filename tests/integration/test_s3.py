@@ -100,11 +100,11 @@ def test_server_outage_mid_upload_then_restart(private_s3_server):  # noqa: F811
             pub.flush()
         assert outage.is_set() and set(seen_during_outage) <= {2, 3}
         follower.wait_for(3, timeout_s=60)
-        follower.stop()
-        reader = StreamReader(url, storage_options=opts)
-        assert reader.steps() == [0, 1, 2, 3]
-        for s in range(4):
-            assert states_equal(reader.state_dict(s), _state(s))
+        follower.close()
+        with StreamReader(url, storage_options=opts) as reader:
+            assert reader.steps() == [0, 1, 2, 3]
+            for s in range(4):
+                assert states_equal(reader.state_dict(s), _state(s))
         assert states_equal(target.state_dict(), _state(3))
     finally:
         restart.cancel()
