@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     report = _run(opts, progress=True)
     if report is None:
         return 1
-    print(f"\nfuzz seed {opts.seed}: {report.cases} cases in {report.seconds / 60:.1f} min "
+    print(f"\nfuzz seed {opts.seed}: {report.cases} cases in {report.seconds / 60:.1f} min"
+          f"{' (interrupted)' if report.interrupted else ''} "
           f"(corpus {report.corpus_digest[:16]}, tail changes {'on' if opts.tail_changes else 'off'})")
     print(report.table())
     print()
@@ -71,7 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if report.failures else 0
 
 
+def _stop(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # a long run stopped with kill reports what it found and cleans up, as with Ctrl-C
+
+
 def _run(opts: Options, *, progress: bool = False):
+    signal.signal(signal.SIGTERM, _stop)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell
+        signal.signal(signal.SIGINT, _stop)
+
     def tick(report) -> None:
         if report.cases % 50 == 0:
             print(f"  {report.cases} cases, {report.failures} failed operations", file=sys.stderr, flush=True)

@@ -173,6 +173,8 @@ class SafetensorsFile:
             for key in self.blob_keys():
                 b = blobs.get(key, self.blob(key))
                 h[key] = {**h[key], "data_offsets": [offset, offset + len(b)]}
+                if key in blobs and h[key]["dtype"] == "U8":  # a delta's blob: a 1-D byte tensor of its length
+                    h[key]["shape"] = [len(b)]
                 parts.append(b)
                 offset += len(b)
             data = b"".join(parts)
