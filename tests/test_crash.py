@@ -20,9 +20,15 @@ Publishers are forked from a "zygote" process that imported torch and deltasync 
 milliseconds rather than seconds of imports. The harness kills a publisher only through the zygote, which
 kills only its own child, by pid, before reaping it.
 
-Long run (offline): ``DELTASYNC_CRASH_KILLS=500 DELTASYNC_CRASH_SEED=1 DELTASYNC_CRASH_REPORT=crash.json
-.venv/bin/python -m pytest -p no:cacheprovider tests/test_crash.py`` (and tests/integration/test_crash_s3.py);
-the report holds the counts (publishers started, kills, committed steps, failures).
+Long run (offline), local then S3::
+
+    DELTASYNC_CRASH_KILLS=500 DELTASYNC_CRASH_SEED=1 DELTASYNC_CRASH_REPORT=crash.json \
+        .venv/bin/python -m pytest -p no:cacheprovider tests/test_crash.py
+    DELTASYNC_CRASH_KILLS=500 DELTASYNC_CRASH_SEED=1 DELTASYNC_CRASH_REPORT=crash.json \
+        .venv/bin/python -m pytest -p no:cacheprovider tests/integration/test_crash_s3.py -k random_moments
+
+``crash.json`` then holds the counts of each (publishers started, kills by kind, committed, replayed and
+verified steps, failures). CI runs 16 kills locally and 12 on S3 with a fixed seed.
 """
 
 from __future__ import annotations
