@@ -218,6 +218,9 @@ def check_layout(anchor: StepObject, obj: StepObject) -> None:
     a, h = anchor.header.tensors, obj.header.tensors
     if h.keys() != a.keys() or any((t.dtype, t.shape) != (a[n].dtype, a[n].shape) for n, t in h.items()):
         raise TensorMismatchError(f"{obj.where}: tensor names, shapes or dtypes differ from those of its anchor, step {anchor.header.step}")
+    if obj.header.aliases != anchor.header.aliases:
+        raise TensorMismatchError(f"{obj.where}: tied names {obj.header.aliases} differ from those of its anchor, step "
+                                  f"{anchor.header.step}: {anchor.header.aliases}")
 
 
 def open_checked(reader: StreamReader, step: int) -> StepObject:
