@@ -548,36 +548,50 @@ class Store:
         self._leases.pop(owner, None)
 
     def remove_uncommitted(self, *, newer_than: int | None = None, older_than_s: float | None = None) -> list[int]:
-        """Delete step folders without a manifest (leftovers of a writer that died); returns their steps.
+        """Delete what no committed step names: step folders without a manifest (a writer died before its
+        commit), and files in committed folders other than the manifest and its object (a writer killed
+        mid-way that a later writer overtook). Returns the steps whose folders were removed.
 
-        ``older_than_s``: only folders whose newest object is at least that old (a writer that just lost the
-        stream may still be finishing an upload there; its late manifest must not point at nothing).
+        ``older_than_s``: only files at least that old (a writer that just lost the stream may still be
+        finishing an upload there; its late manifest must not point at nothing).
         """
-        committed = set(self.steps())
+        try:
+            infos = self.call("list step objects", lambda: self._fresh().find(self.path("steps"), detail=True))
+        except FileNotFoundError:
+            return []
+        prefix = self.path("steps") + "/"
+        folders: dict[int, dict[str, float]] = {}  # step -> {file name: age in seconds}
+        now = time.time()
+        for path, info in infos.items():
+            rest = path[len(prefix):] if path.startswith(prefix) else ""
+            m = _STEP_DIR.match(rest.split("/", 1)[0])
+            if m and "/" in rest:
+                folders.setdefault(int(m.group(1)), {})[rest.split("/", 1)[1]] = now - _mtime(info)
+        young = (lambda age: False) if older_than_s is None else (lambda age: age < older_than_s)
         removed = []
-        for s in self.step_folders():
-            if s in committed or (newer_than is not None and s <= newer_than):
+        for s, files in sorted(folders.items()):
+            if newer_than is not None and s <= newer_than or any(young(a) for a in files.values()):
                 continue
-            if older_than_s is not None and self._age_s(step_dir(s)) < older_than_s:
-                continue
-            self.delete(step_dir(s), recursive=True)
-            removed.append(s)
+            if MANIFEST not in files:
+                self.delete(step_dir(s), recursive=True)
+                removed.append(s)
+            elif len(files) > 2:
+                try:
+                    keep = {MANIFEST, self.manifest(s).object}
+                except (StepNotFoundError, FormatError):
+                    continue  # collected meanwhile, or for verify to report
+                for name in files.keys() - keep:
+                    self.delete(f"{step_dir(s)}/{name}")
+                    log.info("%s: removed %s from step %d (no manifest names it)", self.url, name, s)
         if removed:
             log.info("%s: removed uncommitted step folders %s", self.url, removed)
         return removed
 
-    def _age_s(self, rel: str) -> float:
-        """Seconds since the newest object under ``rel`` was written (0 when unknown: assume it is young)."""
-        try:
-            infos = self.call(f"list {rel}", lambda: self._fresh().find(self.path(rel), detail=True))
-        except FileNotFoundError:
-            return float("inf")
-        newest = 0.0
-        for info in infos.values():
-            t = info.get("mtime") or info.get("LastModified") or info.get("last_modified") or info.get("created")
-            if hasattr(t, "timestamp"):
-                t = t.timestamp()
-            if not isinstance(t, (int, float)):
-                return 0.0
-            newest = max(newest, float(t))
-        return time.time() - newest if newest else 0.0
+
+def _mtime(info: dict[str, Any]) -> float:
+    """When a listed file was last written (unix seconds), from whatever the backend reports; "now" when it
+    reports nothing usable, so that the file counts as young (never deleted on a guess)."""
+    t = info.get("mtime") or info.get("LastModified") or info.get("last_modified") or info.get("created")
+    if hasattr(t, "timestamp"):
+        t = t.timestamp()
+    return float(t) if isinstance(t, (int, float)) else time.time()

@@ -61,6 +61,18 @@ class StoreContract:
         assert store.remove_uncommitted() == [2]
         assert store.step_folders() == [0, 1]
 
+    def test_files_no_manifest_names_are_removed_once_old(self, url, small_state, gen):
+        truth = self.publish(url, small_state, gen, steps=2)
+        store = self.store(url)
+        store.write_bytes(f"{step_dir(1)}/delta-0000000000000000.safetensors", b"a killed writer's upload")
+        store.write_bytes(f"{step_dir(1)}/manifest.json.tmp-0123", b"{")
+        store.write_bytes(f"{step_dir(2)}/delta.safetensors", b"half-written")
+        assert store.remove_uncommitted(older_than_s=3600) == []  # young: their writer may still be at work
+        assert store.remove_uncommitted(older_than_s=0) == [2]
+        names = sorted(p.rsplit("/", 1)[-1] for p in store.fs.find(store.path(step_dir(1))))
+        assert names == sorted(["manifest.json", store.manifest(1).object])
+        assert states_equal(StreamReader(self.store(url)).state_dict(1), truth[1])
+
     def test_stale_latest_hint_is_corrected(self, url, small_state, gen):
         self.publish(url, small_state, gen, steps=3)
         store = self.store(url)
