@@ -30,7 +30,7 @@ from deltasync import DeltaPublisher, StreamReader, verify
 from deltasync.errors import PublishError, StepExistsError, StepOrderError, WriterConflictError
 from deltasync.store import Manifest, Store, step_dir
 from tests.conftest import perturb, states_equal
-from tests.test_crash import hook_transport, is_object_path
+from tests.crash import hook_transport, is_object_path
 
 
 def _state(step: int, writer: str = "a") -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from tests.test_commit_races import (  # noqa: F401 - the races, run here agains
     test_restart_after_a_stale_hint_resumes_after_the_newest_manifest,
     test_writer_that_lost_its_lease_during_an_upload_cannot_replace_the_step,
 )
-from tests.test_crash import (
+from tests.crash import (
     KILLS,
     MANIFEST,
     SEED,
