@@ -10,6 +10,7 @@ the step header's ``state_checksum`` (and the manifest's) agree with its tensor 
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,29 @@ def apply(spec: dict[str, Any], stream: Path, root: Path) -> None:
         d = json.loads(index.read_bytes())
         d["files"][doc.split("/", 1)[1]] = {"bytes": len(new), "sha256": sha256(new)}
         index.write_text(json.dumps(d, indent=1))
+    if spec["mutator"] == "json_path" and spec["kind"] in ("files_index", "manifest"):
+        _plant(spec, stream, root)
+
+
+def _plant(spec: dict[str, Any], stream: Path, root: Path) -> None:
+    """Store the renamed file under its new name too, as a hostile store would (an S3 key may be
+    ``files/../../x``), so that the name reaches the code that writes or reads by it; only where the
+    name resolves inside the case folder (``root``)."""
+    a = spec["args"]
+    name = with_root(a["name"], str(root))
+    if spec["kind"] == "files_index":
+        src, dest = stream / "files" / a["path"][-1], f"{stream}/files/{name}"
+    else:  # the manifest names another object: the step's own object, under that name
+        folder = stream / f"steps/{spec['step']:012d}"
+        src, dest = next(folder.glob("*.safetensors"), folder), f"{folder}/{name}"
+    try:
+        if not src.is_file() or not os.path.realpath(dest).startswith(f"{os.path.realpath(root)}/"):
+            return
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        with open(dest, "xb") as f:
+            f.write(src.read_bytes())
+    except (OSError, ValueError):  # a name no file system takes (NUL, too long): the name alone is the test
+        return
 
 
 def _update_json(path: Path, updates: dict[str, Any]) -> None:

@@ -270,7 +270,8 @@ def op_replay(c: CaseContext, r: Reference, step: int) -> None:
         raise Failed("replay wrote no model.safetensors", f"the folder holds {sorted(names)}")
     want = {n: t for n, t in r.corpus.truth[step].items() if n not in TIED}
     same_state(safetensors.torch.load_file(str(weights)), want, f"replayed model.safetensors of step {step}")
-    stored = {p.name: p.read_bytes() for p in (c.stream / "files").iterdir()} if (c.stream / "files").is_dir() else {}
+    files = c.stream / "files"
+    stored = {p.name: p.read_bytes() for p in files.iterdir() if p.is_file()} if files.is_dir() else {}
     for name in names - {"model.safetensors"}:
         if not _PLAIN_NAME.match(name) or stored.get(name) != (out / name).read_bytes():
             raise Failed("replay wrote a model file that is not a stored one", repr(name))
@@ -432,7 +433,10 @@ def classify(op: str, run: Callable[[], None]) -> Outcome:
     except BaseException as e:  # noqa: BLE001 - every other exception is what the fuzzer looks for
         if isinstance(e, KeyboardInterrupt):
             raise
-        where = library_frame([(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(e.__traceback__)])
+        frames = [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(e.__traceback__)]
+        where = library_frame(frames)
+        if where == "outside the library":  # raised by the checks on a result (or a bug of the fuzzer)
+            where = f"{library_frame(frames, ('/tests/fuzz/',))} (the fuzzer's check of the result)"
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         return Outcome(op, "failure", why=f"{type(e).__name__} at {where}", detail=f"{type(e).__name__}: {str(e)[:500]}",
                        trace=_tail(text))
