@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import random
 import sysconfig
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 
 from .checksum import format_checksum, state_checksum, tensor_checksum
 from .publisher import DeltaPublisher, named_tensors
+from .scratch import ScratchFolder
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,17 +93,27 @@ def bf16_checksums(model: torch.nn.Module) -> dict[str, str]:
 def run_demo(
     url: str | None = None, config: DemoConfig = DemoConfig(), *, storage_options: dict | None = None, echo=print
 ) -> list[dict]:
-    """Run the demo; returns one row per step. ``echo`` prints (the library itself never prints)."""
+    """Run the demo; returns one row per step. ``echo`` prints (the library itself never prints).
+
+    Without ``url`` the stream lives in a temporary folder, removed at the end with the engine's model folder
+    (pass a URL to keep the stream).
+    """
+    scratch = ScratchFolder("demo")
+    try:
+        return _run_demo(url, config, scratch.path, storage_options=storage_options, echo=echo)
+    finally:
+        scratch.remove()
+
+
+def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_options: dict | None, echo) -> list[dict]:
     from rollout_loader import Follower, StateDictTarget
 
     from rich.console import Console
     from rich.table import Table
 
     torch.manual_seed(config.seed)
-    workdir = None
     if url is None:
-        workdir = tempfile.mkdtemp(prefix="deltasync-demo-")
-        url = os.path.join(workdir, "stream")
+        url = str(workdir / "stream")
     model = tiny_qwen3(hidden_size=config.hidden_size, layers=config.layers, seed=config.seed).float()
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     data = stdlib_corpus(seed=config.seed) % model.config.vocab_size
@@ -117,7 +127,7 @@ def run_demo(
     if config.engine == "vllm":
         from rollout_loader.vllm import VllmTarget, start_engine
 
-        model_dir = save_model_dir(model, Path(workdir or tempfile.mkdtemp(prefix="deltasync-demo-")) / "model-step0")
+        model_dir = save_model_dir(model, workdir / "model-step0")
         echo("starting a vLLM engine on the initial weights (in-process, CPU)...")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

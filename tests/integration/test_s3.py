@@ -133,61 +133,6 @@ def test_outage_longer_than_retries_is_a_clear_error(private_s3_server):  # noqa
     assert states_equal(reader.state_dict(2), _state(2))
 
 
-PUBLISHER = textwrap.dedent(
-    """
-    import sys, json
-    from deltasync import DeltaPublisher
-    from tests.integration.test_s3 import _state
-    url, opts, first = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-    pub = DeltaPublisher(url, _state(first), storage_options=opts, take_over=True, anchor_every=4)
-    for s in range(first, first + 1000):
-        pub.source = _state(s)
-        pub.publish(s)
-        print(s, flush=True)
-    """
-)
-
-
-def test_publisher_killed_at_random_points(s3_server):  # noqa: F811
-    """SIGKILL the publisher at random moments, many times: the stream is always consistent and every
-    committed step replays exactly; each restarted publisher resumes after the last committed step."""
-    import json
-
-    url = s3_server.new_url()
-    opts = s3_server.storage_options
-    rng = random.Random(7)
-    for trial in range(5):
-        latest = StreamReader(url, storage_options=opts).latest_step()
-        first = 0 if latest is None else latest + 1
-        proc = subprocess.Popen(
-            [sys.executable, "-c", PUBLISHER, url, json.dumps(opts), str(first)], stdout=subprocess.PIPE, text=True
-        )
-        assert proc.stdout.readline().strip() == str(first)  # running
-        time.sleep(rng.uniform(0.0, 1.5))
-        proc.kill()
-        proc.wait()
-        reader = StreamReader(url, storage_options=opts)
-        steps = reader.steps()
-        assert steps, f"trial {trial}: nothing committed"
-        for s in steps[-3:]:
-            assert states_equal(reader.state_dict(s), _state(s)), f"trial {trial} step {s}"
-    assert len(StreamReader(url, storage_options=opts).steps()) >= 5
-
-
-CONSUMER = textwrap.dedent(
-    """
-    import sys, json
-    from rollout_loader import Follower, StateDictTarget
-    url, opts, cache = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    from deltasync import StreamReader
-    f = Follower(StreamReader(url, storage_options=opts, cache_dir=cache), StateDictTarget())
-    print("start", flush=True)
-    while True:
-        f.sync()
-    """
-)
-
-
 def test_consumer_killed_mid_fetch_restarts_and_converges(s3_server, tmp_path):  # noqa: F811
     import json
 

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -130,28 +131,31 @@ def test_follow_without_vllm_installed(model_and_stream, tmp_path):
         assert serves(base)
 
 
-def test_offline_engine_without_worker_extension(model_and_stream):
+def test_offline_engine_without_worker_extension(model_and_stream, tmp_path):
     """An in-process ``LLM`` created without ``worker_extension_cls``: vLLM's in-process executor words the
-    missing method differently from the server's; both are named."""
-    import gc
+    missing method differently from the server's; both are named.
 
-    from vllm import LLM, envs
-
+    Runs in its own process: vLLM mixes a worker extension into its worker class for the life of a process, so
+    an engine made after one with the extension would have it, and an in-process engine that is never used
+    leaves vLLM's distributed state half set up for the next one.
+    """
     model_dir, _, _ = model_and_stream
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        llm = LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0,
+    script = textwrap.dedent(
+        """
+        import sys
+        from vllm import LLM
+        from deltasync.errors import EngineConfigError
+        from rollout_loader.vllm import VllmTarget
+        llm = LLM(model=sys.argv[1], dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0,
                   distributed_executor_backend="uni")
-        with pytest.raises(EngineConfigError, match="worker_extension_cls='rollout_loader.worker.DeltaWorkerExtension'"):
+        try:
             VllmTarget(llm)
-        del llm
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        envs.disable_envs_cache()
-        gc.collect()
+        except EngineConfigError as e:
+            print("RAISED", e)
+        """
+    )
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", script, str(model_dir)], capture_output=True, text=True, env=env, timeout=300)
+    raised = [line for line in proc.stdout.splitlines() if line.startswith("RAISED")]
+    assert proc.returncode == 0 and raised, proc.stderr[-3000:]
+    assert "worker_extension_cls='rollout_loader.worker.DeltaWorkerExtension'" in raised[0]
