@@ -133,6 +133,20 @@ def test_outage_longer_than_retries_is_a_clear_error(private_s3_server):  # noqa
     assert states_equal(reader.state_dict(2), _state(2))
 
 
+CONSUMER = textwrap.dedent(
+    """
+    import sys, json
+    from rollout_loader import Follower, StateDictTarget
+    url, opts, cache = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    from deltasync import StreamReader
+    f = Follower(StreamReader(url, storage_options=opts, cache_dir=cache), StateDictTarget())
+    print("start", flush=True)
+    while True:
+        f.sync()
+    """
+)
+
+
 def test_consumer_killed_mid_fetch_restarts_and_converges(s3_server, tmp_path):  # noqa: F811
     import json
 
