@@ -26,11 +26,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import machine, parser, write_results  # noqa: E402
-from deltasync.apply import Replica  # noqa: E402
-from deltasync.demo import stdlib_corpus, tiny_qwen3  # noqa: E402
-from deltasync.diff import Snapshot  # noqa: E402
-from deltasync.format import StepObject  # noqa: E402
-from deltasync.publisher import named_tensors, snapshot_headers, write_step  # noqa: E402
+from deltasync.stages.apply import Replica  # noqa: E402
+from deltasync_cli.demo import stdlib_corpus, tiny_qwen3  # noqa: E402
+from deltasync.stages.diff import Snapshot  # noqa: E402
+from deltasync.format.objects import StepObject  # noqa: E402
+from deltasync.publish.publisher import named_tensors, snapshot_headers, write_step  # noqa: E402
 
 
 def rss_bytes() -> int:

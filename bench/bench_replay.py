@@ -104,7 +104,7 @@ def run_case(case: str, url: str, step: int, work: Path) -> dict:
 
 def build_streams(args, work: Path) -> tuple[str, str, dict]:
     from deltasync import DeltaPublisher
-    from deltasync.demo import save_model_dir, stdlib_corpus, tiny_qwen3
+    from deltasync_cli.demo import save_model_dir, stdlib_corpus, tiny_qwen3
 
     model = tiny_qwen3(hidden_size=args.hidden, layers=args.layers, vocab_size=args.vocab).float()
     numel = sum(p.numel() for p in model.parameters())

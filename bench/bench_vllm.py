@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import machine, parser, write_results  # noqa: E402
 from deltasync import DeltaPublisher  # noqa: E402
-from deltasync.demo import save_model_dir, stdlib_corpus, tiny_qwen3  # noqa: E402
+from deltasync_cli.demo import save_model_dir, stdlib_corpus, tiny_qwen3  # noqa: E402
 from rollout_loader import Follower  # noqa: E402
 from rollout_loader.vllm import VllmTarget, start_engine  # noqa: E402
 

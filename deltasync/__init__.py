@@ -16,9 +16,7 @@ History::
     verify("s3://bucket/run1"); collect_garbage("s3://bucket/run1", keep_last=100)
 """
 
-from .apply import Replica
-from .checksum import state_checksum, tensor_checksum
-from .errors import (
+from deltasync.errors import (
     BaseStepMismatchError,
     ChecksumMismatchError,
     ConfigError,
@@ -44,14 +42,35 @@ from .errors import (
     WaitTimeoutError,
     WriterConflictError,
 )
-from .format import FORMAT_VERSION, StepHeader, StepObject, TensorHeader
-from .history import Comparison, ReplayResult, compare, push_checkpoint, reconstruct_state_dict, reconstruct_tensor
-from .history import replay_to_folder
-from .maintenance import GcPlan, VerifyReport, collect_garbage, plan_gc, read_heartbeats, run_gc, verify, write_heartbeat
-from .publisher import DeltaPublisher, StepMetrics
-from .reader import StreamReader
-from .stats import StreamStats, layer_density, plot_stats, stream_stats
-from .store import Manifest, Store
+from deltasync.format.checksum import state_checksum, tensor_checksum
+from deltasync.format.objects import (
+    FORMAT_VERSION,
+    StepHeader,
+    StepObject,
+    TensorHeader,
+)
+from deltasync.history.compare import Comparison, compare
+from deltasync.history.gc import (
+    GcPlan,
+    collect_garbage,
+    plan_gc,
+    read_heartbeats,
+    run_gc,
+    write_heartbeat,
+)
+from deltasync.history.push import push_checkpoint
+from deltasync.history.rebuild import (
+    ReplayResult,
+    reconstruct_state_dict,
+    reconstruct_tensor,
+    replay_to_folder,
+)
+from deltasync.history.stats import StreamStats, layer_density, plot_stats, stream_stats
+from deltasync.history.verify import VerifyReport, verify
+from deltasync.publish.publisher import DeltaPublisher, StepMetrics
+from deltasync.reader import StreamReader
+from deltasync.stages.apply import Replica
+from deltasync.store import Manifest, Store
 
 __all__ = [
     "FollowError",

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from .apply import Replica, Verify
-from .errors import FormatError, StepNotFoundError, WaitTimeoutError
-from .format import StepObject
-from .store import Manifest, Store
+from deltasync.errors import FormatError, StepNotFoundError, WaitTimeoutError
+from deltasync.format.objects import StepObject
+from deltasync.stages.apply import Replica, Verify
+from deltasync.store import Manifest, Store
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import FormatError
+from deltasync.errors import FormatError
 
 log = logging.getLogger(__name__)
 

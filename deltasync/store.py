@@ -10,13 +10,10 @@ validated (``documents.py``).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import random
 import re
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +21,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from .documents import MAX_DOCUMENT_BYTES, MAX_STEP, LatestHint, Lease, Manifest, StreamInfo, check_step, decode, encode
-from .errors import (
+from deltasync.errors import (
     CorruptObjectError,
     FormatError,
     MissingDependencyError,
@@ -38,8 +34,25 @@ from .errors import (
     StreamNotFoundError,
     WriterConflictError,
 )
-from .scratch import ObjectCache, plain_name
-from .transports import LocalTransport, StoreFailure, classify_failure, transient_errors, transport_for
+from deltasync.format.documents import (
+    MAX_DOCUMENT_BYTES,
+    MAX_STEP,
+    LatestHint,
+    Lease,
+    Manifest,
+    StreamInfo,
+    check_step,
+    decode,
+    encode,
+)
+from deltasync.scratch import ObjectCache, plain_name
+from deltasync.transports import (
+    LocalTransport,
+    StoreFailure,
+    classify_failure,
+    transient_errors,
+    transport_for,
+)
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Literal, Protocol
 
 import fsspec
 
-from .errors import StoreError
+from deltasync.errors import StoreError
 
 
 class Transport(Protocol):

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from deltasync import Replica, StepObject, StreamReader
-from deltasync.apply import Verify
 from deltasync.errors import (
     ConfigError,
     DeltaSyncError,
@@ -31,7 +30,8 @@ from deltasync.errors import (
     TensorMismatchError,
     WaitTimeoutError,
 )
-from deltasync.maintenance import check_consumer_id, write_heartbeat
+from deltasync.history.gc import check_consumer_id, write_heartbeat
+from deltasync.stages.apply import Verify
 
 log = logging.getLogger(__name__)
 

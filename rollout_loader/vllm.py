@@ -31,7 +31,6 @@ import urllib.request
 from types import ModuleType
 from typing import Any, Literal, Protocol, get_args
 
-from deltasync.checksum import add, format_checksum, parse_checksum
 from deltasync.errors import (
     BaseStepMismatchError,
     ChecksumMismatchError,
@@ -41,7 +40,8 @@ from deltasync.errors import (
     EngineUnreachableError,
     MissingDependencyError,
 )
-from deltasync.format import StepObject
+from deltasync.format.checksum import add, format_checksum, parse_checksum
+from deltasync.format.objects import StepObject
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def _is_reply(r: Any) -> bool:
 def _worker() -> ModuleType:
     """The worker extension module, which imports vLLM: needed in this process only for an offline engine."""
     try:
-        from . import worker
+        from rollout_loader import worker
     except ImportError as e:
         if (e.name or "").split(".")[0] != "vllm":
             raise

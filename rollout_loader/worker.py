@@ -36,7 +36,6 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -50,10 +49,19 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from deltasync._bits import DTYPES as _DTYPES
-from deltasync._bits import int_view as int_bits
-from deltasync.checksum import MASK64, add, checksum_elements
-from .routing import ParamSpec, Route, RoutingError, RoutingTable, Shard, build_routing_table, packed_resolver
+from deltasync.format._bits import DTYPES as _DTYPES
+from deltasync.format._bits import int_view as int_bits
+from deltasync.format.checksum import MASK64, add, checksum_elements
+
+from .routing import (
+    ParamSpec,
+    Route,
+    RoutingError,
+    RoutingTable,
+    Shard,
+    build_routing_table,
+    packed_resolver,
+)
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +141,7 @@ def decode_patch(payload: bytes | str | os.PathLike[str]) -> dict[str, tuple[tor
     path of a deltasync delta object (decoded and validated by deltasync's own codecs)."""
     if not isinstance(payload, bytes) and _is_step_object(payload):
         from deltasync.errors import DeltaSyncError
-        from deltasync.format import StepObject
+        from deltasync.format.objects import StepObject
 
         try:
             with StepObject(payload, where=str(payload)) as obj:
@@ -541,8 +549,8 @@ def _validate(state: _State, patch: Patch) -> None:
 def _xor_into(bits: torch.Tensor, idx: torch.Tensor, x: torch.Tensor, hf_idx: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``bits[idx] ^= x``: (the old bits, the checksum change over those elements at checkpoint ``hf_idx``)."""
     if bits.device.type == "cpu" and bits.is_contiguous():
-        from deltasync._bits import UNSIGNED_NP
-        from deltasync._kernels import xor_at_indexed
+        from deltasync.format._bits import UNSIGNED_NP
+        from deltasync.format._kernels import xor_at_indexed
 
         unsigned = UNSIGNED_NP[bits.element_size()]
         old = torch.empty_like(x)
@@ -586,7 +594,10 @@ def build_table(
     model: torch.nn.Module, hf_shapes: Mapping[str, list[int]], *, ignore: list[str] | None = None
 ) -> RoutingTable:
     """The routing table of a loaded vLLM model for checkpoint tensors ``hf_shapes``."""
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
 
     rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     specs = [_param_spec(model, name, param, size) for name, param in model.named_parameters()]
@@ -632,7 +643,9 @@ def _param_spec(model: torch.nn.Module, name: str, param: torch.nn.Parameter, tp
         QKVParallelLinear,
         RowParallelLinear,
     )
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        VocabParallelEmbedding,
+    )
 
     mod_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(mod_name)

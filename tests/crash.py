@@ -49,7 +49,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from pathlib import Path
 import safetensors
 import safetensors.torch
 
-from deltasync.checksum import state_checksum
+from deltasync.format.checksum import state_checksum
 from deltasync.store import MANIFEST, Store, step_dir
 
 

@@ -56,7 +56,7 @@ def main(argv: list[str]) -> None:
     marker, pause_s, args = Path(argv[0]), float(argv[1]), argv[2:]
     register()
     pause_after_first_download(marker, pause_s)
-    from deltasync.cli import main as cli_main
+    from deltasync_cli import main as cli_main
 
     sys.argv = ["deltasync", *args]
     cli_main()

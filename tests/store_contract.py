@@ -9,7 +9,7 @@ import pytest
 
 from deltasync import DeltaPublisher, StreamReader
 from deltasync.errors import CorruptObjectError, StepNotFoundError
-from deltasync.documents import ManifestStats
+from deltasync.format.documents import ManifestStats
 from deltasync.store import Manifest, Store, step_dir
 from tests.conftest import perturb, states_equal
 

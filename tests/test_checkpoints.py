@@ -5,7 +5,7 @@ import safetensors.torch
 import torch
 
 from deltasync import CorruptObjectError, DeltaPublisher
-from deltasync.checkpoints import (
+from deltasync.history.checkpoints import (
     FILES_INDEX,
     CheckpointWriter,
     collect_model_files,
@@ -14,7 +14,7 @@ from deltasync.checkpoints import (
     write_model_files,
 )
 from deltasync.errors import FormatError
-from deltasync.format import TensorHeader
+from deltasync.format.objects import TensorHeader
 from deltasync.store import Store
 from tests.conftest import states_equal
 from tests.test_publisher import train

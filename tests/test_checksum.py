@@ -2,8 +2,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltasync import checksum as C
-from deltasync._bits import np_bits
+from deltasync.format import checksum as C
+from deltasync.format._bits import np_bits
 
 M = (1 << 64) - 1
 

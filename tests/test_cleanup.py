@@ -20,7 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 from deltasync import DeltaPublisher
-from deltasync.cli import app
+from deltasync_cli import app
 from deltasync.errors import PublishError, WriterConflictError
 from deltasync.scratch import ScratchFolder
 from tests.conftest import LEAK_PREFIX, leftovers

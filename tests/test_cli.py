@@ -2,11 +2,10 @@ import json
 
 import pytest
 import safetensors.torch
-import torch
 from typer.testing import CliRunner
 
 from deltasync import DeltaPublisher
-from deltasync.cli import app, main
+from deltasync_cli import app, main
 from tests.conftest import perturb, states_equal
 from tests.test_publisher import train
 

@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from deltasync.cli import main
+from deltasync_cli import main
 from deltasync.errors import (
     ConfigError,
     DeltaSyncError,
@@ -50,7 +50,7 @@ def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
 def run_cli(*args: str, env: dict | None = None, block_vllm: bool = False) -> subprocess.CompletedProcess:
     """The command in a fresh process, as a user runs it; ``block_vllm``: as if vLLM were not installed."""
     prelude = "import sys; sys.modules['vllm'] = None; " if block_vllm else ""  # every `import vllm...` fails
-    code = prelude + "from deltasync.cli import main; sys.argv[0] = 'deltasync'; main()"
+    code = prelude + "from deltasync_cli import main; sys.argv[0] = 'deltasync'; main()"
     return subprocess.run([sys.executable, "-c", "import sys; " + code, *args], capture_output=True, text=True,
                           timeout=300, env=env)
 

@@ -7,7 +7,7 @@ import safetensors.torch
 from typer.testing import CliRunner
 
 from deltasync import StreamReader
-from deltasync.cli import app, main
+from deltasync_cli import app, main
 from deltasync.store import Store
 from tests.conftest import states_equal
 from tests.damage import object_path

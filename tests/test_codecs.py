@@ -4,9 +4,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltasync._kernels import gap16_decode, gap16_encode
-from deltasync.codecs import decode_change, encode_change
-from deltasync.diff import Snapshot
+from deltasync.format._kernels import gap16_decode, gap16_encode
+from deltasync.format.codecs import decode_change, encode_change
+from deltasync.stages.diff import Snapshot
 from deltasync.errors import FormatError
 from tests.conftest import perturb
 

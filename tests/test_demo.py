@@ -1,7 +1,7 @@
 """The README's main job, small: trains, publishes, follows and verifies (a state-dict follower here;
 tests/integration/test_demo_vllm.py runs it with the real vLLM engine, as the README does)."""
 
-from deltasync.demo import DemoConfig, run_demo
+from deltasync_cli.demo import DemoConfig, run_demo
 
 
 def test_demo_is_bit_exact(tmp_path):

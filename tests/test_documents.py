@@ -9,8 +9,8 @@ import pytest
 import zstandard
 
 from deltasync import DeltaPublisher, StreamReader, verify
-from deltasync.codecs import decode_change
-from deltasync.documents import (
+from deltasync.format.codecs import decode_change
+from deltasync.format.documents import (
     MAX_DOCUMENT_BYTES,
     ConsumerPosition,
     FilesIndex,
@@ -152,8 +152,8 @@ def test_decoding_still_works_on_honest_frames():
     rng = np.random.default_rng(0)
     pos = np.sort(rng.choice(5000, 50, replace=False)).astype(np.int64)
     xor = rng.integers(1, 1 << 16, 50).astype(np.uint16)
-    from deltasync.codecs import encode_change
-    from deltasync.diff import TensorChange
+    from deltasync.format.codecs import encode_change
+    from deltasync.stages.diff import TensorChange
 
     enc = encode_change(TensorChange(name="t", positions=pos, xor=xor, numel=5000, checksum=0))
     got_pos, got_xor = decode_change(numel=5000, width=2, changed=50, positions_chain=list(enc.positions_chain),

@@ -8,9 +8,9 @@ import safetensors.torch
 import torch
 
 from deltasync.errors import FormatError
-from deltasync.format import FORMAT_VERSION, StepHeader, StepObject, write_anchor
-from deltasync.publisher import snapshot_headers, write_step
-from deltasync.diff import Snapshot
+from deltasync.format.objects import FORMAT_VERSION, StepHeader, StepObject
+from deltasync.publish.publisher import snapshot_headers, write_step
+from deltasync.stages.diff import Snapshot
 from tests.conftest import perturb
 
 DOC = Path(__file__).parent.parent / "docs" / "FORMAT.md"

@@ -24,8 +24,8 @@ from deltasync import (
     reconstruct_tensor,
     replay_to_folder,
 )
-from deltasync.checkpoints import FILES_INDEX
-from deltasync.history import layer_of
+from deltasync.history.checkpoints import FILES_INDEX
+from deltasync.history.compare import layer_of
 from deltasync.store import Store
 from tests.conftest import bits_equal, states_equal
 from tests.damage import damage_blob, object_path, rewrite_header, wrong_checksum
@@ -233,7 +233,7 @@ def test_model_file_names_from_a_store_cannot_escape_the_folder(stream_copy, tmp
 def test_a_step_collected_while_replaying_is_named(stream_copy, tmp_path, monkeypatch):
     """gc racing a replay: "step N was collected", not a raw FileNotFoundError."""
     from deltasync import collect_garbage
-    from deltasync import replay as replay_module
+    from deltasync.history import replay as replay_module
 
     opened = replay_module.open_checked
 

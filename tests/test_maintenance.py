@@ -5,7 +5,7 @@ import pytest
 from deltasync.errors import FormatError
 
 from deltasync import StepNotFoundError, StreamReader, collect_garbage, plan_gc, read_heartbeats, verify, write_heartbeat
-from deltasync.maintenance import ConsumerPosition
+from deltasync.format.documents import ConsumerPosition
 from deltasync.store import Manifest, Store, step_dir
 from rollout_loader import Follower, StateDictTarget
 from tests.conftest import states_equal

@@ -21,13 +21,13 @@ import torch
 from typer.testing import CliRunner
 
 from deltasync import DeltaPublisher, Replica, StreamReader
-from deltasync import _kernels
-from deltasync.apply import _xor_into_torch, xor_into
-from deltasync.checksum import _torch_checksum, _torch_checksum_at, checksum_elements, tensor_checksum
-from deltasync.cli import app
-from deltasync.diff import Snapshot, _diff_host_chunks, _diff_torch, _Scratch
-from deltasync.format import StepObject
-from deltasync.publisher import snapshot_headers, write_step
+from deltasync.format import _kernels
+from deltasync.stages.apply import _xor_into_torch, xor_into
+from deltasync.format.checksum import _torch_checksum, _torch_checksum_at, checksum_elements, tensor_checksum
+from deltasync_cli import app
+from deltasync.stages.diff import Snapshot, _diff_host_chunks, _diff_torch, _Scratch
+from deltasync.format.objects import StepObject
+from deltasync.publish.publisher import snapshot_headers, write_step
 
 # --- the reference: docs/FORMAT.md section 4, nothing else ---
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltasync.checksum import add, checksum_elements
-from deltasync.checksum import tensor_checksum as checksum_tensor
+from deltasync.format.checksum import add, checksum_elements
+from deltasync.format.checksum import tensor_checksum as checksum_tensor
 from rollout_loader.routing import ParamSpec, RoutingError, Shard, build_routing_table, packed_resolver
 
 H, HEADS, KV, HD, INTER, VOCAB, PAD = 64, 4, 2, 16, 96, 100, 64

@@ -1,7 +1,7 @@
 import pytest
 
 from deltasync import StepNotFoundError, StreamReader, layer_density, plot_stats, stream_stats
-from deltasync.stats import read_step_header
+from deltasync.history.stats import read_step_header
 
 
 def test_stream_stats_from_manifests(qwen_stream):

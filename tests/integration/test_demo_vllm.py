@@ -2,7 +2,7 @@
 
 import pytest
 
-from deltasync.demo import DemoConfig, run_demo
+from deltasync_cli.demo import DemoConfig, run_demo
 
 pytestmark = pytest.mark.vllm
 

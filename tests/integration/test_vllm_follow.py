@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deltasync import DeltaPublisher, StreamReader
-from deltasync.checksum import parse_checksum
+from deltasync.format.checksum import parse_checksum
 from deltasync.errors import BaseStepMismatchError, ChecksumMismatchError
 from rollout_loader import Follower
 from rollout_loader.vllm import VllmTarget

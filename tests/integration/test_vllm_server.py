@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from deltasync import StreamReader
-from deltasync.checksum import parse_checksum
+from deltasync.format.checksum import parse_checksum
 from rollout_loader.vllm import VllmTarget
 from tests.integration.conftest import PROMPTS, build_checkpoint, engine, save_like
 from tests.integration.seaweedfs import _free_port
@@ -78,7 +78,7 @@ def test_follow_keeps_a_running_server_in_sync(server, tmp_path):
 
     # the command a user runs next to the server
     cli = subprocess.run(
-        [sys.executable, "-m", "deltasync.cli", "follow", url, "--server", base, "--until", "5", "--verify", "all"],
+        [sys.executable, "-m", "deltasync_cli", "follow", url, "--server", base, "--until", "5", "--verify", "all"],
         capture_output=True, text=True, timeout=300,
     )
     assert cli.returncode == 0, cli.stdout + cli.stderr

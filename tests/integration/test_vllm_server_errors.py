@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from deltasync import DeltaPublisher, StreamReader
-from deltasync.checksum import parse_checksum
+from deltasync.format.checksum import parse_checksum
 from deltasync.errors import EngineConfigError, StoreError
 from rollout_loader.vllm import VllmTarget
 from tests.integration.conftest import PROMPTS, build_checkpoint, load_state, perturb, perturbed_names

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from deltasync.checksum import tensor_checksum as checksum_tensor
+from deltasync.format.checksum import tensor_checksum as checksum_tensor
 from rollout_loader.routing import RoutingError
 from rollout_loader.worker import PatchError, apply_patch, encode_patch, engine_checksums, rpc
 

@@ -18,9 +18,15 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .errors import CorruptObjectError, FormatError
-from .documents import FileEntry, FilesIndex, TensorHeader, check_file_name, encode
-from .store import Store
+from deltasync.errors import CorruptObjectError, FormatError
+from deltasync.format.documents import (
+    FileEntry,
+    FilesIndex,
+    TensorHeader,
+    check_file_name,
+    encode,
+)
+from deltasync.store import Store
 
 log = logging.getLogger(__name__)
 

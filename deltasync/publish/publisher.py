@@ -15,24 +15,33 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from collections.abc import Sequence
-
 import torch
 
-from ._bits import dtype_name
-from .checkpoints import ModelFiles, collect_model_files, write_model_files
-from .checksum import format_checksum, state_checksum
-from .codecs import EncodedTensor, encode_change, parallel_map
-from .diff import Snapshot, SnapshotDevice, TensorChange
-from .errors import DeltaSyncError, PublishError, StepOrderError
-from .format import Kind, StepHeader, TensorHeader, write_anchor, write_delta
-from .documents import ManifestStats, check_step
-from .scratch import ScratchFolder
-from .store import Manifest, Store, sha256_file
+from deltasync.errors import DeltaSyncError, PublishError, StepOrderError
+from deltasync.format._bits import dtype_name
+from deltasync.format.checksum import format_checksum, state_checksum
+from deltasync.format.codecs import EncodedTensor, encode_change, parallel_map
+from deltasync.format.documents import ManifestStats, check_step
+from deltasync.format.objects import (
+    Kind,
+    StepHeader,
+    TensorHeader,
+    write_anchor,
+    write_delta,
+)
+from deltasync.history.checkpoints import (
+    ModelFiles,
+    collect_model_files,
+    write_model_files,
+)
+from deltasync.scratch import ScratchFolder
+from deltasync.stages.diff import Snapshot, SnapshotDevice, TensorChange
+from deltasync.store import Manifest, Store, sha256_file
 
 log = logging.getLogger(__name__)
 

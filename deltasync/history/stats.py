@@ -13,13 +13,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import CorruptObjectError, StepNotFoundError
-from .format import StepHeader, parse_header
-from .history import layer_of
-from .reader import StreamReader
-from .replay import ProgressFn, open_reader, require_steps
-from .store import Manifest, Store, step_dir
-
+from deltasync.errors import CorruptObjectError, StepNotFoundError
+from deltasync.format.objects import StepHeader, parse_header
+from deltasync.history.compare import layer_of
+from deltasync.history.replay import ProgressFn, open_reader, require_steps
+from deltasync.reader import StreamReader
+from deltasync.store import Manifest, Store, step_dir
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,10 +12,9 @@ from __future__ import annotations
 import math
 import mmap
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Annotated, Literal
 
 import msgspec
@@ -24,9 +23,19 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 
-from .codecs import EncodedTensor, decode_change, parallel_map
-from .documents import FORMAT_VERSION, ITEMSIZE, MAX_HEADER_BYTES, MAX_OBJECT_BYTES, Count, DtypeName, StepHeader, TensorHeader, decode
-from .errors import FormatError
+from deltasync.errors import FormatError
+from deltasync.format.codecs import EncodedTensor, decode_change, parallel_map
+from deltasync.format.documents import (
+    FORMAT_VERSION,
+    ITEMSIZE,
+    MAX_HEADER_BYTES,
+    MAX_OBJECT_BYTES,
+    Count,
+    DtypeName,
+    StepHeader,
+    TensorHeader,
+    decode,
+)
 
 __all__ = ["FORMAT_VERSION", "METADATA_KEY", "Kind", "StepHeader", "StepObject", "TensorHeader", "write_anchor",
            "write_delta", "blob_names"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .errors import FormatError
+from deltasync.errors import FormatError
 
 # safetensors dtype names <-> torch dtypes (docs/FORMAT.md section 2)
 DTYPES: dict[str, torch.dtype] = {

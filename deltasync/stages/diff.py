@@ -14,10 +14,10 @@ from typing import Literal
 import numpy as np
 import torch
 
-from . import _kernels
-from ._bits import UNSIGNED_NP, int_view, np_bits, np_words
-from .checksum import MASK64, _torch_hash, _unsigned64, tensor_checksum
-from .errors import TensorMismatchError
+from deltasync.errors import TensorMismatchError
+from deltasync.format import _kernels
+from deltasync.format._bits import UNSIGNED_NP, int_view, np_bits, np_words
+from deltasync.format.checksum import MASK64, _torch_hash, _unsigned64, tensor_checksum
 
 SnapshotDevice = Literal["same", "cpu"]
 

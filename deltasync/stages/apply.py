@@ -13,11 +13,22 @@ from typing import Literal
 import numpy as np
 import torch
 
-from . import _kernels
-from ._bits import int_view, np_bits
-from .checksum import MASK64, _torch_hash, _unsigned64, format_checksum, parse_checksum, tensor_checksum
-from .errors import BaseStepMismatchError, ChecksumMismatchError, TensorMismatchError
-from .format import StepHeader, StepObject
+from deltasync.errors import (
+    BaseStepMismatchError,
+    ChecksumMismatchError,
+    TensorMismatchError,
+)
+from deltasync.format import _kernels
+from deltasync.format._bits import int_view, np_bits
+from deltasync.format.checksum import (
+    MASK64,
+    _torch_hash,
+    _unsigned64,
+    format_checksum,
+    parse_checksum,
+    tensor_checksum,
+)
+from deltasync.format.objects import StepHeader, StepObject
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,25 @@ import numba
 import numpy as np
 import torch
 
-from . import _kernels
-from ._bits import np_bits
-from .apply import xor_into
-from .checksum import add, format_checksum, parse_checksum, state_checksum, tensor_checksum
-from .errors import ChecksumMismatchError, DeltaSyncError, FormatError, StepNotFoundError, TensorMismatchError
-from .format import StepHeader, StepObject
-from .reader import StreamReader
+from deltasync.errors import (
+    ChecksumMismatchError,
+    DeltaSyncError,
+    FormatError,
+    StepNotFoundError,
+    TensorMismatchError,
+)
+from deltasync.format import _kernels
+from deltasync.format._bits import np_bits
+from deltasync.format.checksum import (
+    add,
+    format_checksum,
+    parse_checksum,
+    state_checksum,
+    tensor_checksum,
+)
+from deltasync.format.objects import StepHeader, StepObject
+from deltasync.reader import StreamReader
+from deltasync.stages.apply import xor_into
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 
 import torch
 
-from . import _kernels
-from ._bits import int_view, np_bits
+from deltasync.format import _kernels
+from deltasync.format._bits import int_view, np_bits
 
 ALGORITHM = "mix64-sum"
 MASK64 = (1 << 64) - 1

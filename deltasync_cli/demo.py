@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from .checksum import format_checksum, state_checksum, tensor_checksum
-from .publisher import DeltaPublisher, named_tensors
-from .scratch import ScratchFolder
+from deltasync.format.checksum import format_checksum, state_checksum, tensor_checksum
+from deltasync.publish.publisher import DeltaPublisher, named_tensors
+from deltasync.scratch import ScratchFolder
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,10 +106,10 @@ def run_demo(
 
 
 def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_options: dict | None, echo) -> list[dict]:
-    from rollout_loader import Follower, StateDictTarget
-
     from rich.console import Console
     from rich.table import Table
+
+    from rollout_loader import Follower, StateDictTarget
 
     torch.manual_seed(config.seed)
     if url is None:

@@ -16,10 +16,10 @@ from typing import TypeVar
 import numpy as np
 import zstandard
 
-from . import _kernels
-from ._bits import UNSIGNED_NP
-from .diff import TensorChange
-from .errors import FormatError
+from deltasync.errors import FormatError
+from deltasync.format import _kernels
+from deltasync.format._bits import UNSIGNED_NP
+from deltasync.stages.diff import TensorChange
 
 T = TypeVar("T")
 R = TypeVar("R")

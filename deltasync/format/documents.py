@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-from .errors import DeltaSyncError, FormatError
+from deltasync.errors import DeltaSyncError, FormatError
 
 T = TypeVar("T")
 
@@ -112,7 +112,7 @@ class TensorHeader:
 
     @property
     def torch_dtype(self) -> Any:
-        from ._bits import DTYPES
+        from deltasync.format._bits import DTYPES
 
         return DTYPES[self.dtype]
 

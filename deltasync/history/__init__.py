@@ -1,0 +1,1 @@
+"""History tools over a stream: replay any step, compare, push, verify, collect garbage, statistics."""

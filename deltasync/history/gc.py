@@ -1,0 +1,191 @@
+"""Garbage collection that never hurts a consumer, and the consumers' heartbeats it respects.
+
+Planned by a pure function (``plan_gc``: committed steps and consumer positions in, a ``GcPlan`` out) and
+executed by ``run_gc``; ``collect_garbage`` does both. Consumers record their position in the store
+(``consumers/<id>.json``, written by ``Follower(consumer_id=...)``); a plan never deletes a step that a
+consumer with a recent heartbeat holds or may still need to catch up.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from deltasync.errors import FormatError
+from deltasync.format.documents import ConsumerPosition, check_step, encode
+from deltasync.history.replay import ProgressFn, require_steps
+from deltasync.reader import StreamReader
+from deltasync.store import MANIFEST, Manifest, Store, step_dir
+
+log = logging.getLogger(__name__)
+
+CONSUMERS_DIR = "consumers"
+_CONSUMER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def write_heartbeat(store: Store, consumer_id: str, step: int) -> None:
+    """Record that ``consumer_id`` holds ``step`` (``consumers/<consumer_id>.json``); garbage collection
+    keeps what it needs while the heartbeat is recent."""
+    position = ConsumerPosition(consumer_id=check_consumer_id(consumer_id), step=check_step(step), updated_unix_s=time.time())
+    store.write_bytes(f"{CONSUMERS_DIR}/{consumer_id}.json", encode(position))
+
+
+def check_consumer_id(consumer_id: str) -> str:
+    """``consumer_id`` if it can name a heartbeat object, else ``FormatError`` (a ``ValueError``)."""
+    if not isinstance(consumer_id, str) or not _CONSUMER_ID.match(consumer_id):
+        raise FormatError(f"consumer id {consumer_id!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return consumer_id
+
+
+def read_heartbeats(store: Store) -> list[ConsumerPosition]:
+    """Every consumer's last heartbeat.
+
+    A heartbeat that cannot be read is an error (``FormatError`` naming it), not skipped: garbage collection
+    must not delete what an unknown consumer may still need. Delete the file to forget that consumer.
+    """
+    def listing() -> list[str]:
+        store.fs.invalidate_cache()  # other processes write heartbeats
+        return store.fs.find(store.path(CONSUMERS_DIR))
+
+    try:
+        paths = store.call("list consumers", listing)
+    except FileNotFoundError:
+        return []
+    out = []
+    for path in sorted(p for p in paths if p.endswith(".json")):
+        name = path.rsplit("/", 1)[-1]
+        rel = f"{CONSUMERS_DIR}/{name}"
+        try:
+            position = store.read_document(rel, ConsumerPosition)
+        except FileNotFoundError:
+            continue  # removed since the listing
+        if f"{position.consumer_id}.json" != name:
+            raise FormatError(f"{store.url}/{rel}: heartbeat names consumer {position.consumer_id!r}, not its file name")
+        out.append(position)
+    return out
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class GcPlan:
+    """What a garbage collection keeps and deletes. Plain data: ``run_gc`` executes it."""
+
+    keep: dict[int, str]  # step -> why it is kept
+    delete: tuple[int, ...]  # committed steps, newest first: an interrupted run leaves whole chains
+    leftovers: tuple[int, ...]  # step folders without a manifest, older than the latest step
+    freed_bytes: int
+    live_consumers: tuple[ConsumerPosition, ...]
+    stale_consumers: tuple[ConsumerPosition, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["keep"] = [{"step": s, "reason": r} for s, r in sorted(self.keep.items())]
+        return d
+
+
+def plan_gc(
+    manifests: Sequence[Manifest],
+    *,
+    keep_last: int,
+    keep_anchor_every: int | None = None,
+    consumers: Sequence[ConsumerPosition] = (),
+    now_unix_s: float,
+    consumer_max_age_s: float = 3600.0,
+    folders: Sequence[int] = (),
+) -> GcPlan:
+    """Decide what to delete: only steps that no retained step needs.
+
+    Retained: the last ``keep_last`` committed steps; with ``keep_anchor_every`` M, the first anchor of
+    every M-step window (a sparse history to replay from); for each consumer whose heartbeat is at most
+    ``consumer_max_age_s`` old, the step it holds and every later step (it may still replay each).
+    Every retained step keeps its whole chain (its anchor and the deltas in between). ``folders`` are
+    the stream's step folders: those without a manifest and older than the latest step are leftovers.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    if keep_anchor_every is not None and keep_anchor_every < 1:
+        raise ValueError(f"keep_anchor_every must be at least 1, got {keep_anchor_every}")
+    by_step = {m.step: m for m in manifests}
+    steps = sorted(by_step)
+    live = tuple(c for c in consumers if now_unix_s - c.updated_unix_s <= consumer_max_age_s)
+    stale = tuple(c for c in consumers if c not in live)
+    roots: dict[int, str] = {}
+    for s in steps[-keep_last:]:
+        roots.setdefault(s, f"one of the last {keep_last} steps")
+    if keep_anchor_every:
+        windows: set[int] = set()
+        for s in steps:
+            if by_step[s].kind == "anchor" and s // keep_anchor_every not in windows:
+                windows.add(s // keep_anchor_every)
+                roots.setdefault(s, f"first anchor of steps {s // keep_anchor_every * keep_anchor_every}..")
+    for c in live:
+        for s in steps:
+            if s >= c.step:
+                roots.setdefault(s, f"consumer {c.consumer_id} holds step {c.step}" if s == c.step else f"consumer {c.consumer_id} may catch up through it")
+    keep: dict[int, str] = {}
+    for root in sorted(roots):
+        s: int | None = root
+        why = roots[root]
+        while s is not None and s in by_step and s not in keep:
+            keep[s] = why if s == root else roots.get(s, f"in the chain of step {root}")
+            s = None if by_step[s].kind == "anchor" else by_step[s].base_step
+    delete = tuple(sorted((s for s in steps if s not in keep), reverse=True))
+    latest = steps[-1] if steps else -1
+    return GcPlan(
+        keep=dict(sorted(keep.items())),
+        delete=delete,
+        leftovers=tuple(sorted(f for f in set(folders) if f not in by_step and f < latest)),
+        freed_bytes=sum(by_step[s].object_bytes for s in delete),
+        live_consumers=live,
+        stale_consumers=stale,
+    )
+
+
+def run_gc(store: Store, plan: GcPlan, *, progress: ProgressFn | None = None) -> None:
+    """Execute ``plan``: each step's manifest first (readers stop seeing it), then its folder."""
+    total = len(plan.delete) + len(plan.leftovers)
+    for k, s in enumerate(plan.delete):
+        store.delete(f"{step_dir(s)}/{MANIFEST}")
+        store.delete(step_dir(s), recursive=True)
+        if progress:
+            progress("delete", k + 1, total)
+    for k, s in enumerate(plan.leftovers):
+        store.delete(step_dir(s), recursive=True)
+        if progress:
+            progress("delete", len(plan.delete) + k + 1, total)
+    if total:
+        log.info("%s: deleted steps %s and leftovers %s", store.url, list(plan.delete), list(plan.leftovers))
+
+
+def collect_garbage(
+    url: str | Store,
+    *,
+    keep_last: int,
+    keep_anchor_every: int | None = None,
+    consumer_max_age_s: float = 3600.0,
+    dry_run: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    progress: ProgressFn | None = None,
+) -> GcPlan:
+    """Plan a garbage collection of the stream at ``url`` (``plan_gc``) and, unless ``dry_run``, execute it.
+
+    Fails, deleting nothing, when a manifest cannot be read.
+    """
+    store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
+    manifests = [store.manifest(s) for s in require_steps(StreamReader(store))]
+    plan = plan_gc(
+        manifests,
+        keep_last=keep_last,
+        keep_anchor_every=keep_anchor_every,
+        consumers=read_heartbeats(store),
+        now_unix_s=time.time(),
+        consumer_max_age_s=consumer_max_age_s,
+        folders=store.step_folders(),
+    )
+    if not dry_run:
+        run_gc(store, plan, progress=progress)
+    return plan

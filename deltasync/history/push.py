@@ -1,0 +1,113 @@
+"""Saved checkpoints into a stream: ``push_checkpoint`` publishes a safetensors file or folder as a step."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deltasync.errors import StepOrderError, TensorMismatchError
+from deltasync.format._bits import int_view
+from deltasync.format.documents import check_step
+from deltasync.history.checkpoints import (
+    ModelFiles,
+    collect_model_files,
+    load_checkpoint,
+    read_model_file_index,
+    write_model_files,
+)
+from deltasync.history.rebuild import reconstruct_state_dict
+from deltasync.publish.publisher import (
+    named_tensors,
+    snapshot_headers,
+    step_manifest,
+    write_step,
+)
+from deltasync.reader import StreamReader
+from deltasync.stages.diff import Snapshot
+from deltasync.store import Manifest, Store
+
+
+def push_checkpoint(
+    url: str | Store,
+    step: int,
+    checkpoint: str | Path,
+    *,
+    anchor: bool = False,
+    dtype: torch.dtype | None = None,
+    files: str | Path | ModelFiles | None = None,
+    storage_options: dict[str, Any] | None = None,
+    take_over: bool = False,
+) -> Manifest:
+    """Publish a safetensors file or a checkpoint folder as ``step`` of a stream; returns its manifest.
+
+    A delta against the stream's latest step, or an anchor when the stream is empty or ``anchor`` is set.
+    ``dtype`` publishes floating tensors in that dtype. Model files (``files``, else the folder's own) are
+    stored when the stream has none yet. Holds the writer lease while it writes: a running publisher
+    makes it fail with ``WriterConflictError`` (``take_over`` to override).
+    """
+    store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
+    check_step(step, what=f"{store.url}: step", error=StepOrderError)
+    owner = f"push-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    store.acquire_lease(owner, ttl_s=600.0, take_over=take_over)
+    try:
+        store.remove_uncommitted(older_than_s=600.0)
+        committed = store.steps()  # writers trust manifests, never the latest.json hint
+        latest = committed[-1] if committed else None
+        if latest is not None and step <= latest:
+            raise StepOrderError(f"{store.url}: step {step} is not after the stream's latest step {latest}")
+        t0 = time.perf_counter()
+        tensors = load_checkpoint(checkpoint)
+        delta = latest is not None and not anchor
+        aliases: dict[str, str] = {}
+        if delta:
+            base, aliases = named_tensors(reconstruct_state_dict(StreamReader(store), latest))
+            snapshot = Snapshot(base, dtype=dtype)
+            del base  # the snapshot's copy is the one we need
+            changes = [c for c in snapshot.diff(_without_aliases(tensors, aliases, checkpoint)) if c.changed]
+        else:
+            snapshot, changes = Snapshot(tensors, dtype=dtype), []
+        capture_s = time.perf_counter() - t0
+        source = files if files is not None else checkpoint if Path(checkpoint).is_dir() else None
+        model_files = collect_model_files(source) if source is not None else {}
+        if model_files and read_model_file_index(store) is None:
+            write_model_files(store, model_files)
+        with tempfile.TemporaryDirectory(prefix="deltasync-push-") as tmp:
+            kind = "delta" if delta else "anchor"
+            local = Path(tmp) / f"{kind}.safetensors"
+            t1 = time.perf_counter()
+            header = write_step(
+                local,
+                kind=kind,
+                step=step,
+                base_step=latest if delta else None,
+                headers=snapshot_headers(snapshot),
+                changes=changes,
+                anchor_tensors=None if delta else snapshot.tensors,
+                aliases=aliases,
+            )
+            manifest = step_manifest(local, header, capture_s=capture_s, encode_s=time.perf_counter() - t1)
+            store.commit(manifest, local, owner=owner)
+        return manifest
+    finally:
+        store.release_lease(owner)
+
+
+def _without_aliases(tensors: dict[str, torch.Tensor], aliases: Mapping[str, str], where: object) -> dict[str, torch.Tensor]:
+    """Drop the stream's tied names from a loaded checkpoint (saved once, or twice with equal bits)."""
+    out = dict(tensors)
+    for alias, target in aliases.items():
+        if alias in out:
+            if target in out and not torch.equal(int_view(out[alias].contiguous()), int_view(out[target].contiguous())):
+                raise TensorMismatchError(f"{where}: {alias!r} is tied to {target!r} in the stream, but differs from it here")
+            del out[alias]
+    return out
+
+

@@ -1,0 +1,182 @@
+"""The exact weights of any step: in memory (``reconstruct_state_dict``, ``reconstruct_tensor``) or as a
+checkpoint folder that transformers and vLLM load as it is (``replay_to_folder``), each tensor rebuilt through
+the step's chain (``replay.Chain``) and checked against the step's checksums.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deltasync.errors import (
+    ChecksumMismatchError,
+    FormatError,
+    OutputExistsError,
+    TensorMismatchError,
+)
+from deltasync.format.checksum import format_checksum, parse_checksum, tensor_checksum
+from deltasync.format.documents import check_file_name
+from deltasync.format.objects import StepHeader
+from deltasync.history.checkpoints import CheckpointWriter, read_model_files
+from deltasync.history.replay import Chain, ProgressFn, open_reader, require_steps
+from deltasync.reader import StreamReader
+from deltasync.transports import UMASK
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+
+def reconstruct_state_dict(
+    url: str | StreamReader,
+    step: int | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    progress: ProgressFn | None = None,
+) -> dict[str, torch.Tensor]:
+    """The exact weights of ``step`` (default: latest), every trainer name included (aliases share storage).
+
+    Same result as ``StreamReader.state_dict``, built tensor by tensor: one model copy in memory.
+    """
+    reader = open_reader(url, storage_options)
+    if step is None:
+        step = require_steps(reader)[-1]
+    with Chain.open(reader, step, progress=progress) as chain:
+        rebuilt = dict(chain.tensors(progress=progress))
+        out = {name: rebuilt[name] for name in chain.header.tensors}  # the trainer's order
+        for alias, target in chain.header.aliases.items():
+            out[alias] = out[target]
+    return out
+
+
+def reconstruct_tensor(
+    url: str | StreamReader, step: int, name: str, *, storage_options: dict[str, Any] | None = None
+) -> torch.Tensor:
+    """One tensor of ``step`` (an alias names its target), checked against the step's checksum, without the rest."""
+    reader = open_reader(url, storage_options)
+    with Chain.open(reader, step) as chain:
+        target = chain.header.aliases.get(name, name)
+        if target not in chain.header.tensors:
+            some = ", ".join(list(chain.header.tensors)[:3])
+            raise TensorMismatchError(f"{reader.url} step {step}: no tensor {name!r} (it has {len(chain.header.tensors)}: {some}, ...)")
+        return next(chain.tensors([target]))[1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayResult:
+    """What ``replay_to_folder`` wrote."""
+
+    step: int
+    path: str
+    chain: tuple[int, ...]
+    tensors: int
+    weights_bytes: int
+    model_files: tuple[str, ...]
+    state_checksum: str
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def replay_to_folder(
+    url: str | StreamReader,
+    step: int,
+    out_dir: str | Path,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    reread: bool = False,
+    progress: ProgressFn | None = None,
+) -> ReplayResult:
+    """Write the exact weights of ``step`` as a checkpoint folder that transformers and vLLM load as it is.
+
+    The folder holds the stream's model files (config, tokenizer, ...) and ``model.safetensors`` (tied
+    aliases left out, as ``save_pretrained`` does). It is written beside ``out_dir`` and renamed into place
+    only once every tensor's checksum matched step ``step``'s header and manifest; ``reread`` also reads
+    the written file back and checksums it. An existing non-empty ``out_dir`` is replaced only with
+    ``overwrite``.
+    """
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    if out.is_symlink():  # write where the link points: the link itself stays as the user made it
+        out = out.resolve()
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise OutputExistsError(f"{out}: already exists and is not empty (pass overwrite=True, CLI --overwrite)")
+    reader = open_reader(url, storage_options)
+    with Chain.open(reader, step, progress=progress) as chain:
+        header = chain.header
+        files = read_model_files(reader.store)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        try:
+            tmp.chmod(0o777 & ~UMASK)  # mkdtemp makes 0700: the folder is for other users too (servers)
+            for name, data in files.items():
+                confined(tmp, name).write_bytes(data)
+            weights = tmp / WEIGHTS_FILE
+            meta = {"deltasync_step": str(step), "deltasync_state_checksum": header.state_checksum}
+            order = chain.order()  # the file holds the tensors in the order they are rebuilt in
+            with CheckpointWriter(weights, {n: header.tensors[n] for n in order}, metadata=meta) as writer:
+                for name, t in chain.tensors(order, progress=progress):
+                    writer.write(name, t)
+            if reread:
+                _check_written(weights, header, progress)
+            _move_into_place(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return ReplayResult(
+        step=step,
+        path=str(out),
+        chain=tuple(chain.steps),
+        tensors=len(header.tensors),
+        weights_bytes=(out / WEIGHTS_FILE).stat().st_size,
+        model_files=tuple(sorted(files)),
+        state_checksum=header.state_checksum,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _check_written(path: Path, header: StepHeader, progress: ProgressFn | None) -> None:
+    import safetensors
+
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        for k, (name, th) in enumerate(header.tensors.items()):
+            got = tensor_checksum(f.get_tensor(name))
+            if got != parse_checksum(th.checksum):
+                raise ChecksumMismatchError(
+                    f"{path}: tensor {name!r} as written has checksum {format_checksum(got)}, step {header.step} says {th.checksum}"
+                )
+            if progress:
+                progress("re-read and check", k + 1, len(header.tensors))
+
+
+def confined(folder: Path, name: str) -> Path:
+    """``folder / name`` for a plain file name from a store; anything that would leave ``folder`` is refused."""
+    check_file_name(name, what=f"file name for {folder}")
+    path = folder / name
+    if path.parent != folder:
+        raise FormatError(f"{name!r} would be written outside {folder}")
+    return path
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished folder to ``out``; an existing ``out`` is moved aside first, then removed."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+    out.rename(old)
+    tmp.rename(out)
+    if old.is_dir():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
+
+

@@ -1,0 +1,199 @@
+"""Verify a stream by replaying it: manifests, objects, headers, chains and every checksum (``verify``)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from deltasync.errors import (
+    ChecksumMismatchError,
+    CorruptObjectError,
+    DeltaSyncError,
+    FormatError,
+    StepNotFoundError,
+    TensorMismatchError,
+)
+from deltasync.format.objects import StepObject
+from deltasync.history.replay import (
+    Chain,
+    ProgressFn,
+    check_layout,
+    open_checked,
+    open_reader,
+    require_steps,
+)
+from deltasync.reader import StreamReader
+from deltasync.store import MANIFEST
+
+log = logging.getLogger(__name__)
+
+CONSUMERS_DIR = "consumers"
+_CONSUMER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+ProblemKind = Literal["manifest", "object", "header", "chain", "checksum"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """One thing wrong with one step."""
+
+    step: int
+    kind: ProblemKind
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyReport:
+    """Which steps were replayed with every checksum reproduced, and what was wrong with the others."""
+
+    url: str
+    first: int
+    last: int
+    verified: tuple[int, ...]
+    problems: tuple[Problem, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def verify(
+    url: str | StreamReader,
+    *,
+    first: int | None = None,
+    last: int | None = None,
+    all_problems: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    progress: ProgressFn | None = None,
+) -> VerifyReport:
+    """Check every committed step in ``first..last``: manifest, object (size, SHA-256), header (valid, and
+    agreeing with the manifest), chain (each delta's base is committed and sound) and checksums, by
+    replaying every tensor through every step.
+
+    Stops at the first problem (the lowest step) unless ``all_problems``. A step whose chain starts below
+    ``first`` is replayed from its anchor; problems there are reported under their own step.
+    """
+    reader = open_reader(url, storage_options)
+    committed = require_steps(reader)
+    lo = committed[0] if first is None else first
+    hi = committed[-1] if last is None else last
+    targets = [s for s in committed if lo <= s <= hi]
+    if not targets:
+        raise StepNotFoundError(f"{reader.url}: no committed steps in {lo}..{hi} (the stream holds {committed[0]}..{committed[-1]})")
+    run = _Verification(reader, set(committed), all_problems)
+    segments = run.segments(targets)
+    for k, segment in enumerate(segments):
+        if run.done(segment[0]):
+            break
+        run.replay(segment, progress)
+        if progress:
+            progress("verify", k + 1, len(segments))
+    problems = sorted(run.problems, key=lambda p: p.step)
+    if not all_problems:
+        problems = problems[:1]
+    bad = {p.step for p in run.problems}
+    verified = tuple(s for s in targets if s in run.replayed and s not in bad)
+    return VerifyReport(url=reader.url, first=lo, last=hi, verified=verified, problems=tuple(problems))
+
+
+class _Verification:
+    def __init__(self, reader: StreamReader, committed: set[int], all_problems: bool) -> None:
+        self.reader = reader
+        self.committed = committed
+        self.all_problems = all_problems
+        self.problems: list[Problem] = []
+        self.replayed: set[int] = set()
+        self._folders: set[int] | None = None
+
+    def report(self, step: int, kind: ProblemKind, message: str) -> None:
+        self.problems.append(Problem(step=step, kind=kind, message=message))
+
+    def done(self, step: int) -> bool:
+        """Without ``all_problems``, stop once a problem below ``step`` is known (it is the first)."""
+        return not self.all_problems and any(p.step < step for p in self.problems)
+
+    def segments(self, targets: list[int]) -> list[list[int]]:
+        """The targets as linear chains (anchor first), from their manifests; chain problems reported."""
+        out: list[list[int]] = []
+        for s in targets:
+            try:
+                m = self.reader.manifest(s)
+            except FormatError as e:
+                self.report(s, "manifest", str(e))
+                continue
+            if m.kind == "anchor":
+                out.append([s])
+            elif out and out[-1][-1] == m.base_step:
+                out[-1].append(s)
+            elif m.base_step not in self.committed:
+                self.report(s, "chain", f"{self.reader.url}: step {s} is a delta on step {m.base_step}, which is not committed{self._leftover(m.base_step)}")
+            else:
+                try:
+                    out.append(self.reader.chain(s))
+                except (StepNotFoundError, FormatError) as e:
+                    self.report(s, "chain", str(e))
+        return out
+
+    def _leftover(self, step: int | None) -> str:
+        if self._folders is None:
+            self._folders = set(self.reader.store.step_folders())
+        return f" (its folder holds objects but no {MANIFEST})" if step in self._folders else ""
+
+    def replay(self, segment: list[int], progress: ProgressFn | None) -> None:
+        objects: list[StepObject] = []
+        try:
+            failures = [self._open(segment, objects)]  # the steps before a bad object are replayed all the same
+            failures.append(self._check_checksums(objects, progress) if objects else None)
+            first = min((f for f in failures if f is not None), default=len(segment))
+            reported = {p.step for p in self.problems}
+            for s in segment[first + 1 :]:
+                if s not in reported:
+                    self.report(s, "chain", f"{self.reader.url}: step {s} builds on step {segment[first]}, which failed verification")
+            self.replayed.update(segment[:first])
+        finally:
+            for o in objects:
+                o.close()
+
+    def _open(self, segment: list[int], objects: list[StepObject]) -> int | None:
+        """Open each object of the segment; the index of the first that failed, or None."""
+        for i, s in enumerate(segment):
+            try:
+                obj = open_checked(self.reader, s)
+                try:
+                    check_layout(objects[0] if objects else obj, obj)
+                except TensorMismatchError:
+                    obj.close()
+                    raise
+                objects.append(obj)
+            except CorruptObjectError as e:
+                self.report(s, "object", str(e))
+            except (FormatError, TensorMismatchError) as e:
+                self.report(s, "header", str(e))
+            except StepNotFoundError as e:
+                self.report(s, "manifest", str(e))
+            else:
+                continue
+            return i
+        return None
+
+    def _check_checksums(self, objects: list[StepObject], progress: ProgressFn | None) -> int | None:
+        """Replay every tensor through the segment; the index of the first step that failed, or None."""
+        chain = Chain(objects)
+        first: dict[int, DeltaSyncError] = {}  # link -> the first error found there
+        for rebuilt in chain.rebuild(check="each", progress=progress):
+            failed = chain.failure(rebuilt)
+            if failed:
+                first.setdefault(*failed)
+        if not first:
+            return None
+        link = min(first)
+        kind: ProblemKind = "checksum" if isinstance(first[link], ChecksumMismatchError) else "object"
+        self.report(chain.steps[link], kind, str(first[link]))
+        return link
+
+

@@ -1,0 +1,73 @@
+"""The ``deltasync`` command line: diff/patch checkpoints like files, inspect, replay and maintain streams, run the demo.
+
+Exit status: 0 done; 1 ``verify`` found a problem; 2 an error caused by input, configuration or environment (one
+line on stderr: the error's type, what was expected, what arrived, and where); 3 an unexpected error, i.e. a
+bug (one line too; ``DELTASYNC_DEBUG=1`` prints the traceback, for any error); 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import typer
+
+import deltasync_cli.stream  # noqa: F401 - registers the commands; first, so that help lists them first
+from deltasync.errors import DeltaSyncError
+from deltasync_cli import follow, history  # noqa: F401 - registers the commands
+from deltasync_cli.app import app
+
+__all__ = ["app", "main"]
+
+
+EXIT_USER_ERROR = 2  # input, configuration or environment: the user can fix it
+EXIT_BUG = 3  # an unexpected exception: a bug in deltasync
+DEBUG_ENV = "DELTASYNC_DEBUG"
+
+
+def main() -> None:
+    """Run the CLI. Every failure a user can cause is one line on stderr and exit status 2, never a traceback:
+    ``DeltaSyncError``s, ``OSError``s (a disk, a permission) and usage errors (an unknown option, a bad value).
+    Anything else is a bug: one line, exit 3. ``DELTASYNC_DEBUG=1`` adds the traceback."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        code = app(standalone_mode=False)  # errors come back here instead of being printed by click/typer
+    except typer.Exit as e:
+        code = e.exit_code
+    except (DeltaSyncError, OSError) as e:
+        if isinstance(e, BrokenPipeError):  # `deltasync ls URL | head`: not an error worth a word
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
+        _fail(f"{type(e).__name__}: {e}", EXIT_USER_ERROR)
+    except typer.TyperException as e:  # click's usage errors: an unknown option, a bad value, a missing argument
+        ctx = getattr(e, "ctx", None)
+        if type(e).__name__ == "NoArgsIsHelpError":
+            e.show()  # type: ignore[attr-defined]  # no arguments at all: the help is the answer
+            sys.exit(e.exit_code)
+        where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        _fail(f"{e.format_message()}{where}", e.exit_code)
+    except typer.Abort:
+        _fail("aborted", 1)
+    except Exception as e:  # noqa: BLE001 - the last resort: a bug, said in one line
+        hint = "" if _debug() else f"; rerun with {DEBUG_ENV}=1 for the traceback"
+        _fail(f"internal error (a bug in deltasync, please report it): {type(e).__name__}: {e}{hint}", EXIT_BUG)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _fail(message: str, code: int) -> None:
+    """Print ``error: message`` as exactly one line on stderr (after the traceback with DELTASYNC_DEBUG=1), exit."""
+    if _debug():
+        import traceback
+
+        traceback.print_exc()
+    typer.echo(f"error: {' '.join(message.split())}", err=True)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from deltasync_cli import main
+
+main()

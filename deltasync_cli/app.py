@@ -1,0 +1,119 @@
+"""The typer app every command module registers with, and helpers the commands share."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    help="Ship only what changed: sparse bit-exact weight deltas from an RL trainer to inference engines.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+StorageOpt = Annotated[
+    list[str] | None,
+    typer.Option("--storage-option", "-S", help="fsspec storage option KEY=VALUE (JSON values allowed); repeatable."),
+]
+
+
+def _storage_options(pairs: list[str] | None) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}")
+        try:
+            opts[key] = json.loads(value)
+        except json.JSONDecodeError:
+            opts[key] = value
+    return opts
+
+
+def _reader(url: str, storage_option: list[str] | None) -> Any:
+    """A ``StreamReader`` for a command; open it in a ``with`` block, so that its downloads are removed
+    when the command ends, fails or is interrupted (Ctrl-C)."""
+    from deltasync.reader import StreamReader
+
+    return StreamReader(url, storage_options=_storage_options(storage_option))
+
+
+def _load_safetensors(path: Path) -> dict:
+    import safetensors.torch
+
+    from deltasync.errors import FormatError
+
+    try:
+        return safetensors.torch.load_file(str(path))
+    except Exception as e:  # safetensors raises several types for unreadable files
+        raise FormatError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (stable keys) instead of tables.")]
+
+
+@contextmanager
+def _progress() -> Iterator[Any]:
+    """A progress callback drawing rich bars on stderr when it is a terminal; None (quiet) otherwise."""
+    if not err.is_terminal:
+        yield None
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def update(what: str, done: int, total: int) -> None:
+            if what not in tasks:
+                tasks[what] = bar.add_task(what, total=total)
+            bar.update(tasks[what], completed=done, total=total)
+
+        yield update
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=1))
+
+
+def _mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e6:,.2f} MB"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2%}"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _dtype(name: str | None) -> Any:
+    import torch
+
+    from deltasync.format._bits import DTYPES
+
+    if name is None:
+        return None
+    dtype = DTYPES.get(name.upper()) or getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise typer.BadParameter(f"unknown dtype {name!r} (e.g. bfloat16, float16, float32, BF16)")
+    return dtype
+
+

@@ -1,0 +1,219 @@
+"""History commands: replay, push, compare, stats, verify, gc."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from deltasync_cli.app import (
+    JsonOpt,
+    StorageOpt,
+    _dtype,
+    _mb,
+    _num,
+    _pct,
+    _print_json,
+    _progress,
+    _reader,
+    _storage_options,
+    app,
+    out,
+)
+
+
+@app.command()
+def replay(
+    url: Annotated[str, typer.Argument(help="Stream URL.")],
+    step: Annotated[int, typer.Option("--step", help="Step to replay.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Checkpoint folder to write (absent or empty).")],
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing folder.")] = False,
+    reread: Annotated[bool, typer.Option("--reread", help="Also read the written file back and checksum it.")] = False,
+    as_json: JsonOpt = False,
+    storage_option: StorageOpt = None,
+) -> None:
+    """Write the exact weights of a step as a checkpoint folder that transformers and vLLM load as it is.
+
+    Written beside the folder and renamed into place only after every checksum matched the step's manifest.
+    """
+    from deltasync.history.rebuild import replay_to_folder
+
+    with _reader(url, storage_option) as reader, _progress() as progress:
+        r = replay_to_folder(reader, step, output, overwrite=overwrite, reread=reread, progress=progress)
+    if as_json:
+        _print_json(r.to_dict())
+        return
+    out.print(f"{r.path}: step {r.step} from anchor {r.chain[0]} + {len(r.chain) - 1} delta(s), {r.tensors} tensors, "
+              f"{_mb(r.weights_bytes)} of weights + {len(r.model_files)} model files in {r.seconds:.2f}s; "
+              f"checksums match the manifest (state {r.state_checksum[:16]}…)", soft_wrap=True, markup=False)
+    if not r.model_files:
+        out.print("note: the stream holds no model files (config, tokenizer): publish with files=... or push a folder", soft_wrap=True, markup=False)
+
+
+@app.command()
+def push(
+    url: Annotated[str, typer.Argument(help="Stream URL.")],
+    checkpoint: Annotated[Path, typer.Argument(help="A .safetensors file or a checkpoint folder.", exists=True)],
+    step: Annotated[int, typer.Option("--step", help="Step number to publish it as (after the latest).")],
+    anchor: Annotated[bool, typer.Option(help="Publish a full anchor instead of a delta.")] = False,
+    dtype: Annotated[str | None, typer.Option(help="Publish floating tensors in this dtype (e.g. bfloat16).")] = None,
+    files: Annotated[Path | None, typer.Option(help="Folder of model files to store (default: the checkpoint folder's).")] = None,
+    take_over: Annotated[bool, typer.Option(help="Take the stream over from a publisher that holds it.")] = False,
+    as_json: JsonOpt = False,
+    storage_option: StorageOpt = None,
+) -> None:
+    """Publish a safetensors checkpoint as a step: a delta on the latest step (an anchor on an empty stream)."""
+    from deltasync.history.push import push_checkpoint
+    from deltasync.store import Store
+
+    with Store(url, storage_options=_storage_options(storage_option)) as store:
+        m = push_checkpoint(store, step, checkpoint, anchor=anchor, dtype=_dtype(dtype), files=files, take_over=take_over)
+    if as_json:
+        _print_json(m.to_dict())
+        return
+    on = "" if m.base_step is None else f" on step {m.base_step}"
+    out.print(f"{url}: pushed {checkpoint} as step {m.step} ({m.kind}{on}), {_mb(m.object_bytes)}, "
+              f"{m.stats.changed:,} of {m.stats.numel:,} elements ({_pct(m.stats.density)})", soft_wrap=True, markup=False)
+
+
+@app.command("compare")
+def compare_(
+    url: Annotated[str, typer.Argument(help="Stream URL.")],
+    a: Annotated[int, typer.Argument(help="First step.")],
+    b: Annotated[int, typer.Argument(help="Second step.")],
+    as_json: JsonOpt = False,
+    storage_option: StorageOpt = None,
+) -> None:
+    """Per tensor and per layer: elements changed between two steps, relative L2 change, largest change."""
+    from deltasync.history.compare import compare
+
+    with _reader(url, storage_option) as reader, _progress() as progress:
+        c = compare(reader, a, b, progress=progress)
+    if as_json:
+        _print_json(c.to_dict())
+        return
+    for title, rows in ((f"step {a} -> {b}, per tensor", c.tensors), (f"step {a} -> {b}, per layer", c.layers)):
+        table = Table(title=title)
+        for col in ("name", "elements", "changed", "density", "rel L2", "max |change|"):
+            table.add_column(col, justify="left" if col == "name" else "right")
+        for d in rows:
+            table.add_row(d.name, f"{d.numel:,}", f"{d.changed:,}", _pct(d.density), _num(d.rel_l2), _num(d.max_abs_change))
+        out.print(table)
+
+
+@app.command()
+def stats(
+    url: Annotated[str, typer.Argument(help="Stream URL.")],
+    first: Annotated[int | None, typer.Option("--from", help="First step.")] = None,
+    last: Annotated[int | None, typer.Option("--to", help="Last step.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Draw change density per layer and bytes per step to this PNG.")] = None,
+    as_json: JsonOpt = False,
+    storage_option: StorageOpt = None,
+) -> None:
+    """Density, bytes, compression and stage timings over a stream (from manifests); --plot draws a heat map."""
+    from deltasync.history.stats import layer_density, plot_stats, stream_stats
+
+    with _reader(url, storage_option) as reader:
+        s = stream_stats(reader, first=first, last=last)
+        density = None
+        if plot is not None:
+            with _progress() as progress:
+                density = layer_density(reader, [r.step for r in s.steps], progress=progress)
+            try:
+                plot_stats(s, density, plot)
+            except ImportError as e:
+                raise typer.BadParameter(str(e)) from None
+    if as_json:
+        _print_json({**s.to_dict(), **({"layer_density": density.to_dict()} if density else {})})
+        return
+    sm = s.summary()
+    out.print(f"{url}: {sm['steps']} steps {sm['first_step']}..{sm['last_step']} ({sm['anchors']} anchors, {sm['deltas']} deltas), "
+              f"{_mb(sm['total_bytes'])} stored; as full checkpoints: {_num(sm['compression_ratio'])}x more", soft_wrap=True, markup=False)
+    table = Table(title="over the stream")
+    for col in ("", "min", "median", "mean", "max"):
+        table.add_column(col, justify="left" if not col else "right")
+    for kind in ("delta", "anchor"):
+        for key, fmt in (("density", _pct), ("capture_s", _num), ("encode_s", _num)):
+            spread = sm[kind].get(key)
+            if spread:
+                table.add_row(f"{kind} {key}", *(fmt(spread[k]) for k in ("min", "median", "mean", "max")))
+    table.add_row("delta bytes", "", "", _mb(sm["delta"]["mean_bytes"]), "")
+    table.add_row("delta share of full", "", "", _pct(sm["delta"]["mean_share_of_full"]), "")
+    out.print(table)
+    if plot is not None:
+        out.print(f"wrote {plot}", soft_wrap=True, markup=False)
+
+
+@app.command("verify")
+def verify_(
+    url: Annotated[str, typer.Argument(help="Stream URL.")],
+    first: Annotated[int | None, typer.Option("--from", help="First step.")] = None,
+    last: Annotated[int | None, typer.Option("--to", help="Last step.")] = None,
+    all_problems: Annotated[bool, typer.Option("--all", help="List every problem, not only the first.")] = False,
+    as_json: JsonOpt = False,
+    storage_option: StorageOpt = None,
+) -> None:
+    """Check every committed step by replaying it: objects, headers, chains and checksums. Exit 1 on a problem."""
+    from deltasync.history.verify import verify
+
+    with _reader(url, storage_option) as reader, _progress() as progress:
+        report = verify(reader, first=first, last=last, all_problems=all_problems, progress=progress)
+    if as_json:
+        _print_json(report.to_dict())
+    elif report.ok:
+        out.print(f"{url}: steps {report.first}..{report.last} verified ({len(report.verified)} steps): objects, headers, "
+                  f"chains and checksums (by replaying every tensor) all match", soft_wrap=True, markup=False)
+    else:
+        for p in report.problems:
+            out.print(f"step {p.step}: {p.kind}: {p.message}", soft_wrap=True, markup=False)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command("gc")
+def gc_(
+    url: Annotated[str, typer.Argument(help="Stream URL.")],
+    keep_last: Annotated[int, typer.Option(help="Keep the last K steps (and what they need).")],
+    keep_anchor_every: Annotated[int | None, typer.Option(help="Also keep the first anchor of every M steps.")] = None,
+    consumer_max_age_s: Annotated[float, typer.Option(help="Respect consumer heartbeats at most this old.")] = 3600.0,
+    dry_run: Annotated[bool, typer.Option(help="Show the plan, delete nothing.")] = False,
+    as_json: JsonOpt = False,
+    storage_option: StorageOpt = None,
+) -> None:
+    """Delete steps that no retained step, and no live consumer, needs (never an anchor a kept delta builds on)."""
+    from deltasync.history.gc import collect_garbage
+
+    with _progress() as progress:
+        plan = collect_garbage(url, keep_last=keep_last, keep_anchor_every=keep_anchor_every, consumer_max_age_s=consumer_max_age_s,
+                  dry_run=dry_run, storage_options=_storage_options(storage_option), progress=progress)
+    if as_json:
+        _print_json({**plan.to_dict(), "dry_run": dry_run})
+        return
+    rows = sorted([(s, "keep", why) for s, why in plan.keep.items()] + [(s, "delete", "") for s in plan.delete])
+    table = Table(title=f"{url}: garbage collection{' (dry run)' if dry_run else ''}")
+    for col in ("steps", "action", "why"):
+        table.add_column(col)
+    for first, last, action, why in _runs(rows):
+        table.add_row(str(first) if first == last else f"{first}..{last}", action, why)
+    out.print(table)
+    for c in plan.live_consumers:
+        out.print(f"live consumer {c.consumer_id} at step {c.step}", soft_wrap=True, markup=False)
+    verb = "would delete" if dry_run else "deleted"
+    out.print(f"{verb} {len(plan.delete)} steps ({_mb(plan.freed_bytes)}) and {len(plan.leftovers)} uncommitted folders; "
+              f"kept {len(plan.keep)} steps", soft_wrap=True, markup=False)
+
+
+def _runs(rows: list[tuple[int, str, str]]) -> Iterator[tuple[int, int, str, str]]:
+    """Consecutive rows with the same action and reason, as (first, last, action, reason)."""
+    start = None
+    for i, (s, action, why) in enumerate(rows):
+        if start is None:
+            start = i
+        if i + 1 == len(rows) or rows[i + 1][1:] != (action, why):
+            yield rows[start][0], s, action, why
+            start = None
+
+

@@ -1,0 +1,136 @@
+"""Commands on single objects and streams: diff, patch, ls, show."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from deltasync.errors import StepNotFoundError
+from deltasync_cli.app import StorageOpt, _load_safetensors, _storage_options, app, out
+
+
+@app.command()
+def diff(
+    base: Annotated[Path, typer.Argument(help="Base checkpoint (.safetensors).", exists=True, dir_okay=False)],
+    target: Annotated[Path, typer.Argument(help="Target checkpoint (.safetensors).", exists=True, dir_okay=False)],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Delta file to write.")],
+    base_step: Annotated[int, typer.Option(help="Step number recorded for the base.")] = 0,
+    step: Annotated[int | None, typer.Option(help="Step number recorded for the target (default base+1).")] = None,
+) -> None:
+    """Write the delta that turns BASE into TARGET (like Unix diff, but bit-exact and compact)."""
+    from deltasync.publish.publisher import snapshot_headers, write_step
+    from deltasync.stages.diff import Snapshot
+
+    snap = Snapshot(_load_safetensors(base))
+    changes = [c for c in snap.diff(_load_safetensors(target)) if c.changed]
+    header = write_step(
+        output,
+        kind="delta",
+        step=base_step + 1 if step is None else step,
+        base_step=base_step,
+        headers=snapshot_headers(snap),
+        changes=changes,
+    )
+    size = output.stat().st_size
+    out.print(
+        f"{output}: {header.changed} of {header.numel} elements changed ({header.changed / max(header.numel, 1):.2%}) "
+        f"in {sum(1 for c in changes)} tensors, {size} bytes"
+    )
+
+
+@app.command()
+def patch(
+    base: Annotated[Path, typer.Argument(help="Base checkpoint (.safetensors).", exists=True, dir_okay=False)],
+    delta: Annotated[Path, typer.Argument(help="Delta file made by `deltasync diff` or a stream.", exists=True)],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Checkpoint to write.")],
+) -> None:
+    """Apply DELTA to BASE and write the result; fails (writing nothing) unless every checksum matches."""
+    import safetensors.torch
+
+    from deltasync.format.objects import StepObject
+    from deltasync.stages.apply import Replica
+
+    obj = StepObject(delta, where=str(delta))
+    tensors = _load_safetensors(base)
+    for alias, name in obj.header.aliases.items():
+        if name in tensors:
+            tensors.setdefault(alias, tensors[name])
+    rep = Replica.from_tensors(tensors, step=obj.header.base_step)
+    rep.apply(obj, verify="full")
+    with tempfile.NamedTemporaryFile(dir=output.parent or ".", suffix=".tmp", delete=False) as tmp:
+        pass
+    safetensors.torch.save_file(
+        {n: t for n, t in tensors.items() if n not in obj.header.aliases}, tmp.name, metadata={"format": "pt"}
+    )
+    Path(tmp.name).replace(output)
+    out.print(f"{output}: step {obj.header.step}, {obj.header.changed} elements patched, checksums verified")
+
+
+@app.command("ls")
+def ls_(
+    url: Annotated[str, typer.Argument(help="Stream URL (local path, s3://, hf://buckets/..., memory://).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    storage_option: StorageOpt = None,
+) -> None:
+    """List the committed steps of a stream."""
+    from deltasync.store import Store
+
+    with Store(url, storage_options=_storage_options(storage_option)) as store:
+        manifests = [store.manifest(s) for s in store.steps()]
+        if not manifests:
+            store.require_stream()  # "no stream at this URL" is an error; "a stream with no steps yet" is not
+    if as_json:
+        print(json.dumps([m.to_dict() for m in manifests], indent=1))
+        return
+    table = Table(title=f"{url}: {len(manifests)} committed steps")
+    for col in ("step", "kind", "base", "bytes", "density", "coalesced"):
+        table.add_column(col, justify="right")
+    for m in manifests:
+        table.add_row(
+            str(m.step),
+            m.kind,
+            "-" if m.base_step is None else str(m.base_step),
+            f"{m.object_bytes:,}",
+            f"{m.stats.density:.2%}",
+            ",".join(map(str, m.stats.coalesced_steps)) or "-",
+        )
+    out.print(table)
+
+
+@app.command()
+def show(
+    url: Annotated[str, typer.Argument(help="Stream URL.")],
+    step: Annotated[int, typer.Argument(help="Step number.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    storage_option: StorageOpt = None,
+) -> None:
+    """Show one step: its manifest and, per tensor, how many elements changed."""
+    from deltasync.reader import StreamReader
+
+    with StreamReader(url, storage_options=_storage_options(storage_option)) as reader:
+        try:
+            m = reader.manifest(step)
+        except StepNotFoundError:
+            reader.store.require_stream()
+            raise
+        with reader.open(step) as obj:
+            h = obj.header
+    tensors = {n: {"dtype": t.dtype, "shape": list(t.shape), "changed": t.changed, "checksum": t.checksum} for n, t in h.tensors.items()}
+    if as_json:
+        print(json.dumps({"manifest": m.to_dict(), "aliases": h.aliases, "tensors": tensors}, indent=1))
+        return
+    out.print(f"step {m.step} ({m.kind}{'' if m.base_step is None else f' on step {m.base_step}'}), {m.object_bytes:,} bytes")
+    out.print(f"state checksum {m.state_checksum}")
+    table = Table()
+    for col in ("tensor", "dtype", "shape", "changed", "density", "checksum"):
+        table.add_column(col)
+    for n, t in h.tensors.items():
+        table.add_row(n, t.dtype, "x".join(map(str, t.shape)), f"{t.changed:,}", f"{t.changed / max(t.numel, 1):.2%}", t.checksum)
+    out.print(table)
+
+
