@@ -101,3 +101,8 @@ class EngineUnreachableError(EngineError, ConnectionError):
 
 class EngineConfigError(EngineError):
     """The engine is not set up for deltasync: a server flag or the worker extension is missing."""
+
+
+class ScheduleError(ConfigError):
+    """A static transfer schedule cannot be made: a consumer needs a tensor no trainer rank holds, or trainer
+    ranks describe one tensor inconsistently (gaps, overlaps, different shapes)."""
