@@ -152,10 +152,10 @@ def test_decoding_still_works_on_honest_frames():
     rng = np.random.default_rng(0)
     pos = np.sort(rng.choice(5000, 50, replace=False)).astype(np.int64)
     xor = rng.integers(1, 1 << 16, 50).astype(np.uint16)
-    from deltasync.format.codecs import encode_change
-    from deltasync.stages.diff import TensorChange
+    from deltasync.format.codecs import encode_patch
+    from deltasync.format.patch import Patch
 
-    enc = encode_change(TensorChange(name="t", positions=pos, xor=xor, numel=5000, checksum=0))
+    enc = encode_patch(Patch(name="t", dtype="BF16", shape=(5000,), positions=pos, xor=xor, checksum=0))
     got_pos, got_xor = decode_change(numel=5000, width=2, changed=50, positions_chain=list(enc.positions_chain),
                                      values_chain=list(enc.values_chain), positions=enc.positions, values=enc.values, where="t")
     assert np.array_equal(got_pos, pos) and np.array_equal(got_xor, xor)

@@ -121,3 +121,70 @@ def test_anchor_tensors_read_into_fresh_memory(tmp_path, small_state):
         path.write_bytes(before[: 8 + int.from_bytes(before[:8], "little") + 1])  # truncated after it was opened
         with pytest.raises(FormatError, match="'embed.weight' is truncated"):
             obj.read_tensor("embed.weight")
+
+
+def _mixed_state(gen) -> dict[str, torch.Tensor]:
+    """Every width, odd sizes (so a careless writer would misalign the wider tensors), an empty tensor."""
+    return {
+        "u8": torch.randint(0, 255, (7,), dtype=torch.uint8, generator=gen),
+        "b": torch.rand(5, generator=gen) > 0.5,
+        "bf16": torch.randn(3, 3, generator=gen).bfloat16(),
+        "f32": torch.randn(11, generator=gen),
+        "f64": torch.randn(2, 5, generator=gen).double(),
+        "i64": torch.randint(-9, 9, (3,), generator=gen),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(2.5),
+    }
+
+
+@pytest.mark.parametrize("kind", ["anchor", "delta"])
+def test_writer_hashes_what_it_writes_and_memory_holds_the_same_object(tmp_path, gen, kind):
+    """The size and SHA-256 a writer reports are those of the bytes on disk (hashlib over the file); the same
+    object written to memory is byte-identical, and opens from bytes, memoryview and mmap as from the file."""
+    import hashlib
+    import io
+    import mmap
+
+    from deltasync.publish.publisher import write_step_object
+
+    state = _mixed_state(gen)
+    snap = Snapshot(state)
+    changes = []
+    if kind == "delta":
+        changes = [c for c in snap.diff({k: perturb(v, 0.3, gen) for k, v in state.items()}) if c.changed]
+        assert changes
+    kw = dict(kind=kind, step=3, base_step=2 if kind == "delta" else None, headers=snapshot_headers(snap), changes=changes,
+              anchor_tensors=snap.tensors if kind == "anchor" else None)
+    path = tmp_path / "o.safetensors"
+    header, written = write_step_object(path, **kw)
+    data = path.read_bytes()
+    assert written.nbytes == len(data) and written.sha256 == hashlib.sha256(data).hexdigest()
+    buf = io.BytesIO()
+    _, in_memory = write_step_object(buf, **kw)
+    assert buf.getvalue() == data and in_memory == written
+    if kind == "anchor":  # an ordinary checkpoint: safetensors itself loads every tensor, bit for bit
+        loaded = safetensors.torch.load(data)
+        assert loaded.keys() == state.keys()
+        assert all(torch.equal(_raw(loaded[k]), _raw(state[k])) and loaded[k].shape == state[k].shape for k in state)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        sources = {"path": path, "bytes": data, "memoryview": memoryview(data), "mmap": mm}
+        for how, source in sources.items():
+            with StepObject(source, where=how) as obj:
+                assert obj.header == header, how
+                if kind == "anchor":
+                    assert all(torch.equal(_raw(obj.read_tensor(k)), _raw(state[k])) for k in state), how
+                else:
+                    got = {p.name: p for p in obj.patches()}
+                    assert got.keys() == {c.name for c in changes}, how
+                    for c in changes:  # the diff's positions and bits come back, whatever form was stored
+                        p = got[c.name]
+                        assert p.checksum == c.checksum and p.dtype == c.dtype and p.shape == c.shape, how
+                        if p.positions is None:  # stored dense: nonzero exactly at the diff's positions
+                            assert (p.xor[c.positions] == c.xor).all(), how
+                            assert p.xor.nonzero()[0].tolist() == c.positions.tolist(), how
+                        else:
+                            assert (p.positions == c.positions).all() and (p.xor == c.xor).all(), how
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)

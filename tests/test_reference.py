@@ -20,9 +20,9 @@ import safetensors.torch
 import torch
 from typer.testing import CliRunner
 
-from deltasync import DeltaPublisher, Replica, StreamReader
+from deltasync import DeltaPublisher, Replica, StreamReader, TensorMismatchError
 from deltasync.format import _kernels
-from deltasync.stages.apply import _xor_into_torch, xor_into
+from deltasync.stages.apply import _xor_apply_torch, xor_apply
 from deltasync.format.checksum import _torch_checksum, _torch_checksum_at, checksum_elements, tensor_checksum
 from deltasync_cli import app
 from deltasync.stages.diff import Snapshot, _diff_host_chunks, _diff_torch, _Scratch
@@ -325,15 +325,20 @@ def test_torch_diff(dtype):
 # --- apply: XOR patches in place and the checksum change they report ---
 
 
+def _torch_ops(t, p, x, **kw):
+    """``xor_apply``'s accelerator path (torch ops), here on a CPU tensor."""
+    return _xor_apply_torch(int_bits(t), p, x, kw.get("index"), kw.get("checksum", True))
+
+
 @pytest.mark.parametrize("dtype", ONE_PER_WIDTH, ids=str)
-def test_xor_into_reports_reference_checksums(dtype):
+def test_xor_apply_reports_reference_checksums(dtype):
     """Sparse (``xor_at``) and dense (``xor_dense``) patches, by the kernels and by torch ops (accelerators)."""
     cases = pattern_cases(dtype, SAMPLED_SIZES, seed=14) + single_change_cases(dtype, range(0, 25), 24, seed=15)
     for k, c in enumerate(cases):
         pos, xor, want_after = ref_diff(c.old, c.new)
-        patchers = {"kernels": xor_into}
+        patchers = {"kernels": xor_apply}
         if k % 3 == 0 or c.old.size <= 24:  # torch ops are slower on CPU: every size up to 24, a third beyond
-            patchers["torch ops"] = lambda t, p, x: _xor_into_torch(int_bits(t), p, x)
+            patchers["torch ops"] = _torch_ops
         for name, patch in patchers.items():
             for dense in (False, True):
                 t = tensor_of(c.old, c.dtype)
@@ -341,6 +346,65 @@ def test_xor_into_reports_reference_checksums(dtype):
                 label = f"{name} dense={dense} {c.dtype} {c.name}"
                 assert (ref_checksum(c.old) + delta) % 2**64 == want_after, label
                 assert np.array_equal(bits_of(t), c.new), label
+                # checksum=False only writes; applying the same patch again restores the old bits
+                assert patch(t, None, c.old ^ c.new, checksum=False) == 0 if dense else patch(t, pos, xor, checksum=False) == 0
+                assert np.array_equal(bits_of(t), c.old), label
+
+
+@pytest.mark.parametrize("dtype", ONE_PER_WIDTH, ids=str)
+def test_xor_apply_on_slices_hashes_global_indices(dtype):
+    """A slice of a larger tensor (a shard, one part of a fused parameter, a host chunk) patched at local
+    positions, hashed at global indices given as an array or as the slice's first index; NumPy and torch
+    inputs, as the vLLM worker passes them."""
+    rng = np.random.default_rng(20)
+    for n in (1, 3, 9, 37, 300):
+        old = random_bits(n, dtype, rng)
+        new = changed_bits(old, np.flatnonzero(rng.random(n) < 0.5), dtype, rng)
+        for s in sorted({0, 1, n // 3, n - 1}):
+            idx = np.arange(s, n)
+            want = (ref_checksum(new[s:], idx) - ref_checksum(old[s:], idx)) % 2**64
+            local = rng.permutation(n - s).astype(np.int64)
+            x = (old[s:] ^ new[s:])[local]
+            for name, patch in {"kernels": xor_apply, "torch ops": _torch_ops}.items():
+                calls = {
+                    "dense, base": lambda t: patch(t, None, old[s:] ^ new[s:], index=s),
+                    "local, base": lambda t: patch(t, local, x, index=s),
+                    "local, indices": lambda t: patch(t, local, x, index=local + s),
+                    "torch inputs": lambda t: patch(t, torch.from_numpy(local), torch.from_numpy(x.view(f"i{x.itemsize}")),
+                                                    index=torch.from_numpy(local + s)),
+                }
+                for how, call in calls.items():
+                    t = tensor_of(old[s:], dtype)
+                    assert call(t) == want, (name, how, n, s)
+                    assert np.array_equal(bits_of(t), new[s:]), (name, how, n, s)
+
+
+def test_xor_apply_refuses_a_patch_that_does_not_fit():
+    """Positions out of range, too few values, a different width or mismatched indices: nothing written."""
+    t = tensor_of(np.arange(10, dtype=np.uint16), torch.bfloat16)
+    before = bits_of(t)
+    bad = [
+        (np.array([3, 10]), np.ones(2, np.uint16), {}),
+        (np.array([-1]), np.ones(1, np.uint16), {}),
+        (np.array([1, 2]), np.ones(3, np.uint16), {}),
+        (np.array([1, 2]), np.ones(2, np.uint32), {}),
+        (None, np.ones(9, np.uint16), {}),
+        (np.array([1, 2]), np.ones(2, np.uint16), {"index": np.array([5])}),
+        (np.array([1, 2], np.int32), np.ones(2, np.uint16), {}),
+    ]
+    for pos, x, kw in bad:
+        for patch in (xor_apply, _torch_ops):
+            with pytest.raises(TensorMismatchError):
+                xor_apply(t, pos, x, **kw) if patch is xor_apply else _checked_torch(t, pos, x, **kw)
+            assert np.array_equal(bits_of(t), before)
+
+
+def _checked_torch(t, pos, x, **kw):
+    """The accelerator path through ``xor_apply``'s own checks (they run before either path)."""
+    from deltasync.stages.apply import _check_patch
+
+    _check_patch(t.element_size(), t.numel(), pos, x, kw.get("index"), t.numel() if pos is None else pos.size)
+    return _torch_ops(t, pos, x, **kw)
 
 
 @pytest.mark.parametrize("dtype", ONE_PER_WIDTH, ids=str)

@@ -19,7 +19,8 @@ import zstandard
 from deltasync.errors import FormatError
 from deltasync.format import _kernels
 from deltasync.format._bits import UNSIGNED_NP
-from deltasync.stages.diff import TensorChange
+from deltasync.format.documents import TensorHeader
+from deltasync.format.patch import Patch
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -68,18 +69,47 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return cache[level]
 
 
-def encode_change(change: TensorChange, *, zstd_level: int = 1) -> EncodedTensor:
+def encode_patch(patch: Patch, *, zstd_level: int = 1) -> EncodedTensor:
     """Encode one tensor's change; chooses the dense form above ``DENSE_FRACTION`` changed."""
-    if change.changed > DENSE_FRACTION * change.numel:
-        dense = np.zeros(change.numel, change.xor.dtype)
-        dense[change.positions] = change.xor
+    if patch.positions is None or patch.changed > DENSE_FRACTION * patch.numel:
+        if patch.positions is None:
+            dense = patch.xor
+        else:
+            dense = np.zeros(patch.numel, patch.xor.dtype)
+            dense[patch.positions] = patch.xor
         values, vchain = _pack(*_shuffled(dense), zstd_level)
         return EncodedTensor(positions=None, values=values, positions_chain=("dense",), values_chain=("xor", *vchain))
-    positions, pchain = _pack(_kernels.gap16_encode(change.positions), ("shuffle",), zstd_level)
-    values, vchain = _pack(*_shuffled(change.xor), zstd_level)
+    positions, pchain = _pack(_kernels.gap16_encode(patch.positions), ("shuffle",), zstd_level)
+    values, vchain = _pack(*_shuffled(patch.xor), zstd_level)
     return EncodedTensor(
         positions=positions, values=values, positions_chain=("gap16", *pchain), values_chain=("xor", *vchain)
     )
+
+
+encode_change = encode_patch  # the name before issue 9
+
+
+def decode_patch(
+    name: str,
+    header: TensorHeader,
+    *,
+    positions: bytes | bytearray | None,
+    values: bytes | bytearray,
+    where: str,
+) -> Patch:
+    """Decode and validate one changed tensor of a delta into a ``Patch`` (see ``decode_change``)."""
+    pos, xor = decode_change(
+        numel=header.numel,
+        width=header.itemsize,
+        changed=header.changed,
+        positions_chain=list(header.positions or ()),
+        values_chain=list(header.values or ()),
+        positions=positions,
+        values=values,
+        where=where,
+    )
+    return Patch(name=name, dtype=header.dtype, shape=header.shape, positions=pos, xor=xor,
+                 checksum=int(header.checksum, 16))
 
 
 def decode_change(

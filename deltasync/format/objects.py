@@ -9,22 +9,24 @@ read from a file descriptor opened once (a collected file stays readable until c
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import math
 import mmap
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, BinaryIO, Literal
 
 import msgspec
 import numpy as np
-import safetensors.numpy
-import safetensors.torch
 import torch
 
 from deltasync.errors import FormatError
-from deltasync.format.codecs import EncodedTensor, decode_change, parallel_map
+from deltasync.format._bits import dtype_name
+from deltasync.format.codecs import EncodedTensor, decode_patch, parallel_map
 from deltasync.format.documents import (
     FORMAT_VERSION,
     ITEMSIZE,
@@ -36,9 +38,10 @@ from deltasync.format.documents import (
     TensorHeader,
     decode,
 )
+from deltasync.format.patch import Patch
 
-__all__ = ["FORMAT_VERSION", "METADATA_KEY", "Kind", "StepHeader", "StepObject", "TensorHeader", "write_anchor",
-           "write_delta", "blob_names"]
+__all__ = ["FORMAT_VERSION", "METADATA_KEY", "Kind", "StepHeader", "StepObject", "TensorHeader", "WrittenObject",
+           "write_anchor", "write_delta", "blob_names"]
 
 METADATA_KEY = "deltasync"
 Kind = Literal["delta", "anchor"]
@@ -50,21 +53,74 @@ def blob_names(name: str) -> tuple[str, str]:
     return f"{name}:positions", f"{name}:values"
 
 
-def write_delta(path: str | Path, header: StepHeader, encoded: Mapping[str, EncodedTensor]) -> None:
-    """Write a delta object: the header plus the positions/values blobs of each changed tensor."""
-    blobs: dict[str, np.ndarray] = {}
+@dataclass(frozen=True, kw_only=True)
+class WrittenObject:
+    """What a writer wrote: its size and SHA-256, taken from the bytes as they were written (the manifest's
+    ``object_bytes`` and ``object_sha256``), so nobody reads the object back to hash it."""
+
+    nbytes: int
+    sha256: str
+
+
+Destination = str | Path | BinaryIO
+
+
+def write_delta(dest: Destination, header: StepHeader, encoded: Mapping[str, EncodedTensor]) -> WrittenObject:
+    """Write a delta object: the header plus the positions/values blobs of each changed tensor.
+
+    ``dest`` is a path or a binary file object (``io.BytesIO`` for an object kept in memory).
+    """
+    blobs: list[tuple[str, DtypeName, tuple[int, ...], memoryview]] = []
     for name, enc in encoded.items():
         pos_name, val_name = blob_names(name)
         if enc.positions is not None:
-            blobs[pos_name] = np.frombuffer(enc.positions, np.uint8)
-        blobs[val_name] = np.frombuffer(enc.values, np.uint8)
-    safetensors.numpy.save_file(blobs, str(path), metadata={"format": "pt", METADATA_KEY: header.to_json()})
+            blobs.append((pos_name, "U8", (len(enc.positions),), memoryview(enc.positions)))
+        blobs.append((val_name, "U8", (len(enc.values),), memoryview(enc.values)))
+    return _write_safetensors(dest, blobs, header)
 
 
-def write_anchor(path: str | Path, header: StepHeader, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Write an anchor: an ordinary checkpoint with the trainer's names, plus the step header."""
-    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    safetensors.torch.save_file(cpu, str(path), metadata={"format": "pt", METADATA_KEY: header.to_json()})
+def write_anchor(dest: Destination, header: StepHeader, tensors: Mapping[str, torch.Tensor]) -> WrittenObject:
+    """Write an anchor: an ordinary checkpoint with the trainer's names, plus the step header.
+
+    Each tensor is written straight from its memory (copied to the host first when it lives elsewhere).
+    """
+    entries = []
+    for name, t in tensors.items():
+        cpu = t.detach().to("cpu").contiguous()
+        raw = cpu.reshape(-1).view(torch.uint8).numpy() if cpu.numel() else np.empty(0, np.uint8)
+        entries.append((name, dtype_name(cpu.dtype), tuple(cpu.shape), memoryview(raw)))
+    return _write_safetensors(dest, entries, header)
+
+
+def _write_safetensors(
+    dest: Destination, entries: list[tuple[str, DtypeName, tuple[int, ...], memoryview]], header: StepHeader
+) -> WrittenObject:
+    """Write a safetensors file (the layout ``safetensors.save`` writes: wider dtypes first, then by name,
+    so every tensor is aligned to its width; the header padded with spaces to 8 bytes), hashing every byte
+    on its way out."""
+    entries = sorted(entries, key=lambda e: (-ITEMSIZE[e[1]], e[0]))
+    table: dict[str, object] = {"__metadata__": {"format": "pt", METADATA_KEY: header.to_json()}}
+    offset = 0
+    for name, dtype, shape, data in entries:
+        table[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + data.nbytes]}
+        offset += data.nbytes
+    text = json.dumps(table, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    hasher = hashlib.sha256()
+    with _opened(dest) as f:
+        for chunk in (len(text).to_bytes(8, "little"), text, *(e[3] for e in entries)):
+            hasher.update(chunk)
+            f.write(chunk)
+    return WrittenObject(nbytes=8 + len(text) + offset, sha256=hasher.hexdigest())
+
+
+@contextlib.contextmanager
+def _opened(dest: Destination) -> Iterator[BinaryIO]:
+    if isinstance(dest, (str, Path)):
+        with open(dest, "wb") as f:
+            yield f
+    else:
+        yield dest
 
 
 # --- reading ---
@@ -260,22 +316,19 @@ class StepObject:
         self._read_into(key, buf)
         return buf
 
-    def patch(self, name: str) -> tuple[np.ndarray | None, np.ndarray]:
-        """A delta's decoded change for one tensor: (positions or None for dense, xor bits)."""
+    def patch(self, name: str) -> Patch:
+        """A delta's decoded, validated change for one changed tensor."""
         h = self.header.tensors[name]
         pos_key, val_key = blob_names(name)
-        return decode_change(
-            numel=h.numel,
-            width=h.itemsize,
-            changed=h.changed,
-            positions_chain=list(h.positions or ()),
-            values_chain=list(h.values or ()),
+        return decode_patch(
+            name,
+            h,
             positions=self._blob(pos_key) if pos_key in self._entries else None,
             values=self._blob(val_key),
             where=f"{self.where} tensor {name!r}",
         )
 
-    def patches(self) -> list[tuple[str, np.ndarray | None, np.ndarray]]:
+    def patches(self) -> list[Patch]:
         """Every changed tensor's decoded change (decoded in parallel; any error is raised here)."""
         names = [name for name, h in self.header.tensors.items() if h.changed]
-        return [(name, *patch) for name, patch in zip(names, parallel_map(self.patch, names))]
+        return parallel_map(self.patch, names)

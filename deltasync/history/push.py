@@ -28,7 +28,7 @@ from deltasync.publish.publisher import (
     named_tensors,
     snapshot_headers,
     step_manifest,
-    write_step,
+    write_step_object,
 )
 from deltasync.reader import StreamReader
 from deltasync.stages.diff import Snapshot
@@ -83,7 +83,7 @@ def push_checkpoint(
             kind = "delta" if delta else "anchor"
             local = Path(tmp) / f"{kind}.safetensors"
             t1 = time.perf_counter()
-            header = write_step(
+            header, written = write_step_object(
                 local,
                 kind=kind,
                 step=step,
@@ -93,7 +93,7 @@ def push_checkpoint(
                 anchor_tensors=None if delta else snapshot.tensors,
                 aliases=aliases,
             )
-            manifest = step_manifest(local, header, capture_s=capture_s, encode_s=time.perf_counter() - t1)
+            manifest = step_manifest(written, header, capture_s=capture_s, encode_s=time.perf_counter() - t1)
             store.commit(manifest, local, owner=owner)
         return manifest
     finally:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import numba
-import numpy as np
 import torch
 
 from deltasync.errors import (
@@ -28,8 +27,6 @@ from deltasync.errors import (
     StepNotFoundError,
     TensorMismatchError,
 )
-from deltasync.format import _kernels
-from deltasync.format._bits import np_bits
 from deltasync.format.checksum import (
     add,
     format_checksum,
@@ -39,7 +36,7 @@ from deltasync.format.checksum import (
 )
 from deltasync.format.objects import StepHeader, StepObject
 from deltasync.reader import StreamReader
-from deltasync.stages.apply import xor_into
+from deltasync.stages.apply import xor_apply
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -163,11 +160,11 @@ class Chain:
             checksum = tensor_checksum(t) if check == "each" else 0
             for link, obj in enumerate(self.objects):
                 if link and obj.header.tensors[name].changed:
-                    positions, xor = obj.patch(name)
+                    p = obj.patch(name)
+                    # "result" checksums the final bits once, in full: no per-link checksum change
+                    change = xor_apply(t, p.positions, p.xor, checksum=check == "each")
                     if check == "each":
-                        checksum = add(checksum, xor_into(t, positions, xor))
-                    else:
-                        _xor_plain(t, positions, xor)
+                        checksum = add(checksum, change)
                 if link == keep:
                     out.kept = t.clone()
                     if check == "result" and link != last:
@@ -215,14 +212,6 @@ class Rebuilt:
     checksums: dict[int, int] = field(default_factory=dict)  # link -> checksum computed from the bits
     kept: torch.Tensor | None = None  # a copy at the link asked for
     error: tuple[int, DeltaSyncError] | None = None  # (link, error) when the chain could not be followed
-
-
-def _xor_plain(t: torch.Tensor, positions: np.ndarray | None, xor: np.ndarray) -> None:
-    bits = np_bits(t)
-    if positions is None:
-        np.bitwise_xor(bits, xor, out=bits)
-    else:
-        _kernels.xor_plain_at(bits, positions, xor)
 
 
 def check_layout(anchor: StepObject, obj: StepObject) -> None:

@@ -25,22 +25,25 @@ import torch
 from deltasync.errors import DeltaSyncError, PublishError, StepOrderError
 from deltasync.format._bits import dtype_name
 from deltasync.format.checksum import format_checksum, state_checksum
-from deltasync.format.codecs import EncodedTensor, encode_change, parallel_map
+from deltasync.format.codecs import EncodedTensor, encode_patch, parallel_map
 from deltasync.format.documents import ManifestStats, check_step
 from deltasync.format.objects import (
+    Destination,
     Kind,
     StepHeader,
     TensorHeader,
+    WrittenObject,
     write_anchor,
     write_delta,
 )
+from deltasync.format.patch import Patch
 from deltasync.history.checkpoints import (
     ModelFiles,
     collect_model_files,
     write_model_files,
 )
 from deltasync.scratch import ScratchFolder
-from deltasync.stages.diff import Snapshot, SnapshotDevice, TensorChange
+from deltasync.stages.diff import Snapshot, SnapshotDevice
 from deltasync.store import Manifest, Store, sha256_file
 
 log = logging.getLogger(__name__)
@@ -85,7 +88,7 @@ class _Job:
     coalesced: tuple[int, ...]
     headers: dict[str, TensorHeader]
     aliases: dict[str, str]
-    changes: list[TensorChange] = field(default_factory=list)
+    changes: list[Patch] = field(default_factory=list)
     anchor_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     capture_s: float = 0.0
 
@@ -258,7 +261,7 @@ class DeltaPublisher:
             self._snapshot = Snapshot(
                 tensors, device=self.snapshot_device, max_chunk_bytes=self.max_chunk_bytes, dtype=self.dtype
             )
-            changes: list[TensorChange] = []
+            changes: list[Patch] = []
         else:
             changes = self._snapshot.diff(tensors)
         self._aliases = aliases
@@ -331,7 +334,7 @@ class DeltaPublisher:
         t0 = time.perf_counter()
         name = f"{job.kind}.safetensors"
         local = self._spool / f"{job.step:012d}-{name}"
-        header = write_step(
+        header, written = write_step_object(
             local,
             kind=job.kind,
             step=job.step,
@@ -344,7 +347,7 @@ class DeltaPublisher:
         )
         t1 = time.perf_counter()
         headers = header.tensors
-        manifest = step_manifest(local, header, coalesced=job.coalesced, capture_s=job.capture_s, encode_s=t1 - t0)
+        manifest = step_manifest(written, header, coalesced=job.coalesced, capture_s=job.capture_s, encode_s=t1 - t0)
         size = manifest.object_bytes
         t2 = time.perf_counter()
         try:
@@ -385,19 +388,40 @@ def write_step(
     step: int,
     base_step: int | None,
     headers: dict[str, TensorHeader],
-    changes: Sequence[TensorChange] = (),
+    changes: Sequence[Patch] = (),
     anchor_tensors: dict[str, torch.Tensor] | None = None,
     aliases: dict[str, str] | None = None,
     zstd_level: int = 1,
 ) -> StepHeader:
-    """Encode and write one step's object to a local file; returns its header.
+    """Encode and write one step's object to a local file; returns its header (see ``write_step_object``)."""
+    header, _ = write_step_object(
+        path, kind=kind, step=step, base_step=base_step, headers=headers, changes=changes,
+        anchor_tensors=anchor_tensors, aliases=aliases, zstd_level=zstd_level,
+    )
+    return header
+
+
+def write_step_object(
+    dest: Destination,
+    *,
+    kind: Kind,
+    step: int,
+    base_step: int | None,
+    headers: dict[str, TensorHeader],
+    changes: Sequence[Patch] = (),
+    anchor_tensors: dict[str, torch.Tensor] | None = None,
+    aliases: dict[str, str] | None = None,
+    zstd_level: int = 1,
+) -> tuple[StepHeader, WrittenObject]:
+    """Encode and write one step's object to ``dest`` (a path or a binary file, ``io.BytesIO`` to keep it
+    in memory); returns its header and the size and SHA-256 of the bytes written (hashed as they went out).
 
     ``headers`` describe every tensor after the step (checksums included); ``changes`` are a delta's
     changed tensors, ``anchor_tensors`` an anchor's full tensors.
     """
     headers = dict(headers)
     encoded: dict[str, EncodedTensor] = {}
-    encodings = parallel_map(lambda c: encode_change(c, zstd_level=zstd_level), changes)
+    encodings = parallel_map(lambda c: encode_patch(c, zstd_level=zstd_level), changes)
     for c, enc in zip(changes, encodings):
         encoded[c.name] = enc
         headers[c.name] = replace(headers[c.name], changed=c.changed, positions=enc.positions_chain, values=enc.values_chain)
@@ -410,25 +434,33 @@ def write_step(
         aliases=dict(aliases or {}),
     )
     if kind == "anchor":
-        write_anchor(path, header, anchor_tensors or {})
+        written = write_anchor(dest, header, anchor_tensors or {})
     else:
-        write_delta(path, header, encoded)
-    return header
+        written = write_delta(dest, header, encoded)
+    return header, written
 
 
 def step_manifest(
-    path: str | Path, header: StepHeader, *, coalesced: Sequence[int] = (), capture_s: float = 0.0, encode_s: float = 0.0
+    source: str | Path | WrittenObject,
+    header: StepHeader,
+    *,
+    coalesced: Sequence[int] = (),
+    capture_s: float = 0.0,
+    encode_s: float = 0.0,
 ) -> Manifest:
-    """The manifest that commits the object written at ``path`` (hashes it; docs/FORMAT.md section 5)."""
-    path = Path(path)
-    digest = sha256_file(path)
+    """The manifest that commits an object (docs/FORMAT.md section 5): ``source`` is what its writer
+    reported (size and SHA-256 taken while writing), or a path, hashed here."""
+    if isinstance(source, WrittenObject):
+        digest, nbytes = source.sha256, source.nbytes
+    else:
+        digest, nbytes = sha256_file(source), Path(source).stat().st_size
     return Manifest(
         step=header.step,
         base_step=header.base_step,
         kind=header.kind,
         # a name no other attempt at this step uses: an upload never touches another writer's object
         object=f"{header.kind}-{digest[:16]}.safetensors",
-        object_bytes=path.stat().st_size,
+        object_bytes=nbytes,
         object_sha256=digest,
         state_checksum=header.state_checksum,
         created_unix_s=time.time(),

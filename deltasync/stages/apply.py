@@ -1,13 +1,16 @@
-"""Apply stage: bring an in-memory state dict from one step to the next, verified, all or nothing.
+"""Apply stage: the one in-place XOR + checksum apply, and the state-dict consumer built on it.
 
-Everything is validated and decoded before the first bit changes; checksums are checked after; on a
-mismatch the same XOR patches are applied again (XOR undoes itself) so the state is exactly as before.
+``xor_apply`` is the only code that writes a patch into a tensor: the state dict (``Replica``), replay and
+the vLLM worker all call it, so the checksum of what was written is computed one way (docs/FORMAT.md
+section 4, with each element's global index). ``apply_staged`` writes a staged step (decoded and checked
+ahead, ``deltasync.stages.staging``), compares checksums, and on a mismatch applies the same XOR again
+(XOR undoes itself), so the state is exactly as before: all or nothing.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Literal
 
 import numpy as np
@@ -19,7 +22,7 @@ from deltasync.errors import (
     TensorMismatchError,
 )
 from deltasync.format import _kernels
-from deltasync.format._bits import int_view, np_bits
+from deltasync.format._bits import UNSIGNED_NP, int_view, np_bits
 from deltasync.format.checksum import (
     MASK64,
     _torch_hash,
@@ -29,12 +32,15 @@ from deltasync.format.checksum import (
     tensor_checksum,
 )
 from deltasync.format.objects import StepHeader, StepObject
+from deltasync.format.patch import Patch
+from deltasync.stages.staging import StagedStep, check_layout, layout_of, stage
+
+__all__ = ["Replica", "StagedStep", "Verify", "apply_staged", "stage", "xor_apply", "xor_into"]
 
 log = logging.getLogger(__name__)
 
 Verify = Literal["incremental", "full"]
-Patch = tuple[str, "np.ndarray | None", np.ndarray]
-
+Indices = np.ndarray | torch.Tensor
 
 class Replica:
     """A consumer's copy of the weights at a known step, with the checksum of every tensor.
@@ -80,23 +86,16 @@ class Replica:
             raise BaseStepMismatchError(
                 f"{obj.where}: delta to step {h.step} is based on step {h.base_step}, but the replica holds step {self.step}"
             )
-        _check_layout(h, self.tensors, obj.where)
-        patches = obj.patches()  # decodes and validates everything before any write
-        deltas = _apply_patches(self.tensors, patches)
-        new = {name: (c + deltas.get(name, 0)) & MASK64 for name, c in self.checksums.items()}
-        if verify == "full":
-            new.update({name: tensor_checksum(self.tensors[name]) for name, _, _ in patches})
-        try:
-            _check(h, new, obj.where, names=h.tensors)
-        except ChecksumMismatchError:
-            _apply_patches(self.tensors, patches)  # XOR again: back to the exact previous bits
-            raise
-        self.checksums = new
+        staged = stage(obj, layout_of(self.tensors), base_step=self.step)  # decodes and validates before any write
+        unchanged = {n for n in h.tensors if not h.tensors[n].changed}
+        _check(h, self.checksums, obj.where, names=unchanged)  # the replica is the base it claims to be
+        changed = apply_staged(staged, self.tensors, checksums=self.checksums if verify == "incremental" else None)
+        self.checksums = {**self.checksums, **changed}
         self.step = h.step
 
     def _load_anchor_in_place(self, obj: StepObject) -> None:
         h = obj.header
-        _check_layout(h, self.tensors, obj.where)
+        check_layout(h, self.tensors, obj.where)
         incoming = {name: obj.tensor(name) for name in h.tensors}
         checksums = {name: tensor_checksum(t) for name, t in incoming.items()}
         _check(h, checksums, obj.where, names=h.tensors)
@@ -106,22 +105,7 @@ class Replica:
         self.step = h.step
 
 
-def _check_layout(h: StepHeader, tensors: Mapping[str, torch.Tensor], where: str) -> None:
-    names = set(h.tensors) | set(h.aliases)
-    if names != set(tensors):
-        raise TensorMismatchError(
-            f"{where}: tensor names differ from the replica's: unknown {sorted(names - set(tensors))[:5]}, "
-            f"missing {sorted(set(tensors) - names)[:5]}"
-        )
-    for name, th in h.tensors.items():
-        t = tensors[name]
-        if tuple(t.shape) != th.shape or t.dtype != th.torch_dtype:
-            raise TensorMismatchError(
-                f"{where}: tensor {name!r} is {th.shape} {th.dtype} in the step, {tuple(t.shape)} {t.dtype} in the replica"
-            )
-
-
-def _check(h: StepHeader, checksums: Mapping[str, int], where: str, *, names: Mapping[str, object]) -> None:
+def _check(h: StepHeader, checksums: Mapping[str, int], where: str, *, names: Iterable[str]) -> None:
     bad = [n for n in names if checksums[n] != parse_checksum(h.tensors[n].checksum)]
     if bad:
         n = bad[0]
@@ -131,33 +115,151 @@ def _check(h: StepHeader, checksums: Mapping[str, int], where: str, *, names: Ma
         )
 
 
-def _apply_patches(tensors: Mapping[str, torch.Tensor], patches: list[Patch]) -> dict[str, int]:
-    """XOR each patch into its tensor in place; returns each tensor's checksum change."""
-    return {name: xor_into(tensors[name], pos, xor) for name, pos, xor in patches}
+def apply_staged(
+    staged: StagedStep, tensors: Mapping[str, torch.Tensor], *, checksums: Mapping[str, int] | None = None
+) -> dict[str, int]:
+    """Write a staged step into ``tensors`` in place and prove it; returns the changed tensors' checksums.
+
+    ``checksums`` are the tensors' checksums before the step: each changed tensor's checksum after is then
+    that plus the change ``xor_apply`` reports (time proportional to the change); None computes them from
+    the written bits (a full pass over each changed tensor). On a mismatch with the step header, or any
+    error while writing, the patches already written are applied again, which restores the exact previous
+    bits, and the error is raised (``ChecksumMismatchError`` for a mismatch).
+    """
+    done: list[Patch] = []
+    deltas: dict[str, int] = {}
+    try:
+        for p in staged.patches:
+            deltas[p.name] = xor_apply(tensors[p.name], p.positions, p.xor)
+            done.append(p)
+        if checksums is not None:
+            after = {p.name: (checksums[p.name] + deltas[p.name]) & MASK64 for p in staged.patches}
+        else:
+            after = {p.name: tensor_checksum(tensors[p.name]) for p in staged.patches}
+        bad = [p for p in staged.patches if after[p.name] != p.checksum]
+        if bad:
+            raise ChecksumMismatchError(
+                f"{staged.where}: {len(bad)} tensor(s) do not match the trainer's checksums after step {staged.step}, "
+                f"first {bad[0].name!r}: expected {format_checksum(bad[0].checksum)}, got {format_checksum(after[bad[0].name])}"
+            )
+    except BaseException:
+        _undo(tensors, done)
+        raise
+    return after
+
+
+def _undo(tensors: Mapping[str, torch.Tensor], done: list[Patch]) -> None:
+    """XOR again what was written: back to the exact previous bits."""
+    for p in reversed(done):
+        try:
+            xor_apply(tensors[p.name], p.positions, p.xor, checksum=False)
+        except Exception:
+            log.exception("restoring tensor %r after a failed apply failed too", p.name)
+
+
+def xor_apply(
+    bits: torch.Tensor,
+    positions: Indices | None,
+    xor: np.ndarray | torch.Tensor,
+    *,
+    index: Indices | int | None = None,
+    checksum: bool = True,
+) -> int:
+    """``bits.flat[positions] ^= xor`` in place (every element when ``positions`` is None); returns the
+    change of the checksum (docs/FORMAT.md section 4, mod 2**64), or 0 with ``checksum=False``.
+
+    ``bits``: a contiguous tensor on any device, of any dtype (only its bits are touched; a flat integer
+    view of it works as well). ``positions``: int64 flat indices into ``bits`` (NumPy or torch), each at
+    most once. ``xor``: old ^ new bits as integers of ``bits``' width, one per position (or per element).
+    ``index``: the elements' global flat indices in the full tensor, which the checksum hashes, when
+    ``bits`` holds part of it (a shard, one part of a fused parameter, a chunk): an array as long as
+    ``xor``, or an int, the global index of ``bits``' first element. Default: the positions themselves.
+
+    Everything is checked before the first write (``TensorMismatchError``: nothing was changed); the new
+    bits are read back after the write, so the checksum change follows what landed.
+    """
+    if not bits.is_contiguous():
+        raise TensorMismatchError(f"cannot patch a non-contiguous tensor of shape {tuple(bits.shape)} in place")
+    width, numel = bits.element_size(), bits.numel()
+    count = numel if positions is None else int(positions.numel() if isinstance(positions, torch.Tensor) else positions.size)
+    _check_patch(width, numel, positions, xor, index, count)
+    if bits.device.type == "cpu":
+        return _xor_apply_np(np_bits(bits), positions, _np_unsigned(xor, width), index, checksum)
+    return _xor_apply_torch(int_view(bits), positions, xor, index, checksum)
+
+
+def _check_patch(width: int, numel: int, positions: Indices | None, xor: np.ndarray | torch.Tensor,
+                 index: Indices | int | None, count: int) -> None:
+    xsize = int(xor.numel() if isinstance(xor, torch.Tensor) else xor.size)
+    xwidth = xor.element_size() if isinstance(xor, torch.Tensor) else xor.itemsize
+    if xwidth != width or xsize != count:
+        raise TensorMismatchError(f"patch of {xsize} {8 * xwidth}-bit values for {count} elements of {8 * width} bits")
+    if positions is not None and count:
+        if positions.dtype not in (np.int64, torch.int64):
+            raise TensorMismatchError(f"positions must be int64, got {positions.dtype}")
+        lo, hi = (int(v) for v in (torch.aminmax(positions) if isinstance(positions, torch.Tensor) else (positions.min(), positions.max())))
+        if lo < 0 or hi >= numel:
+            raise TensorMismatchError(f"positions run from {lo} to {hi}, the tensor has {numel} elements")
+    if index is not None and not isinstance(index, int):
+        isize = int(index.numel() if isinstance(index, torch.Tensor) else index.size)
+        if isize != count:
+            raise TensorMismatchError(f"{isize} checksum indices for {count} patched elements")
+
+
+def _np_unsigned(x: np.ndarray | torch.Tensor, width: int) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = int_view(x.detach().reshape(-1).cpu().contiguous()).numpy()
+    return np.ascontiguousarray(x).reshape(-1).view(UNSIGNED_NP[width])
+
+
+def _np_int64(x: Indices) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().reshape(-1).to(device="cpu", dtype=torch.int64).contiguous().numpy()
+    return np.ascontiguousarray(x, dtype=np.int64).reshape(-1)
+
+
+def _xor_apply_np(u: np.ndarray, positions: Indices | None, xor: np.ndarray, index: Indices | int | None, checksum: bool) -> int:
+    """The CPU kernels (one pass, the checksum change folded into the scatter)."""
+    if positions is None and (index is None or isinstance(index, int)):
+        if not checksum:
+            np.bitwise_xor(u, xor, out=u)
+            return 0
+        return int(_kernels.xor_dense(u, xor, index or 0))
+    pos = np.arange(u.size, dtype=np.int64) if positions is None else _np_int64(positions)
+    if not checksum:
+        _kernels.xor_plain_at(u, pos, xor)
+        return 0
+    if index is None:
+        return int(_kernels.xor_at(u, pos, xor))
+    hashed = pos + index if isinstance(index, int) else _np_int64(index)
+    return int(_kernels.xor_at_indexed(u, pos, xor, hashed, np.empty_like(xor)))
+
+
+def _xor_apply_torch(
+    bits: torch.Tensor, positions: Indices | None, xor: np.ndarray | torch.Tensor, index: Indices | int | None, checksum: bool
+) -> int:
+    """``xor_apply`` on flat integer bits with torch ops (accelerators; the same numbers as the CPU kernels)."""
+    dev = bits.device
+    if isinstance(xor, np.ndarray):
+        x = torch.from_numpy(np.ascontiguousarray(xor).view(f"i{xor.itemsize}")).to(dev)
+    else:
+        x = xor.detach().reshape(-1).view(bits.dtype).to(dev)
+    idx = torch.arange(bits.numel(), device=dev) if positions is None else torch.as_tensor(positions, device=dev).reshape(-1)
+    old = bits[idx]
+    bits[idx] = old ^ x
+    if not checksum:
+        return 0
+    new = bits[idx]  # read back what landed
+    if index is None:
+        g = idx
+    elif isinstance(index, int):
+        g = idx + index
+    else:
+        g = torch.as_tensor(index, device=dev).reshape(-1).to(torch.int64)
+    return int((_torch_hash(_unsigned64(new), g).sum() - _torch_hash(_unsigned64(old), g).sum()).item()) & MASK64
 
 
 def xor_into(t: torch.Tensor, positions: np.ndarray | None, xor: np.ndarray) -> int:
-    """``t.flat[positions] ^= xor`` (every element when positions is None); returns the checksum change.
+    """``xor_apply(t, positions, xor)``: the name before issue 9."""
+    return xor_apply(t, positions, xor)
 
-    Positions must already be validated as in range.
-    """
-    if not t.is_contiguous():
-        raise TensorMismatchError(f"cannot patch a non-contiguous tensor of shape {tuple(t.shape)} in place")
-    if t.device.type == "cpu":
-        u = np_bits(t)
-        return int(_kernels.xor_dense(u, xor, 0) if positions is None else _kernels.xor_at(u, positions, xor))
-    return _xor_into_torch(int_view(t), positions, xor)
-
-
-def _xor_into_torch(bits: torch.Tensor, positions: np.ndarray | None, xor: np.ndarray) -> int:
-    """``xor_into`` for flat integer bits on an accelerator (torch ops; same numbers as the CPU kernels)."""
-    x = torch.from_numpy(xor.view(f"i{xor.itemsize}")).to(bits.device)
-    idx = (
-        torch.arange(bits.numel(), device=bits.device)
-        if positions is None
-        else torch.from_numpy(positions).to(bits.device)
-    )
-    old = bits[idx]
-    new = old ^ x
-    bits[idx] = new
-    return int((_torch_hash(_unsigned64(new), idx).sum() - _torch_hash(_unsigned64(old), idx).sum()).item()) & MASK64

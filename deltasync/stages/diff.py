@@ -8,7 +8,6 @@ checksums, in time proportional to the change.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -16,25 +15,14 @@ import torch
 
 from deltasync.errors import TensorMismatchError
 from deltasync.format import _kernels
-from deltasync.format._bits import UNSIGNED_NP, int_view, np_bits, np_words
+from deltasync.format._bits import UNSIGNED_NP, dtype_name, int_view, np_bits, np_words
 from deltasync.format.checksum import MASK64, _torch_hash, _unsigned64, tensor_checksum
+from deltasync.format.patch import Patch
 
 SnapshotDevice = Literal["same", "cpu"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class TensorChange:
-    """The change of one tensor: sorted flat ``positions`` and ``old ^ new`` bits there."""
-
-    name: str
-    positions: np.ndarray  # int64, sorted, unique
-    xor: np.ndarray  # unsigned ints of the dtype's width
-    numel: int
-    checksum: int  # of the tensor after the change
-
-    @property
-    def changed(self) -> int:
-        return int(self.positions.size)
+TensorChange = Patch  # the name before issue 9: a diff's change is a Patch (always sparse)
 
 
 class Snapshot:
@@ -91,8 +79,9 @@ class Snapshot:
                     f"tensor {name!r}: expected shape {tuple(s.shape)} {s.dtype}, got {tuple(t.shape)} {t.dtype}"
                 )
 
-    def diff(self, tensors: Mapping[str, torch.Tensor]) -> list[TensorChange]:
-        """Changes from the snapshot to ``tensors`` (same names, shapes, dtypes); advances the snapshot."""
+    def diff(self, tensors: Mapping[str, torch.Tensor]) -> list[Patch]:
+        """Changes from the snapshot to ``tensors`` (same names, shapes, dtypes), one sparse ``Patch`` per
+        tensor (unchanged ones included, empty); advances the snapshot."""
         self.check_same_layout(tensors)
         changes = []
         for name, t in tensors.items():
@@ -100,7 +89,8 @@ class Snapshot:
             positions, xor, delta = _diff_tensor(self._cast(t.detach()), snap, self.max_chunk_bytes, self._scratch)
             self.checksums[name] = (self.checksums[name] + delta) & MASK64
             changes.append(
-                TensorChange(name=name, positions=positions, xor=xor, numel=snap.numel(), checksum=self.checksums[name])
+                Patch(name=name, dtype=dtype_name(snap.dtype), shape=tuple(snap.shape), positions=positions, xor=xor,
+                      checksum=self.checksums[name])
             )
         return changes
 
