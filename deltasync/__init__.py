@@ -14,6 +14,13 @@ History::
 
     replay_to_folder("s3://bucket/run1", step, "ckpt-step")   # a folder transformers and vLLM load
     verify("s3://bucket/run1"); collect_garbage("s3://bucket/run1", keep_last=100)
+
+Engine integrations (decode ahead, then only write and prove inside the engine's pause)::
+
+    with reader.open(step) as obj:
+        staged = stage(obj, layout, base_step=held)      # decoded and checked; nothing written
+    checksums = apply_staged(staged, tensors, checksums=before)   # XOR in place, verified, all or nothing
+    # or, per patch, onto a shard: xor_apply(bits, local_positions, xor, index=global_indices)
 """
 
 from deltasync.errors import (
@@ -42,16 +49,26 @@ from deltasync.errors import (
     WaitTimeoutError,
     WriterConflictError,
 )
-from deltasync.format.checksum import state_checksum, tensor_checksum
+from deltasync.format._bits import DTYPES, dtype_from_name, dtype_name, int_view
+from deltasync.format.checksum import (
+    add as add_checksums,
+    checksum_elements,
+    format_checksum,
+    parse_checksum,
+    state_checksum,
+    tensor_checksum,
+)
 from deltasync.format.objects import (
     FORMAT_VERSION,
     StepHeader,
     StepObject,
     TensorHeader,
 )
+from deltasync.format.patch import Patch
 from deltasync.history.compare import Comparison, compare
 from deltasync.history.gc import (
     GcPlan,
+    check_consumer_id,
     collect_garbage,
     plan_gc,
     read_heartbeats,
@@ -69,63 +86,87 @@ from deltasync.history.stats import StreamStats, layer_density, plot_stats, stre
 from deltasync.history.verify import VerifyReport, verify
 from deltasync.publish.publisher import DeltaPublisher, StepMetrics
 from deltasync.reader import StreamReader
-from deltasync.stages.apply import Replica
+from deltasync.stages.apply import Replica, Verify, apply_staged, xor_apply
+from deltasync.stages.staging import Layout, StagedStep, TensorSpec, layout_of, stage
 from deltasync.store import Manifest, Store
 
 __all__ = [
-    "FollowError",
-    "StreamNotFoundError",
-    "StoreUnreachableError",
-    "StoreConfigError",
-    "StoreAuthError",
-    "StepExistsError",
-    "MissingDependencyError",
-    "EngineUnreachableError",
-    "EngineError",
-    "EngineConfigError",
-    "ConfigError",
-    "FORMAT_VERSION",
-    "BaseStepMismatchError",
-    "ChecksumMismatchError",
-    "Comparison",
-    "CorruptObjectError",
+    # trainer
     "DeltaPublisher",
-    "DeltaSyncError",
-    "FormatError",
-    "GcPlan",
-    "Manifest",
-    "OutputExistsError",
-    "PublishError",
-    "Replica",
-    "ReplayResult",
-    "StepHeader",
     "StepMetrics",
-    "StepNotFoundError",
-    "StepObject",
-    "StepOrderError",
     "Store",
-    "StoreError",
+    "Manifest",
+    # consumer
     "StreamReader",
-    "StreamStats",
+    "Replica",
+    "Verify",
+    "StepObject",
+    "StepHeader",
     "TensorHeader",
-    "TensorMismatchError",
-    "VerifyReport",
-    "WaitTimeoutError",
-    "WriterConflictError",
-    "collect_garbage",
-    "compare",
-    "layer_density",
-    "plan_gc",
-    "plot_stats",
-    "push_checkpoint",
+    "FORMAT_VERSION",
+    "write_heartbeat",
     "read_heartbeats",
+    "check_consumer_id",
+    # engine integrations (rollout_loader): decode ahead, write in place, prove it
+    "Patch",
+    "stage",
+    "StagedStep",
+    "Layout",
+    "TensorSpec",
+    "layout_of",
+    "apply_staged",
+    "xor_apply",
+    "DTYPES",
+    "dtype_name",
+    "dtype_from_name",
+    "int_view",
+    "tensor_checksum",
+    "checksum_elements",
+    "add_checksums",
+    "format_checksum",
+    "parse_checksum",
+    "state_checksum",
+    # history
+    "replay_to_folder",
+    "ReplayResult",
     "reconstruct_state_dict",
     "reconstruct_tensor",
-    "replay_to_folder",
-    "run_gc",
-    "state_checksum",
-    "stream_stats",
-    "tensor_checksum",
+    "push_checkpoint",
+    "compare",
+    "Comparison",
     "verify",
-    "write_heartbeat",
+    "VerifyReport",
+    "collect_garbage",
+    "plan_gc",
+    "run_gc",
+    "GcPlan",
+    "stream_stats",
+    "StreamStats",
+    "layer_density",
+    "plot_stats",
+    # errors
+    "DeltaSyncError",
+    "FormatError",
+    "CorruptObjectError",
+    "TensorMismatchError",
+    "BaseStepMismatchError",
+    "ChecksumMismatchError",
+    "StepNotFoundError",
+    "StreamNotFoundError",
+    "StepOrderError",
+    "StepExistsError",
+    "StoreError",
+    "StoreAuthError",
+    "StoreUnreachableError",
+    "StoreConfigError",
+    "WriterConflictError",
+    "PublishError",
+    "WaitTimeoutError",
+    "FollowError",
+    "OutputExistsError",
+    "ConfigError",
+    "MissingDependencyError",
+    "EngineError",
+    "EngineUnreachableError",
+    "EngineConfigError",
 ]
