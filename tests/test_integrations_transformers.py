@@ -154,6 +154,40 @@ def test_fully_sharded_model_is_refused(tmp_path):
     assert not (tmp_path / "stream").exists()
 
 
+def test_trl_grpo_trainer_publishes_bit_exactly(tmp_path):
+    """TRL's GRPOTrainer (a Trainer subclass: generation, a reward, a policy step) with the callback, 2 steps."""
+    pytest.importorskip("trl", reason="TRL is not installed (pip install trl; tested with trl 1.16.0)")
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from deltasync_cli.demo import save_model_dir
+
+    model = tiny_qwen3(hidden_size=64, layers=1).float()
+    save_model_dir(model, tmp_path / "model", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")  # byte-level: token ids are byte values
+    tokenizer.pad_token, tokenizer.eos_token = tokenizer.convert_ids_to_tokens([0, 255])
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=8, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
+        use_cpu=True, disable_tqdm=True, seed=0,
+    )
+    url = str(tmp_path / "stream")
+    recorder = Recorder()
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions], args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["abc", "hello", "xyz", "def"] * 2}), processing_class=tokenizer,
+        callbacks=[DeltaSyncCallback(url, on_backlog="block"), recorder],
+    )
+    trainer.train()
+    with StreamReader(url) as reader:
+        assert reader.steps() == [0, 1, 2]
+        assert_bit_exact(reader.state_dict(2), model, torch.float32)
+        assert not all(torch.equal(a, b) for a, b in zip(reader.state_dict(0).values(), reader.state_dict(2).values()))
+    train_logs = [log for log in recorder.logs if "reward" in log]
+    assert len(train_logs) == 2 and all("deltasync/bytes" in log for log in train_logs)
+
+
 def test_importing_deltasync_does_not_import_transformers():
     code = "import sys, deltasync, deltasync.integrations; print('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
