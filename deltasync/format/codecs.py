@@ -161,6 +161,9 @@ def decode_change(
         raise FormatError(f"{where}: header says {changed} changed elements, positions list a different number")
     if pos.size and pos[-1] >= numel:
         raise FormatError(f"{where}: position {int(pos[-1])} is out of range for {numel} elements")
+    nonzero = int(np.count_nonzero(xor))
+    if nonzero != changed:  # a listed element whose bits do not change: the header's count is wrong
+        raise FormatError(f"{where}: header says {changed} changed elements, {changed - nonzero} of the listed values change nothing")
     return pos, xor
 
 
