@@ -13,9 +13,10 @@ import sys
 
 import typer
 
-import deltasync_cli.stream  # noqa: F401 - registers the commands; first, so that help lists them first
-from deltasync.errors import DeltaSyncError
-from deltasync_cli import follow, history  # noqa: F401 - registers the commands
+# Importing these registers the commands (stream first, so that help lists its commands first). None of them
+# imports torch or deltasync at import time: `deltasync --help` and `--version` answer at once.
+import deltasync_cli.stream  # noqa: F401
+from deltasync_cli import follow, history  # noqa: F401
 from deltasync_cli.app import app
 
 __all__ = ["app", "main"]
@@ -35,7 +36,7 @@ def main() -> None:
         code = app(standalone_mode=False)  # errors come back here instead of being printed by click/typer
     except typer.Exit as e:
         code = e.exit_code
-    except (DeltaSyncError, OSError) as e:
+    except OSError as e:
         if isinstance(e, BrokenPipeError):  # `deltasync ls URL | head`: not an error worth a word
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(1)
@@ -49,10 +50,19 @@ def main() -> None:
         _fail(f"{e.format_message()}{where}", e.exit_code)
     except typer.Abort:
         _fail("aborted", 1)
-    except Exception as e:  # noqa: BLE001 - the last resort: a bug, said in one line
+    except Exception as e:  # noqa: BLE001 - a DeltaSyncError (imported only now: it imports torch), or a bug
+        if _is_deltasync_error(e):
+            _fail(f"{type(e).__name__}: {e}", EXIT_USER_ERROR)
         hint = "" if _debug() else f"; rerun with {DEBUG_ENV}=1 for the traceback"
         _fail(f"internal error (a bug in deltasync, please report it): {type(e).__name__}: {e}{hint}", EXIT_BUG)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _is_deltasync_error(e: BaseException) -> bool:
+    """Whether ``e`` is one of deltasync's errors (input, configuration, environment), without importing deltasync
+    before an error needs it."""
+    errors = sys.modules.get("deltasync.errors")
+    return errors is not None and isinstance(e, errors.DeltaSyncError)
 
 
 def _debug() -> bool:

@@ -20,6 +20,27 @@ app = typer.Typer(
 out = Console()
 err = Console(stderr=True)
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("deltasync")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            number = "unknown (not installed)"
+        typer.echo(f"deltasync {number}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    # commands import torch and deltasync inside their bodies: `--help` and `--version` answer at once
+    pass
+
 StorageOpt = Annotated[
     list[str] | None,
     typer.Option("--storage-option", "-S", help="fsspec storage option KEY=VALUE (JSON values allowed); repeatable."),

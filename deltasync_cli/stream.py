@@ -10,7 +10,6 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from deltasync.errors import StepNotFoundError
 from deltasync_cli.app import StorageOpt, _load_safetensors, _storage_options, app, out
 
 
@@ -110,6 +109,7 @@ def show(
     storage_option: StorageOpt = None,
 ) -> None:
     """Show one step: its manifest and, per tensor, how many elements changed."""
+    from deltasync.errors import StepNotFoundError
     from deltasync.reader import StreamReader
 
     with StreamReader(url, storage_options=_storage_options(storage_option)) as reader:
