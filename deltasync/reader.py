@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import weakref
@@ -11,10 +12,14 @@ from typing import Any
 
 import torch
 
-from deltasync.errors import FormatError, StepNotFoundError, WaitTimeoutError
+from deltasync.errors import CorruptObjectError, FormatError, StepNotFoundError, WaitTimeoutError
 from deltasync.format.objects import StepObject
 from deltasync.stages.apply import Replica, Verify
-from deltasync.store import Manifest, Store
+from deltasync.store import MANIFEST, Manifest, Store, step_dir
+
+# deltas up to this size are fetched from a remote store into memory and opened from there (no cache file);
+# anchors and larger deltas go through the download cache and are read from the file
+MEMORY_OBJECT_BYTES = 64 << 20
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +44,11 @@ class _CachedObject(StepObject):
 class StreamReader:
     """Read a deltasync stream from any fsspec URL. Objects are verified (size, SHA-256) before use.
 
-    From a remote store, each object is downloaded into a cache (``cache_dir``, else a temporary folder)
-    and deleted again when the object opened from it is closed. ``close()`` (or a ``with`` block) removes
-    the cache; a reader that is dropped or still open at interpreter exit is cleaned up too. A reader made
-    from a ``Store`` leaves closing that store to its owner.
+    From a remote store, a delta of at most ``memory_object_bytes`` (default 64 MiB) is fetched into memory
+    and opened from there; anchors and larger deltas are downloaded into a cache (``cache_dir``, else a
+    temporary folder) and read from the file, which is deleted again when the object is closed. ``close()``
+    (or a ``with`` block) removes the cache; a reader that is dropped or still open at interpreter exit is
+    cleaned up too. A reader made from a ``Store`` leaves closing that store to its owner.
     """
 
     def __init__(
@@ -51,7 +57,10 @@ class StreamReader:
         *,
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | Path | None = None,
+        memory_object_bytes: int | None = None,
     ) -> None:
+        # read when a reader is made (not when this module is imported): tests lower it to cover the cache path
+        self.memory_object_bytes = MEMORY_OBJECT_BYTES if memory_object_bytes is None else memory_object_bytes
         self._owns_store = not isinstance(url, Store)
         self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options, cache_dir=cache_dir)
         self._manifests: dict[int, Manifest] = {}  # committed manifests never change: saves a GET each
@@ -108,6 +117,8 @@ class StreamReader:
         where = f"{self.url} step {step}"
         if self.store.is_local:
             obj = StepObject(self.store.fetch_object(m), where=where)
+        elif m.kind == "delta" and m.object_bytes <= self.memory_object_bytes:
+            obj = StepObject(self.fetch_bytes(m), where=where)
         else:
             path = self.store.fetch_object(m, hold=True)
             store = self.store
@@ -119,6 +130,24 @@ class StreamReader:
                 f"disagrees with its manifest (step {m.step}, {m.kind})"
             )
         return obj
+
+    def fetch_bytes(self, m: Manifest) -> bytes:
+        """A step's object fetched into memory, checked against its manifest's size and SHA-256."""
+        rel = f"{step_dir(m.step)}/{m.object}"
+        where = f"{self.url} step {m.step} object {m.object}"
+        try:
+            data = self.store.read_bytes(rel, max_bytes=m.object_bytes)  # a longer object is cut at one byte more
+        except FileNotFoundError:
+            if not self.store.exists(f"{step_dir(m.step)}/{MANIFEST}"):
+                raise StepNotFoundError(f"{self.url}: step {m.step} was collected (deleted by gc) while it was being read") from None
+            raise CorruptObjectError(f"{where}: missing, though the step is committed") from None
+        if len(data) != m.object_bytes:
+            raise CorruptObjectError(f"{where}: {len(data)}{'+' if len(data) > m.object_bytes else ''} bytes, manifest says "
+                                     f"{m.object_bytes} (truncated or replaced)")
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != m.object_sha256:
+            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {m.object_sha256[:16]}…")
+        return data
 
     def chain(self, step: int, *, start: int | None = None) -> list[int]:
         """Steps to open, in order, to reach ``step``: from the nearest anchor, or from ``start`` if the

@@ -7,8 +7,10 @@ from pathlib import Path
 import fsspec
 import pytest
 
+import deltasync.reader
+
 from deltasync import DeltaPublisher, StreamReader
-from deltasync.errors import FormatError, StepNotFoundError, WaitTimeoutError
+from deltasync.errors import CorruptObjectError, FormatError, StepNotFoundError, WaitTimeoutError
 from deltasync.store import Store, step_dir
 from rollout_loader import Follower, StateDictTarget
 from tests.conftest import states_equal
@@ -71,8 +73,10 @@ def test_broken_chain_names_the_missing_step(stream):
 
 
 @pytest.fixture
-def remote(small_state, gen):
-    """A stream on a remote store (fsspec memory): its objects are downloaded into a cache to be read."""
+def remote(small_state, gen, monkeypatch):
+    """A stream on a remote store (fsspec memory): its objects are downloaded into a cache to be read (deltas
+    too: here no object is small enough to be fetched into memory; ``test_small_deltas_open_from_memory``)."""
+    monkeypatch.setattr(deltasync.reader, "MEMORY_OBJECT_BYTES", 0)
     url = f"memory://reader-{uuid.uuid4().hex}"
     truth = {}
     with DeltaPublisher(url, small_state, anchor_every=3, on_backlog="block") as pub:
@@ -81,6 +85,36 @@ def remote(small_state, gen):
             pub.publish(s)
     yield url, truth
     fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+
+def test_small_deltas_open_from_memory(remote, monkeypatch):
+    """By default a remote delta is fetched into memory, checked (size, SHA-256) and opened from there: no
+    cache file; anchors still go through the cache file. Damage is refused as before."""
+    monkeypatch.undo()
+    url, truth = remote
+    with StreamReader(url) as reader:
+        with reader.open(4) as delta, reader.open(3) as anchor:
+            assert delta.path is None and anchor.path is not None
+            assert cached(reader.store) == [3]
+            assert {p.name for p in delta.patches()} == {n for n, t in delta.header.tensors.items() if t.changed}
+        assert states_equal(reader.state_dict(5), truth[5])
+        assert cached(reader.store) == []
+        fs, m = fsspec.filesystem("memory"), reader.manifest(5)
+        obj = f"{url.removeprefix('memory://')}/{step_dir(5)}/{m.object}"
+        data = bytearray(fs.cat_file(obj))
+        data[-1] ^= 1
+        fs.pipe_file(obj, bytes(data))
+        with pytest.raises(CorruptObjectError, match="SHA-256"):
+            reader.open(5)
+        fs.pipe_file(obj, bytes(data) + b"x")
+        with pytest.raises(CorruptObjectError, match=f"{m.object_bytes + 1}\\+ bytes, manifest says {m.object_bytes}"):
+            reader.open(5)
+        fs.rm(obj)
+        with pytest.raises(CorruptObjectError, match="missing, though the step is committed"):
+            reader.open(5)
+        fs.rm(f"{url.removeprefix('memory://')}/{step_dir(5)}", recursive=True)
+        with pytest.raises(StepNotFoundError, match="step 5 was collected"):
+            reader.open(5)  # the manifest was read before: the step went while it was being read
 
 
 def cached(store) -> list[int]:
