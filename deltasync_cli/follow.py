@@ -12,23 +12,58 @@ from deltasync_cli.app import StorageOpt, _storage_options, app, err, out
 @app.command()
 def follow(
     url: Annotated[str, typer.Argument(help="Stream URL.")],
-    server: Annotated[str, typer.Option(help="Base URL of a vLLM OpenAI server started with "
-                                        "--worker-extension-cls rollout_loader.worker.DeltaWorkerExtension "
-                                        "and VLLM_SERVER_DEV_MODE=1.")],
+    server: Annotated[str, typer.Option(help="Base URL of a vLLM OpenAI server started with VLLM_SERVER_DEV_MODE=1 and "
+                                        "--weight-transfer-config '{\"backend\": \"deltasync\"}' (it fetches each step "
+                                        "from the store itself).")],
     until: Annotated[int | None, typer.Option(help="Exit once the engine holds this step (default: follow forever).")] = None,
-    engine_step: Annotated[int | None, typer.Option(help="The step the engine already holds, if it was started from one.")] = None,
+    engine_step: Annotated[int | None, typer.Option(help="The step the engine's weights are at if it was never updated "
+                                                    "(started from that step's checkpoint).")] = None,
     verify: Annotated[Literal["incremental", "changed", "all"], typer.Option(
         help="Checksums after each delta: 'incremental' (from the patched elements), the 'changed' tensors, or 'all'.")] = "changed",
     mode: Annotated[Literal["auto", "live", "reload"], typer.Option(help="Worker mode: auto, live or reload.")] = "auto",
+    via: Annotated[Literal["weight-transfer", "collective-rpc"], typer.Option(
+        help="'weight-transfer': vLLM's weight-transfer routes (only step numbers are sent); 'collective-rpc' "
+             "(deprecated): the worker extension, objects passed by path (needs a shared filesystem).")] = "weight-transfer",
     poll_s: Annotated[float, typer.Option(min=0.0, help="Seconds between polls of the store.")] = 0.1,
     timeout_s: Annotated[float, typer.Option(min=0.0, help="With --until: give up after this long.")] = 600.0,
     storage_option: StorageOpt = None,
 ) -> None:
     """Keep a running vLLM server at the newest step of a stream (prints one line per step).
 
-    Before anything is paused: the options are checked, the server is asked whether it is set up for deltasync
-    (the flags above), and the URL must hold a stream. Needs no vLLM package here (only on the server).
+    Before anything is paused: the options are checked, the server is asked which step it holds (GET
+    /weight_info) and whether it is set up for deltasync, and the URL must hold a stream. Needs no vLLM
+    package here, and no access to the server's filesystem.
     """
+    if via == "collective-rpc":
+        _follow_collective_rpc(url, server, until, engine_step, verify, mode, poll_s, timeout_s, storage_option)
+        return
+
+    from rich.markup import escape
+
+    from rollout_loader.vllm.remote import ServerFollower
+
+    def report(step: int) -> None:
+        pause_ms = follower.client.pauses_s[-1] * 1e3
+        out.print(f"step {step} live in {server} (generation paused {pause_ms:.1f} ms, checksums match)")
+
+    def warn(error: BaseException) -> None:
+        err.print(f"[yellow]retrying:[/yellow] {escape(f'{type(error).__name__}: {error}')}")
+
+    follower = ServerFollower(url, server, storage_options=_storage_options(storage_option), verify=verify, mode=mode,
+                              engine_step=engine_step, poll_s=max(poll_s, 0.05), on_step=report, on_error=warn)
+    try:
+        follower.connect()  # a missing flag, an unreachable server or a wrong URL: one line, exit 2
+        follower.follow(until=until, timeout_s=timeout_s if until is not None else None)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        follower.close()
+
+
+def _follow_collective_rpc(url: str, server: str, until: int | None, engine_step: int | None, verify: str, mode: str,
+                           poll_s: float, timeout_s: float, storage_option: list[str] | None) -> None:
+    """The deprecated path: a server with ``--worker-extension-cls rollout_loader.worker.DeltaWorkerExtension``
+    that reads each object from this machine's download folder."""
     import time
 
     from rich.markup import escape
@@ -36,7 +71,7 @@ def follow(
     from rollout_loader import Follower
     from rollout_loader.vllm import VllmTarget
 
-    target = VllmTarget(server, step=engine_step, mode=mode, verify=verify)
+    target = VllmTarget(server, step=engine_step, mode=mode, verify=verify)  # type: ignore[arg-type]
 
     def report(step: int) -> None:
         out.print(f"step {step} live in {server} (generation paused {target.pauses_s[-1] * 1e3:.1f} ms, checksums match)")

@@ -18,9 +18,12 @@ from types import MappingProxyType
 
 import torch
 
+from deltasync import TensorMismatchError
 
-class RoutingError(ValueError):
-    """A checkpoint tensor cannot be placed in the engine, or an engine parameter is not fed by any."""
+
+class RoutingError(TensorMismatchError):
+    """A checkpoint tensor cannot be placed in the engine, or an engine parameter is not fed by any: the
+    stream's tensors do not fit this engine's model (a ``TensorMismatchError``, so also a ``ValueError``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

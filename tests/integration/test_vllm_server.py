@@ -46,7 +46,8 @@ def server(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", "m",
          "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port),
-         "--worker-extension-cls", "rollout_loader.worker.DeltaWorkerExtension"],
+         "--worker-extension-cls", "rollout_loader.worker.DeltaWorkerExtension",
+         "--weight-transfer-config", '{"backend": "deltasync"}'],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
@@ -82,7 +83,7 @@ def test_follow_keeps_a_running_server_in_sync(server, tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert cli.returncode == 0, cli.stdout + cli.stderr
-    # from the nearest anchor (step 4, anchor_every=4), loaded through the server's reload path, then step 5
+    # from the nearest anchor (step 4, anchor_every=4), written by the server's engine, then step 5
     assert [line.split()[1] for line in cli.stdout.splitlines() if line.startswith("step ")] == ["4", "5"]
 
     with StreamReader(url).open(5) as obj:

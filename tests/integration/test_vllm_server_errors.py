@@ -33,6 +33,7 @@ pytestmark = pytest.mark.vllm
 
 DEV_MODE_NEEDLE = "VLLM_SERVER_DEV_MODE=1"
 EXTENSION_NEEDLE = "--worker-extension-cls rollout_loader.worker.DeltaWorkerExtension"
+WEIGHT_TRANSFER_NEEDLE = "--weight-transfer-config '{\"backend\": \"deltasync\"}'"
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +56,9 @@ def model_and_stream(tmp_path_factory) -> tuple[Path, str, dict[str, int]]:
 
 
 @contextmanager
-def vllm_server(model_dir: Path, log_dir: Path, *, dev_mode: bool, extension: bool) -> Iterator[str]:
-    """A vLLM OpenAI server process started as a user would, with or without the two things deltasync needs."""
+def vllm_server(model_dir: Path, log_dir: Path, *, dev_mode: bool, extension: bool, weight_transfer: bool = False) -> Iterator[str]:
+    """A vLLM OpenAI server process started as a user would, with or without what deltasync needs: dev mode,
+    and the worker extension (``VllmTarget``) or the weight-transfer engine (``deltasync follow --server``)."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"}
     env.update(DELTASYNC_CPU_LIVE_WEIGHTS="1", VLLM_CPU_KVCACHE_SPACE="1")
@@ -66,7 +68,9 @@ def vllm_server(model_dir: Path, log_dir: Path, *, dev_mode: bool, extension: bo
            "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port)]
     if extension:
         cmd += ["--worker-extension-cls", "rollout_loader.worker.DeltaWorkerExtension"]
-    log_path = log_dir / f"server-dev{int(dev_mode)}-ext{int(extension)}.log"
+    if weight_transfer:
+        cmd += ["--weight-transfer-config", '{"backend": "deltasync"}']
+    log_path = log_dir / f"server-dev{int(dev_mode)}-ext{int(extension)}-wt{int(weight_transfer)}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -99,17 +103,20 @@ def serves(base: str) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("dev_mode", "extension", "needle"),
-    [(False, True, DEV_MODE_NEEDLE), (True, False, EXTENSION_NEEDLE)],
-    ids=["without-dev-mode", "without-worker-extension"],
+    ("dev_mode", "extension", "needle", "cli_needle"),
+    [(False, True, DEV_MODE_NEEDLE, DEV_MODE_NEEDLE), (True, False, EXTENSION_NEEDLE, WEIGHT_TRANSFER_NEEDLE)],
+    ids=["without-dev-mode", "without-worker-extension-or-weight-transfer"],
 )
-def test_server_not_set_up_for_deltasync(model_and_stream, tmp_path, dev_mode, extension, needle):
+def test_server_not_set_up_for_deltasync(model_and_stream, tmp_path, dev_mode, extension, needle, cli_needle):
     model_dir, url, _ = model_and_stream
     with vllm_server(model_dir, tmp_path, dev_mode=dev_mode, extension=extension) as base:
         with pytest.raises(EngineConfigError, match=needle) as e:
             VllmTarget(base)
         assert not isinstance(e.value, StoreError)
         r = run_cli("follow", url, "--server", base, "--until", "1")
+        assert_one_line_error(r.returncode, r.stderr, "EngineConfigError", cli_needle)
+        assert r.stdout == ""
+        r = run_cli("follow", url, "--server", base, "--until", "1", "--via", "collective-rpc")  # the deprecated path
         assert_one_line_error(r.returncode, r.stderr, "EngineConfigError", needle)
         assert r.stdout == ""
         assert serves(base)  # still serving, and not left paused
@@ -117,7 +124,7 @@ def test_server_not_set_up_for_deltasync(model_and_stream, tmp_path, dev_mode, e
 
 def test_follow_without_vllm_installed(model_and_stream, tmp_path):
     model_dir, url, want = model_and_stream
-    with vllm_server(model_dir, tmp_path, dev_mode=True, extension=True) as base:
+    with vllm_server(model_dir, tmp_path, dev_mode=True, extension=True, weight_transfer=True) as base:
         r = run_cli("follow", str(tmp_path / "no-stream-here"), "--server", base, block_vllm=True)
         assert_one_line_error(r.returncode, r.stderr, "StreamNotFoundError", "no deltasync stream at")
         r = run_cli("follow", url, "--server", base, "--verify", "everything", block_vllm=True)

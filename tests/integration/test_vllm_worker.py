@@ -1,5 +1,6 @@
-"""The vLLM worker extension against a real (CPU) engine: sparse XOR patches land bit-exactly, generation
-matches a fresh engine loaded with the new weights, rollback is exact, and bad input changes nothing."""
+"""The vLLM worker extension against a real (CPU) engine: delta objects (docs/FORMAT.md, the only wire format)
+land bit-exactly, generation matches a fresh engine loaded with the new weights, rollback is exact, and bad
+input changes nothing."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from deltasync.format.checksum import tensor_checksum as checksum_tensor
+from deltasync import DeltaPublisher, FormatError, StreamReader
+from deltasync import tensor_checksum as checksum_tensor
 from rollout_loader.routing import RoutingError
-from rollout_loader.worker import PatchError, apply_patch, encode_patch, engine_checksums, rpc
+from rollout_loader.worker import PatchError, apply_patch, engine_checksums, rpc
 
 from .conftest import engine, generate
 
@@ -26,6 +28,26 @@ pytestmark = pytest.mark.vllm
 
 def expected(state: dict[str, torch.Tensor]) -> dict[str, int]:
     return {k: checksum_tensor(v) for k, v in state.items()}
+
+
+def delta_object(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], folder: Path, *, step: int = 1) -> bytes:
+    """The bytes of the delta object a trainer publishes when its weights go from ``base`` to ``new``."""
+    state = {k: v.clone() for k, v in base.items()}
+    with DeltaPublisher(str(folder), state, on_backlog="block") as pub:
+        pub.publish(step - 1)
+        for k, v in new.items():
+            state[k].copy_(v)
+        pub.publish(step)
+    with StreamReader(str(folder)) as reader, reader.open(step) as obj:
+        assert obj.header.kind == "delta"
+        return Path(obj.path).read_bytes()
+
+
+def anchor_object(state: dict[str, torch.Tensor], folder: Path) -> bytes:
+    with DeltaPublisher(str(folder), {k: v.clone() for k, v in state.items()}, on_backlog="block") as pub:
+        pub.publish(0)
+    with StreamReader(str(folder)) as reader, reader.open(0) as obj:
+        return Path(obj.path).read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -46,7 +68,7 @@ def test_patch_matches_fresh_engine_and_rolls_back(
     sc = scenario(tie, dtype)
     live = mode == "live"
     base_sums, new_sums = expected(sc.base), expected(sc.new)
-    payload = encode_patch(sc.patch)
+    payload = delta_object(sc.base, sc.new, tmp_path / "stream")
     reference = reference_tokens(tie, dtype, live)  # first: in-process engines share global state, one at a time
     with engine(sc.base_dir, dtype, live=live) as llm:
         (summary,) = rpc(llm, "deltasync_init", sc.shapes_json, mode)
@@ -58,7 +80,7 @@ def test_patch_matches_fresh_engine_and_rolls_back(
         before = generate(llm)  # also leaves KV of the long prompt, computed with the old weights, cached
 
         (result,) = apply_patch(llm, payload)
-        assert result["tensors"] == len(sc.patch)
+        assert result["tensors"] == len(sc.patch)  # the changed tensors
         assert engine_checksums(llm) == new_sums
         after = generate(llm)
         assert after != before, "the patch did not change generation at all"
@@ -76,22 +98,25 @@ def test_patch_matches_fresh_engine_and_rolls_back(
         apply_patch(llm, str(path))
         assert engine_checksums(llm) == new_sums
 
-        # bad patches are rejected whole, weights untouched
+        # objects that do not fit the engine are rejected whole, weights untouched
         q = "model.layers.0.self_attn.q_proj.weight"
-        pos, xor = sc.patch[q]
-        good = {q: sc.patch[q]}
+        extra = "model.layers.7.mlp.up_proj.weight"
+        wide = {k: v.to(torch.float32 if v.dtype == torch.bfloat16 else torch.bfloat16) for k, v in sc.new.items()}
         bad_cases = {
-            "not a checkpoint tensor": {**good, "model.layers.7.mlp.up_proj.weight": (pos, xor)},
-            "the tensor has": {**good, "model.norm.weight": (torch.tensor([0, 128]), torch.ones(2, dtype=xor.dtype))},
-            "not strictly ascending": {q: (pos.flip(0), xor.flip(0))},
-            "-byte elements": {q: (pos, xor.to(torch.int64))},
-            "dense xor needs": {"model.norm.weight": (None, torch.zeros(3, dtype=xor.dtype))},
+            "not a checkpoint tensor": ({**sc.new, extra: sc.new[q]}, {**sc.new, extra: -sc.new[q]}),
+            "the step has": ({**sc.new, "model.norm.weight": sc.new["model.norm.weight"][:64]},
+                             {**sc.new, "model.norm.weight": -sc.new["model.norm.weight"][:64]}),
+            "-bit": (wide, {**wide, q: -wide[q]}),
         }
-        for match, bad in bad_cases.items():
+        for i, (match, (old, new)) in enumerate(bad_cases.items()):
             with pytest.raises(PatchError, match=match):
-                apply_patch(llm, encode_patch(bad))
-        with pytest.raises(PatchError, match="not a safetensors"):
+                apply_patch(llm, delta_object(old, new, tmp_path / f"bad{i}"))
+        with pytest.raises(PatchError, match="an anchor is loaded with deltasync_load"):
+            apply_patch(llm, anchor_object(sc.new, tmp_path / "anchor"))
+        with pytest.raises(FormatError, match="too short for a safetensors file|safetensors header"):
             apply_patch(llm, b"garbage")
+        with pytest.raises(FormatError, match="no object at"):
+            apply_patch(llm, str(tmp_path / "missing.safetensors"))
         assert engine_checksums(llm) == new_sums
         assert rpc(llm, "deltasync_rollback") == [False]  # a failed apply leaves nothing to roll back
         assert generate(llm) == reference
@@ -168,7 +193,7 @@ def run_engine_process(tmp_path: Path, model: Path, dtype: str, *, tp: int = 1, 
     script, patch_path, out = tmp_path / "engine.py", tmp_path / "patch.safetensors", tmp_path / "out.json"
     script.write_text(_MULTIPROCESS_SCRIPT)
     if patch is not None:
-        patch_path.write_bytes(encode_patch(patch))
+        patch_path.write_bytes(patch)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     # inherited by the engine process: live mode is decided there, when the model loads
     env.update(VLLM_CPU_KVCACHE_SPACE="1", DELTASYNC_CPU_LIVE_WEIGHTS="1" if mode == "live" else "0")
@@ -189,14 +214,14 @@ def check_engine_process(res: dict, sc, reference: list[list[int]], mode: str, t
     assert res["checksums"] == new_sums
     assert res["tokens"] == reference
     assert res["rollback"] == [True] * tp
-    assert res["error"][0] == "PatchError" and f"failed on {tp} of {tp} rank(s)" in res["error"][1]
+    assert res["error"][0] == "FormatError" and f"failed on {tp} of {tp} rank(s)" in res["error"][1]
     assert res["checksums_after_error"] == res["checksums_again"] == new_sums
 
 
 def test_default_multiprocess_mode(scenario, reference_tokens, tmp_path: Path) -> None:
     """Engine in its own process (vLLM's default): only bytes and paths cross collective_rpc."""
     sc = scenario(False, "bfloat16")
-    res = run_engine_process(tmp_path, sc.base_dir, "bfloat16", patch=sc.patch)
+    res = run_engine_process(tmp_path, sc.base_dir, "bfloat16", patch=delta_object(sc.base, sc.new, tmp_path / "stream"))
     check_engine_process(res, sc, reference_tokens(False, "bfloat16", True), "live", 1)
 
 
@@ -207,5 +232,6 @@ def test_tensor_parallel_2(scenario, tmp_path: Path, dtype: str, mode: str) -> N
     """Two ranks on two cores: each patches its own slices; the reference is a fresh TP=2 engine."""
     sc = scenario(False, dtype)
     fresh = run_engine_process(tmp_path / "fresh", sc.new_dir, dtype, tp=2, mode=mode)
-    res = run_engine_process(tmp_path / "patched", sc.base_dir, dtype, tp=2, mode=mode, patch=sc.patch)
+    res = run_engine_process(tmp_path / "patched", sc.base_dir, dtype, tp=2, mode=mode,
+                             patch=delta_object(sc.base, sc.new, tmp_path / "stream"))
     check_engine_process(res, sc, fresh["tokens"], mode, 2)

@@ -1,0 +1,291 @@
+"""A vLLM weight-transfer engine that follows a deltasync stream: the engine reads the store itself.
+
+Registered with vLLM's ``WeightTransferEngineFactory`` as ``"deltasync"`` in every vLLM process by the
+``vllm.general_plugins`` entry point (:mod:`rollout_loader.vllm.plugin`), so updates are driven with vLLM's
+own routes and ``LLM`` methods::
+
+    vllm serve MODEL --weight-transfer-config '{"backend": "deltasync"}'      # VLLM_SERVER_DEV_MODE=1
+    POST /init_weight_transfer_engine {"init_info": {"url": "s3://bucket/run1", "storage_options": {...}}}
+    POST /start_weight_update; POST /update_weights {"update_info": {"step": 12}}
+    POST /finish_weight_update {"weight_version": "12"}; POST /reset_prefix_cache
+    GET /weight_info  ->  {"weight_version": "12"}
+
+``init_info``: ``url`` and ``storage_options`` of the stream; ``verify`` ("incremental": each changed
+tensor's checksum follows from the patched elements, O(change); "changed": recomputed for the changed
+tensors; "all": for every tensor); ``step``: the step the engine's weights are at when it holds none yet
+(started from that step's replayed checkpoint), else its first update starts at an anchor; ``mode``
+("auto", "live", "reload": see :mod:`rollout_loader.vllm.state`); ``prefetch``. Initialising again with the
+same stream keeps the step the engine holds.
+
+``update_info``: ``{"step": N}`` (an int, or ``"latest"``). The engine applies the chain from the step it holds
+to N, each step verified against the trainer's checksums on every rank (parts summed across tensor-parallel
+ranks), and rolled back on any failure or mismatch, on every rank, before raising: the engine never holds
+unverified weights. Steps are fetched, verified and decoded in the background beforehand (the update finds
+them staged); anchors are written as a dense XOR against the held bits, so they roll back the same way.
+The weight version is the caller's (``finish_weight_update(weight_version=str(N))``); prompts cached with
+older weights must be dropped by the caller (``reset_prefix_cache``), as vLLM keeps that cache outside the
+workers. Importing this module imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, get_args
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from deltasync import (
+    BaseStepMismatchError,
+    ChecksumMismatchError,
+    ConfigError,
+    DeltaSyncError,
+    EngineError,
+    StepNotFoundError,
+    StreamReader,
+)
+
+from .apply import add
+from .layout import checkpoint_layout
+from .prefetch import Prefetcher, Prepared, prepare
+from .state import Mode, WorkerState, anchor_patches, build_state, checksums, rollback, stage, write
+from .target import Verify
+
+log = logging.getLogger(__name__)
+
+BACKEND = "deltasync"
+
+
+def _refuse(message: str) -> ConfigError:
+    """A bad ``init_info``/``update_info`` value, its class named first (see :func:`_named`)."""
+    return ConfigError(f"ConfigError: {message}")
+
+
+@dataclass
+class DeltasyncInitInfo(WeightTransferInitInfo):
+    """``init_info`` of the deltasync engine (checked here: a bad value is a ``ConfigError``)."""
+
+    url: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    verify: str = "incremental"
+    step: int | None = None
+    mode: str = "auto"
+    prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url:
+            raise _refuse(f"deltasync init_info: url must be a stream URL (a string), got {self.url!r}")
+        if not isinstance(self.storage_options, dict):
+            raise _refuse(f"deltasync init_info: storage_options must be an object, got {self.storage_options!r}")
+        if self.verify not in get_args(Verify):
+            raise _refuse(f"deltasync init_info: verify must be one of {get_args(Verify)}, not {self.verify!r}")
+        if self.mode not in get_args(Mode):
+            raise _refuse(f"deltasync init_info: mode must be one of {get_args(Mode)}, not {self.mode!r}")
+        if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0):
+            raise _refuse(f"deltasync init_info: step must be a step number or null, got {self.step!r}")
+
+
+@dataclass
+class DeltasyncUpdateInfo(WeightTransferUpdateInfo):
+    """``update_info``: the step to hold after the update (a step number, or ``"latest"``)."""
+
+    step: int | str = "latest"
+
+    def __post_init__(self) -> None:
+        ok = self.step == "latest" or (isinstance(self.step, int) and not isinstance(self.step, bool) and self.step >= 0)
+        if not ok:
+            raise _refuse(f"deltasync update_info: step must be a step number or 'latest', got {self.step!r}")
+
+
+def _named(e: DeltaSyncError) -> DeltaSyncError:
+    """The same error with its class name leading its message: vLLM relays only ``str(e)`` to an HTTP client,
+    which tells from the name whether retrying can help (:class:`~rollout_loader.vllm.HttpWeightTransfer`)."""
+    name = type(e).__name__
+    if str(e).startswith(f"{name}: "):
+        return e
+    try:
+        return type(e)(f"{name}: {e}")
+    except TypeError:  # an error class with other constructor arguments
+        return EngineError(f"{name}: {e}")
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """``obj`` from every tensor-parallel rank of this engine, in rank order (one rank: no communication)."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * group.world_size
+    torch.distributed.all_gather_object(out, obj, group=group.cpu_group)
+    return out
+
+
+class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInfo]):
+    """Keeps this worker's model at a step of a deltasync stream (see the module docstring)."""
+
+    init_info_cls = DeltasyncInitInfo
+    update_info_cls = DeltasyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._info: DeltasyncInitInfo | None = None
+        self._reader: StreamReader | None = None
+        self._state: WorkerState | None = None
+        self._held: int | None = None
+        self._prefetcher: Prefetcher | None = None
+        self.pauses_s: list[float] = []  # write + verify time of each applied step
+
+    @property
+    def held_step(self) -> int | None:
+        """The verified step this worker's weights are at (None: the weights it started with, step unknown)."""
+        return self._held
+
+    # --- vLLM's interface ---
+
+    def init_transfer_engine(self, init_info: DeltasyncInitInfo) -> None:
+        old = self._info
+        same = old is not None and (old.url, old.storage_options, old.mode) == (
+            init_info.url, init_info.storage_options, init_info.mode)
+        if same and self._state is not None:
+            if init_info.step is not None and self._held is not None and init_info.step != self._held:
+                log.warning("deltasync: init_info says step %d, this engine holds step %d (kept)", init_info.step, self._held)
+            self._stop_prefetch()
+        else:
+            self.shutdown()
+            layout = checkpoint_layout(self.model_config.model)
+            self._state, summary = build_state(
+                self.model, layout=layout, checkpoint=self.model_config.model, mode=init_info.mode,  # type: ignore[arg-type]
+                reload=self._reload,
+            )
+            self._reader = StreamReader(init_info.url, storage_options=init_info.storage_options)
+            self._held = init_info.step
+            log.info("deltasync engine following %s from step %s: %s", init_info.url, self._held, summary)
+        self._info = init_info
+        if init_info.verify == "incremental" and self._held is not None:
+            checksums(self._state)  # the base of incremental verification: computed now, not inside a pause
+        if init_info.prefetch:
+            self._prefetcher = Prefetcher(StreamReader(init_info.url, storage_options=init_info.storage_options),
+                                          self._state, lambda: self._held)
+
+    def start_weight_update(self) -> None:
+        try:
+            self._require()
+        except DeltaSyncError as e:
+            raise _named(e) from e
+
+    def receive_weights(self, update_info: DeltasyncUpdateInfo) -> None:
+        try:
+            self._receive(update_info)
+        except DeltaSyncError as e:
+            raise _named(e) from e
+
+    def _receive(self, update_info: DeltasyncUpdateInfo) -> None:
+        reader, _ = self._require()
+        want = update_info.step
+        if want == "latest":
+            latest = reader.latest_step()
+            want = _all_gather(latest)[0]  # every rank goes where rank 0 saw the stream
+            if want is None:
+                raise StepNotFoundError(f"{reader.url}: the stream has no committed step yet")
+        assert isinstance(want, int)
+        if want == self._held:
+            return
+        for step in reader.chain(want, start=self._held):
+            self._advance(step)
+
+    def finish_weight_update(self) -> None:
+        pass  # the weights were written in place, verified, by receive_weights
+
+    def shutdown(self) -> None:
+        self._stop_prefetch()
+        if self._reader is not None:
+            self._reader.close()
+        self._reader = self._state = self._info = None
+
+    # --- one step ---
+
+    def _advance(self, step: int) -> None:
+        reader, state = self._require()
+        ready = self._prefetcher.take(step) if self._prefetcher is not None else None
+        prepared = ready or prepare(reader, state, step)
+        h = prepared.header
+        if h.kind == "delta" and h.base_step != self._held:
+            raise BaseStepMismatchError(
+                f"{prepared.where}: delta to step {step} is based on step {h.base_step}, the engine holds step {self._held}"
+            )
+        staged = prepared.staged if prepared.anchor is None else stage(state, anchor_patches(state, prepared.anchor))
+        assert staged is not None
+        t0 = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            sums = write(state, staged)
+        except Exception as e:  # every rank must learn of it before any raises
+            error, sums = e, {}
+        outcome = _all_gather(None if error is None else f"{type(error).__name__}: {error}")
+        failed = [(rank, text) for rank, text in enumerate(outcome) if text is not None]
+        if failed:
+            if error is None:
+                rollback(state)
+            rank, text = failed[0]
+            msg = f"{prepared.where}: writing step {step} failed on {len(failed)} of {len(outcome)} rank(s), rank {rank}: " \
+                  f"{text}; every rank holds step {self._held} again"
+            if error is not None:
+                raise error
+            raise EngineError(msg)
+        self._verify(state, prepared, sums)
+        self.pauses_s.append(time.perf_counter() - t0)
+        self._held = step
+        log.info("deltasync: engine at step %d (%s, written and verified in %.1f ms)", step, h.kind, 1e3 * self.pauses_s[-1])
+
+    def _verify(self, state: WorkerState, prepared: Prepared, sums: dict[str, int]) -> None:
+        """Compare every rank's parts, summed, with the trainer's checksums; roll back every rank on a mismatch."""
+        h = prepared.header
+        assert self._info is not None
+        if prepared.anchor is not None or self._info.verify == "all":
+            parts = checksums(state, list(h.tensors))
+        elif self._info.verify == "changed":
+            parts = checksums(state, [n for n, t in h.tensors.items() if t.changed])
+        else:
+            parts = sums
+        gathered = _all_gather(parts)
+        bad = [n for n in parts if add(*(g[n] for g in gathered)) != int(h.tensors[n].checksum, 16)]
+        if bad:
+            rollback(state)
+            n = bad[0]
+            got = add(*(g[n] for g in gathered))
+            raise ChecksumMismatchError(
+                f"{prepared.where}: the engine's weights do not match the trainer's after step {prepared.step} "
+                f"({len(bad)} tensor(s), first {n!r}: expected {h.tensors[n].checksum}, engine has 0x{got:016x}); "
+                f"rolled back to step {self._held}"
+            )
+
+    # --- internals ---
+
+    def _require(self) -> tuple[StreamReader, WorkerState]:
+        if self._reader is None or self._state is None:
+            raise EngineError(
+                "the deltasync weight-transfer engine is not initialised: call init_weight_transfer_engine with "
+                "init_info {'url': ...} first"
+            )
+        return self._reader, self._state
+
+    def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Re-load checkpoint tensors into their layers through vLLM (reload mode, stock CPU kernels)."""
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        reload_weights(self.vllm_config, self.model, weights_iterator=iter(weights), weights_path=None,
+                       is_checkpoint_format=True)
+
+    def _stop_prefetch(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.stop()
+            self._prefetcher.reader.close()
+            self._prefetcher = None

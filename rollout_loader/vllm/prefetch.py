@@ -1,0 +1,114 @@
+"""Fetch, verify and decode the next committed steps in the background, so an update finds them staged.
+
+A :class:`Prepared` step is everything that can be done before the pause: the object downloaded and its
+SHA-256 checked (``StreamReader.open``), its header checked against the engine, a delta decoded and mapped
+onto this rank's elements (``state.stage``), an anchor's tensors read into memory. What is left for the
+pause is the in-place write and the checksum comparison.
+
+The :class:`Prefetcher` thread polls the store and prepares the chain from the step the engine holds to the
+newest committed step, a few steps ahead at most. Anything it fails at is dropped (logged once): the update
+prepares that step again in its own thread and raises the error there, where it is reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from deltasync import StepHeader, StreamReader
+
+from .state import Staged, WorkerState, check_header, stage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One step made ready for the write: a delta's staged patches, or an anchor's tensors."""
+
+    step: int
+    header: StepHeader
+    where: str
+    staged: list[Staged] | None = None
+    anchor: dict[str, torch.Tensor] | None = None
+
+
+def prepare(reader: StreamReader, state: WorkerState, step: int) -> Prepared:
+    """Fetch, verify, decode and stage ``step`` against ``state`` (writes nothing)."""
+    with reader.open(step) as obj:
+        h = obj.header
+        check_header(state, h, obj.where)
+        if h.kind == "anchor":
+            tensors = {name: obj.read_tensor(name) for name in state.targets}
+            return Prepared(step=step, header=h, where=obj.where, anchor=tensors)
+        return Prepared(step=step, header=h, where=obj.where, staged=stage(state, obj.patches()))
+
+
+class Prefetcher:
+    """A background thread keeping up to ``ahead`` prepared steps past ``held()``.
+
+    ``held`` returns the step the engine holds (None: nothing yet, so the chain starts at an anchor).
+    ``take(step)`` hands over a prepared step (or None). ``stop()`` ends the thread and drops what it holds.
+    """
+
+    def __init__(self, reader: StreamReader, state: WorkerState, held: Callable[[], int | None], *, poll_s: float = 0.2,
+                 ahead: int = 2) -> None:
+        self.reader = reader
+        self.state = state
+        self.held = held
+        self.poll_s = poll_s
+        self.ahead = ahead
+        self._ready: dict[int, Prepared] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._logged: str | None = None
+        self._thread = threading.Thread(target=self._run, name="deltasync-prefetch", daemon=True)
+        self._thread.start()
+
+    def take(self, step: int) -> Prepared | None:
+        with self._lock:
+            return self._ready.pop(step, None)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        with self._lock:
+            self._ready.clear()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._prefetch_once()
+                self._logged = None
+            except Exception as e:  # noqa: BLE001 - the update prepares the step itself and reports the error
+                if str(e) != self._logged:
+                    self._logged = str(e)
+                    log.info("deltasync prefetch: %s: %s (the update will fetch the step itself)", type(e).__name__, e)
+            self._stop.wait(self.poll_s)
+
+    def _prefetch_once(self) -> None:
+        latest = self.reader.latest_step()
+        held = self.held()
+        if latest is None or latest == held:
+            return
+        chain = self.reader.chain(latest, start=held)
+        wanted = chain[: self.ahead]
+        with self._lock:
+            for s in list(self._ready):
+                if s not in wanted:  # the engine moved past it, or the chain changed
+                    del self._ready[s]
+        for s in wanted:
+            if self._stop.is_set():
+                return
+            with self._lock:
+                if s in self._ready:
+                    continue
+            prepared = prepare(self.reader, self.state, s)
+            with self._lock:
+                if self.held() != held:  # the engine moved meanwhile: stage against what it holds now
+                    return
+                self._ready[s] = prepared

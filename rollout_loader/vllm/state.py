@@ -1,0 +1,373 @@
+"""One rank's deltasync state inside a vLLM worker: where each checkpoint tensor lives, and the apply.
+
+Built once from the loaded model (:func:`build_state`); afterwards every step is: :func:`stage` (validate a
+decoded patch against the engine and map it to this rank's elements: before any pause), :func:`write` (the
+in-place XOR, all or nothing, with the old bits kept for :func:`rollback`), and checksums of this rank's
+parts (:func:`checksums`, or the running ones :func:`write` keeps). Shared by the worker extension
+(:mod:`rollout_loader.vllm.worker`) and the weight-transfer engine (:mod:`rollout_loader.vllm.engine`).
+
+Two ways a write reaches the kernels: "live" (the kernel reads the parameter: GPU, or CPU with live
+weights, :mod:`rollout_loader.vllm.live_cpu`) and "reload" (the stock CPU path: layers whose weight was
+repacked away keep a host copy of their checkpoint tensors, which is patched and re-loaded through vLLM;
+layers with a packed copy next to their weight get their kernel rebuilt).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from deltasync import StepHeader, TensorMismatchError
+from rollout_loader.routing import Route, RoutingError, RoutingTable
+
+from .apply import MASK64, SIGNED, checksum_part, int_bits, xor_into
+from .layout import Dtypes, Shapes, build_table, own_params, param_owners, read_checkpoint
+from .live_cpu import LIVE_ENV, module_kind
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["auto", "live", "reload"]
+Reload = Callable[[list[tuple[str, torch.Tensor]]], None]
+RawPatch = tuple[str, "np.ndarray | torch.Tensor | None", "np.ndarray | torch.Tensor"]
+_CHUNK = 1 << 20
+# vLLM logs these on every partial reload, for each layer it was not asked to reload
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace", "vllm.model_executor.model_loader.reload.layerwise")
+
+
+class PatchError(TensorMismatchError):
+    """A patch does not fit the engine (unknown tensor, other shape or dtype, bad positions); nothing changed."""
+
+
+@dataclass
+class Target:
+    """Where one checkpoint tensor's bits live on this rank: a parameter, or the host copy (reload mode)."""
+
+    route: Route
+    bits: torch.Tensor  # flat integer view of the parameter or of the host copy
+    host: bool  # bits is the full checkpoint tensor (indexed by checkpoint flat index)
+    modules: tuple[str, ...]  # modules to re-load (host) or whose kernel to rebuild after a write
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A patch mapped onto this rank: write ``x`` at ``idx`` of the target's bits (checkpoint indices ``hf_idx``)."""
+
+    name: str
+    idx: torch.Tensor
+    x: torch.Tensor
+    hf_idx: torch.Tensor
+
+
+@dataclass
+class WorkerState:
+    model: torch.nn.Module
+    reload: Reload
+    table: RoutingTable
+    mode: str
+    targets: dict[str, Target]
+    host: dict[str, torch.Tensor] = field(default_factory=dict)  # checkpoint tensors of reloaded modules
+    feeds: dict[str, tuple[str, ...]] = field(default_factory=dict)  # reloaded module -> checkpoint names
+    undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    undo_modules: set[str] = field(default_factory=set)
+    # this rank's part of each tensor's checksum, kept current by every write (incremental verification)
+    sums: dict[str, int] = field(default_factory=dict)
+    undo_sums: dict[str, int] = field(default_factory=dict)
+
+
+def build_state(
+    model: torch.nn.Module, *, layout: tuple[Shapes, Dtypes], checkpoint: str, mode: Mode, reload: Reload,
+    ignore: list[str] | None = None,
+) -> tuple[WorkerState, dict[str, Any]]:
+    """Routes and targets for checkpoint tensors ``layout`` in ``model`` on this rank, and a summary.
+
+    ``mode``: "live" needs live weights everywhere; "reload" keeps host copies (read from ``checkpoint``) of
+    tensors feeding repacked layers; "auto" picks "live" when possible. Call it right after the engine
+    loaded ``checkpoint``: host copies must hold what the engine holds.
+    """
+    if mode not in ("auto", "live", "reload"):
+        raise RoutingError(f"mode must be 'auto', 'live' or 'reload', not {mode!r}")
+    t0 = time.perf_counter()
+    shapes, dtypes = layout
+    table = build_table(model, shapes, ignore=ignore)
+    owners = param_owners(model)
+    kinds = {m: module_kind(model.get_submodule(m)) for ms in owners.values() for m, _ in ms}
+    stale = sorted(m for m, k in kinds.items() if k != "live")
+    if mode == "live" and stale:
+        raise RoutingError(
+            f"mode='live' needs CPU linear weights kept live, but {len(stale)} layers keep a repacked copy "
+            f"(e.g. {stale[:3]}): call rollout_loader.vllm.enable_live_cpu_weights() or set {LIVE_ENV}=1 "
+            f"before creating the engine, or use mode='reload'"
+        )
+    params = dict(model.named_parameters())
+    routes_of = table.by_param()
+    feeds = {  # re-loaded module -> every checkpoint tensor feeding it (all of q, k, v, and the bias)
+        m: tuple(r.hf_name for p, _ in own_params(model.get_submodule(m), m) for r in routes_of.get(p, []))
+        for m, k in kinds.items()
+        if k == "reload"
+    }
+    host_names = sorted({n for names in feeds.values() for n in names})
+    host = read_checkpoint(checkpoint, host_names, shapes) if host_names else {}
+    targets: dict[str, Target] = {}
+    for hf_name, route in table.routes.items():
+        mods = tuple(m for m, _ in owners[route.param_name])
+        reloaded = tuple(m for m in mods if m in feeds)
+        if reloaded:
+            targets[hf_name] = Target(route=route, bits=int_bits(host[hf_name]), host=True, modules=reloaded)
+            continue
+        param = params[route.param_name]
+        if not param.data.is_contiguous():
+            raise RoutingError(f"engine parameter {route.param_name!r} is not contiguous")
+        refresh = tuple(m for m in mods if kinds[m] == "refresh")
+        targets[hf_name] = Target(route=route, bits=int_bits(param.data), host=False, modules=refresh)
+    held = {n: host[n].dtype if t.host else params[t.route.param_name].dtype for n, t in targets.items()}
+    wrong = [f"{n} (checkpoint {dtypes[n]}, engine {held[n]})" for n in targets if n in dtypes and dtypes[n] != held[n]]
+    if wrong:
+        raise RoutingError(f"dtypes differ, XOR patches would corrupt these tensors: {wrong[:5]}")
+    state = WorkerState(model=model, reload=reload, table=table, mode="reload" if stale else "live",
+                        targets=targets, host=host, feeds=feeds)
+    summary = {
+        "mode": state.mode, "tp_rank": table.tp_rank, "tp_size": table.tp_size, "tensors": len(targets),
+        "in_place": sum(not t.host for t in targets.values()), "host_copies": len(host),
+        "host_bytes": sum(t.numel() * t.element_size() for t in host.values()),
+        "kernel_rebuilds": len({m for t in targets.values() if not t.host for m in t.modules}),
+        "reloaded_modules": len(feeds), "tied": dict(table.tied), "seconds": round(time.perf_counter() - t0, 4),
+    }
+    log.info("deltasync routing table built: %s", summary)
+    return state, summary
+
+
+def check_header(state: WorkerState, header: StepHeader, where: str) -> None:
+    """The step's tensors are this engine's checkpoint tensors, same shapes and element widths."""
+    names = set(header.tensors)
+    problems = [f"{n!r}: not a checkpoint tensor of this model" for n in sorted(names - set(state.targets))[:5]]
+    missing = sorted(set(state.targets) - names)
+    if missing:
+        problems.append(f"the step has no {missing[:5]} (the engine's checkpoint has {len(missing)} more tensor(s))")
+    for name in sorted(names & set(state.targets)):
+        th, t = header.tensors[name], state.targets[name]
+        if tuple(th.shape) != t.route.hf_shape or th.itemsize != t.bits.element_size():
+            problems.append(f"{name!r}: the step has {th.dtype} {list(th.shape)}, the engine "
+                            f"{8 * t.bits.element_size()}-bit {list(t.route.hf_shape)}")
+    if problems:
+        raise PatchError(f"{where}: the step does not fit the engine, weights untouched ({len(problems)} problem(s)): "
+                         + "; ".join(problems[:8]))
+
+
+def _as_torch(a: np.ndarray | torch.Tensor | None, *, signed: bool) -> torch.Tensor | None:
+    if a is None or isinstance(a, torch.Tensor):
+        return a
+    if signed and a.dtype.kind == "u":
+        a = a.view(f"i{a.itemsize}")
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def stage(state: WorkerState, patches: Iterable[RawPatch]) -> list[Staged]:
+    """Validate every patch against the engine and map it to this rank's elements; writes nothing.
+
+    A patch is ``(name, positions, xor)`` (numpy or torch; positions int64 ascending or None for dense;
+    xor as wide as the tensor's dtype), which is what ``StepObject.patches()`` yields.
+    """
+    staged: list[Staged] = []
+    problems: list[str] = []
+    for name, pos, xor in patches:
+        p, x = _as_torch(pos, signed=False), _as_torch(xor, signed=True)
+        assert x is not None
+        problem = _problem(state, name, p, x)
+        if problem:
+            problems.append(f"{name!r}: {problem}")
+            continue
+        target = state.targets[name]
+        idx, xs, hf = _localize(target, p, x)
+        staged.append(Staged(name=name, idx=idx, x=xs, hf_idx=hf))
+    if problems:
+        raise PatchError(f"patch rejected, weights untouched ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
+    return staged
+
+
+def _problem(state: WorkerState, name: str, pos: torch.Tensor | None, xor: torch.Tensor) -> str | None:
+    target = state.targets.get(name)
+    if target is None:
+        return "not a checkpoint tensor of this model"
+    n, width = target.route.hf_numel, target.bits.element_size()
+    if xor.is_floating_point() or xor.is_complex() or xor.dtype == torch.bool or xor.element_size() != width:
+        return f"xor is {xor.dtype}, the engine holds {width}-byte elements (use int{8 * width})"
+    if pos is None:
+        return None if xor.numel() == n else f"a dense xor needs {n} elements, got {xor.numel()}"
+    if pos.dtype != torch.int64 or pos.numel() != xor.numel():
+        return f"positions must be int64 and as many as xor ({pos.dtype}, {pos.numel()} vs {xor.numel()})"
+    if pos.numel() and (int(pos[0]) < 0 or int(pos[-1]) >= n):
+        return f"positions run from {int(pos[0])} to {int(pos[-1])}, the tensor has {n} elements"
+    if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
+        return "positions are not strictly ascending"
+    return None
+
+
+def _localize(target: Target, pos: torch.Tensor | None, xor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(flat indices into the target's bits, xor values there, their checkpoint flat indices) for this rank."""
+    xor = xor.reshape(-1).view(SIGNED[xor.element_size()])
+    if target.host:  # the host copy is the whole checkpoint tensor
+        idx = pos if pos is not None else torch.arange(xor.numel(), dtype=torch.int64)
+        return idx, xor, idx
+    route = target.route
+    if pos is None:
+        if route.whole and route.hf_shape == route.param_shape:
+            idx = torch.arange(xor.numel(), dtype=torch.int64)
+            return idx, xor, idx
+        parts = [(box.param_indices(), box.hf_indices()) for box in chunks(route)]
+        hf = torch.cat([h for _, h in parts])
+        return torch.cat([p for p, _ in parts]), xor[hf], hf
+    keep, idx = route.localize(pos)
+    if keep is None:
+        return idx, xor, pos.reshape(-1)
+    return idx, xor[keep], pos.reshape(-1)[keep]
+
+
+def write(state: WorkerState, staged: Sequence[Staged]) -> dict[str, int]:
+    """XOR staged patches in place, all or nothing on this rank; returns this rank's checksum part of each
+    patched tensor after the write (owned elements only; read back from what landed).
+
+    If a write or a kernel sync fails, the old bits are put back before raising. The old bits of a
+    successful write stay recorded until the next write, for :func:`rollback`.
+    """
+    state.undo, state.undo_modules, state.undo_sums = [], set(), {}  # a failed write leaves nothing to undo
+    sums = {s.name: part(state, s.name) for s in staged}
+    undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    modules: set[str] = set()
+    try:
+        with torch.inference_mode():
+            for s in staged:
+                target = state.targets[s.name]
+                old, delta = xor_into(target.bits, s.idx, s.x, s.hf_idx)
+                undo.append((target.bits, s.idx, old))
+                modules.update(target.modules)
+                if target.route.owner:
+                    sums[s.name] = (sums[s.name] + delta) & MASK64
+        sync_kernels(state, modules)
+    except BaseException:
+        try:
+            _restore(state, undo, modules)
+        except Exception:
+            log.exception("deltasync: restoring the old weights after a failed write failed too")
+        raise
+    state.undo, state.undo_modules = undo, modules
+    state.undo_sums = {name: state.sums[name] for name in sums}
+    state.sums.update(sums)
+    return sums
+
+
+def rollback(state: WorkerState) -> bool:
+    """Put back the bits the last write changed; False when there is nothing to undo."""
+    if not state.undo:
+        return False
+    _restore(state, state.undo, state.undo_modules)
+    state.sums.update(state.undo_sums)
+    state.undo, state.undo_modules, state.undo_sums = [], set(), {}
+    return True
+
+
+def checksums(state: WorkerState, names: Iterable[str] | None = None) -> dict[str, int]:
+    """``mix64-sum`` of each checkpoint tensor over the elements this rank owns, from the bits as they are.
+
+    Each element is owned by one rank, so the ranks' values add up (mod 2**64) to the tensor's checksum.
+    """
+    out: dict[str, int] = {}
+    for name in list(state.targets) if names is None else names:
+        target = state.targets.get(name)
+        if target is None:
+            raise PatchError(f"{name!r} is not a checkpoint tensor of this model")
+        if not target.route.owner:
+            out[name] = 0
+            continue
+        total = 0
+        for box in chunks(target.route):
+            hf_idx = box.hf_indices()
+            bits = target.bits[hf_idx] if target.host else target.bits[box.param_indices()]
+            total += checksum_part(bits, hf_idx)
+        out[name] = total & MASK64
+    state.sums.update(out)  # exact for the bits as they are now: the base of incremental verification
+    return out
+
+
+def part(state: WorkerState, name: str) -> int:
+    """This rank's running checksum part for ``name`` (computed from the bits the first time)."""
+    if name not in state.sums:
+        checksums(state, [name])
+    return state.sums[name]
+
+
+def anchor_patches(state: WorkerState, tensors: Mapping[str, torch.Tensor]) -> list[RawPatch]:
+    """An anchor's tensors (already checked with :func:`check_header`) as dense XOR patches against the bits
+    this rank holds now: each xor is the anchor's bits with this rank's held bits XORed in over the box it
+    holds (elements of other ranks are dropped when staged). Writing them makes the engine hold the anchor;
+    rolling back restores the previous step. Consumes ``tensors`` (their memory becomes the xor)."""
+    out: list[RawPatch] = []
+    for name, target in state.targets.items():
+        x = int_bits(tensors[name].contiguous())
+        if target.host:
+            x ^= target.bits
+        else:
+            for box in chunks(target.route):
+                hf = box.hf_indices()
+                x[hf] ^= target.bits[box.param_indices()].to(x.device)
+        out.append((name, None, x))
+    return out
+
+
+def sync_kernels(state: WorkerState, modules: set[str]) -> None:
+    """Make the kernels of ``modules`` see the new bits: reload from host copies, or rebuild."""
+    if not modules:
+        return
+    reload = sorted(m for m in modules if m in state.feeds)
+    if reload:
+        names = sorted({n for m in reload for n in state.feeds[m]})
+        with _quiet(_RELOAD_LOGGERS):
+            state.reload([(n, state.host[n]) for n in names])
+    with torch.inference_mode():
+        for m in sorted(modules - set(reload)):
+            module = state.model.get_submodule(m)
+            module.quant_method.process_weights_after_loading(module)
+
+
+def _restore(state: WorkerState, undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], modules: set[str]) -> None:
+    with torch.inference_mode():
+        for bits, idx, old in reversed(undo):
+            bits[idx] = old
+    sync_kernels(state, modules)
+
+
+def chunks(route: Route, max_elements: int = _CHUNK) -> Iterator[Route]:
+    """Split a route's box along dim 0 so index tensors stay bounded."""
+    if not route.extent or route.numel <= max_elements:
+        yield route
+        return
+    row = math.prod(route.extent[1:])
+    step = max(1, max_elements // max(row, 1))
+    for off in range(0, route.extent[0], step):
+        n = min(step, route.extent[0] - off)
+        yield replace(
+            route,
+            hf_start=(route.hf_start[0] + off, *route.hf_start[1:]),
+            param_start=(route.param_start[0] + off, *route.param_start[1:]),
+            extent=(n, *route.extent[1:]),
+        )
+
+
+@contextmanager
+def _quiet(names: tuple[str, ...]) -> Iterator[None]:
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, lvl in zip(loggers, levels, strict=True):
+            lg.setLevel(lvl)

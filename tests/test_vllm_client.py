@@ -1,0 +1,231 @@
+"""The clients of the vLLM weight-transfer routes and the server follower, against a loopback HTTP stub that
+answers as vLLM 0.32 does (tests/integration/test_vllm_engine.py checks the same against real servers).
+No vLLM needed; the engine's init/update info checks import vLLM and are skipped without it."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from deltasync import ConfigError, DeltaPublisher, EngineConfigError, EngineError, EngineUnreachableError
+from rollout_loader.vllm import HttpWeightTransfer
+from rollout_loader.vllm.remote import ServerFollower
+from tests.test_cli_errors import closed_port
+
+_WORKER_FAILED = ("Call to collective_rpc method failed: Worker failed with error '{}', please check the stack trace "
+                  "above for the root cause")
+
+
+def _vllm_500(message: str) -> tuple[int, dict]:
+    return 500, {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}}
+
+
+class FakeServer:
+    """Answers each route from ``replies`` (status, JSON) or a callable of the request body; records
+    (route, body) of every request. The default replies are a healthy server holding ``version``."""
+
+    def __init__(self) -> None:
+        self.version = "default"
+        self.calls: list[tuple[str, dict | None]] = []
+        self.replies: dict[str, object] = {}
+
+    def answer(self, route: str, body: dict | None) -> tuple[int, object]:
+        self.calls.append((route, body))
+        if route in self.replies:
+            reply = self.replies[route]
+            return reply(body) if callable(reply) else reply  # type: ignore[return-value]
+        if route == "/weight_info":
+            return 200, {"weight_version": self.version}
+        if route == "/finish_weight_update" and body and body.get("weight_version") is not None:
+            self.version = body["weight_version"]
+        if route in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                     "/pause", "/resume"):
+            return 200, {"message": "ok"}
+        if route == "/reset_prefix_cache":
+            return 200, {"success": True}
+        return 404, {"detail": "Not Found"}
+
+    def routes(self) -> list[str]:
+        return [r for r, _ in self.calls]
+
+
+@contextmanager
+def fake_server() -> Iterator[tuple[FakeServer, str]]:
+    fake = FakeServer()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self) -> None:
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            status, body = fake.answer(self.path.split("?", 1)[0], json.loads(raw) if raw else None)
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = _reply
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield fake, f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_an_update_is_pause_start_update_finish_reset_resume():
+    with fake_server() as (fake, url):
+        client = HttpWeightTransfer(url)
+        assert client.held_step() is None  # vLLM's "default": never updated
+        client.update(7)
+        assert fake.routes()[1:] == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                                     "/reset_prefix_cache", "/resume"]
+        assert fake.calls[3][1] == {"update_info": {"step": 7}}
+        assert fake.calls[4][1] == {"weight_version": "7"}
+        assert client.held_step() == 7 and len(client.pauses_s) == 1
+
+
+@pytest.mark.parametrize(
+    ("remote", "error", "needles"),
+    [
+        ("ChecksumMismatchError: step 3: the engine's weights do not match; rolled back to step 2", EngineError,
+         ["ChecksumMismatchError", "rolled back to step 2"]),
+        ("PatchError: step 3: the step does not fit the engine", EngineConfigError, ["PatchError", "does not fit"]),
+        ("StepNotFoundError: the chain to step 9 is broken", EngineError, ["StepNotFoundError", "step 9"]),
+    ],
+)
+def test_a_failed_update_keeps_the_version_and_resumes(remote, error, needles):
+    with fake_server() as (fake, url):
+        fake.version = "2"
+        fake.replies["/update_weights"] = _vllm_500(_WORKER_FAILED.format(remote))
+        client = HttpWeightTransfer(url)
+        with pytest.raises(error) as e:
+            client.update(3)
+        assert type(e.value) is error
+        for needle in needles:
+            assert needle in str(e.value)
+        assert "/finish_weight_update" not in fake.routes()  # vLLM closed the session; the version stays
+        assert fake.routes()[-2:] == ["/reset_prefix_cache", "/resume"]  # never left paused
+        assert client.held_step() == 2
+
+
+def test_a_session_left_open_by_a_dead_client_is_closed_first():
+    with fake_server() as (fake, url):
+        starts = iter([_vllm_500(_WORKER_FAILED.format(
+            "start_weight_update called while a weight update is already active. Call finish_weight_update first.")),
+            (200, {"message": "ok"})])
+        fake.replies["/start_weight_update"] = lambda body: next(starts)
+        HttpWeightTransfer(url).update(4)
+        assert fake.routes()[:5] == ["/pause", "/start_weight_update", "/finish_weight_update", "/start_weight_update",
+                                     "/update_weights"]
+        assert fake.version == "4"
+
+
+@pytest.mark.parametrize(
+    ("replies", "error", "needles"),
+    [
+        ({"/weight_info": (404, {"detail": "Not Found"})}, EngineConfigError, ["VLLM_SERVER_DEV_MODE=1", "/weight_info"]),
+        ({"/init_weight_transfer_engine": _vllm_500(_WORKER_FAILED.format(
+            "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."))},
+         EngineConfigError, ["--weight-transfer-config '{\"backend\": \"deltasync\"}'"]),
+        ({"/init_weight_transfer_engine": _vllm_500(_WORKER_FAILED.format(
+            "ConfigError: deltasync init_info: verify must be one of ('incremental', 'changed', 'all'), not 'x'"))},
+         EngineConfigError, ["ConfigError", "verify must be one of"]),
+        ({"/init_weight_transfer_engine": _vllm_500(_WORKER_FAILED.format(
+            "Invalid init_info for DeltasyncWeightTransferEngine: unexpected keyword argument 'uri'"))},
+         EngineConfigError, ["Invalid init_info", "'uri'"]),
+        ({"/weight_info": (200, {"weight_version": 5})}, EngineError, ["expected {'weight_version': str}"]),
+        ({"/weight_info": (200, b"<html>")}, EngineError, ["not JSON"]),
+    ],
+    ids=["no-dev-mode", "no-weight-transfer-config", "bad-init-info", "unknown-init-key", "version-not-str", "not-json"],
+)
+def test_a_server_not_set_up_is_named_before_anything_pauses(replies, error, needles, tmp_path):
+    url = str(tmp_path / "stream")
+    with DeltaPublisher(url, {"w": torch.zeros(8)}) as pub:
+        pub.publish(0)
+    with fake_server() as (fake, base):
+        fake.replies.update(replies)
+        follower = ServerFollower(url, base)
+        with pytest.raises(error) as e:
+            follower.connect()
+        follower.close()
+        assert type(e.value) is error
+        for needle in needles:
+            assert needle in str(e.value)
+        assert "/pause" not in fake.routes()
+
+
+def test_server_follower_sends_the_chain_from_the_step_the_server_holds(tmp_path):
+    url = str(tmp_path / "stream")
+    state = {"w": torch.zeros(64), "b": torch.ones(4)}
+    with DeltaPublisher(url, state, anchor_every=3, on_backlog="block") as pub:
+        for step in range(6):
+            state["w"][step] = step + 1.0
+            pub.publish(step)
+    with fake_server() as (fake, base):
+        seen: list[int] = []
+        with ServerFollower(url, base, engine_step=None, verify="all", on_step=seen.append) as f:
+            assert f.connect() is None
+            init = dict(fake.calls)["/init_weight_transfer_engine"]
+            assert init == {"init_info": {"url": url, "storage_options": {}, "verify": "all", "mode": "auto", "step": None}}
+            assert f.sync(4) == [3, 4]  # from the nearest anchor (3): nothing the server would not need
+        assert seen == [3, 4] and fake.version == "4"
+        # a restarted follower asks the server: it goes on from step 4, and the server is told nothing new
+        fake.calls.clear()
+        with ServerFollower(url, base, engine_step=0) as f:
+            assert f.connect() == 4
+            assert dict(fake.calls)["/init_weight_transfer_engine"]["init_info"]["step"] == 4
+            assert f.follow(until=5, timeout_s=30) == 5
+        assert [b["update_info"]["step"] for r, b in fake.calls if r == "/update_weights"] == [5]
+
+
+def test_server_follower_gives_up_at_its_deadline_naming_the_last_error(tmp_path):
+    url = str(tmp_path / "stream")
+    with DeltaPublisher(url, {"w": torch.zeros(8)}) as pub:
+        pub.publish(0)
+    with fake_server() as (fake, base):
+        fake.replies["/update_weights"] = _vllm_500(_WORKER_FAILED.format("CorruptObjectError: step 0: SHA-256 differs"))
+        errors: list[BaseException] = []
+        with ServerFollower(url, base, poll_s=0.05, on_error=errors.append) as f:
+            f.connect()
+            with pytest.raises(Exception, match="step 0 not live within 1.0s .*CorruptObjectError") as e:
+                f.follow(until=0, timeout_s=1.0)
+        assert type(e.value).__name__ == "WaitTimeoutError"
+        assert len(errors) == 1  # reported once, retried quietly
+        assert fake.routes().count("/resume") == fake.routes().count("/pause") >= 2
+
+
+def test_unreachable_server_and_bad_urls():
+    with pytest.raises(EngineUnreachableError, match="cannot connect to the vLLM server"):
+        HttpWeightTransfer(f"http://127.0.0.1:{closed_port()}").held_step()
+    with pytest.raises(ConfigError, match="expected http://host:port"):
+        HttpWeightTransfer("localhost:8000")
+
+
+def test_engine_info_is_checked():
+    pytest.importorskip("vllm")
+    from rollout_loader.vllm.engine import DeltasyncInitInfo, DeltasyncUpdateInfo
+
+    assert DeltasyncInitInfo(url="s3://b/run").verify == "incremental"
+    for bad, needle in [(dict(url=""), "url must be"), (dict(url="x", verify="some"), "verify must be one of"),
+                        (dict(url="x", mode="fast"), "mode must be one of"), (dict(url="x", step=-1), "step must be"),
+                        (dict(url="x", step=True), "step must be"), (dict(url="x", storage_options=[]), "storage_options")]:
+        with pytest.raises(ConfigError, match=needle):
+            DeltasyncInitInfo(**bad)
+    assert DeltasyncUpdateInfo(step=3).step == 3 and DeltasyncUpdateInfo().step == "latest"
+    for bad in (-1, "newest", 2.0, None, True):
+        with pytest.raises(ConfigError, match="step must be a step number or 'latest'"):
+            DeltasyncUpdateInfo(step=bad)
