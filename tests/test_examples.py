@@ -1,0 +1,113 @@
+"""Every example in examples/ runs as written (tiny sizes, a subprocess each) and says what it checked; and a new
+user's first contact with the CLI: ``deltasync --version``, and ``--help`` without importing torch."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.seaweedfs import s3_server  # noqa: F401 - fixture
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def run_example(name: str, *args: str, timeout_s: float = 300) -> list[str]:
+    """Run ``examples/name`` as a user would; its output lines. It must exit 0 (its own check passed)."""
+    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout.splitlines()
+
+
+def test_every_example_is_in_the_readme():
+    readme = (EXAMPLES / "README.md").read_text()
+    scripts = sorted(p.name for p in EXAMPLES.glob("*.py"))
+    assert scripts and all(f"({name})" in readme for name in scripts)
+
+
+def test_plain_pytorch():
+    lines = run_example("plain_pytorch.py", "--steps", "3")
+    assert lines[0].startswith("step   0: anchor")
+    assert any(line.startswith("step   2: delta") for line in lines)
+    assert lines[-1] == "bit-exact: yes"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="transformers' Trainer needs accelerate")
+def test_hf_trainer():
+    lines = run_example("hf_trainer.py", "--steps", "2")
+    assert any(line.startswith("deltasync figures in ") and "'deltasync/bytes'" in line for line in lines)
+    assert "steps 0..2" in lines[-2]
+    assert lines[-1] == "bit-exact: yes"
+
+
+def test_debug_divergence_finds_the_planted_bug(tmp_path):
+    plot = tmp_path / "density.png"
+    args = ["--steps", "6", "--bug-step", "4", "--bad-layer", "1"]
+    if importlib.util.find_spec("matplotlib") is not None:
+        args += ["--plot", str(plot)]
+    lines = run_example("debug_divergence.py", *args)
+    assert lines[-1] == "divergence: step 4, layer layers.1"
+    assert any(line.startswith("compare 3 -> 4, tensors of layers.1") for line in lines)
+    if "--plot" in args:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_storage_config_local():
+    lines = run_example("storage_config.py", "--steps", "2")
+    assert lines[-2] == "bit-exact: yes"
+    assert lines[-1].startswith("removed ")
+
+
+@pytest.mark.s3
+def test_storage_config_on_s3(s3_server):  # noqa: F811
+    """The S3-compatible settings the example documents (endpoint_url, key, secret) against a real server."""
+    import s3fs
+
+    s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options).mkdirs("deltasync-examples", exist_ok=True)
+    lines = run_example("storage_config.py", "s3://deltasync-examples/runs", "-S", f"endpoint_url={s3_server.endpoint}",
+                        "-S", "key=deltasync", "-S", "secret=deltasync", "--steps", "2")
+    assert lines[0].endswith(": committed steps [0, 1]") and lines[0].startswith("s3://deltasync-examples/runs/example-")
+    assert lines[-2] == "bit-exact: yes"
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options)  # every object key, no listing cache
+    prefix = lines[0].removeprefix("s3://deltasync-examples/").split(":")[0]
+    left = fs.call_s3("list_objects_v2", Bucket="deltasync-examples", Prefix=prefix).get("Contents", [])
+    assert [o["Key"] for o in left] == [], f"the example left objects under {prefix}"
+
+
+@pytest.mark.vllm
+def test_vllm_offline_follow():
+    lines = run_example("vllm_offline_follow.py", "--steps", "2", timeout_s=600)
+    assert any(line.startswith("step 2: engine applied [2], now at step 2") for line in lines)
+    assert lines[-1] == "bit-exact: yes"
+
+
+# --- first contact with the command line ---
+
+
+def test_version_prints_the_installed_version():
+    proc = subprocess.run([sys.executable, "-m", "deltasync_cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == f"deltasync {importlib.metadata.version('deltasync')}\n"
+
+
+def test_help_imports_neither_torch_nor_deltasync():
+    """``deltasync --help`` must answer at once: the CLI imports torch and the library only inside commands."""
+    code = (
+        "import sys\n"
+        "sys.argv = ['deltasync', '--help']\n"
+        "import deltasync_cli\n"
+        "try:\n"
+        "    deltasync_cli.main()\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "print(sorted(m for m in ('torch', 'deltasync', 'numpy', 'rollout_loader') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "replay" in proc.stdout and "Usage" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "[]"
