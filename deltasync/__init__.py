@@ -50,8 +50,8 @@ from deltasync.errors import (
     WriterConflictError,
 )
 from deltasync.format._bits import DTYPES, dtype_from_name, dtype_name, int_view
+from deltasync.format.checksum import add as add_checksums
 from deltasync.format.checksum import (
-    add as add_checksums,
     checksum_elements,
     format_checksum,
     parse_checksum,

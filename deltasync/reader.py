@@ -12,7 +12,12 @@ from typing import Any
 
 import torch
 
-from deltasync.errors import CorruptObjectError, FormatError, StepNotFoundError, WaitTimeoutError
+from deltasync.errors import (
+    CorruptObjectError,
+    FormatError,
+    StepNotFoundError,
+    WaitTimeoutError,
+)
 from deltasync.format.objects import StepObject
 from deltasync.stages.apply import Replica, Verify
 from deltasync.store import MANIFEST, Manifest, Store, step_dir

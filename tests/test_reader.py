@@ -8,9 +8,13 @@ import fsspec
 import pytest
 
 import deltasync.reader
-
 from deltasync import DeltaPublisher, StreamReader
-from deltasync.errors import CorruptObjectError, FormatError, StepNotFoundError, WaitTimeoutError
+from deltasync.errors import (
+    CorruptObjectError,
+    FormatError,
+    StepNotFoundError,
+    WaitTimeoutError,
+)
 from deltasync.store import Store, step_dir
 from rollout_loader import Follower, StateDictTarget
 from tests.conftest import states_equal

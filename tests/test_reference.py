@@ -22,12 +22,17 @@ from typer.testing import CliRunner
 
 from deltasync import DeltaPublisher, Replica, StreamReader, TensorMismatchError
 from deltasync.format import _kernels
-from deltasync.stages.apply import _xor_apply_torch, xor_apply
-from deltasync.format.checksum import _torch_checksum, _torch_checksum_at, checksum_elements, tensor_checksum
-from deltasync_cli import app
-from deltasync.stages.diff import Snapshot, _diff_host_chunks, _diff_torch, _Scratch
+from deltasync.format.checksum import (
+    _torch_checksum,
+    _torch_checksum_at,
+    checksum_elements,
+    tensor_checksum,
+)
 from deltasync.format.objects import StepObject
 from deltasync.publish.publisher import snapshot_headers, write_step
+from deltasync.stages.apply import _xor_apply_torch, xor_apply
+from deltasync.stages.diff import Snapshot, _diff_host_chunks, _diff_torch, _Scratch
+from deltasync_cli import app
 
 # --- the reference: docs/FORMAT.md section 4, nothing else ---
 
