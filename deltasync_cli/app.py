@@ -75,7 +75,7 @@ def _load_safetensors(path: Path) -> dict:
 
     try:
         return safetensors.torch.load_file(str(path))
-    except Exception as e:  # safetensors raises several types for unreadable files
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for unreadable files
         raise FormatError(f"{path}: not a readable safetensors file ({e})") from None
 
 

@@ -15,7 +15,7 @@ needed to find it:
 from __future__ import annotations
 
 import argparse
-import statistics
+import itertools
 import tempfile
 
 import torch
@@ -62,7 +62,7 @@ def find_jump(url: str) -> tuple[int, str]:
     deltas = [s for s in stats.steps if s.kind == "delta"]
     for row in deltas:
         print(f"step {row.step:3d}: density {row.density:7.2%}")
-    prev, row = max(zip(deltas, deltas[1:]), key=lambda pair: pair[1].density / max(pair[0].density, 1e-9))
+    prev, row = max(itertools.pairwise(deltas), key=lambda pair: pair[1].density / max(pair[0].density, 1e-9))
     grid = layer_density(url, [prev.step, row.step])
     ratio = {layer: (d[1] or 0.0) / max(d[0] or 0.0, 1e-9) for layer, d in zip(grid.layers, grid.density)}
     layer = max(ratio, key=ratio.get)

@@ -20,7 +20,10 @@ import tempfile
 import torch
 
 from deltasync import DeltaPublisher, tensor_checksum
-from deltasync_cli.demo import save_model_dir, tiny_qwen3  # a random tiny model and its checkpoint folder
+from deltasync_cli.demo import (  # a random tiny model and its checkpoint folder
+    save_model_dir,
+    tiny_qwen3,
+)
 from rollout_loader import Follower
 from rollout_loader.vllm import VllmTarget, start_engine
 from rollout_loader.worker import engine_checksums

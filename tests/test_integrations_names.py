@@ -36,7 +36,9 @@ def test_wrapper_prefixes_are_removed(wrapped, plain):
 
 
 def test_real_wrappers_give_the_plain_models_names_and_the_same_tensors():
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
 
     model = small_model()
     plain = model.state_dict()

@@ -11,11 +11,11 @@ import torch
 
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (pip install accelerate)")
 
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from deltasync import ConfigError, StreamReader  # noqa: E402
-from deltasync.integrations.transformers import DeltaSyncCallback  # noqa: E402
-from deltasync_cli.demo import tiny_qwen3  # noqa: E402
+from deltasync import ConfigError, StreamReader
+from deltasync.integrations.transformers import DeltaSyncCallback
+from deltasync_cli.demo import tiny_qwen3
 
 INT_VIEW = {2: torch.int16, 4: torch.int32}
 

@@ -26,7 +26,12 @@ from deltasync.integrations.names import NameMap, canonical_names
 from deltasync.publish.publisher import DeltaPublisher
 
 try:
-    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers import (
+        TrainerCallback,
+        TrainerControl,
+        TrainerState,
+        TrainingArguments,
+    )
 except ImportError as e:  # pragma: no cover - exercised only where transformers is missing
     raise MissingDependencyError(
         f"DeltaSyncCallback needs transformers and accelerate: pip install 'transformers>=4.51' accelerate ({e})"
