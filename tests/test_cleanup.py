@@ -222,7 +222,7 @@ def interrupt_after_first_download(args: list[str], tmp_path: Path, pause_s: flo
 
 
 @pytest.mark.parametrize(
-    "args", [["show", "{url}", "9"], ["verify", "{url}"], ["replay", "{url}", "--step", "9", "-o", "{out}"]],
+    "args", [["show", "{url}", "8"], ["verify", "{url}"], ["replay", "{url}", "--step", "9", "-o", "{out}"]],
     ids=lambda a: a[0],
 )
 def test_ctrl_c_leaves_nothing(args, qwen_stream, tmp_path):
