@@ -1,0 +1,328 @@
+"""The RDMA fast path with real NIXL agents in separate processes over loopback (UCX, CPU memory).
+
+A trainer process publishes a small model to a local store with DeltaPublisher and offers each committed
+object's bytes to its outbox ring; consumer processes read them over NIXL. What a consumer accepts is checked
+against the store independently (the manifest's SHA-256, written by the publisher, and the object file's
+bytes), never against the ring's own announcement. Faults: a slow consumer whose slot was reused, a consumer
+killed while reading, a lost announcement, a missing acknowledgement, a restarted trainer (stale metadata).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deltasync.rdma.agent import nixl_available
+
+pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs NIXL: pip install 'deltasync[rdma]'")
+
+NAMES = ("model.a.weight", "model.b.bias", "model.c.weight")
+CTX = mp.get_context("spawn")
+
+
+# --- peers (run in spawned processes; module-level so that spawn can import them) ---
+
+
+def _model(seed: int = 0) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {NAMES[0]: torch.randn(256, 256, generator=g).to(torch.bfloat16),
+            NAMES[1]: torch.randn(1000, generator=g),
+            NAMES[2]: (torch.randn(512, 64, generator=g) * 0.02).to(torch.bfloat16)}
+
+
+def _train_step(state: dict[str, Any], step: int) -> None:
+    """Change ~3% of every tensor's elements in place, as an optimizer step would."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    for t in state.values():
+        flat = t.view(-1)
+        idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 32),), generator=g)
+        flat[idx] = (flat[idx].float() + torch.randn(len(idx), generator=g) * 0.01).to(t.dtype)
+
+
+def _store_object(url: str, step: int) -> bytes:
+    """A committed step's object as the store holds it, checked against the publisher's own SHA-256."""
+    from deltasync.store import Store
+
+    with Store(url) as store:
+        manifest = store.manifest(step)
+        data = store.fetch_object(manifest).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == manifest.object_sha256
+    return data
+
+
+def trainer_peer(address: str, url: str, steps: list[int], opts: dict[str, Any], out: Any, stop: Any) -> None:
+    """Publish ``steps`` to the store and offer each object to the ring; stay up until ``stop`` is set."""
+    import torch
+
+    from deltasync.publish.publisher import DeltaPublisher
+    from deltasync.rdma.agent import Agent
+    from deltasync.rdma.controller import PartMeta, TensorMeta, TrainerHello, TrainerLink
+    from deltasync.rdma.outbox import Outbox
+
+    state = _model()
+    for s in range(1, steps[0]):
+        _train_step(state, s)  # a restarted trainer resumes from the weights it had
+    agent = Agent(f"trainer-0-{uuid.uuid4().hex[:8]}")
+    outbox = Outbox(agent, slots=opts.get("slots", 4), slot_bytes=1 << 20, chunk_bytes=64 << 10,
+                    ack_deadline_s=opts.get("deadline_s", 5.0))
+    tensors = {n: TensorMeta(t.numel(), t.element_size()) for n, t in state.items()}
+    with TrainerLink(address) as link:
+        plan = link.register(TrainerHello(rank=0, metadata=agent.metadata(), ring=outbox.layout(), tensors=tensors,
+                                          parts=[PartMeta(n, 0, m.numel) for n, m in tensors.items()]))
+        outbox.set_consumers(plan.consumers)
+        offered = []
+        with DeltaPublisher(url, state, anchor_every=1000, take_over=opts.get("take_over", False)) as pub:
+            for step in steps:
+                if step > 1:
+                    _train_step(state, step)
+                with torch.no_grad():
+                    pub.publish(step)
+                pub.flush()
+                newer = link.consumers()
+                if newer is not None:
+                    outbox.set_consumers(newer)
+                info = outbox.offer(step, _store_object(url, step))
+                offered.append(info.step)
+                if step not in opts.get("lose_ready", ()):
+                    link.ready(info)
+                time.sleep(opts.get("interval_s", 0.0))
+        out.put(("trainer", {"offered": offered, "expired": [(s, sorted(a)) for s, a in outbox.expired],
+                             "agent": agent.name}))
+        while not stop.wait(0.05):
+            outbox.poll()
+    agent.close()
+
+
+def consumer_peer(address: str, url: str, cid: str, engine: str, steps: list[int], opts: dict[str, Any],
+                  out: Any) -> None:
+    """Follow ``steps``: over NIXL when possible, from the store otherwise; report how each step arrived."""
+    from deltasync.format.objects import StepObject
+    from deltasync.rdma.agent import Agent, RdmaError, StaleMetadataError
+    from deltasync.rdma.controller import ConsumerHello, ConsumerLink
+    from deltasync.rdma.inbox import Inbox
+
+    from deltasync.store import Store
+
+    agent = Agent(f"{cid}-{uuid.uuid4().hex[:8]}")
+    inbox = Inbox(agent, capacity_bytes=1 << 20)
+    record: list[tuple[int, str, str]] = []
+    with ConsumerLink(address) as link, Store(url) as store:
+        plan = link.register(ConsumerHello(id=cid, engine=engine, agent=agent.name, needs=list(NAMES)))
+        for read in plan.reads:
+            inbox.connect(read.source.ring, read.source.metadata)
+        out.put((cid, "ready"))
+        for step in steps:
+            how, error = "rdma", ""
+            try:
+                if step == 2 and "lag_until" in opts:  # busy elsewhere until the trainer is that far ahead
+                    while opts["lag_until"] not in link._ready:
+                        link._next(30.0)
+                (info,) = link.wait_step(step, timeout_s=opts.get("timeouts", {}).get(step, 10.0)).values()
+                if step in opts.get("skip", ()):
+                    raise RdmaError("skipped (busy)")  # never reads, never acknowledges
+                if opts.get("victim"):
+                    out.put((cid, "reading"))
+                    while True:  # read until killed (the slot is overwritten meanwhile: read on regardless)
+                        try:
+                            inbox.read(info)
+                        except RdmaError:
+                            pass
+                try:
+                    data = bytes(inbox.read(info))
+                except StaleMetadataError as e:
+                    error = type(e).__name__
+                    fresh = link.fetch_metadata(0)
+                    inbox.connect(fresh.ring, fresh.metadata)
+                    how, data = "rdma-refetched", bytes(inbox.read(info))
+            except RdmaError as e:
+                how, error, data = "store", type(e).__name__, _store_object(url, step)
+            ok = hashlib.sha256(data).hexdigest() == store.manifest(step).object_sha256  # the publisher's hash
+            with StepObject(data, where=f"{cid} step {step}") as obj:  # opens as the store's object does
+                ok = ok and obj.header.step == step
+            record.append((step, how, error if ok else f"{error} BYTES DIFFER"))
+            link.applied(step)
+            if step != steps[-1]:
+                time.sleep(opts.get("delay_s", 0.0))
+        out.put((cid, record))
+        deadline = time.monotonic() + 5
+        while engine not in link.versions or link.versions[engine] < steps[-1]:
+            link._next(max(deadline - time.monotonic(), 0.01))
+        out.put((cid, ("version", link.versions[engine])))
+    inbox.close()
+    agent.close()
+
+
+# --- harness ---
+
+
+class Run:
+    """A controller in this process and peers in spawned processes; everything stopped on exit."""
+
+    def __init__(self, tmp_path: Path, *, consumers: int) -> None:
+        from deltasync.rdma.controller import Controller
+
+        self.url = str(tmp_path / "store")
+        self.controller = Controller(trainers=1, consumers=consumers)
+        self.out = CTX.Queue()
+        self.stop = CTX.Event()
+        self.procs: list[Any] = []
+        self.got: dict[str, list[Any]] = {}
+
+    def trainer(self, steps: list[int], **opts: Any) -> Any:
+        return self._start(trainer_peer, self.controller.address, self.url, steps, opts, self.out, self.stop)
+
+    def consumer(self, cid: str, steps: list[int], engine: str = "engine0", **opts: Any) -> Any:
+        return self._start(consumer_peer, self.controller.address, self.url, cid, engine, steps, opts, self.out)
+
+    def _start(self, target: Any, *args: Any) -> Any:
+        p = CTX.Process(target=target, args=args, daemon=True)
+        p.start()
+        self.procs.append(p)
+        return p
+
+    def wait(self, who: str, what: Any = None, timeout_s: float = 30.0) -> Any:
+        """The next report from ``who`` (matching ``what`` when given), collecting others meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for i, item in enumerate(self.got.get(who, [])):
+                if what is None or what(item):
+                    return self.got[who].pop(i)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no report from {who} in {timeout_s} s; got {self.got}; "
+                                     f"exit codes {[p.exitcode for p in self.procs]}")
+            try:
+                name, item = self.out.get(timeout=min(left, 1.0))
+            except Exception:  # noqa: BLE001 - queue.Empty
+                continue
+            self.got.setdefault(name, []).append(item)
+
+    def close(self) -> None:
+        self.stop.set()
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.controller.close()
+        self.out.close()
+        self.out.join_thread()
+
+
+@pytest.fixture
+def run(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    runs: list[Run] = []
+
+    def make(consumers: int) -> Run:
+        runs.append(Run(tmp_path, consumers=consumers))
+        return runs[-1]
+
+    yield make
+    for r in runs:
+        r.close()
+
+
+def _is_list(item: Any) -> bool:
+    return isinstance(item, list)
+
+
+def _version(item: Any) -> Any:
+    return isinstance(item, tuple) and item[0] == "version"
+
+
+def test_consumer_reads_the_store_objects_over_nixl(run):
+    r = run(consumers=1)
+    steps = [1, 2, 3, 4]
+    r.trainer(steps)
+    r.consumer("c0", steps)
+    record = r.wait("c0", _is_list)
+    assert record == [(s, "rdma", "") for s in steps]
+    assert r.wait("c0", _version) == ("version", 4)
+    trainer = r.wait("trainer")
+    assert trainer["offered"] == steps and trainer["expired"] == []  # every slot was acknowledged
+    assert r.controller.versions == {"engine0": 4}
+
+
+def test_fast_consumer_never_waits_for_slow_one_which_falls_back_to_the_store(run):
+    """The slow consumer reads step 2 only once step 4 is announced: the trainer reused step 2's slot when its
+    deadline passed (only the slow consumer had not acknowledged it), so the slow one reads step 2 from the
+    store; the fast one got every step over NIXL."""
+    r = run(consumers=2)
+    steps = [1, 2, 3, 4]
+    r.trainer(steps, slots=2, deadline_s=5.0)
+    r.consumer("fast", steps, engine="e-fast")
+    r.consumer("slow", steps, engine="e-slow", lag_until=4)
+    assert r.wait("fast", _is_list) == [(s, "rdma", "") for s in steps]
+    assert r.wait("slow", _is_list) == [(1, "rdma", ""), (2, "store", "StaleSlotError"), (3, "rdma", ""),
+                                        (4, "rdma", "")]
+    trainer = r.wait("trainer")
+    assert trainer["offered"] == steps
+    assert [(s, [a.split("-")[0] for a in who]) for s, who in trainer["expired"]] == [(2, ["slow"])]
+    assert r.wait("fast", _version) == r.wait("slow", _version) == ("version", 4)
+    assert r.controller.versions == {"e-fast": 4, "e-slow": 4}
+
+
+def test_killed_consumer_frees_its_slot_by_deadline(run):
+    r = run(consumers=2)
+    steps = [1, 2, 3, 4]
+    r.consumer("victim", [1], victim=True)
+    r.consumer("healthy", steps)
+    trainer = r.trainer(steps, slots=2, deadline_s=2.0, interval_s=0.02)
+    r.wait("victim", lambda x: x == "reading")
+    victim = r.procs[0]
+    time.sleep(0.05)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(10)
+    assert victim.exitcode == -signal.SIGKILL
+    assert r.wait("healthy", _is_list) == [(s, "rdma", "") for s in steps]
+    report = r.wait("trainer")
+    assert report["offered"] == steps and trainer.is_alive()
+    # the victim acknowledged step 1 (its reads of slot 0), never step 2: that slot was freed by its deadline
+    assert [(s, [a.split("-")[0] for a in who]) for s, who in report["expired"]] == [(2, ["victim"])]
+
+
+def test_lost_announcements_and_a_missing_acknowledgement_fall_back(run):
+    """Announcements of steps 3 and 5 are lost: the consumer reads them from the store, having seen a later
+    step announced (3) or timed out (5). Step 2 is never read, so never acknowledged: the trainer reuses its
+    slot after the deadline (as it does step 3's, which nobody was told about)."""
+    r = run(consumers=1)
+    steps = [1, 2, 3, 4, 5]
+    r.trainer(steps, slots=2, deadline_s=1.5, lose_ready={3, 5})
+    r.consumer("c0", steps, skip={2}, timeouts={5: 1.0})
+    assert r.wait("c0", _is_list) == [(1, "rdma", ""), (2, "store", "RdmaError"), (3, "store", "RdmaError"),
+                                      (4, "rdma", ""), (5, "store", "RdmaTimeoutError")]
+    report = r.wait("trainer")
+    assert [s for s, _ in report["expired"]] == [2, 3], report
+    assert r.wait("c0", _version) == ("version", 5)  # applied from the store, it still counts
+    assert r.controller.versions == {"engine0": 5}
+
+
+def test_restarted_trainer_consumer_refetches_metadata(run):
+    r = run(consumers=1)
+    r.consumer("c0", [1, 2, 3, 4], timeouts={3: 60.0})  # step 3 comes once the trainer restarted
+    first = r.trainer([1, 2])
+    deadline = time.monotonic() + 30
+    while r.controller.versions.get("engine0", 0) < 2:
+        assert time.monotonic() < deadline, r.got
+        time.sleep(0.05)
+    old = r.wait("trainer")["agent"]
+    r.stop.set()
+    first.join(15)
+    assert first.exitcode == 0
+    r.stop.clear()
+    r.trainer([3, 4], take_over=True)
+    record = r.wait("c0", _is_list)
+    assert record == [(1, "rdma", ""), (2, "rdma", ""), (3, "rdma-refetched", "StaleMetadataError"), (4, "rdma", "")]
+    assert r.wait("trainer")["agent"] != old
