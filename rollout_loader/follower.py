@@ -18,20 +18,23 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from deltasync import Replica, StepObject, StreamReader
-from deltasync.errors import (
+from deltasync import (
     ConfigError,
     DeltaSyncError,
     EngineConfigError,
     FollowError,
     MissingDependencyError,
+    Replica,
+    StepObject,
     StoreAuthError,
     StoreConfigError,
+    StreamReader,
     TensorMismatchError,
+    Verify,
     WaitTimeoutError,
+    check_consumer_id,
+    write_heartbeat,
 )
-from deltasync.history.gc import check_consumer_id, write_heartbeat
-from deltasync.stages.apply import Verify
 
 log = logging.getLogger(__name__)
 

@@ -49,9 +49,9 @@ from deltasync import (
     EngineError,
     StepNotFoundError,
     StreamReader,
+    add_checksums,
 )
 
-from .apply import add
 from .layout import checkpoint_layout
 from .prefetch import Prefetcher, Prepared, prepare
 from .state import Mode, WorkerState, anchor_patches, build_state, checksums, rollback, stage, write
@@ -256,11 +256,11 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         else:
             parts = sums
         gathered = _all_gather(parts)
-        bad = [n for n in parts if add(*(g[n] for g in gathered)) != int(h.tensors[n].checksum, 16)]
+        bad = [n for n in parts if add_checksums(*(g[n] for g in gathered)) != int(h.tensors[n].checksum, 16)]
         if bad:
             rollback(state)
             n = bad[0]
-            got = add(*(g[n] for g in gathered))
+            got = add_checksums(*(g[n] for g in gathered))
             raise ChecksumMismatchError(
                 f"{prepared.where}: the engine's weights do not match the trainer's after step {prepared.step} "
                 f"({len(bad)} tensor(s), first {n!r}: expected {h.tensors[n].checksum}, engine has 0x{got:016x}); "

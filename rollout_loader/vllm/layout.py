@@ -17,17 +17,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from deltasync import DTYPES  # safetensors dtype names (as in docs/FORMAT.md) -> torch dtypes
 from rollout_loader.routing import ParamSpec, RoutingError, RoutingTable, Shard, build_routing_table, packed_resolver
 
 Shapes = dict[str, list[int]]
 Dtypes = dict[str, torch.dtype]
 
-# safetensors dtype names (docs/FORMAT.md uses the same) -> torch dtypes
-DTYPES: dict[str, torch.dtype] = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
 
 
 def safetensors_files(path: str | Path) -> list[Path]:

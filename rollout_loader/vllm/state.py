@@ -25,10 +25,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from deltasync import StepHeader, TensorMismatchError
+from deltasync import StepHeader, TensorMismatchError, checksum_elements, xor_apply
 from rollout_loader.routing import Route, RoutingError, RoutingTable
-
-from .apply import MASK64, SIGNED, checksum_part, int_bits, xor_into
 from .layout import Dtypes, Shapes, build_table, own_params, param_owners, read_checkpoint
 from .live_cpu import LIVE_ENV, module_kind
 
@@ -38,8 +36,15 @@ Mode = Literal["auto", "live", "reload"]
 Reload = Callable[[list[tuple[str, torch.Tensor]]], None]
 RawPatch = tuple[str, "np.ndarray | torch.Tensor | None", "np.ndarray | torch.Tensor"]
 _CHUNK = 1 << 20
+MASK64 = (1 << 64) - 1
+SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # vLLM logs these on every partial reload, for each layer it was not asked to reload
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace", "vllm.model_executor.model_loader.reload.layerwise")
+
+
+def int_bits(t: torch.Tensor) -> torch.Tensor:
+    """A flat signed-integer view of a contiguous tensor's bits (same storage)."""
+    return t.reshape(-1).view(SIGNED[t.element_size()])
 
 
 class PatchError(TensorMismatchError):
@@ -75,7 +80,7 @@ class WorkerState:
     targets: dict[str, Target]
     host: dict[str, torch.Tensor] = field(default_factory=dict)  # checkpoint tensors of reloaded modules
     feeds: dict[str, tuple[str, ...]] = field(default_factory=dict)  # reloaded module -> checkpoint names
-    undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    undo: list[tuple[torch.Tensor, Staged]] = field(default_factory=list)  # (bits, what was XORed in)
     undo_modules: set[str] = field(default_factory=set)
     # this rank's part of each tensor's checksum, kept current by every write (incremental verification)
     sums: dict[str, int] = field(default_factory=dict)
@@ -239,14 +244,14 @@ def write(state: WorkerState, staged: Sequence[Staged]) -> dict[str, int]:
     """
     state.undo, state.undo_modules, state.undo_sums = [], set(), {}  # a failed write leaves nothing to undo
     sums = {s.name: part(state, s.name) for s in staged}
-    undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    undo: list[tuple[torch.Tensor, Staged]] = []
     modules: set[str] = set()
     try:
         with torch.inference_mode():
             for s in staged:
                 target = state.targets[s.name]
-                old, delta = xor_into(target.bits, s.idx, s.x, s.hf_idx)
-                undo.append((target.bits, s.idx, old))
+                delta = xor_apply(target.bits, s.idx, s.x, index=s.hf_idx)  # checks, then writes; read back
+                undo.append((target.bits, s))
                 modules.update(target.modules)
                 if target.route.owner:
                     sums[s.name] = (sums[s.name] + delta) & MASK64
@@ -290,7 +295,7 @@ def checksums(state: WorkerState, names: Iterable[str] | None = None) -> dict[st
         for box in chunks(target.route):
             hf_idx = box.hf_indices()
             bits = target.bits[hf_idx] if target.host else target.bits[box.param_indices()]
-            total += checksum_part(bits, hf_idx)
+            total += checksum_elements(bits, hf_idx)
         out[name] = total & MASK64
     state.sums.update(out)  # exact for the bits as they are now: the base of incremental verification
     return out
@@ -336,10 +341,11 @@ def sync_kernels(state: WorkerState, modules: set[str]) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
-def _restore(state: WorkerState, undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], modules: set[str]) -> None:
+def _restore(state: WorkerState, undo: list[tuple[torch.Tensor, Staged]], modules: set[str]) -> None:
+    """XOR the same patches in again: XOR undoes itself, so the bits are exactly the previous ones."""
     with torch.inference_mode():
-        for bits, idx, old in reversed(undo):
-            bits[idx] = old
+        for bits, s in reversed(undo):
+            xor_apply(bits, s.idx, s.x, index=s.hf_idx, checksum=False)
     sync_kernels(state, modules)
 
 
