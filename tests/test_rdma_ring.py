@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import queue
 import signal
 import time
 import uuid
@@ -68,7 +69,12 @@ def trainer_peer(address: str, url: str, steps: list[int], opts: dict[str, Any],
 
     from deltasync.publish.publisher import DeltaPublisher
     from deltasync.rdma.agent import Agent
-    from deltasync.rdma.controller import PartMeta, TensorMeta, TrainerHello, TrainerLink
+    from deltasync.rdma.controller import (
+        PartMeta,
+        TensorMeta,
+        TrainerHello,
+        TrainerLink,
+    )
     from deltasync.rdma.outbox import Outbox
 
     state = _model()
@@ -112,7 +118,6 @@ def consumer_peer(address: str, url: str, cid: str, engine: str, steps: list[int
     from deltasync.rdma.agent import Agent, RdmaError, StaleMetadataError
     from deltasync.rdma.controller import ConsumerHello, ConsumerLink
     from deltasync.rdma.inbox import Inbox
-
     from deltasync.store import Store
 
     agent = Agent(f"{cid}-{uuid.uuid4().hex[:8]}")
@@ -205,7 +210,7 @@ class Run:
                                      f"exit codes {[p.exitcode for p in self.procs]}")
             try:
                 name, item = self.out.get(timeout=min(left, 1.0))
-            except Exception:  # noqa: BLE001 - queue.Empty
+            except queue.Empty:
                 continue
             self.got.setdefault(name, []).append(item)
 
@@ -326,3 +331,56 @@ def test_restarted_trainer_consumer_refetches_metadata(run):
     record = r.wait("c0", _is_list)
     assert record == [(1, "rdma", ""), (2, "rdma", ""), (3, "rdma-refetched", "StaleMetadataError"), (4, "rdma", "")]
     assert r.wait("trainer")["agent"] != old
+
+
+def overwriting_peer(out: Any, stop: Any) -> None:
+    """A one-slot ring rewritten as fast as it goes, alternating two blobs, each offer announced on ``out``."""
+    from deltasync.rdma.agent import Agent
+    from deltasync.rdma.outbox import Outbox
+
+    agent = Agent(f"writer-{uuid.uuid4().hex[:8]}")
+    outbox = Outbox(agent, slots=1, slot_bytes=1 << 20, chunk_bytes=64 << 10)
+    out.put(("layout", (outbox.layout(), agent.metadata())))
+    step = 0
+    while not stop.is_set():
+        step += 1
+        out.put(("info", outbox.offer(step, _blob(step))))
+        time.sleep(0.05 if step % 10 == 0 else 0.001)  # now and then a pause long enough to read whole
+    agent.close()
+
+
+def _blob(step: int) -> bytes:
+    return bytes([step % 2 * 255]) * (512 << 10)
+
+
+def test_slot_overwritten_while_read_is_detected(run, tmp_path):
+    """Every read returns the announced step's exact bytes or raises StaleSlotError; never a mix."""
+    from deltasync.rdma.agent import Agent, StaleSlotError
+    from deltasync.rdma.inbox import Inbox
+
+    r = run(consumers=0)
+    r._start(overwriting_peer, r.out, r.stop)
+    layout, metadata = r.wait("layout")
+    with Agent(f"reader-{uuid.uuid4().hex[:8]}") as agent:
+        inbox = Inbox(agent, capacity_bytes=1 << 20)
+        inbox.connect(layout, metadata)
+        first = r.wait("info")
+        while r.wait("info").step < first.step + 2:
+            pass
+        with pytest.raises(StaleSlotError, match="overwritten"):  # announced, then overwritten before the read
+            inbox.read(first)
+        good = stale = 0
+        for _ in range(5000):
+            if good >= 5 and stale >= 5:
+                break
+            r.got["info"] = r.got.get("info", [])[-1:]  # only the newest announcement matters
+            info = r.wait("info")
+            try:
+                data = inbox.read(info)
+            except StaleSlotError:
+                stale += 1
+                continue
+            assert bytes(data) == _blob(info.step), f"step {info.step}: bytes of another step returned"
+            good += 1
+        inbox.close()
+    assert good >= 5 and stale >= 5

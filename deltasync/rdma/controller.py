@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from typing import Annotated, Union
+from typing import Annotated
 
 import msgspec
 import zmq
@@ -29,7 +29,14 @@ import zmq
 from deltasync.errors import ConfigError, FormatError, ScheduleError
 from deltasync.rdma.agent import RdmaError, RdmaTimeoutError
 from deltasync.rdma.outbox import AgentName, RingLayout, SlotInfo, Step
-from deltasync.rdma.schedule import Consumer, Part, Schedule, TensorInfo, TrainerRank, plan
+from deltasync.rdma.schedule import (
+    Consumer,
+    Part,
+    Schedule,
+    TensorInfo,
+    TrainerRank,
+    plan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +131,8 @@ class Refused(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     reason: Annotated[str, msgspec.Meta(max_length=2000)]
 
 
-ToController = Union[TrainerHello, ConsumerHello, StepReady, Applied, MetadataRequest]
-ToPeer = Union[TrainerPlan, ConsumerPlan, RankMetadata, StepReady, EngineVersion, Refused]
+ToController = TrainerHello | ConsumerHello | StepReady | Applied | MetadataRequest
+ToPeer = TrainerPlan | ConsumerPlan | RankMetadata | StepReady | EngineVersion | Refused
 _encoder = msgspec.msgpack.Encoder()
 _to_controller = msgspec.msgpack.Decoder(ToController)
 _to_peer = msgspec.msgpack.Decoder(ToPeer)

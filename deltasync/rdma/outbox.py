@@ -38,7 +38,7 @@ ACK = re.compile(rb"ds-ack (\d{1,19}) (\d{1,4}) (\d{1,19})")
 
 # fields come from peers (hostile): the controller decodes them with these bounds
 AgentName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
-U64 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 64) - 1)]
+U64 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # msgspec bounds fit an int64
 Step = Annotated[int, msgspec.Meta(ge=0, le=10**12 - 1)]
 SlotIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
 Sha256 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
@@ -57,7 +57,7 @@ class RingLayout(msgspec.Struct, frozen=True, kw_only=True):
 
     def check(self, where: str) -> None:
         """Raise :class:`RdmaError` unless the numbers describe a ring a consumer can read."""
-        if self.slot_bytes % self.chunk_bytes or self.addr + self.slots * self.slot_bytes >= 1 << 64:
+        if self.slot_bytes % self.chunk_bytes or self.addr + self.slots * self.slot_bytes >= 1 << 63:
             raise RdmaError(f"{where}: invalid ring layout {self!r}")
 
 
@@ -143,7 +143,7 @@ class Outbox:
                     log.warning("%s: ignoring an unexpected notification from %r (%d bytes)", self.agent.name, sender,
                                 len(message))
                     continue
-                step, slot, generation = map(int, m.groups())
+                _step, slot, generation = map(int, m.groups())
                 if slot < len(self._slots) and self._slots[slot].generation == generation:
                     self._slots[slot].waiting.discard(sender)
 
