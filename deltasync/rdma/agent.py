@@ -47,7 +47,7 @@ class StaleMetadataError(RdmaError):
 
 def _nixl() -> Any:
     try:
-        from nixl import _api  # noqa: PLC0415 - optional dependency, loaded on first use
+        from nixl import _api
     except ImportError as e:
         raise MissingDependencyError(f"the RDMA fast path needs NIXL ({e}); install it with {INSTALL_HINT}") from None
     return _api

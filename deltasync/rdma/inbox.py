@@ -18,7 +18,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deltasync.rdma.agent import Agent, PreparedSide, RdmaError, Region, StaleMetadataError, StaleSlotError
+from deltasync.rdma.agent import (
+    Agent,
+    PreparedSide,
+    RdmaError,
+    Region,
+    StaleMetadataError,
+    StaleSlotError,
+)
 from deltasync.rdma.outbox import HEADER, RingLayout, SlotInfo
 
 log = logging.getLogger(__name__)
