@@ -106,3 +106,30 @@ class EngineConfigError(EngineError):
 class ScheduleError(ConfigError):
     """A static transfer schedule cannot be made: a consumer needs a tensor no trainer rank holds, or trainer
     ranks describe one tensor inconsistently (gaps, overlaps, different shapes)."""
+
+class RdmaError(StoreError):
+    """The RDMA fast path could not deliver a step; the caller reads it from the object store instead."""
+
+
+class RdmaTimeoutError(RdmaError, TimeoutError):
+    """A transfer or an announcement did not complete in time (a dead peer, a lost notification)."""
+
+
+class StaleSlotError(RdmaError):
+    """A ring slot was overwritten before or while it was read (generation, length or SHA-256 differ)."""
+
+
+class StaleMetadataError(RdmaError):
+    """An announcement names a trainer agent this consumer has no metadata for (the trainer restarted)."""
+
+
+class RingFullError(RdmaError):
+    """An object does not fit a slot: this step goes through the object store only."""
+
+
+class ControlMessageError(FormatError):
+    """A control message is not one this protocol knows (too large, not msgpack, wrong fields or ranges)."""
+
+
+class ControlRefusedError(ConfigError):
+    """The controller refused a registration or request (unknown peer, inconsistent metadata, no plan)."""

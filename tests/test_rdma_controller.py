@@ -11,8 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from deltasync.errors import ConfigError, FormatError
-from deltasync.rdma.agent import RdmaTimeoutError
+from deltasync.errors import ConfigError, FormatError, RdmaTimeoutError
 from deltasync.rdma.controller import (
     MAX_MESSAGE_BYTES,
     ConsumerHello,

@@ -115,7 +115,8 @@ def consumer_peer(address: str, url: str, cid: str, engine: str, steps: list[int
                   out: Any) -> None:
     """Follow ``steps``: over NIXL when possible, from the store otherwise; report how each step arrived."""
     from deltasync.format.objects import StepObject
-    from deltasync.rdma.agent import Agent, RdmaError, StaleMetadataError
+    from deltasync.errors import RdmaError, StaleMetadataError
+    from deltasync.rdma.agent import Agent
     from deltasync.rdma.controller import ConsumerHello, ConsumerLink
     from deltasync.rdma.inbox import Inbox
     from deltasync.store import Store

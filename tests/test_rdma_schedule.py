@@ -4,6 +4,7 @@ properties computed here from the inputs, not with the planner's own helpers."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -36,7 +37,7 @@ def _check_exact_cover(tensors, trainers, consumers, schedule):
         for name, ranges in got.items():
             ranges.sort()
             assert ranges[0][0] == 0 and ranges[-1][1] == tensors[name].numel
-            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), f"{name}: {ranges}"
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), f"{name}: {ranges}"
 
 
 def test_replicated_tensors_are_balanced_across_ranks():
@@ -83,7 +84,7 @@ def test_random_layouts_cover_exactly(seed):
     for name, info in tensors.items():
         cuts = sorted(rng.sample(range(1, info.numel), min(info.numel - 1, rng.randint(0, 3)))) if info.numel > 1 else []
         edges = [0, *cuts, info.numel]
-        for a, b in zip(edges, edges[1:]):
+        for a, b in itertools.pairwise(edges):
             for r in rng.sample(range(ranks), rng.randint(1, ranks)):  # replicated on 1..ranks ranks
                 parts[r].append(Part(name, a, b))
     trainers = [TrainerRank(r, f"t{r}", tuple(ps)) for r, ps in parts.items()]

@@ -18,8 +18,13 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from typing_extensions import Self
 
-from deltasync.errors import MissingDependencyError, StoreError
+from deltasync.errors import (
+    MissingDependencyError,
+    RdmaError,
+    RdmaTimeoutError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -29,20 +34,12 @@ MemType = Literal["DRAM", "VRAM"]
 
 # These belong in deltasync/errors.py (asked of the lead); they subclass StoreError because the caller's answer
 # to each is the same as to a store hiccup: read this step from the object store instead.
-class RdmaError(StoreError):
-    """The RDMA fast path could not deliver a step; the caller reads it from the object store instead."""
 
 
-class RdmaTimeoutError(RdmaError, TimeoutError):
-    """A transfer or an announcement did not complete in time (a dead peer, a lost notification)."""
 
 
-class StaleSlotError(RdmaError):
-    """A ring slot was overwritten before or while it was read (generation, length or SHA-256 differ)."""
 
 
-class StaleMetadataError(RdmaError):
-    """An announcement names a trainer agent this consumer has no metadata for (the trainer restarted)."""
 
 
 def _nixl() -> Any:
@@ -197,7 +194,7 @@ class Agent:
                 log.debug("%s: deregistering memory: %s", self.name, e)
         self._registered.clear()
 
-    def __enter__(self) -> Agent:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

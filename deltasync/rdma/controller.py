@@ -25,9 +25,15 @@ from typing import Annotated
 
 import msgspec
 import zmq
+from typing_extensions import Self
 
-from deltasync.errors import ConfigError, FormatError, ScheduleError
-from deltasync.rdma.agent import RdmaError, RdmaTimeoutError
+from deltasync.errors import (
+    ControlMessageError,
+    ControlRefusedError,
+    RdmaError,
+    RdmaTimeoutError,
+    ScheduleError,
+)
 from deltasync.rdma.outbox import AgentName, RingLayout, SlotInfo, Step
 from deltasync.rdma.schedule import (
     Consumer,
@@ -49,12 +55,8 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 42)]
 Metadata = Annotated[bytes, msgspec.Meta(min_length=1, max_length=8 << 20)]
 
 
-class ControlMessageError(FormatError):
-    """A control message is not one this protocol knows (too large, not msgpack, wrong fields or ranges)."""
 
 
-class ControlRefusedError(ConfigError):
-    """The controller refused a registration or request (unknown peer, inconsistent metadata, no plan)."""
 
 
 # --- messages: peers -> controller ---
@@ -185,7 +187,7 @@ class Controller:
         self._sock.close()
         self._ctx.term()
 
-    def __enter__(self) -> Controller:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -355,7 +357,7 @@ class _Link:
         self._sock.close()
         self._ctx.term()
 
-    def __enter__(self) -> _Link:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

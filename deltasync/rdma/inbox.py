@@ -18,14 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deltasync.rdma.agent import (
-    Agent,
-    PreparedSide,
-    RdmaError,
-    Region,
-    StaleMetadataError,
-    StaleSlotError,
-)
+from deltasync.errors import RdmaError, StaleMetadataError, StaleSlotError
+from deltasync.rdma.agent import Agent, PreparedSide, Region
 from deltasync.rdma.outbox import HEADER, RingLayout, SlotInfo
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,8 @@ import msgspec
 import numpy as np
 import torch
 
-from deltasync.rdma.agent import Agent, MemType, RdmaError
+from deltasync.errors import RdmaError, RingFullError
+from deltasync.rdma.agent import Agent, MemType
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,6 @@ class SlotInfo(msgspec.Struct, frozen=True, kw_only=True):
         return b"ds-ack %d %d %d" % (self.step, self.slot, self.generation)
 
 
-class RingFullError(RdmaError):
-    """An object does not fit a slot: this step goes through the object store only."""
 
 
 @dataclass
