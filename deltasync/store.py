@@ -1,10 +1,11 @@
-"""A step-addressed stream on any store URL (docs/FORMAT.md section 5): layout, commit, writer lease.
+"""A step-addressed stream on any store URL (docs/FORMAT.md section 5): layout, commit, retries.
 
 Commit protocol: the object first (under a name no other attempt uses), then the manifest, written
 create-only (it is the commit marker: a committed step is never replaced), then the ``latest.json`` hint.
-Before the manifest the writer proves it still holds the lease. Readers only see steps whose manifest
-exists, and check each object's size and SHA-256 before parsing it. Every document read back is
-validated (``documents.py``).
+Before the manifest the writer proves it still holds the lease (lease.py). Readers only see steps whose
+manifest exists, and check each object's size and SHA-256 before parsing it. Every document read back is
+validated (``documents.py``). All bytes move through one ``Transport`` (deltasync/transports), chosen by
+the URL's scheme; this module knows keys, never a backend.
 """
 
 from __future__ import annotations
@@ -12,27 +13,19 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import random
 import re
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
-
-import fsspec
+from typing import Any, TypeVar, Union
 
 from deltasync.errors import (
     CorruptObjectError,
+    DeltaSyncError,
     FormatError,
-    MissingDependencyError,
     StepExistsError,
     StepNotFoundError,
-    StoreAuthError,
-    StoreConfigError,
     StoreError,
-    StoreUnreachableError,
     StreamNotFoundError,
-    WriterConflictError,
 )
 from deltasync.format.documents import (
     MAX_DOCUMENT_BYTES,
@@ -45,14 +38,11 @@ from deltasync.format.documents import (
     decode,
     encode,
 )
+from deltasync.lease import WRITER, WriterLease  # noqa: F401 - WRITER: the lease's name in the layout
+from deltasync.retries import Retrying
 from deltasync.scratch import ObjectCache, plain_name
-from deltasync.transports import (
-    LocalTransport,
-    StoreFailure,
-    classify_failure,
-    transient_errors,
-    transport_for,
-)
+from deltasync.transports import Transport, classify_failure, open_transport, scheme_of
+from deltasync.transports.base import Entry
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +53,8 @@ _STEP_DIR = re.compile(r"^(\d{12})$")
 MANIFEST = "manifest.json"
 LATEST = "latest.json"
 STREAM = "stream.json"
-WRITER = "writer.json"
+ObjectData = Union[bytes, bytearray, memoryview, str, Path]
+"""A step's object: its bytes in memory, or a local file (``str``/``Path``) that is streamed."""
 
 
 def step_dir(step: int) -> str:
@@ -76,13 +67,15 @@ def sha256_file(path: str | Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-class Store:
-    """A stream of steps under one fsspec URL (``file://``/plain path, ``s3://``, ``memory://``, ...).
+class Store(Retrying):
+    """A stream of steps under one URL: a local path or ``file://``, ``s3://``, ``hf://buckets/…``,
+    ``memory://``, any fsspec URL, or a scheme a registered transport takes (deltasync.transports).
 
-    ``storage_options`` go to fsspec (credentials, endpoint, region). Remote objects are downloaded into
-    ``cache_dir`` (a temporary folder by default) before they are opened; local ones are read in place.
+    ``storage_options`` go to the transport (credentials, endpoint, region). Remote objects are downloaded
+    into ``cache_dir`` (a temporary folder by default) before they are opened; local ones are read in place.
     Transient errors are retried ``retries`` times with exponential backoff and jitter, for ``retry_max_s`` at
     most; errors that retrying cannot mend (credentials, a wrong endpoint, an unknown option) fail at once.
+    ``transport`` gives an already opened transport instead of opening one for ``url``.
     """
 
     def __init__(
@@ -94,44 +87,48 @@ class Store:
         retries: int = 4,
         retry_base_s: float = 0.2,
         retry_max_s: float = 60.0,
+        transport: Transport | None = None,
     ) -> None:
         self.url = url
-        self.protocol = fsspec.core.split_protocol(url)[0] or "file"
+        self.protocol = scheme_of(url) or "file"
         options = dict(storage_options or {})
         self._option_names = frozenset(options)
-        config = options.get("config_kwargs", {})
-        if self.protocol in ("s3", "s3a") and isinstance(config, dict):
-            # unless told otherwise: a connect that has not succeeded in 2 s will not (botocore waits 60 s, five
-            # times), and one attempt per request in botocore, since call() retries (and bounds the time)
-            config = {"connect_timeout": 2, **config, "retries": dict(config.get("retries", {"max_attempts": 1}))}
-            options["config_kwargs"] = config
-        where = f"cannot open store {url!r}"
-        try:
-            self.fs, self.root = fsspec.core.url_to_fs(url, **options)
-        except ImportError as e:
-            extra = {"s3": "s3", "s3a": "s3", "hf": "hf"}.get(self.protocol)
-            raise MissingDependencyError(f"{where}: {e}" + (f" (pip install 'deltasync[{extra}]')" if extra else "")) from e
-        except TypeError as e:  # a filesystem that checks its options at once
-            failure = classify_failure(e, self._option_names)
-            if failure is None:
-                raise
-            raise self._refusal(failure, "open it") from e
-        except ValueError as e:
-            raise StoreError(f"{where}: {e}") from e
-        self.root = self.root.rstrip("/")
-        try:
-            self.transport = transport_for(self.fs, self.root, options)
-        except ImportError as e:
-            raise MissingDependencyError(f"{where}: {e} (pip install 'deltasync[hf]')") from e
-        self.is_local = isinstance(self.transport, LocalTransport)
-        self._transient = transient_errors()
+        self.transport = transport if transport is not None else self._open(url, options)
+        self.root = self.transport.root or url
+        self.is_local = self.transport.capabilities.local_files
         self._answered = False  # has the store ever answered? (then a failed connect is an outage, not a wrong URL)
         self.retries = retries
         self.retry_base_s = retry_base_s
         self.retry_max_s = retry_max_s
         self._cache_dir = Path(cache_dir) if cache_dir else None
-        self._leases: dict[str, tuple[Lease, float]] = {}  # owner -> (lease as last written, its lifetime)
-        self._tmp: str | None = None
+        self._lease = WriterLease(self)
+
+    def _open(self, url: str, options: dict[str, Any]) -> Transport:
+        """The URL's transport; a storage option the backend refuses at once is a ``StoreConfigError``."""
+        try:
+            return open_transport(url, options)
+        except DeltaSyncError:
+            raise
+        except TypeError as e:  # a backend that checks its options at once
+            failure = classify_failure(e, self._option_names)
+            if failure is None:
+                raise
+            raise self._refusal(failure, "open it") from e
+        except ValueError as e:
+            raise StoreError(f"cannot open store {url!r}: {e}") from e
+
+    @property
+    def fs(self) -> Any:
+        """An fsspec filesystem on which ``self.path(...)`` names this stream's objects, where there is one
+        (kept for older callers: ``read_range``, ``list`` and ``transport`` work on every backend)."""
+        fs = getattr(self.transport, "fs", None)
+        if fs is None and self.is_local:
+            import fsspec
+
+            fs = fsspec.filesystem("file")
+        if fs is None:
+            raise AttributeError(f"{self.url}: the {type(self.transport).__name__} has no fsspec filesystem")
+        return fs
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -139,7 +136,8 @@ class Store:
     # --- paths ---
 
     def path(self, *parts: str) -> str:
-        return "/".join([self.root, *parts])
+        """Where ``parts`` are, in the backend's words (a file path for a local store): for messages."""
+        return "/".join([self.root.rstrip("/"), *parts])
 
     @property
     def cache_dir(self) -> Path:
@@ -184,79 +182,25 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _fresh(self) -> fsspec.AbstractFileSystem:
-        """The filesystem with its listing cache dropped: other processes write this stream."""
-        self.fs.invalidate_cache()
-        return self.fs
-
-    # --- retries ---
-
-    def call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run one store operation, retrying transient errors ``retries`` times and ``retry_max_s`` at most.
-
-        Never retried: a definite answer (``FileNotFoundError``, ``FileExistsError``); missing or refused
-        credentials (``StoreAuthError``); a storage option the backend does not take (``StoreConfigError``);
-        an endpoint that cannot be connected to while the store has never answered (``StoreUnreachableError``:
-        a wrong endpoint fails in seconds, while an outage of a store that did answer is retried).
-        """
-        started = time.monotonic()
-        for attempt in range(self.retries + 1):
-            try:
-                result = fn()
-            except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError):
-                self._answered = True
-                raise
-            except Exception as e:
-                failure = classify_failure(e, self._option_names)
-                if failure is not None and not (failure.kind == "unreachable" and self._answered):
-                    raise self._refusal(failure, what) from e
-                if not isinstance(e, self._transient):
-                    raise
-                delay = self.retry_base_s * 2**attempt * (0.5 + random.random())
-                spent = time.monotonic() - started
-                if attempt == self.retries or spent + delay > self.retry_max_s:
-                    raise StoreError(f"{self.url}: {what} failed after {attempt + 1} attempts in {spent:.1f}s: {e}") from e
-                log.warning("%s: %s failed (%s); retrying in %.2fs", self.url, what, str(e), delay)
-                time.sleep(delay)
-            else:
-                self._answered = True
-                return result
-        raise AssertionError("unreachable")
-
-    def _refusal(self, failure: StoreFailure, what: str) -> Exception:
-        """The error a user sees for a failure that retrying cannot mend: what, why, and what to check."""
-        detail = " ".join(failure.detail.split())  # one line, whatever the backend wrote
-        hint = failure.hint(self.protocol)
-        if failure.kind == "no_credentials":
-            return StoreAuthError(f"{self.url}: {what}: no credentials found ({detail}); {hint}")
-        if failure.kind == "auth":
-            return StoreAuthError(f"{self.url}: {what}: access refused ({detail}); {hint}")
-        if failure.kind == "unreachable":
-            return StoreUnreachableError(f"{self.url}: {what}: cannot connect to the store ({detail}); {hint}")
-        if failure.kind == "not_found":
-            return FileNotFoundError(f"{self.url}: {detail}")
-        return StoreConfigError(
-            f"{self.url}: storage option {detail!r} is not one the {self.protocol!r} filesystem takes "
-            f"(options given: {', '.join(sorted(self._option_names))}); check its spelling"
-        )
-
-    # --- small JSON objects ---
+    # --- objects by key (relative to the stream's URL) ---
 
     def read_bytes(self, rel: str, *, max_bytes: int | None = None) -> bytes:
         """An object's bytes; with ``max_bytes``, at most ``max_bytes + 1`` are fetched (a ranged read), so
         that an oversized object from a hostile store costs no more than that."""
-        path = self.path(rel)
-        if max_bytes is None:
-            return self.call(f"read {rel}", lambda: self.fs.cat_file(path))
-        return self.call(f"read {rel}", lambda: self.fs.cat_file(path, start=0, end=max_bytes + 1))
+        end = None if max_bytes is None else max_bytes + 1
+        return self.call(f"read {rel}", lambda: self.transport.get(rel, end=end))
 
-    def write_bytes(self, rel: str, data: bytes, *, if_absent: bool = False) -> None:
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of an object (fewer where it ends sooner)."""
+        return self.call(f"read {rel} bytes {start}..{end}", lambda: self.transport.get(rel, start=start, end=end))
+
+    def write_bytes(self, rel: str, data: bytes | bytearray | memoryview, *, if_absent: bool = False) -> None:
         """Write a whole object so that readers see either the old or the new content.
 
         ``if_absent``: never replace an existing object (``FileExistsError``; atomic where the backend
-        allows, ``transport.atomic_conditions``).
+        allows, ``transport.capabilities.create_only``).
         """
-        self.call(f"write {rel}", lambda: self.transport.put_bytes(data, self.path(rel), if_absent=if_absent))
+        self.call(f"write {rel}", lambda: self.transport.put(rel, data, if_absent=if_absent))
 
     def write_many(self, items: list[tuple[bytes, str]]) -> None:
         """Write small objects in order (the order is what makes a commit)."""
@@ -268,42 +212,40 @@ class Store:
         return decode(self.read_bytes(rel, max_bytes=MAX_DOCUMENT_BYTES), kind, where=f"{self.url}/{rel}")
 
     def exists(self, rel: str) -> bool:
-        return self.call(f"check {rel}", lambda: self._fresh().exists(self.path(rel)))
+        """Whether ``rel`` is an object or a folder holding one."""
+        return self.call(f"check {rel}", lambda: self.transport.exists(rel))
+
+    def list(self, prefix: str = "") -> list[Entry]:
+        """Every object under the folder ``prefix`` (keys relative to the stream), [] where there is none."""
+        try:
+            return self.call(f"list {prefix or 'the stream'}", lambda: self.transport.list(prefix))
+        except FileNotFoundError:
+            return []
 
     def delete(self, rel: str, *, recursive: bool = False) -> None:
-        def _rm() -> None:
-            try:
-                self.fs.rm(self.path(rel), recursive=recursive)
-            except FileNotFoundError:
-                pass
-
-        self.call(f"delete {rel}", _rm)
+        """Delete an object (with ``recursive``, everything under the folder ``rel``); absent is fine."""
+        if recursive:
+            self.call(f"delete {rel}", lambda: self.transport.delete_tree(rel))
+        else:
+            self.call(f"delete {rel}", lambda: self.transport.delete(rel))
 
     # --- steps ---
 
     def step_folders(self) -> list[int]:
         """Every step folder holding any object, committed or not (empty folders do not count)."""
-        try:
-            found = self.call("list step objects", lambda: self._fresh().find(self.path("steps")))
-        except FileNotFoundError:
-            return []
         out = set()
-        prefix = self.path("steps") + "/"
-        for p in found:
-            m = _STEP_DIR.match(p[len(prefix) :].split("/", 1)[0]) if p.startswith(prefix) else None
+        for e in self.list("steps"):
+            m = _STEP_DIR.match(e.key.split("/")[1]) if e.key.count("/") >= 2 else None
             if m:
                 out.add(int(m.group(1)))
         return sorted(out)
 
     def steps(self) -> list[int]:
         """Committed steps (those with a manifest), ascending."""
-        try:
-            found = self.call("list manifests", lambda: self._fresh().glob(self.path("steps", "*", MANIFEST)))
-        except FileNotFoundError:
-            return []
         out = []
-        for p in found:
-            m = _STEP_DIR.match(p.rstrip("/").rsplit("/", 2)[-2])
+        for e in self.list("steps"):
+            parts = e.key.split("/")
+            m = _STEP_DIR.match(parts[1]) if len(parts) == 3 and parts[2] == MANIFEST else None
             if m:
                 out.append(int(m.group(1)))
         return sorted(out)
@@ -348,6 +290,10 @@ class Store:
         near = ", ".join(str(s) for s in ([below[-1]] if below else []) + ([above[0]] if above else []))
         return f" (nearest committed: {near}; stream holds {steps[0]}..{steps[-1]})"
 
+    def _object_key(self, manifest: Manifest) -> str:
+        """The key of the step's object; its name comes from a store, so it must be a plain file name."""
+        return f"{step_dir(manifest.step)}/{plain_name(manifest.object, where=f'{self.url} step {manifest.step}')}"
+
     def fetch_object(self, manifest: Manifest, *, hold: bool = False) -> Path:
         """A local path to the step's object, checked against the manifest's size and SHA-256.
 
@@ -355,22 +301,21 @@ class Store:
         object stays there until ``release_object`` (``StreamReader.open`` holds it while it is open);
         without, until the cache's byte cap or ``close()`` removes it.
         """
-        rel = f"{step_dir(manifest.step)}/{manifest.object}"
+        rel = self._object_key(manifest)
         where = f"{self.url} step {manifest.step} object {manifest.object}"
-        if self.is_local:
-            plain_name(manifest.object, where=f"{self.url} step {manifest.step}")
-            path = Path(self.path(rel))
-            if not path.exists():
+        local = self.transport.local_path(rel) if self.is_local else None
+        if local is not None:
+            if not local.exists():
                 raise self._missing(manifest, where)
-            self._check_object(path, manifest, where)
-            return path
+            self._check_object(local, manifest, where)
+            return local
         name = self._cache_name(manifest)
         cache = self.object_cache
         with cache.filling(name) as path:
             if not (path.exists() and path.stat().st_size == manifest.object_bytes):
                 part = path.with_name(f"{name}.part")
                 try:
-                    self.call(f"download {rel}", lambda: self.transport.get_file(self.path(rel), part))
+                    self.call(f"download {rel}", lambda: self.transport.get_file(rel, part))
                     os.replace(part, path)
                 except FileNotFoundError:
                     part.unlink(missing_ok=True)
@@ -385,6 +330,27 @@ class Store:
                 raise
             cache.add(name, hold=hold)
         return path
+
+    def read_object(self, manifest: Manifest) -> bytes:
+        """The step's object in memory, checked against the manifest's size and SHA-256 (no cache, no file).
+
+        At most ``object_bytes + 1`` bytes are fetched: an oversized object costs no more than that.
+        """
+        rel = self._object_key(manifest)
+        where = f"{self.url} step {manifest.step} object {manifest.object}"
+        try:
+            data = self.call(f"read {rel}", lambda: self.transport.get(rel, end=manifest.object_bytes + 1))
+        except FileNotFoundError:
+            raise self._missing(manifest, where) from None
+        if len(data) != manifest.object_bytes:
+            raise CorruptObjectError(
+                f"{where}: {'more than ' if len(data) > manifest.object_bytes else ''}{len(data)} bytes, "
+                f"manifest says {manifest.object_bytes} (truncated or replaced)"
+            )
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != manifest.object_sha256:
+            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {manifest.object_sha256[:16]}…")
+        return data
 
     def _missing(self, manifest: Manifest, where: str) -> StepNotFoundError | CorruptObjectError:
         """The error for an object that is not there: its step was collected meanwhile (no manifest either),
@@ -402,20 +368,33 @@ class Store:
         if digest != manifest.object_sha256:
             raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {manifest.object_sha256[:16]}…")
 
-    def commit(self, manifest: Manifest, local_object: str | Path, *, owner: str | None = None) -> None:
+    def put_object(self, manifest: Manifest, data: ObjectData) -> None:
+        """Upload the step's object (not a commit: ``commit`` writes the manifest after it).
+
+        ``data``: the object's bytes (``bytes``, ``memoryview``, ...), or a local file (``str``/``Path``),
+        streamed, and consumed on a local store (moved into place). Its size must be the manifest's.
+        """
+        source = Path(data) if isinstance(data, (str, Path)) else data
+        size = source.stat().st_size if isinstance(source, Path) else memoryview(source).nbytes
+        if size != manifest.object_bytes:
+            raise CorruptObjectError(
+                f"{self.url} step {manifest.step}: the object to upload has {size} bytes, its manifest says {manifest.object_bytes}"
+            )
+        rel = self._object_key(manifest)
+        self.call(f"upload {rel}", lambda: self.transport.put(rel, source))
+
+    def commit(self, manifest: Manifest, data: ObjectData, *, owner: str | None = None) -> None:
         """Publish one step: object, then manifest (the commit, create-only), then the latest hint.
 
         With ``owner``, the writer's lease is checked right before the manifest is written (and renewed if it
         ran out meanwhile): a writer that lost the stream commits nothing (``WriterConflictError``). A step
         that is already committed is never replaced (``StepExistsError``), whoever committed it.
-        ``local_object`` may be consumed (moved into place on a local store).
+        ``data`` is the object's bytes or a local file (``put_object``; a file may be consumed).
         """
-        d = step_dir(manifest.step)
-        manifest_rel = f"{d}/{MANIFEST}"
+        manifest_rel = f"{step_dir(manifest.step)}/{MANIFEST}"
         if self.exists(manifest_rel):  # saves an upload; the create-only write below is what guarantees it
             raise StepExistsError(f"{self.url}: step {manifest.step} is already committed; a committed step is never replaced")
-        target = self.path(d, manifest.object)
-        self.call(f"upload {d}/{manifest.object}", lambda: self.transport.move_in(Path(local_object), target))
+        self.put_object(manifest, data)
         if owner is not None:
             self.hold_lease(owner)
         try:
@@ -444,8 +423,7 @@ class Store:
         if self.exists(STREAM) or self.exists("steps"):
             return
         try:  # what is there instead helps to spot a wrong prefix
-            found = self.call("list the location", lambda: self._fresh().ls(self.root, detail=False))
-            names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found)
+            names = self.call("list the location", lambda: self.transport.children(""))
             more = f" and {len(names) - 5} more" if len(names) > 5 else ""
             there = f"it holds {', '.join(names[:5])}{more}" if names else "it is empty"
         except FileNotFoundError:
@@ -465,100 +443,38 @@ class Store:
                 info = self.stream_info() or info
         return info
 
-    # --- the writer lease (one publisher per stream) ---
-
-    def _read_lease(self) -> tuple[Lease | None, str | None]:
-        """The lease and its version tag (for compare-and-swap), or (None, None) where there is none.
-
-        A lease that does not parse counts as held by an unknown writer: taking it needs ``take_over``.
-        """
-        path = self.path(WRITER)
-        try:
-            data, version = self.call(f"read {WRITER}", lambda: self.transport.get_versioned(path))
-        except FileNotFoundError:
-            return None, None
-        try:
-            return decode(data, Lease, where=f"{self.url}/{WRITER}"), version
-        except FormatError as e:
-            log.warning("%s", str(e))
-            return Lease(owner="(unreadable writer.json)", expires_unix_s=float("inf")), version
+    # --- the writer lease (one publisher per stream): lease.py ---
 
     def lease(self) -> Lease | None:
-        return self._read_lease()[0]
-
-    def _write_lease(self, lease: Lease, version: str | None) -> None:
-        """Replace the lease if it is still at ``version`` (None: if there is none): a compare-and-swap."""
-        data = encode(lease)
-        path = self.path(WRITER)
-        try:
-            self.call(f"write {WRITER}", lambda: self.transport.put_bytes(
-                data, path, if_absent=version is None, if_version=version))
-        except FileExistsError:
-            held = self.lease()
-            raise WriterConflictError(
-                f"{self.url}: writer {held.owner if held else None!r} took the stream at the same time as {lease.owner!r}"
-            ) from None
+        """The stream's lease as stored now, or None."""
+        return self._lease.current()
 
     def acquire_lease(self, owner: str, *, ttl_s: float, take_over: bool = False) -> Lease:
         """Become the stream's only writer, or raise ``WriterConflictError`` naming the holder.
 
-        The lease is written with a compare-and-swap on what was read (atomic on local folders and S3): of
-        two writers racing for a stream, one wins. Also creates the stream (``stream.json``) if needed.
+        The lease is written with a compare-and-swap on what was read (atomic where the transport's
+        capabilities say so): of two writers racing for a stream, one wins. Also creates the stream
+        (``stream.json``) if needed.
         """
-        held, version = self._read_lease()
-        now = time.time()
-        if held and held.owner != owner and held.expires_unix_s > now and not take_over:
-            left = "" if held.expires_unix_s == float("inf") else f" for {held.expires_unix_s - now:.0f}s more"
-            raise WriterConflictError(
-                f"{self.url}: stream is held by writer {held.owner!r}{left}; "
-                f"stop it, wait for its lease to expire, or take over explicitly (take_over=True, CLI --take-over)"
-            )
-        if held and held.owner != owner:
-            log.warning("%s: taking the stream over from writer %r", self.url, held.owner)
-        lease = Lease(owner=owner, expires_unix_s=now + ttl_s)
-        self._write_lease(lease, version)
-        self._leases[owner] = (lease, ttl_s)
+        lease = self._lease.acquire(owner, ttl_s=ttl_s, take_over=take_over)
         self.create_stream()
         return lease
 
     def renew_lease(self, owner: str, *, ttl_s: float) -> Lease:
         """Extend ``owner``'s lease (compare-and-swap: fails if anybody else wrote it meanwhile)."""
-        held, version = self._read_lease()
-        if held is None or held.owner != owner:
-            raise WriterConflictError(
-                f"{self.url}: writer {owner!r} lost the stream to {held.owner if held else 'nobody (lease deleted)'!r}"
-            )
-        lease = Lease(owner=owner, expires_unix_s=time.time() + ttl_s)
-        self._write_lease(lease, version)
-        self._leases[owner] = (lease, ttl_s)
-        return lease
+        return self._lease.renew(owner, ttl_s=ttl_s)
 
     def check_lease(self, owner: str) -> None:
         """Raise ``WriterConflictError`` unless ``owner`` holds the stream (one read)."""
-        held = self.lease()
-        if held is None or held.owner != owner:
-            raise WriterConflictError(
-                f"{self.url}: writer {owner!r} lost the stream to {held.owner if held else 'nobody (lease deleted)'!r}"
-            )
+        self._lease.check(owner)
 
     def hold_lease(self, owner: str) -> None:
-        """Prove that ``owner`` holds the stream now: a read, plus a renewal (compare-and-swap) when its lease
-        has less than a third of its lifetime left or ran out (nobody may take a live lease without
-        ``take_over``; an expired one could be taken at any moment)."""
-        held = self.lease()
-        if held is None or held.owner != owner:
-            raise WriterConflictError(
-                f"{self.url}: writer {owner!r} lost the stream to {held.owner if held else 'nobody (lease deleted)'!r}"
-            )
-        _, ttl_s = self._leases.get(owner, (None, 120.0))
-        if held.expires_unix_s - time.time() < ttl_s / 3:
-            self.renew_lease(owner, ttl_s=ttl_s)
+        """Prove that ``owner`` holds the stream now, renewing a lease that ran low (``WriterLease.hold``)."""
+        self._lease.hold(owner)
 
     def release_lease(self, owner: str) -> None:
-        held = self.lease()
-        if held is not None and held.owner == owner:
-            self.delete(WRITER)
-        self._leases.pop(owner, None)
+        """Give the stream up (the lease is deleted if ``owner`` still holds it)."""
+        self._lease.release(owner)
 
     def remove_uncommitted(self, *, newer_than: int | None = None, older_than_s: float | None = None) -> list[int]:
         """Delete what no committed step names: step folders without a manifest (a writer died before its
@@ -568,18 +484,15 @@ class Store:
         ``older_than_s``: only files at least that old (a writer that just lost the stream may still be
         finishing an upload there; its late manifest must not point at nothing).
         """
-        try:
-            infos = self.call("list step objects", lambda: self._fresh().find(self.path("steps"), detail=True))
-        except FileNotFoundError:
-            return []
-        prefix = self.path("steps") + "/"
         folders: dict[int, dict[str, float]] = {}  # step -> {file name: age in seconds}
         now = time.time()
-        for path, info in infos.items():
-            rest = path[len(prefix):] if path.startswith(prefix) else ""
+        for entry in self.list("steps"):
+            rest = entry.key[len("steps/"):]
             m = _STEP_DIR.match(rest.split("/", 1)[0])
             if m and "/" in rest:
-                folders.setdefault(int(m.group(1)), {})[rest.split("/", 1)[1]] = now - _mtime(info)
+                # a backend that reports no time: "now", so that the file counts as young (never deleted on a guess)
+                written = entry.mtime_unix_s if entry.mtime_unix_s is not None else now
+                folders.setdefault(int(m.group(1)), {})[rest.split("/", 1)[1]] = now - written
         young = (lambda age: False) if older_than_s is None else (lambda age: age < older_than_s)
         removed = []
         for s, files in sorted(folders.items()):
@@ -600,11 +513,3 @@ class Store:
             log.info("%s: removed uncommitted step folders %s", self.url, removed)
         return removed
 
-
-def _mtime(info: dict[str, Any]) -> float:
-    """When a listed file was last written (unix seconds), from whatever the backend reports; "now" when it
-    reports nothing usable, so that the file counts as young (never deleted on a guess)."""
-    t = info.get("mtime") or info.get("LastModified") or info.get("last_modified") or info.get("created")
-    if hasattr(t, "timestamp"):
-        t = t.timestamp()
-    return float(t) if isinstance(t, (int, float)) else time.time()

@@ -1,14 +1,27 @@
-"""A conformance suite every store backend must pass: subclass ``StoreContract`` and give ``make_url``."""
+"""A conformance suite every store backend must pass: subclass ``StoreContract`` and give ``make_url``.
+
+It runs through ``Store`` and the store's ``Transport`` (deltasync/transports/base.py): the primitives'
+semantics first (keys, ranges, listings, conditions), then everything a stream needs on top of them.
+Expected values are written out here, not computed by the code under test.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
 import uuid
+from pathlib import Path
 
 import pytest
 
 from deltasync import DeltaPublisher, StreamReader
-from deltasync.errors import CorruptObjectError, StepNotFoundError
+from deltasync.errors import (
+    CorruptObjectError,
+    StepExistsError,
+    StepNotFoundError,
+    WriterConflictError,
+)
 from deltasync.format.documents import ManifestStats
 from deltasync.store import Manifest, Store, step_dir
 from tests.conftest import perturb, states_equal
@@ -36,6 +49,116 @@ class StoreContract:
                 pub.publish(s)
                 truth.append({k: v.clone() for k, v in state.items()})
         return truth
+
+    # --- the transport's primitives ---
+
+    def test_put_get_list_delete(self, url, tmp_path):
+        t = self.store(url).transport
+        assert t.list() == [] and t.list("steps") == [] and not t.exists("steps")
+        t.put("a/one.bin", b"0123456789")
+        t.put("a/b/two.bin", memoryview(bytearray(b"xy")))
+        local = tmp_path / "three.bin"
+        local.write_bytes(b"from a file")
+        t.put("three.bin", local)
+        assert t.get("a/one.bin") == b"0123456789" and t.get("three.bin") == b"from a file"
+        assert t.get("a/one.bin", start=2, end=5) == b"234" and t.get("a/one.bin", end=100) == b"0123456789"
+        assert t.get("a/one.bin", start=7) == b"789"
+        assert sorted((e.key, e.size) for e in t.list()) == [("a/b/two.bin", 2), ("a/one.bin", 10), ("three.bin", 11)]
+        assert sorted(e.key for e in t.list("a")) == ["a/b/two.bin", "a/one.bin"] == sorted(e.key for e in t.list("a/"))
+        assert [e.key for e in t.list("a/b")] == ["a/b/two.bin"] and t.list("nothing") == []
+        assert t.children() == ["a", "three.bin"] and t.children("a") == ["b", "one.bin"]
+        assert t.exists("a") and t.exists("a/one.bin") and t.exists("a/b") and not t.exists("a/o")
+        with pytest.raises(FileNotFoundError):
+            t.get("a/missing.bin")
+        out = tmp_path / "downloaded"
+        t.get_file("a/b/two.bin", out)
+        assert out.read_bytes() == b"xy"
+        with pytest.raises(FileNotFoundError):
+            t.get_file("a/missing.bin", tmp_path / "never")
+        t.delete("three.bin")
+        t.delete("three.bin")  # absent: nothing happens
+        t.delete_tree("a")
+        assert t.list() == [] and not t.exists("a/one.bin")
+
+    def test_create_only_and_compare_and_swap(self, url):
+        t = self.store(url).transport
+        t.put("doc.json", b"first", if_absent=True)
+        with pytest.raises(FileExistsError):
+            t.put("doc.json", b"second", if_absent=True)
+        data, v1 = t.get_versioned("doc.json")
+        assert data == b"first"
+        t.put("doc.json", b"third", if_version=v1)
+        data, v3 = t.get_versioned("doc.json")
+        assert data == b"third" and v3 != v1
+        with pytest.raises(FileExistsError):  # still at v1? no: somebody wrote it meanwhile
+            t.put("doc.json", b"stale writer", if_version=v1)
+        assert t.get("doc.json") == b"third"
+        with pytest.raises(FileNotFoundError):
+            t.get_versioned("none.json")
+
+    def test_create_only_races_have_one_winner(self, url):
+        t = self.store(url).transport
+        if not t.capabilities.create_only:
+            pytest.skip(f"{type(t).__name__}: create-only is a check then a write")
+        won, lost = [], []
+        start = threading.Barrier(6)
+
+        def race(i: int) -> None:
+            start.wait()
+            try:
+                self.store(url).transport.put("manifest.json", f"writer {i}".encode(), if_absent=True)
+                won.append(i)
+            except FileExistsError:
+                lost.append(i)
+
+        threads = [threading.Thread(target=race, args=(i,)) for i in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert len(won) == 1 and len(lost) == 5 and t.get("manifest.json") == f"writer {won[0]}".encode()
+
+    def test_keys_stay_inside_the_store(self, url):
+        t = self.store(url).transport
+        for key in ("../escape", "a/../../b", "/abs", "a//b"):
+            with pytest.raises(ValueError, match="not a store key"):
+                t.put(key, b"x")
+
+    # --- the stream on top ---
+
+    def test_commit_from_bytes_and_read_back_as_bytes(self, url, tmp_path):
+        store = self.store(url)
+        data = b"an object's bytes " * 1000
+        m = _manifest(3, data)
+        store.commit(m, memoryview(data))
+        assert store.steps() == [3] and store.manifest(3) == m
+        assert store.read_object(m) == data and Path(store.fetch_object(m)).read_bytes() == data
+        with pytest.raises(StepExistsError, match="never replaced"):
+            store.commit(m, data)
+        with pytest.raises(CorruptObjectError, match="manifest says"):
+            store.put_object(_manifest(4, data), data[:-1])
+        store.write_bytes(f"{step_dir(3)}/{m.object}", data + b"!")
+        with pytest.raises(CorruptObjectError, match="more than"):
+            store.read_object(m)
+        store.write_bytes(f"{step_dir(3)}/{m.object}", data[:-1] + b"!")
+        with pytest.raises(CorruptObjectError, match="SHA-256"):
+            store.read_object(m)
+        store.delete(f"{step_dir(3)}/{m.object}")
+        with pytest.raises(CorruptObjectError, match="missing"):
+            store.read_object(m)
+        store.close()
+
+    def test_lease_is_one_writer_at_a_time(self, url):
+        a, b = self.store(url), self.store(url)
+        a.acquire_lease("writer-a", ttl_s=60)
+        with pytest.raises(WriterConflictError, match="held by writer 'writer-a'"):
+            b.acquire_lease("writer-b", ttl_s=60)
+        b.acquire_lease("writer-b", ttl_s=60, take_over=True)
+        with pytest.raises(WriterConflictError, match="lost the stream to 'writer-b'"):
+            a.hold_lease("writer-a")
+        b.hold_lease("writer-b")
+        b.release_lease("writer-b")
+        assert a.lease() is None and a.stream_info() is not None
 
     def test_empty_stream(self, url):
         store = self.store(url)
@@ -69,7 +192,7 @@ class StoreContract:
         store.write_bytes(f"{step_dir(2)}/delta.safetensors", b"half-written")
         assert store.remove_uncommitted(older_than_s=3600) == []  # young: their writer may still be at work
         assert store.remove_uncommitted(older_than_s=0) == [2]
-        names = sorted(p.rsplit("/", 1)[-1] for p in store.fs.find(store.path(step_dir(1))))
+        names = sorted(e.key.rsplit("/", 1)[-1] for e in store.list(step_dir(1)))
         assert names == sorted(["manifest.json", store.manifest(1).object])
         assert states_equal(StreamReader(self.store(url)).state_dict(1), truth[1])
 
@@ -105,6 +228,12 @@ class StoreContract:
         assert store.manifest(7) == m and store.steps() == [7]
 
 
+def _manifest(step: int, data: bytes) -> Manifest:
+    digest = hashlib.sha256(data).hexdigest()
+    return Manifest(step=step, base_step=None, kind="anchor", object=f"anchor-{digest[:16]}.safetensors",
+                    object_bytes=len(data), object_sha256=digest, state_checksum="0" * 64, created_unix_s=1.0)
+
+
 class TestLocalStore(StoreContract):
     def make_url(self, tmp_path) -> str:
         return str(tmp_path / "stream")
@@ -118,3 +247,13 @@ class TestFileUrlStore(StoreContract):
 class TestMemoryStore(StoreContract):
     def make_url(self, tmp_path) -> str:
         return f"memory://deltasync-test-{uuid.uuid4().hex}"
+
+
+class TestFsspecStore(StoreContract):
+    """The generic fsspec transport (fsspec.py), on a local folder behind a protocol deltasync has no module for."""
+
+    def make_url(self, tmp_path) -> str:
+        from tests.remote_cli import register, remote_url
+
+        register()
+        return remote_url(tmp_path / "stream")

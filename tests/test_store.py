@@ -1,6 +1,6 @@
 """The store contract on the backends that need no server (S3 runs it in tests/integration)."""
 
-from tests.store_contract import TestFileUrlStore, TestLocalStore, TestMemoryStore  # noqa: F401
+from tests.store_contract import TestFileUrlStore, TestFsspecStore, TestLocalStore, TestMemoryStore  # noqa: F401
 
 import pytest
 

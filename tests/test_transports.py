@@ -1,80 +1,154 @@
-"""Backend-specific calls. The HF bucket API has no emulator: a recording fake checks how it is called;
-tests/integration/test_hf_bucket.py runs the full store contract on the real Hub when a token is set."""
+"""The transport registry (deltasync/transports/__init__.py) and what each built-in backend adds.
+
+The store contract (tests/store_contract.py) runs on every backend; here: which backend a URL gets, that
+backends load lazily, that a missing package names its extra, and the memory backend's notifications.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import subprocess
+import sys
+import textwrap
+import uuid
 
 import pytest
 
-from deltasync.errors import CorruptObjectError, StoreError
+from deltasync.errors import (
+    CorruptObjectError,
+    MissingDependencyError,
+    StoreConfigError,
+)
 from deltasync.store import Manifest, Store, sha256_file
-from deltasync.transports import FsspecTransport, HfBucketTransport, LocalTransport, transient_errors
+from deltasync.transports import (
+    FsspecTransport,
+    LocalTransport,
+    MemoryTransport,
+    open_transport,
+    register_transport,
+    transient_errors,
+    unregister_transport,
+)
 
 
-class FakeBucketApi:
-    """Records calls; keeps files in a dict like a bucket would."""
+def test_backends_are_chosen_by_scheme(tmp_path):
+    from tests.remote_cli import register, remote_url
 
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-        self.files: dict[str, bytes] = {}
-
-    def batch_bucket_files(self, bucket_id, *, add=None, copy=None, delete=None, token=None):
-        self.calls.append(("batch", bucket_id, [(type(src).__name__, dest) for src, dest in add or []]))
-        for src, dest in add or []:
-            self.files[dest] = src if isinstance(src, bytes) else Path(src).read_bytes()
-
-    def download_bucket_files(self, bucket_id, files, *, raise_on_missing_files=False, token=None):
-        from huggingface_hub.errors import EntryNotFoundError
-
-        self.calls.append(("download", bucket_id, [r for r, _ in files], raise_on_missing_files))
-        for remote, local in files:
-            if remote not in self.files:
-                if raise_on_missing_files:
-                    raise EntryNotFoundError(f"1 file(s) not found in bucket '{bucket_id}': {remote}")
-                continue
-            Path(local).write_bytes(self.files[remote])
+    assert type(Store(str(tmp_path)).transport) is LocalTransport
+    assert type(Store(f"file://{tmp_path}").transport) is LocalTransport
+    assert type(Store("memory://x").transport) is MemoryTransport
+    register()
+    assert type(Store(remote_url(tmp_path)).transport) is FsspecTransport  # a protocol only fsspec knows
+    local = Store(str(tmp_path)).transport.capabilities
+    assert local.create_only and local.compare_and_swap and local.local_files and not local.notify
 
 
-class NoCacheFs:
-    def invalidate_cache(self, path=None):
-        pass
+def test_s3_urls_get_the_s3_transport():
+    pytest.importorskip("s3fs")
+    from deltasync.transports import S3Transport
+
+    t = open_transport("s3://bucket/some/prefix", {"key": "a", "secret": "b", "endpoint_url": "http://127.0.0.1:1"})
+    assert type(t) is S3Transport and t.root == "bucket/some/prefix"
+    assert t.capabilities.create_only and t.capabilities.compare_and_swap
 
 
-@pytest.fixture
-def bucket():
-    t = HfBucketTransport(NoCacheFs(), "buckets/team/runs/run-7", {})
-    t.api = FakeBucketApi()
-    return t
+def test_unknown_scheme_names_the_url_and_the_ways_to_add_one():
+    with pytest.raises(StoreConfigError, match="nosuch://x.*no transport for scheme 'nosuch'.*register_transport"):
+        Store("nosuch://x")
 
 
-def test_bucket_url_is_parsed():
-    with pytest.raises(StoreError, match="hf://buckets/<namespace>/<name>"):
-        HfBucketTransport(NoCacheFs(), "buckets/only-namespace", {})
+def test_registered_scheme_wins_and_can_be_forgotten(tmp_path):
+    opened = []
+
+    def factory(url, options):
+        opened.append((url, options))
+        return LocalTransport(tmp_path / url.split("://", 1)[1])
+
+    scheme = f"t{uuid.uuid4().hex[:8]}"
+    register_transport(scheme, factory)
+    try:
+        store = Store(f"{scheme}://here", storage_options={"token": "x"})
+        assert opened == [(f"{scheme}://here", {"token": "x"})] and store.transport.root == str(tmp_path / "here")
+        register_transport(scheme, lambda url, options: pytest.fail("replace=False keeps the first"), replace=False)
+        Store(f"{scheme}://again")
+    finally:
+        unregister_transport(scheme)
+    with pytest.raises(StoreConfigError):
+        Store(f"{scheme}://here")
 
 
-def test_objects_upload_from_files_in_their_own_batch(bucket, tmp_path):
-    obj = tmp_path / "delta.safetensors"
-    obj.write_bytes(b"x" * 100)
-    bucket.move_in(obj, "buckets/team/runs/run-7/steps/000000000003/delta.safetensors")
-    bucket.put_bytes(b"{}", "buckets/team/runs/run-7/steps/000000000003/manifest.json")
-    bucket.put_bytes(b"{}", "buckets/team/runs/run-7/latest.json")
-    assert bucket.api.calls == [
-        ("batch", "team/runs", [("str", "run-7/steps/000000000003/delta.safetensors")]),  # from a file, not bytes
-        ("batch", "team/runs", [("bytes", "run-7/steps/000000000003/manifest.json")]),  # the commit, after
-        ("batch", "team/runs", [("bytes", "run-7/latest.json")]),
-    ]
+def test_a_factory_needing_a_missing_package_says_which():
+    def factory(url, options):
+        import deltasync_no_such_package  # noqa: F401
+
+    scheme = f"t{uuid.uuid4().hex[:8]}"
+    register_transport(scheme, factory)
+    try:
+        with pytest.raises(MissingDependencyError, match="'deltasync_no_such_package' is not installed"):
+            Store(f"{scheme}://x")
+    finally:
+        unregister_transport(scheme)
 
 
-def test_downloads_never_skip_a_missing_file(bucket, tmp_path):
-    bucket.api.files["run-7/a"] = b"data"
-    bucket.get_file("buckets/team/runs/run-7/a", tmp_path / "a")
-    assert (tmp_path / "a").read_bytes() == b"data"
-    with pytest.raises(FileNotFoundError):
-        bucket.get_file("buckets/team/runs/run-7/missing", tmp_path / "m")
-    assert all(call[3] is True for call in bucket.api.calls if call[0] == "download")
-    with pytest.raises(StoreError, match="outside bucket"):
-        bucket.move_in(tmp_path / "a", "buckets/other/bucket/x")
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+
+
+def test_importing_deltasync_imports_no_backend_package(tmp_path):
+    r = _run(f"""
+        import sys
+        import deltasync
+        from deltasync.store import Store
+        Store({str(tmp_path)!r}).steps()
+        Store("memory://x").steps()
+        print(sorted(m for m in ("s3fs", "huggingface_hub", "botocore", "aiobotocore") if m in sys.modules))
+        """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("package", "url", "extra"), [("s3fs", "s3://bucket/run", "s3"), ("huggingface_hub", "hf://buckets/a/b/run", "hf")]
+)
+def test_a_missing_package_names_the_extra(package, url, extra):
+    r = _run(f"""
+        import sys
+        sys.modules[{package!r}] = None  # as if it were not installed
+        from deltasync.errors import MissingDependencyError
+        from deltasync.store import Store
+        try:
+            Store({url!r})
+        except MissingDependencyError as e:
+            print("MissingDependencyError", e)
+        """)
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip()
+    assert line.startswith(f"MissingDependencyError cannot open store {url!r}: the package {package!r} is not installed")
+    assert f"pip install 'deltasync[{extra}]'" in line
+
+
+def test_memory_transport_notifies_subscribers():
+    name = f"notify-{uuid.uuid4().hex}"
+    writer, reader = open_transport(f"memory://{name}"), open_transport(f"memory://{name}/steps")
+    assert reader.capabilities.notify
+    heard: list[str] = []
+    stop = reader.subscribe("", heard.append)
+    writer.put("steps/000000000001/manifest.json", b"{}")
+    writer.put("latest.json", b"{}")  # not under the subscriber's folder
+    open_transport(f"memory://{name}-other").put("steps/x", b"{}")  # another stream with a longer name
+    stop()
+    writer.put("steps/000000000002/manifest.json", b"{}")
+    assert heard == ["000000000001/manifest.json"]
+    writer.delete_tree("")
+
+
+def test_transports_without_notification_say_so(tmp_path):
+    with pytest.raises(NotImplementedError, match="poll"):
+        open_transport(str(tmp_path)).subscribe("", print)
+
+
+def test_transient_errors_include_http_clients():
+    names = {e.__name__ for e in transient_errors()}
+    assert {"OSError", "ConnectionError", "HTTPClientError"} <= names
 
 
 def test_a_missing_object_of_a_committed_step_is_corrupt_not_skipped(tmp_path):
@@ -86,18 +160,4 @@ def test_a_missing_object_of_a_committed_step_is_corrupt_not_skipped(tmp_path):
     store.write_bytes("steps/000000000001/manifest.json", m.to_json().encode())
     with pytest.raises(CorruptObjectError, match="missing, though the step is committed"):
         store.fetch_object(m)
-
-
-def test_backends_are_chosen_by_protocol(tmp_path):
-    assert isinstance(Store(str(tmp_path)).transport, LocalTransport)
-    assert isinstance(Store("memory://x").transport, FsspecTransport)
-
-
-def test_transient_errors_include_http_clients():
-    names = {e.__name__ for e in transient_errors()}
-    assert {"OSError", "ConnectionError", "HTTPClientError"} <= names
-
-
-def test_hf_bucket_urls_get_the_bucket_transport():
-    store = Store("hf://buckets/team/runs/run-7")
-    assert isinstance(store.transport, HfBucketTransport) and store.transport.bucket_id == "team/runs"
+    store.delete("", recursive=True)

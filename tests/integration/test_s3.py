@@ -70,16 +70,16 @@ def test_server_outage_mid_upload_then_restart(private_s3_server):  # noqa: F811
         opts = server.storage_options
         store = Store(url, storage_options=opts, retries=8, retry_base_s=0.5)
         outage = threading.Event()
-        original = store.transport.move_in
+        original = store.transport.put
 
-        def move_in(local, path):
-            if "/000000000003/" in path and not outage.is_set():
+        def put(key, data, **conditions):
+            if key.startswith("steps/000000000003/") and key.endswith(".safetensors") and not outage.is_set():
                 outage.set()
                 server.stop(crash=True)  # the server dies during this upload
                 restart.start()
-            return original(local, path)
+            return original(key, data, **conditions)
 
-        store.transport.move_in = move_in
+        store.transport.put = put
         target = StateDictTarget()
         follower = Follower(url, target, poll_s=0.2, storage_options=opts)
         with DeltaPublisher(store, _state(0), on_backlog="block") as pub:

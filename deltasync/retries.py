@@ -1,0 +1,84 @@
+"""Retries for store operations: transient failures retried with capped exponential backoff and jitter,
+failures that retrying cannot mend (credentials, a wrong endpoint, an unknown option) refused at once with
+what to check (``transports.failures`` tells them apart)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from deltasync.errors import (
+    StoreAuthError,
+    StoreConfigError,
+    StoreError,
+    StoreUnreachableError,
+)
+from deltasync.transports import StoreFailure, classify_failure, is_transient
+
+log = logging.getLogger("deltasync.store")
+
+T = TypeVar("T")
+
+
+class Retrying:
+    """What ``Store`` runs every transport call through (``call``); it sets the attributes below."""
+
+    url: str
+    protocol: str
+    retries: int
+    retry_base_s: float
+    retry_max_s: float
+    _option_names: frozenset[str]
+    _answered: bool  # has the store ever answered? (then a failed connect is an outage, not a wrong URL)
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run one store operation, retrying transient errors ``retries`` times and ``retry_max_s`` at most.
+
+        Never retried: a definite answer (``FileNotFoundError``, ``FileExistsError``); missing or refused
+        credentials (``StoreAuthError``); a storage option the backend does not take (``StoreConfigError``);
+        an endpoint that cannot be connected to while the store has never answered (``StoreUnreachableError``:
+        a wrong endpoint fails in seconds, while an outage of a store that did answer is retried).
+        """
+        started = time.monotonic()
+        for attempt in range(self.retries + 1):
+            try:
+                result = fn()
+            except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError):
+                self._answered = True
+                raise
+            except Exception as e:
+                failure = classify_failure(e, self._option_names)
+                if failure is not None and not (failure.kind == "unreachable" and self._answered):
+                    raise self._refusal(failure, what) from e
+                if not is_transient(e):
+                    raise
+                delay = self.retry_base_s * 2**attempt * (0.5 + random.random())
+                spent = time.monotonic() - started
+                if attempt == self.retries or spent + delay > self.retry_max_s:
+                    raise StoreError(f"{self.url}: {what} failed after {attempt + 1} attempts in {spent:.1f}s: {e}") from e
+                log.warning("%s: %s failed (%s); retrying in %.2fs", self.url, what, str(e), delay)
+                time.sleep(delay)
+            else:
+                self._answered = True
+                return result
+        raise AssertionError("unreachable")
+
+    def _refusal(self, failure: StoreFailure, what: str) -> Exception:
+        """The error a user sees for a failure that retrying cannot mend: what, why, and what to check."""
+        detail = " ".join(failure.detail.split())  # one line, whatever the backend wrote
+        hint = failure.hint(self.protocol)
+        if failure.kind == "no_credentials":
+            return StoreAuthError(f"{self.url}: {what}: no credentials found ({detail}); {hint}")
+        if failure.kind == "auth":
+            return StoreAuthError(f"{self.url}: {what}: access refused ({detail}); {hint}")
+        if failure.kind == "unreachable":
+            return StoreUnreachableError(f"{self.url}: {what}: cannot connect to the store ({detail}); {hint}")
+        if failure.kind == "not_found":
+            return FileNotFoundError(f"{self.url}: {detail}")
+        return StoreConfigError(
+            f"{self.url}: storage option {detail!r} is not one the {self.protocol!r} filesystem takes "
+            f"(options given: {', '.join(sorted(self._option_names))}); check its spelling"
+        )

@@ -1,0 +1,85 @@
+"""S3 and S3-compatible servers (``s3://bucket/prefix``) through s3fs, with S3's conditional writes.
+
+``If-None-Match: *`` makes a create-only write atomic, ``If-Match: <ETag>`` a compare-and-swap; AWS S3 and
+SeaweedFS honour both (tests/integration). Large objects go through s3fs: multipart, concurrent, streamed
+from disk. Needs the ``s3`` extra (s3fs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fsspec
+import s3fs  # noqa: F401 - imported here so that a missing package names the extra (deltasync[s3])
+
+from deltasync.transports.base import Capabilities, Data, read_data
+from deltasync.transports.fsspec import FsspecTransport
+
+
+class S3Transport(FsspecTransport):
+    """Objects under ``bucket/prefix`` of an ``s3fs.S3FileSystem``."""
+
+    capabilities = Capabilities(create_only=True, compare_and_swap=True)
+
+    def put(self, key: str, data: Data, *, if_absent: bool = False, if_version: str | None = None) -> None:
+        if not (if_absent or if_version is not None):
+            super().put(key, data)
+            return
+        path = self.path(key)
+        bucket, s3_key, _ = self.fs.split_path(path)
+        condition = {"IfNoneMatch": "*"} if if_absent else {"IfMatch": if_version}
+        body = read_data(data)  # conditional writes are small documents: one PutObject
+        self._call("put_object", Bucket=bucket, Key=s3_key, Body=bytes(body), **condition)
+        self.fs.invalidate_cache(path)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        bucket, s3_key, _ = self.fs.split_path(self.path(key))
+
+        async def get() -> tuple[bytes, str]:
+            reply = await self._client_call("get_object", Bucket=bucket, Key=s3_key)
+            async with reply["Body"] as body:
+                return await body.read(), reply["ETag"]
+
+        return self._sync(get)
+
+    def _call(self, method: str, **kwargs: Any) -> Any:
+        return self._sync(lambda: self._client_call(method, **kwargs))
+
+    async def _client_call(self, method: str, **kwargs: Any) -> Any:
+        await self.fs.set_session()
+        client = await self.fs.get_s3(kwargs.get("Bucket"))
+        return await getattr(client, method)(**kwargs)
+
+    def _sync(self, make: Any) -> Any:
+        """Run a coroutine on s3fs's loop; S3's answers become the builtin errors the store understands."""
+        from botocore.exceptions import ClientError
+        from s3fs.errors import translate_boto_error
+
+        async def run() -> Any:
+            return await make()
+
+        try:
+            return fsspec.asyn.sync(self.fs.loop, run)
+        except ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                raise FileExistsError(f"condition failed: {code or status}") from None
+            raise translate_boto_error(e) from e
+
+
+def s3_options(storage_options: dict[str, Any]) -> dict[str, Any]:
+    """The options with deltasync's defaults for botocore: unless told otherwise, a connect that has not
+    succeeded in 2 s will not (botocore waits 60 s, five times), and one attempt per request, since
+    ``Store.call`` retries (and bounds the time). The caller's dict is not changed."""
+    options = dict(storage_options)
+    config = options.get("config_kwargs", {})
+    if isinstance(config, dict):
+        options["config_kwargs"] = {"connect_timeout": 2, **config, "retries": dict(config.get("retries", {"max_attempts": 1}))}
+    return options
+
+
+def open_s3(url: str, storage_options: dict[str, Any]) -> S3Transport:
+    """``s3://bucket/prefix`` (``s3a://`` too); storage options go to s3fs (key, secret, endpoint_url, ...)."""
+    fs, root = fsspec.core.url_to_fs(url, **s3_options(storage_options))
+    return S3Transport(fs, root)
