@@ -295,8 +295,10 @@ def test_killed_consumer_frees_its_slot_by_deadline(run):
     assert r.wait("healthy", _is_list) == [(s, "rdma", "") for s in steps]
     report = r.wait("trainer")
     assert report["offered"] == steps and trainer.is_alive()
-    # the victim acknowledged step 1 (its reads of slot 0), never step 2: that slot was freed by its deadline
-    assert [(s, [a.split("-")[0] for a in who]) for s, who in report["expired"]] == [(2, ["victim"])]
+    # the victim stopped acknowledging when it died: the slots it held were freed by their deadline (which
+    # steps depends on when the kill landed), and nobody else's acknowledgement ever expired
+    expired = [(s, [a.split("-")[0] for a in who]) for s, who in report["expired"]]
+    assert expired and all(who == ["victim"] for _, who in expired), expired
 
 
 def test_lost_announcements_and_a_missing_acknowledgement_fall_back(run):
@@ -356,7 +358,8 @@ def _blob(step: int) -> bytes:
 
 def test_slot_overwritten_while_read_is_detected(run, tmp_path):
     """Every read returns the announced step's exact bytes or raises StaleSlotError; never a mix."""
-    from deltasync.rdma.agent import Agent, StaleSlotError
+    from deltasync.errors import StaleSlotError
+    from deltasync.rdma.agent import Agent
     from deltasync.rdma.inbox import Inbox
 
     r = run(consumers=0)
