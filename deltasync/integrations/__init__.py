@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from deltasync.integrations.metrics import metrics_for_logs
-from deltasync.integrations.names import canonical_name, canonical_names
+from deltasync.publish.names import canonical_name, canonical_names
 
 if TYPE_CHECKING:
     from deltasync.integrations.transformers import DeltaSyncCallback

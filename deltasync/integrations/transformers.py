@@ -22,7 +22,7 @@ import torch
 
 from deltasync.errors import ConfigError, MissingDependencyError
 from deltasync.integrations.metrics import PREFIX, metrics_for_logs
-from deltasync.integrations.names import NameMap, canonical_names
+from deltasync.publish.names import NameMap
 from deltasync.publish.publisher import DeltaPublisher
 
 try:
@@ -34,7 +34,7 @@ try:
     )
 except ImportError as e:  # pragma: no cover - exercised only where transformers is missing
     raise MissingDependencyError(
-        f"DeltaSyncCallback needs transformers and accelerate: pip install 'transformers>=4.51' accelerate ({e})"
+        f"DeltaSyncCallback needs transformers and accelerate: pip install 'deltasync[trainer]' ({e})"
     ) from e
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class DeltaSyncCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         self.close()  # a second train() call starts a new publisher on the same stream
-        self.publisher = DeltaPublisher(self.url, lambda: canonical_names(model.state_dict(), self.names), **self.publisher_kwargs)
+        self.publisher = DeltaPublisher(self.url, model, names=self.names, **self.publisher_kwargs)
         committed = self.publisher.last_committed_step
         if committed is not None and committed > state.global_step:
             self.close()

@@ -42,6 +42,7 @@ from deltasync.history.checkpoints import (
     collect_model_files,
     write_model_files,
 )
+from deltasync.publish.names import NameMap, canonical_names
 from deltasync.scratch import ScratchFolder
 from deltasync.stages.diff import Snapshot, SnapshotDevice
 from deltasync.store import Manifest, Store, sha256_file
@@ -93,9 +94,10 @@ class _Job:
     capture_s: float = 0.0
 
 
-def named_tensors(source: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The trainer's tensors by name, and aliases (names sharing storage with an earlier name, e.g. tied
-    embeddings), which are published once under their first name.
+def named_tensors(source: Any, names: NameMap | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The trainer's tensors by canonical name (wrapper prefixes such as DDP's ``module.`` removed, then
+    ``names`` applied), and aliases (names sharing storage with an earlier name, e.g. tied embeddings),
+    which are published once under their first name.
     """
     if isinstance(source, torch.nn.Module):
         sd = source.state_dict()
@@ -103,6 +105,7 @@ def named_tensors(source: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]
         sd = source()
     else:
         sd = source
+    sd = canonical_names(sd, names)
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
@@ -134,6 +137,9 @@ class DeltaPublisher:
     second publisher is refused with ``WriterConflictError`` unless it passes ``take_over=True``; a writer
     that lost its lease commits nothing more.
 
+    Tensors publish under the model's own names: ``module.`` (DDP), ``_orig_mod.`` (``torch.compile``) and
+    other wrapper prefixes are removed, and ``names`` (a function) renames what remains.
+
     ``files`` (a checkpoint folder, or name -> bytes) are the model's non-weight files: config, tokenizer,
     generation config. They are stored once per stream, before the first commit, so that
     ``deltasync replay`` writes folders that transformers and vLLM load as they are.
@@ -157,11 +163,13 @@ class DeltaPublisher:
         take_over: bool = False,
         lease_s: float = 120.0,
         files: str | Path | ModelFiles | None = None,
+        names: NameMap | None = None,
     ) -> None:
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
         self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
         self.source = source
+        self.names = names
         self.anchor_every = anchor_every
         self.snapshot_device = snapshot_device
         self.on_backlog = on_backlog
@@ -254,7 +262,7 @@ class DeltaPublisher:
 
     def _capture(self, step: int, *, anchor: bool) -> None:
         t0 = time.perf_counter()
-        tensors, aliases = named_tensors(self.source)
+        tensors, aliases = named_tensors(self.source, self.names)
         coalesced = tuple(s for s in self._skipped if s < step)
         self._skipped = []
         if self._snapshot is None:
@@ -312,7 +320,7 @@ class DeltaPublisher:
                     continue
                 failed_since = None
                 self._write(job)
-            except BaseException as e:  # noqa: BLE001 - reported to the trainer thread
+            except BaseException as e:
                 log.exception("publishing step %s failed", job.step if job else None)
                 failed_since = job.step if job else None
                 with self._lock:
