@@ -101,7 +101,7 @@ def run(args, server: SeaweedFS, work: Path) -> None:
         spool = work / "spool"
         shutil.copyfile(obj, spool)
         t3 = time.perf_counter()
-        store.transport.move_in(spool, store.path("again", str(step), m.object))  # deltasync's upload stage
+        store.transport.put(f"again/{step}/{m.object}", spool)  # deltasync's upload stage
         t4 = time.perf_counter()
         reader.store.fetch_object(m)  # deltasync's download stage: download + size + SHA-256 check
         t5 = time.perf_counter()

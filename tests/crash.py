@@ -141,8 +141,8 @@ def _is_items(arg: Any) -> bool:
 
 def is_object_path(path: str, step: int | None = None) -> bool:
     """A step's object (``steps/<step>/<name>.safetensors``), under its final name."""
-    folder = f"/steps/{step:012d}/" if step is not None else "/steps/"
-    return folder in path and path.endswith(".safetensors")
+    folder = f"steps/{step:012d}/" if step is not None else "steps/"  # a transport's key, or a path ending in one
+    return (path.startswith(folder) or f"/{folder}" in path) and path.endswith(".safetensors")
 
 
 def _arm(transport: Any, point: str, nth: int) -> None:
@@ -160,7 +160,7 @@ def _arm(transport: Any, point: str, nth: int) -> None:
                 _die()
 
     def before_hint(path: str) -> None:
-        if path.endswith("/latest.json"):
+        if path == "latest.json" or path.endswith("/latest.json"):
             count[0] += 1
             if count[0] == nth:
                 _die()
