@@ -89,6 +89,13 @@ from deltasync.reader import StreamReader
 from deltasync.stages.apply import Replica, Verify, apply_staged, xor_apply
 from deltasync.stages.staging import Layout, StagedStep, TensorSpec, layout_of, stage
 from deltasync.store import Manifest, Store
+from deltasync.transports import (
+    Capabilities,
+    Entry,
+    Transport,
+    open_transport,
+    register_transport,
+)
 
 __all__ = [
     # trainer
@@ -96,6 +103,12 @@ __all__ = [
     "StepMetrics",
     "Store",
     "Manifest",
+    # stores: a new backend is one Transport subclass, registered by URL scheme (or entry point)
+    "Transport",
+    "Capabilities",
+    "Entry",
+    "open_transport",
+    "register_transport",
     # consumer
     "StreamReader",
     "Replica",
