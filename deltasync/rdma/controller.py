@@ -86,6 +86,7 @@ class ConsumerHello(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     engine: Name
     agent: AgentName
     needs: Annotated[list[TensorName], msgspec.Meta(max_length=MAX_TENSORS)]
+    everything: bool = False  # needs every tensor the trainer ranks hold (a whole-model consumer)
 
 
 class StepReady(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -284,7 +285,8 @@ class Controller:
                                         f"{tensors[name]}")
         ranks = [TrainerRank(r, h.ring.agent, tuple(Part(p.name, p.start, p.stop) for p in h.parts))
                  for r, (_, h) in sorted(self._trainers.items())]
-        consumers = [Consumer(c.id, c.engine, frozenset(c.needs)) for _, c in self._consumers.values()]
+        consumers = [Consumer(c.id, c.engine, frozenset(tensors) if c.everything else frozenset(c.needs))
+                     for _, c in self._consumers.values()]
         return plan(tensors, ranks, consumers)
 
     def _trainer_plan(self, rank: int) -> TrainerPlan:
@@ -344,6 +346,10 @@ class _Link:
     def send(self, message: object) -> None:
         self._sock.send(_encoder.encode(message))
 
+    def pending(self, timeout_s: float) -> bool:
+        """Whether a message is waiting, waiting up to ``timeout_s`` (millisecond resolution) for one."""
+        return bool(self._sock.poll(max(int(timeout_s * 1000), 0)))
+
     def receive(self, timeout_s: float) -> object:
         """The next message; :class:`RdmaTimeoutError` if none comes, :class:`ControlRefusedError` on a refusal."""
         if not self._sock.poll(int(timeout_s * 1000)):
@@ -368,9 +374,30 @@ class TrainerLink(_Link):
     """A trainer rank's side: register once (and again after a restart), then announce each offered step."""
 
     def register(self, hello: TrainerHello, *, timeout_s: float = 60.0) -> TrainerPlan:
+        self.hello(hello)
+        return self._expect(TrainerPlan, timeout_s)
+
+    def hello(self, hello: TrainerHello) -> None:
+        """Register without waiting for the plan (``poll`` picks it up later)."""
         self.rank = hello.rank
         self.send(hello)
-        return self._expect(TrainerPlan, timeout_s)
+
+    def poll(self) -> list[str] | None:
+        """Take every waiting message without blocking; the newest consumer list if one came.
+
+        A refusal (a step announced before the plan, say) is logged: the trainer goes on, consumers read the
+        store."""
+        newest = None
+        while True:
+            try:
+                msg = self.receive(0.0)
+            except RdmaTimeoutError:
+                return newest
+            except (ControlRefusedError, ControlMessageError) as e:
+                log.warning("trainer rank %d: %s", self.rank, e)
+                continue
+            if isinstance(msg, TrainerPlan):
+                newest = msg.consumers
 
     def ready(self, slot: SlotInfo) -> None:
         self.send(StepReady(rank=self.rank, slot=slot))
@@ -393,15 +420,47 @@ class ConsumerLink(_Link):
     """A consumer's side: register, wait for a step's announcements, report applied steps, refetch metadata."""
 
     def register(self, hello: ConsumerHello, *, timeout_s: float = 60.0) -> ConsumerPlan:
-        self.id = hello.id
-        self.versions: dict[str, int] = {}
-        self._ready: dict[int, dict[int, SlotInfo]] = defaultdict(dict)
-        self.send(hello)
+        self.hello(hello)
         msg = self._next(timeout_s)
         if not isinstance(msg, ConsumerPlan):
             raise ControlMessageError(f"controller at {self.address}: expected ConsumerPlan, got {type(msg).__name__}")
-        self.ranks = {r.source.rank for r in msg.reads}
         return msg
+
+    def hello(self, hello: ConsumerHello) -> None:
+        """Register without waiting for the plan (it arrives with ``poll``, as ``plan``)."""
+        self.id = hello.id
+        self.versions: dict[str, int] = {}
+        self._ready: dict[int, dict[int, SlotInfo]] = defaultdict(dict)
+        self.ranks: set[int] = set()
+        self.plan: ConsumerPlan | None = None
+        self.send(hello)
+
+    def poll(self) -> None:
+        """Take every waiting message without blocking (plans, announcements, versions); refusals are logged."""
+        while True:
+            try:
+                self._next(0.0)
+            except RdmaTimeoutError:
+                return
+            except (ControlRefusedError, ControlMessageError) as e:
+                log.warning("%s: %s", self.id, e)
+
+    def announced(self, step: int) -> SlotInfo | None:
+        """``step``'s slot, once every planned rank announced it (the first rank's: ranks serve one object)."""
+        got = self._ready.get(step, {})
+        if not self.ranks or len(got) < len(self.ranks):
+            return None
+        return got[min(got)]
+
+    def forget_through(self, step: int) -> None:
+        """Drop announcements of ``step`` and older (handled; keeps the bounded table free for new ones)."""
+        for old in [s for s in self._ready if s <= step]:
+            del self._ready[old]
+
+    def newest_announced(self) -> int | None:
+        """The newest step every planned rank announced."""
+        full = [s for s, got in self._ready.items() if self.ranks and len(got) >= len(self.ranks)]
+        return max(full) if full else None
 
     def wait_step(self, step: int, *, timeout_s: float) -> dict[int, SlotInfo]:
         """Every planned rank's ``SlotInfo`` for ``step``. :class:`RdmaTimeoutError` when one does not come
@@ -440,4 +499,7 @@ class ConsumerLink(_Link):
                 self._ready[msg.slot.step][msg.rank] = msg.slot
         elif isinstance(msg, EngineVersion):
             self.versions[msg.engine] = msg.step
+        elif isinstance(msg, ConsumerPlan):
+            self.plan = msg
+            self.ranks = {r.source.rank for r in msg.reads}
         return msg

@@ -1,0 +1,141 @@
+"""A trainer rank's side of the fast path: one NIXL agent, one outbox ring, one link to the controller.
+
+``RdmaTrainer.offer(step, data)`` is called once a step is committed to the store (the store is the
+history and the safety net, so it comes first): the object's bytes go into the next ring slot and the
+slot is announced to the controller. Nothing here ever fails a commit: an RDMA problem (no plan yet, an
+object larger than a slot, a controller gone) is logged and counted, and the consumers read that step from
+the store. Registration with the controller happens on the first offer, from the object's own header
+(every publisher's first step is an anchor naming every tensor), so the trainer needs no tensor list.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from deltasync.errors import DeltaSyncError, RdmaError
+from deltasync.format.objects import StepObject
+from deltasync.rdma.agent import Agent
+from deltasync.rdma.controller import PartMeta, TensorMeta, TrainerHello, TrainerLink
+from deltasync.rdma.outbox import Outbox, SlotInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RdmaOptions:
+    """How a process joins the fast path: the controller's ZMQ address and the sizes of its buffers.
+
+    ``slots`` x ``slot_bytes`` is the trainer's registered ring (a larger object goes through the store
+    only); ``capacity_bytes`` is a consumer's registered inbox. ``plan_wait_s``: how long the trainer's
+    first offer waits for the controller's plan (0: steps before the plan go through the store only).
+    """
+
+    controller: str
+    rank: int = 0
+    slots: int = 4
+    slot_bytes: int = 64 << 20
+    chunk_bytes: int = 1 << 20
+    ack_deadline_s: float = 10.0
+    max_inflight_bytes: int | None = None
+    capacity_bytes: int = 64 << 20
+    read_timeout_s: float = 10.0
+    announce_wait_s: float = 1.0
+    plan_wait_s: float = 0.0
+    device: str = "cpu"
+
+
+def rdma_options(rdma: str | RdmaOptions | dict) -> RdmaOptions:
+    """``rdma`` as options: a controller address (``tcp://host:port``), a dict of fields, or options."""
+    if isinstance(rdma, RdmaOptions):
+        return rdma
+    if isinstance(rdma, str):
+        return RdmaOptions(controller=rdma)
+    if isinstance(rdma, dict):
+        try:
+            return RdmaOptions(**rdma)
+        except TypeError as e:
+            raise RdmaError(f"rdma options {sorted(rdma)}: {e} (fields: {sorted(RdmaOptions.__dataclass_fields__)})") from None
+    raise RdmaError(f"rdma: expected a controller address, a dict or RdmaOptions, got {type(rdma).__name__}")
+
+
+@dataclass
+class TrainerStats:
+    """What happened to each committed step on the fast path."""
+
+    announced: list[int] = field(default_factory=list)
+    store_only: list[tuple[int, str]] = field(default_factory=list)  # (step, why)
+
+
+class RdmaTrainer:
+    """One trainer rank on the fast path (see the module docstring). Close it when the publisher closed."""
+
+    def __init__(self, options: RdmaOptions) -> None:
+        self.options = options
+        self.agent = Agent(f"trainer-{options.rank}-{uuid.uuid4().hex[:8]}")
+        try:
+            self.outbox = Outbox(self.agent, slots=options.slots, slot_bytes=options.slot_bytes,
+                                 chunk_bytes=options.chunk_bytes, max_inflight_bytes=options.max_inflight_bytes,
+                                 ack_deadline_s=options.ack_deadline_s, device=options.device)
+            self.link = TrainerLink(options.controller)
+        except BaseException:
+            self.agent.close()
+            raise
+        self.planned = False
+        self.registered = False
+        self.stats = TrainerStats()
+
+    def offer(self, step: int, data: bytes | memoryview) -> SlotInfo | None:
+        """Put a committed step's object in the ring and announce it; None (logged) when it goes by store only."""
+        try:
+            if not self.registered:
+                self._register(data, where=f"step {step}")
+            self._poll()
+            if not self.planned:
+                return self.skip(step, "no plan from the controller yet")
+            info = self.outbox.offer(step, data)
+            self.link.ready(info)
+        except (DeltaSyncError, OSError) as e:  # RingFullError, a controller gone: the store has the step
+            return self.skip(step, f"{type(e).__name__}: {e}")
+        self.stats.announced.append(step)
+        return info
+
+    def _register(self, data: bytes | memoryview, *, where: str) -> None:
+        """Say hello with the tensors the object's header names, then wait ``plan_wait_s`` for the plan."""
+        with StepObject(bytes(data), where=f"rdma trainer {where}") as obj:
+            tensors = {n: TensorMeta(h.numel, h.torch_dtype.itemsize) for n, h in obj.header.tensors.items()}
+        self.link.hello(TrainerHello(rank=self.options.rank, metadata=self.agent.metadata(), ring=self.outbox.layout(),
+                                     tensors=tensors, parts=[PartMeta(n, 0, m.numel) for n, m in tensors.items()]))
+        self.registered = True
+        deadline = time.monotonic() + self.options.plan_wait_s
+        while True:
+            self._poll()
+            if self.planned or time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
+
+    def _poll(self) -> None:
+        consumers = self.link.poll()
+        if consumers is not None:
+            self.outbox.set_consumers(consumers)
+            self.planned = True
+            log.info("%s: planned; consumers reading this ring: %s", self.agent.name, consumers)
+
+    def skip(self, step: int, why: str) -> None:
+        self.stats.store_only.append((step, why))
+        log.warning("%s: step %d goes through the store only: %s", self.agent.name, step, why)
+        return None
+
+    def close(self) -> None:
+        """Let consumers still reading finish (acks polled until every slot is free or its deadline passed)."""
+        try:
+            deadline = time.monotonic() + self.options.ack_deadline_s
+            while self.outbox.in_flight_bytes() and time.monotonic() < deadline:
+                self.outbox.poll()
+                time.sleep(0.005)
+        finally:
+            self.outbox.close()
+            self.link.close()
+            self.agent.close()

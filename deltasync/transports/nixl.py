@@ -1,0 +1,201 @@
+"""The NIXL transport: the object store, with each step's object also moving over RDMA (docs/RDMA.md).
+
+A ``NixlTransport`` wraps the transport of the stream's store (every step is still committed there: the
+store is the history and the safety net) and adds the hot path on one side:
+
+- **trainer** (``NixlTransport.trainer``): ``put`` of a step object keeps its bytes; once ``put`` of that
+  step's manifest succeeded (the commit), the bytes go into the outbox ring and the slot is announced
+  through the controller (``deltasync.rdma.trainer``). An RDMA failure never fails the commit: the step is
+  simply read from the store.
+- **consumer** (``deltasync.rdma.consumer.RdmaConsumer`` builds it): ``get`` of a step object first reads the
+  announced ring slot (generation and SHA-256 checked in the inbox; the reader checks the manifest's size
+  and SHA-256 after, as for any object) and falls back to the backing store on any ``RdmaError``.
+
+Trainer side, with the publisher unchanged::
+
+    with NixlTransport.trainer(url, rdma="tcp://controller:5555") as transport:
+        with DeltaPublisher(Store(url, transport=transport), model) as pub:
+            ...
+
+Everything but step objects (manifests, hints, leases, heartbeats) passes straight through.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import Self
+
+from deltasync.errors import DeltaSyncError, FormatError, RdmaError
+from deltasync.format.documents import Manifest, decode
+from deltasync.transports.base import Data, Entry, Transport, as_buffer
+
+if TYPE_CHECKING:
+    from deltasync.rdma.consumer import RingReader
+    from deltasync.rdma.trainer import RdmaOptions, RdmaTrainer
+
+log = logging.getLogger(__name__)
+
+OBJECT_KEY = re.compile(r"^steps/(\d{12})/([A-Za-z0-9][A-Za-z0-9._-]*\.safetensors)$")
+MANIFEST_KEY = re.compile(r"^steps/(\d{12})/manifest\.json$")
+MAX_PENDING = 4  # objects put but not yet committed (a failed commit leaves one behind; the oldest go)
+
+
+class NixlTransport(Transport):
+    """``backing`` plus the fast path of a trainer (``trainer=``) or a consumer (``consumer=``); see above."""
+
+    def __init__(self, backing: Transport, *, trainer: RdmaTrainer | None = None,
+                 consumer: RingReader | None = None) -> None:
+        if (trainer is None) == (consumer is None):
+            raise ValueError("a NixlTransport serves either a trainer or a consumer")
+        self.backing = backing
+        self.trainer = trainer
+        self.consumer = consumer
+        self.root = backing.root
+        # a consumer must read objects through get (never in place), and hears of steps from the controller
+        self.capabilities = replace(backing.capabilities, notify=False,
+                                    local_files=backing.capabilities.local_files and trainer is not None)
+        self._pending: dict[int, tuple[str, bytes]] = {}
+
+    @classmethod
+    def trainer(cls, url: str, *, rdma: str | RdmaOptions | dict,
+                storage_options: dict[str, Any] | None = None) -> NixlTransport:
+        """The store at ``url`` for a publishing trainer rank, its committed steps offered over NIXL."""
+        from deltasync.rdma.trainer import RdmaTrainer, rdma_options
+        from deltasync.transports import open_transport
+
+        side = RdmaTrainer(rdma_options(rdma))
+        try:
+            return cls(open_transport(url, storage_options), trainer=side)
+        except BaseException:
+            side.close()
+            raise
+
+    # --- the trainer's hook: objects kept, offered once their manifest committed ---
+
+    def put(self, key: str, data: Data, *, if_absent: bool = False, if_version: str | None = None) -> None:
+        obj = OBJECT_KEY.match(key) if self.trainer is not None else None
+        payload = self._payload(data) if obj else None  # read first: a local backend may move a file away
+        self.backing.put(key, data, if_absent=if_absent, if_version=if_version)
+        if obj and payload is not None:
+            self._pending[int(obj.group(1))] = (obj.group(2), payload)
+            while len(self._pending) > MAX_PENDING:
+                self._pending.pop(min(self._pending))
+        committed = MANIFEST_KEY.match(key) if self.trainer is not None else None
+        if committed:
+            try:  # never raises: the commit happened, and a retried manifest put would find it taken
+                self._offer(int(committed.group(1)), data)
+            except Exception:
+                log.exception("%s: offering step %s over NIXL failed; consumers read it from the store", self.root,
+                              committed.group(1))
+
+    def _payload(self, data: Data) -> bytes | None:
+        assert self.trainer is not None
+        size = Path(data).stat().st_size if isinstance(data, Path) else as_buffer(data).nbytes
+        if size > self.trainer.outbox.capacity:
+            return None  # the offer says why (RingFullError) without holding the bytes
+        return Path(data).read_bytes() if isinstance(data, Path) else bytes(as_buffer(data))
+
+    def _offer(self, step: int, manifest_data: Data) -> None:
+        assert self.trainer is not None
+        pending = self._pending.pop(step, None)
+        for old in [s for s in self._pending if s < step]:
+            del self._pending[old]
+        try:
+            raw = manifest_data.read_bytes() if isinstance(manifest_data, Path) else as_buffer(manifest_data)
+            manifest = decode(bytes(raw), Manifest, where=f"{self.root} step {step} manifest", max_bytes=len(raw))
+        except (FormatError, OSError) as e:
+            self.trainer.skip(step, f"manifest unreadable: {e}")
+            return
+        if pending is None:
+            self.trainer.skip(step, f"object of {manifest.object_bytes} bytes larger than a ring slot "
+                                           f"({self.trainer.outbox.capacity}) or not seen")
+            return
+        name, payload = pending
+        objects = [(p.object, p.object_bytes) for p in manifest.objects] if hasattr(manifest, "objects") else [
+            (manifest.object, manifest.object_bytes)]
+        if objects != [(name, len(payload))]:  # a multi-part step (one object per rank) goes by the store here
+            self.trainer.skip(step, f"the object put ({name}, {len(payload)} bytes) is not the step's only object "
+                                    f"({objects[:3]})")
+            return
+        self.trainer.offer(step, payload)
+
+    # --- the consumer's hook: objects from the ring first ---
+
+    def get(self, key: str, *, start: int = 0, end: int | None = None) -> bytes:
+        data = self._from_ring(key) if start == 0 else None
+        if data is not None:
+            return data if end is None else data[:end]
+        return self.backing.get(key, start=start, end=end)
+
+    def get_file(self, key: str, local: Path) -> None:
+        data = self._from_ring(key)
+        if data is None:
+            self.backing.get_file(key, local)
+            return
+        with open(local, "wb") as f:
+            f.write(data)
+
+    def _from_ring(self, key: str) -> bytes | None:
+        """The object's bytes from its announced slot, or None (why recorded) where the store must serve it."""
+        m = OBJECT_KEY.match(key) if self.consumer is not None else None
+        if m is None:
+            return None
+        assert self.consumer is not None
+        step = int(m.group(1))
+        try:
+            data = self.consumer.read(step)
+        except (RdmaError, DeltaSyncError) as e:
+            self.consumer.arrived[step] = f"store: {type(e).__name__}"
+            log.info("%s: step %d from the store: %s", self.consumer.id, step, e)
+            return None
+        self.consumer.arrived[step] = "rdma"
+        return data
+
+    # --- everything else is the backing store's ---
+
+    def list(self, prefix: str = "") -> list[Entry]:
+        return self.backing.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.backing.delete(key)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        return self.backing.get_versioned(key)
+
+    def exists(self, key: str) -> bool:
+        return self.backing.exists(key)
+
+    def delete_tree(self, prefix: str) -> None:
+        self.backing.delete_tree(prefix)
+
+    def children(self, prefix: str = "") -> list[str]:
+        return self.backing.children(prefix)
+
+    def local_path(self, key: str) -> Path | None:
+        return self.backing.local_path(key) if self.capabilities.local_files else None
+
+    def subscribe(self, prefix: str, callback: Callable[[str], None]) -> Callable[[], None]:
+        raise NotImplementedError("NixlTransport: consumers hear of steps from the controller (RdmaConsumer.follow)")
+
+    def close(self) -> None:
+        """Close the trainer's fast path (waiting for reads in flight, at most the ack deadline) and the store."""
+        try:
+            if self.trainer is not None:
+                self.trainer.close()
+        finally:
+            self.backing.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"NixlTransport({self.backing!r}, {'trainer' if self.trainer is not None else 'consumer'})"

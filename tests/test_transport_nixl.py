@@ -1,0 +1,243 @@
+"""The NIXL transport end to end: a real DeltaPublisher, a controller, a state-dict consumer, real processes.
+
+What the consumer holds is compared with the trainer's own tensors through SHA-256 of their raw bytes,
+computed on each side independently of deltasync (never with its checksums). Faults the transport adds to
+those of tests/test_rdma_ring.py: a ring that misses a step (an object larger than a slot) falls back to the
+store; a failing RDMA path, or no controller at all, never costs a commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import queue
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deltasync.rdma.agent import nixl_available
+
+pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs NIXL: pip install 'deltasync[rdma]'")
+
+CTX = mp.get_context("spawn")
+STEPS = [1, 2, 3, 4, 5]
+
+
+def _model() -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return {"model.a.weight": torch.randn(256, 256, generator=g).to(torch.bfloat16),
+            "model.b.bias": torch.randn(1000, generator=g),
+            "model.c.weight": (torch.randn(512, 64, generator=g) * 0.02).to(torch.bfloat16)}
+
+
+def _train_step(state: dict[str, Any], step: int) -> None:
+    """Change ~3% of each tensor's elements in place, as an optimizer step would."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    for t in state.values():
+        flat = t.view(-1)
+        idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 32),), generator=g)
+        flat[idx] = (flat[idx].float() + torch.randn(len(idx), generator=g) * 0.01).to(t.dtype)
+
+
+def _digests(state: dict[str, Any]) -> dict[str, str]:
+    """SHA-256 of each tensor's raw bytes: the reference, independent of deltasync's checksums."""
+    import torch
+
+    return {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for n, t in state.items()}
+
+
+def _publish(url: str, transport: Any, out: Any | None) -> dict[int, dict[str, str]]:
+    import torch
+
+    from deltasync.publish.publisher import DeltaPublisher
+    from deltasync.store import Store
+
+    state = _model()
+    truth = {}
+    with DeltaPublisher(Store(url, transport=transport), state, anchor_every=1000, on_backlog="block") as pub:
+        for step in STEPS:
+            if step > 1:
+                _train_step(state, step)
+            with torch.no_grad():
+                pub.publish(step)
+            truth[step] = _digests(state)
+            if out is not None:
+                out.put(("truth", (step, truth[step])))
+            time.sleep(0.05)
+    return truth
+
+
+def trainer_peer(address: str, url: str, opts: dict[str, Any], out: Any) -> None:
+    from deltasync.transports.nixl import NixlTransport
+
+    rdma = {"controller": address, "slot_bytes": opts.get("slot_bytes", 1 << 20), "chunk_bytes": 16 << 10,
+            "plan_wait_s": 30.0, "ack_deadline_s": 5.0}
+    with NixlTransport.trainer(url, rdma=rdma) as transport:
+        _publish(url, transport, out)
+        stats = transport.trainer.stats
+    out.put(("trainer", {"announced": stats.announced, "store_only": [s for s, _ in stats.store_only]}))
+
+
+def consumer_peer(address: str, url: str, out: Any) -> None:
+    from deltasync.rdma.consumer import RdmaConsumer
+    from deltasync.stages.apply import Replica
+
+    class Target:  # the smallest target: a Replica, as rollout_loader's StateDictTarget holds
+        def __init__(self) -> None:
+            self.replica: Replica | None = None
+
+        @property
+        def step(self) -> int | None:
+            return self.replica.step if self.replica else None
+
+        def apply(self, obj: Any) -> None:
+            if self.replica is None:
+                self.replica = Replica.from_anchor(obj)
+            else:
+                self.replica.apply(obj, verify="full")
+
+    target = Target()
+    rdma = {"controller": address, "capacity_bytes": 1 << 20, "announce_wait_s": 2.0}
+    with RdmaConsumer(url, rdma=rdma, consumer_id="c0", plan_wait_s=30.0) as consumer:
+        out.put(("c0", "ready"))
+        held = {}
+        for step in consumer.follow(target, until=STEPS[-1], timeout_s=30.0):
+            held[step] = _digests({n: target.replica.tensors[n] for n in target.replica.checksums})
+        out.put(("c0", {"held": held, "arrived": dict(consumer.arrived)}))
+
+
+class Peers:
+    def __init__(self, tmp_path: Path) -> None:
+        from deltasync.rdma.controller import Controller
+
+        self.url = str(tmp_path / "store")
+        self.controller = Controller(trainers=1, consumers=1)
+        self.out = CTX.Queue()
+        self.procs: list[Any] = []
+        self.got: dict[str, list[Any]] = {}
+
+    def start(self, target: Any, *args: Any) -> None:
+        p = CTX.Process(target=target, args=(self.controller.address, self.url, *args, self.out), daemon=True)
+        p.start()
+        self.procs.append(p)
+
+    def wait(self, who: str, timeout_s: float = 60.0) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while not self.got.get(who):
+            assert time.monotonic() < deadline, f"no report from {who}; exit codes {[p.exitcode for p in self.procs]}"
+            try:
+                name, item = self.out.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            self.got.setdefault(name, []).append(item)
+        return self.got[who].pop(0)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.join(15)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.controller.close()
+        self.out.close()
+        self.out.join_thread()
+
+
+@pytest.fixture
+def peers(tmp_path: Path) -> Any:
+    p = Peers(tmp_path)
+    yield p
+    p.close()
+
+
+def _follow(peers: Peers, **trainer_opts: Any) -> tuple[dict, dict, dict]:
+    peers.start(consumer_peer)
+    peers.start(trainer_peer, trainer_opts)
+    assert peers.wait("c0") == "ready"
+    consumer = peers.wait("c0")
+    trainer = peers.wait("trainer")
+    truth = dict(peers.wait("truth") for _ in STEPS)
+    return consumer, trainer, truth
+
+
+def test_state_dict_consumer_follows_a_publisher_over_nixl_bit_exactly(peers):
+    consumer, trainer, truth = _follow(peers)
+    assert consumer["held"] == truth  # every step, every tensor, byte for byte
+    assert consumer["arrived"] == {s: "rdma" for s in STEPS}
+    assert trainer == {"announced": STEPS, "store_only": []}
+    assert peers.controller.versions == {"c0": STEPS[-1]}
+    _objects_equal_store(peers.url)
+
+
+def test_a_step_the_ring_cannot_hold_comes_from_the_store(peers):
+    """The anchor (~200 KB) is larger than a 64 KiB slot: never announced, read from the store; deltas fit."""
+    consumer, trainer, truth = _follow(peers, slot_bytes=64 << 10)
+    assert consumer["held"] == truth
+    assert consumer["arrived"][1].startswith("store: ")
+    assert {s: how for s, how in consumer["arrived"].items() if s > 1} == {s: "rdma" for s in STEPS[1:]}
+    assert trainer == {"announced": STEPS[1:], "store_only": [1]}
+
+
+def _objects_equal_store(url: str) -> None:
+    from deltasync.store import Store
+
+    with Store(url) as store:
+        assert store.steps() == STEPS
+        for s in STEPS:
+            m = store.manifest(s)
+            assert hashlib.sha256(store.fetch_object(m).read_bytes()).hexdigest() == m.object_sha256
+
+
+def _store_holds_truth(url: str, truth: dict[int, dict[str, str]]) -> None:
+    from deltasync.reader import StreamReader
+
+    with StreamReader(url) as reader:
+        assert reader.steps() == STEPS
+        for s in STEPS:
+            assert _digests(reader.state_dict(s)) == truth[s]
+
+
+def test_every_step_commits_when_the_rdma_path_fails(tmp_path, monkeypatch):
+    """The ring raises on every offer (a bug, a dead NIC): each step is still committed, none announced."""
+    from deltasync.errors import RdmaError
+    from deltasync.rdma.controller import Controller
+    from deltasync.rdma.outbox import Outbox
+    from deltasync.transports.nixl import NixlTransport
+
+    def broken(self: Any, step: int, data: Any) -> Any:
+        raise RdmaError("the NIC is gone")
+
+    monkeypatch.setattr(Outbox, "offer", broken)
+    url = str(tmp_path / "store")
+    with Controller(trainers=1, consumers=0) as controller:
+        with NixlTransport.trainer(url, rdma={"controller": controller.address, "slot_bytes": 1 << 20,
+                                              "plan_wait_s": 10.0}) as transport:
+            truth = _publish(url, transport, None)
+            stats = transport.trainer.stats
+    assert stats.announced == [] and [s for s, _ in stats.store_only] == STEPS
+    assert all("the NIC is gone" in why for _, why in stats.store_only)
+    _store_holds_truth(url, truth)
+
+
+def test_every_step_commits_without_a_controller(tmp_path):
+    """Nobody listens at the controller's address: no plan ever comes, every step goes through the store."""
+    import socket
+
+    from deltasync.transports.nixl import NixlTransport
+
+    with socket.socket() as s:  # a port nobody serves
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = str(tmp_path / "store")
+    with NixlTransport.trainer(url, rdma={"controller": f"tcp://127.0.0.1:{port}", "slot_bytes": 1 << 20,
+                                          "plan_wait_s": 0.2}) as transport:
+        truth = _publish(url, transport, None)
+        stats = transport.trainer.stats
+    assert stats.announced == [] and [s for s, _ in stats.store_only] == STEPS
+    _store_holds_truth(url, truth)
