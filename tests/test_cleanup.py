@@ -266,7 +266,8 @@ def busy_server():
 
 
 def test_ctrl_c_stops_follow_and_leaves_nothing(qwen_stream, tmp_path, busy_server):
-    args = ["follow", remote_url(qwen_stream.url), "--server", busy_server, "--poll-s", "0.05"]
+    # the worker-extension path downloads on this side (the weight-transfer path has the server fetch)
+    args = ["follow", remote_url(qwen_stream.url), "--server", busy_server, "--poll-s", "0.05", "--via", "collective-rpc"]
     code, output, during, after = interrupt_after_first_download(args, tmp_path)
     assert any(n.startswith("deltasync-cache-") for n in during), during
     assert after == [], output

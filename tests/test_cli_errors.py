@@ -426,7 +426,9 @@ def http_stub(replies: dict[str, tuple[int, object]]) -> Iterator[Stub]:
 # what vLLM 0.32 answers (tests/integration/test_vllm_server_errors.py checks these against real servers)
 OK = {"/collective_rpc": (200, {"results": [{"ok": False, "error": "RuntimeError",
                                              "message": "call collective_rpc('deltasync_init', ...) first"}]}),
-      "/pause": (200, {"status": "paused"}), "/resume": (200, {"status": "resumed"})}
+      "/pause": (200, {"status": "paused"}), "/resume": (200, {"status": "resumed"}),
+      "/weight_info": (200, {"weight_version": "default"}),
+      "/init_weight_transfer_engine": (200, {"message": "Weight transfer initialized"})}
 NO_DEV_MODE: dict = {}  # every dev route: 404 {"detail": "Not Found"}
 NO_EXTENSION = {"/collective_rpc": (500, {"error": {
     "message": "Call to collective_rpc method failed: Worker failed with error ''CPUWorker' object has no attribute "
@@ -456,7 +458,9 @@ def test_server_not_set_up_for_deltasync(replies, error, needles, tmp_path, monk
         assert not isinstance(e.value, StoreError)  # an engine failure is not a store failure
         for needle in needles:
             assert needle in str(e.value)
-        code, _, err = run_main(monkeypatch, capsys, "follow", str(tmp_path / "stream"), "--server", stub.url)
+        # these stubs model the worker-extension path (the weight-transfer routes' errors: tests/test_vllm_client.py)
+        code, _, err = run_main(monkeypatch, capsys, "follow", str(tmp_path / "stream"), "--server", stub.url,
+                                "--via", "collective-rpc")
         assert_one_line_error(code, err, type(e.value).__name__, *needles)
         assert "/pause" not in stub.routes  # found out before anything paused
 
