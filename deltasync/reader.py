@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from deltasync.errors import (
-    CorruptObjectError,
     FormatError,
     StepNotFoundError,
     WaitTimeoutError,
 )
 from deltasync.format.objects import StepObject
+from deltasync.format.parts import PartedObject
 from deltasync.stages.apply import Replica, Verify
-from deltasync.store import MANIFEST, Manifest, Store, step_dir
+from deltasync.store import Manifest, Part, Store
 
 # deltas up to this size are fetched from a remote store into memory and opened from there (no cache file);
 # anchors and larger deltas go through the download cache and are read from the file
@@ -115,44 +114,51 @@ class StreamReader:
                 )
             time.sleep(poll_s)
 
-    def open(self, step: int) -> StepObject:
+    def open(self, step: int, *, names: Collection[str] | None = None) -> StepObject:
         """Fetch, verify and open one step's object. Close it when done (a ``with`` block): a downloaded
-        object is deleted once nobody has it open."""
+        object is deleted once nobody has it open.
+
+        A multi-part step (docs/FORMAT.md section 5b) opens as one ``PartedObject`` over its parts. With
+        ``names``, only the parts that hold those tensors are fetched, and the object holds only them.
+        """
         m = self.manifest(step)
         where = f"{self.url} step {step}"
-        if self.store.is_local:
-            obj = StepObject(self.store.fetch_object(m), where=where)
-        elif m.kind == "delta" and m.object_bytes <= self.memory_object_bytes:
-            obj = StepObject(self.fetch_bytes(m), where=where)
-        else:
-            path = self.store.fetch_object(m, hold=True)
-            store = self.store
-            obj = _CachedObject(path, where=where, release=lambda: store.release_object(m))
-        if obj.header.step != step or obj.header.kind != m.kind or obj.header.base_step != m.base_step:
+        if m.is_multipart:
+            parts = [p for p in m.objects if names is None or not set(names).isdisjoint(p.tensors or ())]
+            objects: list[StepObject] = []
+            try:
+                for p in parts:
+                    objects.append(self._open_part(m, p, f"{where} part {p.object}"))
+            except BaseException:
+                for o in objects:
+                    o.close()
+                raise
+            return PartedObject(m, objects, where=where, parts=parts, names=names)
+        obj = self._open_part(m, m.objects[0], where)
+        h = obj.header
+        if h.step != step or h.kind != m.kind or h.base_step != m.base_step or h.is_part:
             obj.close()
+            part = " is a part of a multi-part step (format_version 2) and" if h.is_part else ""
             raise FormatError(
-                f"{self.url} step {step}: object header (step {obj.header.step}, {obj.header.kind}) "
-                f"disagrees with its manifest (step {m.step}, {m.kind})"
+                f"{self.url} step {step}: object header (step {h.step}, {h.kind}){part} disagrees with its manifest "
+                f"(step {m.step}, {m.kind}, format_version {m.format_version})"
             )
         return obj
 
+    def _open_part(self, m: Manifest, part: Part, where: str) -> StepObject:
+        """One object of a step: read in place (local), fetched into memory (small remote deltas) or
+        through the download cache."""
+        if self.store.is_local:
+            return StepObject(self.store.fetch_object(m, part=part), where=where)
+        if m.kind == "delta" and part.object_bytes <= self.memory_object_bytes:
+            return StepObject(self.store.read_object(m, part=part), where=where)
+        path = self.store.fetch_object(m, part=part, hold=True)
+        store = self.store
+        return _CachedObject(path, where=where, release=lambda: store.release_object(m, part))
+
     def fetch_bytes(self, m: Manifest) -> bytes:
-        """A step's object fetched into memory, checked against its manifest's size and SHA-256."""
-        rel = f"{step_dir(m.step)}/{m.object}"
-        where = f"{self.url} step {m.step} object {m.object}"
-        try:
-            data = self.store.read_bytes(rel, max_bytes=m.object_bytes)  # a longer object is cut at one byte more
-        except FileNotFoundError:
-            if not self.store.exists(f"{step_dir(m.step)}/{MANIFEST}"):
-                raise StepNotFoundError(f"{self.url}: step {m.step} was collected (deleted by gc) while it was being read") from None
-            raise CorruptObjectError(f"{where}: missing, though the step is committed") from None
-        if len(data) != m.object_bytes:
-            raise CorruptObjectError(f"{where}: {len(data)}{'+' if len(data) > m.object_bytes else ''} bytes, manifest says "
-                                     f"{m.object_bytes} (truncated or replaced)")
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != m.object_sha256:
-            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {m.object_sha256[:16]}…")
-        return data
+        """A single-object step's object fetched into memory, checked against its manifest's size and SHA-256."""
+        return self.store.read_object(m)
 
     def chain(self, step: int, *, start: int | None = None) -> list[int]:
         """Steps to open, in order, to reach ``step``: from the nearest anchor, or from ``start`` if the

@@ -29,10 +29,12 @@ from deltasync.errors import (
 )
 from deltasync.format.documents import (
     MAX_DOCUMENT_BYTES,
+    MAX_MANIFEST_BYTES,
     MAX_STEP,
     LatestHint,
     Lease,
     Manifest,
+    Part,
     StreamInfo,
     check_step,
     decode,
@@ -46,7 +48,7 @@ from deltasync.transports.base import Entry
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Lease", "Manifest", "Store", "StreamInfo", "step_dir"]
+__all__ = ["Lease", "Manifest", "Part", "Store", "StreamInfo", "step_dir"]
 
 T = TypeVar("T")
 _STEP_DIR = re.compile(r"^(\d{12})$")
@@ -117,19 +119,6 @@ class Store(Retrying):
         except ValueError as e:
             raise StoreError(f"cannot open store {url!r}: {e}") from e
 
-    @property
-    def fs(self) -> Any:
-        """An fsspec filesystem on which ``self.path(...)`` names this stream's objects, where there is one
-        (kept for older callers: ``read_range``, ``list`` and ``transport`` work on every backend)."""
-        fs = getattr(self.transport, "fs", None)
-        if fs is None and self.is_local:
-            import fsspec
-
-            fs = fsspec.filesystem("file")
-        if fs is None:
-            raise AttributeError(f"{self.url}: the {type(self.transport).__name__} has no fsspec filesystem")
-        return fs
-
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
 
@@ -161,13 +150,23 @@ class Store(Retrying):
     def cache_max_bytes(self, max_bytes: int) -> None:
         self.object_cache.max_bytes = max_bytes
 
-    def release_object(self, manifest: Manifest) -> None:
+    def release_object(self, manifest: Manifest, part: Part | None = None) -> None:
         """A holder (``fetch_object(hold=True)``) is done with the object: deleted once nobody holds it."""
         if not self.is_local and "_object_cache" in self.__dict__:
-            self.object_cache.release(self._cache_name(manifest))
+            self.object_cache.release(self._cache_name(manifest, self._part(manifest, part)))
 
-    def _cache_name(self, manifest: Manifest) -> str:
-        return f"{manifest.step:012d}-{plain_name(manifest.object, where=f'{self.url} step {manifest.step}')}"
+    def _cache_name(self, manifest: Manifest, part: Part) -> str:
+        return f"{manifest.step:012d}-{plain_name(part.object, where=f'{self.url} step {manifest.step}')}"
+
+    @staticmethod
+    def _part(manifest: Manifest, part: Part | None) -> Part:
+        """The object meant: ``part``, or a version-1 step's only object."""
+        if part is not None:
+            return part
+        objects = manifest.objects
+        if len(objects) != 1:
+            raise ValueError(f"step {manifest.step} has {len(objects)} parts: name the one to read")
+        return objects[0]
 
     def close(self) -> None:
         """Delete every downloaded object and the cache folder this store made; also right after an error
@@ -274,7 +273,8 @@ class Store(Retrying):
     def manifest(self, step: int) -> Manifest:
         rel = f"{step_dir(step)}/{MANIFEST}"
         try:
-            m = self.read_document(rel, Manifest)
+            m = decode(self.read_bytes(rel, max_bytes=MAX_MANIFEST_BYTES), Manifest, where=f"{self.url}/{rel}",
+                       max_bytes=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise StepNotFoundError(f"{self.url}: step {step} is not committed{self._nearby(step)}") from None
         if m.step != step:
@@ -290,66 +290,69 @@ class Store(Retrying):
         near = ", ".join(str(s) for s in ([below[-1]] if below else []) + ([above[0]] if above else []))
         return f" (nearest committed: {near}; stream holds {steps[0]}..{steps[-1]})"
 
-    def _object_key(self, manifest: Manifest) -> str:
-        """The key of the step's object; its name comes from a store, so it must be a plain file name."""
-        return f"{step_dir(manifest.step)}/{plain_name(manifest.object, where=f'{self.url} step {manifest.step}')}"
+    def _object_key(self, manifest: Manifest, part: Part) -> str:
+        """The key of a step's object; its name comes from a store, so it must be a plain file name."""
+        return f"{step_dir(manifest.step)}/{plain_name(part.object, where=f'{self.url} step {manifest.step}')}"
 
-    def fetch_object(self, manifest: Manifest, *, hold: bool = False) -> Path:
+    def fetch_object(self, manifest: Manifest, *, part: Part | None = None, hold: bool = False) -> Path:
         """A local path to the step's object, checked against the manifest's size and SHA-256.
 
         Local objects are read in place. Remote ones are downloaded into the cache: with ``hold`` the
         object stays there until ``release_object`` (``StreamReader.open`` holds it while it is open);
-        without, until the cache's byte cap or ``close()`` removes it.
+        without, until the cache's byte cap or ``close()`` removes it. ``part``: which object of a multi-part
+        step (docs/FORMAT.md section 5b); a version-1 step has one.
         """
-        rel = self._object_key(manifest)
-        where = f"{self.url} step {manifest.step} object {manifest.object}"
+        part = self._part(manifest, part)
+        rel = self._object_key(manifest, part)
+        where = f"{self.url} step {manifest.step} object {part.object}"
         local = self.transport.local_path(rel) if self.is_local else None
         if local is not None:
             if not local.exists():
                 raise self._missing(manifest, where)
-            self._check_object(local, manifest, where)
+            self._check_object(local, part, where)
             return local
-        name = self._cache_name(manifest)
+        name = self._cache_name(manifest, part)
         cache = self.object_cache
         with cache.filling(name) as path:
-            if not (path.exists() and path.stat().st_size == manifest.object_bytes):
-                part = path.with_name(f"{name}.part")
+            if not (path.exists() and path.stat().st_size == part.object_bytes):
+                partial = path.with_name(f"{name}.part")
                 try:
-                    self.call(f"download {rel}", lambda: self.transport.get_file(rel, part))
-                    os.replace(part, path)
+                    self.call(f"download {rel}", lambda: self.transport.get_file(rel, partial))
+                    os.replace(partial, path)
                 except FileNotFoundError:
-                    part.unlink(missing_ok=True)
+                    partial.unlink(missing_ok=True)
                     raise self._missing(manifest, where) from None
                 except BaseException:
-                    part.unlink(missing_ok=True)  # failed or interrupted (Ctrl-C): no half file stays
+                    partial.unlink(missing_ok=True)  # failed or interrupted (Ctrl-C): no half file stays
                     raise
             try:
-                self._check_object(path, manifest, where)
+                self._check_object(path, part, where)
             except BaseException:
                 cache.discard(name)
                 raise
             cache.add(name, hold=hold)
         return path
 
-    def read_object(self, manifest: Manifest) -> bytes:
-        """The step's object in memory, checked against the manifest's size and SHA-256 (no cache, no file).
-
-        At most ``object_bytes + 1`` bytes are fetched: an oversized object costs no more than that.
+    def read_object(self, manifest: Manifest, *, part: Part | None = None) -> bytes:
+        """A step's object (``part`` of a multi-part step) in memory, checked against the manifest's size and
+        SHA-256 (no cache, no file). At most ``object_bytes + 1`` bytes are fetched: an oversized object
+        costs no more than that.
         """
-        rel = self._object_key(manifest)
-        where = f"{self.url} step {manifest.step} object {manifest.object}"
+        part = self._part(manifest, part)
+        rel = self._object_key(manifest, part)
+        where = f"{self.url} step {manifest.step} object {part.object}"
         try:
-            data = self.call(f"read {rel}", lambda: self.transport.get(rel, end=manifest.object_bytes + 1))
+            data = self.call(f"read {rel}", lambda: self.transport.get(rel, end=part.object_bytes + 1))
         except FileNotFoundError:
             raise self._missing(manifest, where) from None
-        if len(data) != manifest.object_bytes:
+        if len(data) != part.object_bytes:
             raise CorruptObjectError(
-                f"{where}: {'more than ' if len(data) > manifest.object_bytes else ''}{len(data)} bytes, "
-                f"manifest says {manifest.object_bytes} (truncated or replaced)"
+                f"{where}: {len(data)}{'+' if len(data) > part.object_bytes else ''} bytes, "
+                f"manifest says {part.object_bytes} (truncated or replaced)"
             )
         digest = hashlib.sha256(data).hexdigest()
-        if digest != manifest.object_sha256:
-            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {manifest.object_sha256[:16]}…")
+        if digest != part.object_sha256:
+            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {part.object_sha256[:16]}…")
         return data
 
     def _missing(self, manifest: Manifest, where: str) -> StepNotFoundError | CorruptObjectError:
@@ -359,42 +362,50 @@ class Store(Retrying):
             return StepNotFoundError(f"{self.url}: step {manifest.step} was collected (deleted by gc) while it was being read")
         return CorruptObjectError(f"{where}: missing, though the step is committed")
 
-    def _check_object(self, path: Path, manifest: Manifest, where: str) -> None:
+    def _check_object(self, path: Path, part: Part, where: str) -> None:
         """The object at ``path`` has the manifest's size and SHA-256, or ``CorruptObjectError``."""
         size = path.stat().st_size
-        if size != manifest.object_bytes:
-            raise CorruptObjectError(f"{where}: {size} bytes, manifest says {manifest.object_bytes} (truncated or replaced)")
+        if size != part.object_bytes:
+            raise CorruptObjectError(f"{where}: {size} bytes, manifest says {part.object_bytes} (truncated or replaced)")
         digest = sha256_file(path)
-        if digest != manifest.object_sha256:
-            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {manifest.object_sha256[:16]}…")
+        if digest != part.object_sha256:
+            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {part.object_sha256[:16]}…")
 
-    def put_object(self, manifest: Manifest, data: ObjectData) -> None:
-        """Upload the step's object (not a commit: ``commit`` writes the manifest after it).
+    def put_object(self, manifest: Manifest, data: ObjectData, *, part: Part | None = None) -> None:
+        """Upload a step's object (not a commit: ``commit`` writes the manifest after it).
 
         ``data``: the object's bytes (``bytes``, ``memoryview``, ...), or a local file (``str``/``Path``),
         streamed, and consumed on a local store (moved into place). Its size must be the manifest's.
         """
+        self.put_part(manifest.step, self._part(manifest, part), data)
+
+    def put_part(self, step: int, part: Part, data: ObjectData) -> None:
+        """Upload one object of ``step`` before its manifest exists (a rank's part of a multi-part step)."""
         source = Path(data) if isinstance(data, (str, Path)) else data
         size = source.stat().st_size if isinstance(source, Path) else memoryview(source).nbytes
-        if size != manifest.object_bytes:
+        if size != part.object_bytes:
             raise CorruptObjectError(
-                f"{self.url} step {manifest.step}: the object to upload has {size} bytes, its manifest says {manifest.object_bytes}"
+                f"{self.url} step {step}: the object to upload has {size} bytes, its manifest says {part.object_bytes}"
             )
-        rel = self._object_key(manifest)
+        rel = f"{step_dir(step)}/{plain_name(part.object, where=f'{self.url} step {step}')}"
         self.call(f"upload {rel}", lambda: self.transport.put(rel, source))
 
-    def commit(self, manifest: Manifest, data: ObjectData, *, owner: str | None = None) -> None:
+    def commit(self, manifest: Manifest, data: ObjectData | None, *, owner: str | None = None) -> None:
         """Publish one step: object, then manifest (the commit, create-only), then the latest hint.
 
         With ``owner``, the writer's lease is checked right before the manifest is written (and renewed if it
         ran out meanwhile): a writer that lost the stream commits nothing (``WriterConflictError``). A step
         that is already committed is never replaced (``StepExistsError``), whoever committed it.
-        ``data`` is the object's bytes or a local file (``put_object``; a file may be consumed).
+        ``data`` is the object's bytes or a local file (``put_object``; a file may be consumed); None for a
+        multi-part step, whose parts their writers uploaded already (``put_part``).
         """
         manifest_rel = f"{step_dir(manifest.step)}/{MANIFEST}"
         if self.exists(manifest_rel):  # saves an upload; the create-only write below is what guarantees it
             raise StepExistsError(f"{self.url}: step {manifest.step} is already committed; a committed step is never replaced")
-        self.put_object(manifest, data)
+        if data is not None:
+            self.put_object(manifest, data)
+        elif not manifest.is_multipart:
+            raise ValueError(f"{self.url} step {manifest.step}: a single-object step is committed with its object")
         if owner is not None:
             self.hold_lease(owner)
         try:
@@ -503,7 +514,7 @@ class Store(Retrying):
                 removed.append(s)
             elif len(files) > 2:
                 try:
-                    keep = {MANIFEST, self.manifest(s).object}
+                    keep = {MANIFEST, *(p.object for p in self.manifest(s).objects)}
                 except (StepNotFoundError, FormatError):
                     continue  # collected meanwhile, or for verify to report
                 for name in files.keys() - keep:

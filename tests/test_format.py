@@ -22,7 +22,7 @@ def _doc_json_blocks() -> list[dict]:
 
 
 def test_format_doc_examples_parse():
-    header, manifest = _doc_json_blocks()
+    header, manifest, manifest_v2 = _doc_json_blocks()
     header["state_checksum"] = "0" * 64
     for t in header["tensors"].values():
         t["checksum"] = t["checksum"] if len(t["checksum"]) == 18 else "0x" + "0" * 16
@@ -33,6 +33,14 @@ def test_format_doc_examples_parse():
 
     manifest["object_sha256"] = manifest["state_checksum"] = "0" * 64
     assert Manifest.from_json(json.dumps(manifest), where="FORMAT.md").step == 12
+    # section 5b: a multi-part step's manifest (version 2) lists its parts and their element ranges
+    manifest_v2["state_checksum"] = "0" * 64
+    for p in manifest_v2["parts"]:
+        p["object_sha256"] = p["object_sha256"].ljust(64, "0")
+    m2 = Manifest.from_json(json.dumps(manifest_v2), where="FORMAT.md")
+    assert m2.format_version == 2 and m2.object is None and len(m2.objects) == 2
+    assert m2.object_bytes == sum(p.object_bytes for p in m2.objects)
+    assert m2.objects[1].tensors == {"model.layers.0.mlp.down_proj.weight": (24576, 49152)}
 
 
 def _delta_file(tmp_path, small_state, gen):

@@ -20,12 +20,13 @@ MASK64 = (1 << 64) - 1
 _CHUNK = 1 << 20
 
 
-def tensor_checksum(t: torch.Tensor) -> int:
-    """Checksum of a whole tensor, on whatever device it lives."""
+def tensor_checksum(t: torch.Tensor, base: int = 0) -> int:
+    """Checksum of a whole tensor, on whatever device it lives; with ``base``, of a contiguous slice of a
+    larger tensor whose first element sits at global flat index ``base`` (a rank's shard)."""
     t = t.detach()
     if t.device.type == "cpu":
-        return int(_kernels.checksum_range(np_bits(t.contiguous()), 0))
-    return _torch_checksum(int_view(t.contiguous()), 0)
+        return int(_kernels.checksum_range(np_bits(t.contiguous()), base))
+    return _torch_checksum(int_view(t.contiguous()), base)
 
 
 def checksum_elements(t: torch.Tensor, indices: torch.Tensor) -> int:

@@ -97,9 +97,13 @@ def decode_patch(
     values: bytes | bytearray,
     where: str,
 ) -> Patch:
-    """Decode and validate one changed tensor of a delta into a ``Patch`` (see ``decode_change``)."""
+    """Decode and validate one changed tensor of a delta into a ``Patch`` (see ``decode_change``).
+
+    A part's entry (docs/FORMAT.md section 5b) decodes to a patch of its range alone: shape
+    ``(stop - start,)``, positions relative to ``start``, ``checksum`` the range's.
+    """
     pos, xor = decode_change(
-        numel=header.numel,
+        numel=header.count,
         width=header.itemsize,
         changed=header.changed,
         positions_chain=list(header.positions or ()),
@@ -108,8 +112,8 @@ def decode_patch(
         values=values,
         where=where,
     )
-    return Patch(name=name, dtype=header.dtype, shape=header.shape, positions=pos, xor=xor,
-                 checksum=int(header.checksum, 16))
+    shape = header.shape if header.range is None else (header.count,)
+    return Patch(name=name, dtype=header.dtype, shape=shape, positions=pos, xor=xor, checksum=int(header.checksum, 16))
 
 
 def decode_change(

@@ -48,6 +48,10 @@ ConsumerId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,
 WriterId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 Version = Literal[1]
+PartVersion = Literal[1, 2]  # 2: multi-part steps (docs/FORMAT.md section 5b)
+MAX_MANIFEST_BYTES = 64 << 20  # a version-2 manifest lists every tensor of every part
+MAX_PARTS = 1 << 16
+Range = tuple[Count, Count]
 
 
 def decode(data: bytes | bytearray | memoryview | str, kind: type[T], *, where: str, max_bytes: int = MAX_DOCUMENT_BYTES) -> T:
@@ -88,19 +92,33 @@ class TensorHeader:
     checksum: Checksum
     positions: Annotated[tuple[PositionCodec, ...], msgspec.Meta(min_length=1, max_length=4)] | None = None
     values: Annotated[tuple[ValueCodec, ...], msgspec.Meta(min_length=1, max_length=4)] | None = None
+    range: Range | None = None  # a part's element range [start, stop) (docs/FORMAT.md section 5b)
 
     def __post_init__(self) -> None:
         numel = math.prod(self.shape)
         if numel > MAX_NUMEL:
             raise ValueError(f"shape {list(self.shape)} holds {numel} elements, at most {MAX_NUMEL} are supported")
-        if self.changed > numel:
-            raise ValueError(f"{self.changed} changed elements in a tensor of {numel}")
+        if self.range is not None:
+            start, stop = self.range
+            if not 0 <= start <= stop <= numel or (start == stop and numel):
+                raise ValueError(f"range {list(self.range)} is not a non-empty element range of a tensor of {numel}")
+        if self.changed > self.count:
+            raise ValueError(f"{self.changed} changed elements in a {'tensor' if self.range is None else 'range'} of {self.count}")
         if (self.positions is None) != (self.values is None):
             raise ValueError("positions and values codec chains come together")
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def count(self) -> int:
+        """Elements this entry encodes: the whole tensor, or its range in a part."""
+        return self.numel if self.range is None else self.range[1] - self.range[0]
+
+    @property
+    def start(self) -> int:
+        return 0 if self.range is None else self.range[0]
 
     @property
     def itemsize(self) -> int:
@@ -121,6 +139,8 @@ class TensorHeader:
         if self.positions is not None:
             d["positions"] = list(self.positions)
             d["values"] = list(self.values or ())
+        if self.range is not None:
+            d["range"] = list(self.range)
         return d
 
 
@@ -138,11 +158,16 @@ class StepHeader:
     state_checksum: Sha256
     tensors: dict[TensorName, TensorHeader]
     aliases: dict[TensorName, TensorName] = field(default_factory=dict)
-    format_version: Version = FORMAT_VERSION
+    format_version: PartVersion = FORMAT_VERSION
     checksum_algorithm: Literal["mix64-sum"] = CHECKSUM_ALGORITHM
 
     def __post_init__(self) -> None:
         _check_base(self.kind, self.step, self.base_step)
+        ranged = sum(t.range is not None for t in self.tensors.values())
+        if self.format_version == 2 and (ranged != len(self.tensors) or self.aliases):
+            raise ValueError("$.format_version is 2: a part's header gives every tensor a range and no aliases (docs/FORMAT.md section 5b)")
+        if self.format_version == 1 and ranged:
+            raise ValueError("$.format_version is 1: element ranges need format_version 2")
         for alias, target in self.aliases.items():
             if target not in self.tensors or alias in self.tensors:
                 raise ValueError(f"alias {alias!r} -> {target!r} does not name exactly one stored tensor")
@@ -158,6 +183,11 @@ class StepHeader:
     @property
     def changed(self) -> int:
         return sum(t.changed for t in self.tensors.values())
+
+    @property
+    def is_part(self) -> bool:
+        """A part of a multi-part step (docs/FORMAT.md section 5b): tensors carry element ranges."""
+        return self.format_version == 2
 
     def checksums(self) -> dict[str, str]:
         return {name: t.checksum for name, t in self.tensors.items()}
@@ -202,7 +232,7 @@ class _RawStepHeader:
     state_checksum: Sha256
     tensors: dict[TensorName, msgspec.Raw]
     aliases: dict[TensorName, TensorName] = field(default_factory=dict)
-    format_version: Version = FORMAT_VERSION
+    format_version: PartVersion = FORMAT_VERSION
     checksum_algorithm: Literal["mix64-sum"] = CHECKSUM_ALGORITHM
 
 
@@ -232,32 +262,90 @@ class ManifestStats:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Part:
+    """One object of a step: its name, size and SHA-256, and (in a multi-part step) the element range of
+    each tensor it holds (``tensors`` is None for the single object of a version-1 step: every tensor)."""
+
+    object: ObjectName
+    object_bytes: Annotated[int, msgspec.Meta(ge=8, le=MAX_OBJECT_BYTES)]
+    object_sha256: Sha256
+    tensors: dict[TensorName, Range] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"object": self.object, "object_bytes": self.object_bytes, "object_sha256": self.object_sha256}
+        if self.tensors is not None:
+            d["tensors"] = {n: list(r) for n, r in self.tensors.items()}
+        return d
+
+
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
-    """The commit marker of one step: what object holds it and how to check that object."""
+    """The commit marker of one step: what object(s) hold it and how to check them.
+
+    Version 1: one object (``object``, ``object_bytes``, ``object_sha256``). Version 2 (docs/FORMAT.md
+    section 5b): ``parts`` (one per writing rank), ``object_bytes`` their total, ``aliases`` the step's.
+    ``objects`` gives both as a list of ``Part``.
+    """
 
     step: Step
     base_step: Step | None
     kind: Kind
-    object: ObjectName
     object_bytes: Annotated[int, msgspec.Meta(ge=8, le=MAX_OBJECT_BYTES)]
-    object_sha256: Sha256
     state_checksum: Sha256
     created_unix_s: UnixTime
+    object: ObjectName | None = None
+    object_sha256: Sha256 | None = None
+    parts: Annotated[tuple[Part, ...], msgspec.Meta(min_length=1, max_length=MAX_PARTS)] | None = None
+    aliases: dict[TensorName, TensorName] | None = None
     stats: ManifestStats = field(default_factory=ManifestStats)
-    format_version: Version = FORMAT_VERSION
+    format_version: PartVersion = FORMAT_VERSION
 
     def __post_init__(self) -> None:
         _check_base(self.kind, self.step, self.base_step)
+        if self.format_version == 1:
+            if self.object is None or self.object_sha256 is None or self.parts is not None or self.aliases is not None:
+                raise ValueError("$.format_version is 1: a version-1 manifest names one object (object, object_sha256) and no parts")
+            return
+        if self.parts is None or self.object is not None or self.object_sha256 is not None:
+            raise ValueError("$.format_version is 2: a version-2 manifest lists parts instead of one object (docs/FORMAT.md section 5b)")
+        names = [p.object for p in self.parts]
+        if len(set(names)) != len(names):
+            raise ValueError("two parts name the same object")
+        if any(p.tensors is None for p in self.parts):
+            raise ValueError("every part lists its tensors' element ranges")
+        if sum(p.object_bytes for p in self.parts) != self.object_bytes:
+            raise ValueError(f"object_bytes {self.object_bytes} is not the total of the parts' sizes")
+
+    @property
+    def is_multipart(self) -> bool:
+        return self.parts is not None
+
+    @property
+    def objects(self) -> tuple[Part, ...]:
+        """Every object of the step (one for a version-1 manifest)."""
+        if self.parts is not None:
+            return self.parts
+        assert self.object is not None and self.object_sha256 is not None
+        return (Part(object=self.object, object_bytes=self.object_bytes, object_sha256=self.object_sha256),)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "stats": self.stats.to_dict()}
+        d = {**asdict(self), "stats": self.stats.to_dict()}
+        if self.parts is None:
+            order = ("step", "base_step", "kind", "object", "object_bytes", "object_sha256", "state_checksum",
+                     "created_unix_s", "stats", "format_version")
+            return {k: d[k] for k in order}
+        else:
+            for key in ("object", "object_sha256"):
+                d.pop(key)
+            d["parts"] = [p.to_dict() for p in self.parts]
+        return d
 
     def to_json(self) -> str:
-        return encode(self, indent=1).decode()
+        return encode(self, indent=None if self.parts is not None else 1).decode()
 
     @classmethod
     def from_json(cls, text: str | bytes, *, where: str) -> Manifest:
-        return decode(text, cls, where=where)
+        return decode(text, cls, where=where, max_bytes=MAX_MANIFEST_BYTES)
 
 
 @dataclass(frozen=True, kw_only=True)

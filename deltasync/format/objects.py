@@ -283,7 +283,8 @@ class StepObject:
         for key, e in self._entries.items():
             if h.kind == "anchor":
                 t = h.tensors[key]
-                ok, want = (e.dtype, e.shape) == (t.dtype, t.shape), f"{t.dtype} {list(t.shape)} (as its header says)"
+                shape = t.shape if t.range is None else (t.count,)  # a part stores its range flat (section 5b)
+                ok, want = (e.dtype, e.shape) == (t.dtype, shape), f"{t.dtype} {list(shape)} (as its header says)"
             else:
                 ok, want = e.dtype == "U8" and len(e.shape) == 1, "a 1-D U8 blob"
             if not ok:
@@ -293,9 +294,10 @@ class StepObject:
         return list(self._entries)
 
     def read_tensor(self, name: str) -> torch.Tensor:
-        """An anchor's tensor, read into fresh memory (writable; its size was checked at open)."""
+        """An anchor's tensor, read into fresh memory (writable; its size was checked at open). A part's
+        entry is its range, flat."""
         h = self.header.tensors[name]
-        t = torch.empty(h.shape, dtype=h.torch_dtype)
+        t = torch.empty(h.shape if h.range is None else (h.count,), dtype=h.torch_dtype)
         if t.numel():
             self._read_into(name, t.reshape(-1).view(torch.uint8).numpy())
         return t

@@ -47,14 +47,7 @@ def read_heartbeats(store: Store) -> list[ConsumerPosition]:
     A heartbeat that cannot be read is an error (``FormatError`` naming it), not skipped: garbage collection
     must not delete what an unknown consumer may still need. Delete the file to forget that consumer.
     """
-    def listing() -> list[str]:
-        store.fs.invalidate_cache()  # other processes write heartbeats
-        return store.fs.find(store.path(CONSUMERS_DIR))
-
-    try:
-        paths = store.call("list consumers", listing)
-    except FileNotFoundError:
-        return []
+    paths = [e.key for e in store.list(CONSUMERS_DIR)]  # the transport lists afresh: other processes write heartbeats
     out = []
     for path in sorted(p for p in paths if p.endswith(".json")):
         name = path.rsplit("/", 1)[-1]

@@ -18,7 +18,7 @@ from deltasync.format.objects import StepHeader, parse_header
 from deltasync.history.compare import layer_of
 from deltasync.history.replay import ProgressFn, open_reader, require_steps
 from deltasync.reader import StreamReader
-from deltasync.store import Manifest, Store, step_dir
+from deltasync.store import Manifest, Part, Store, step_dir
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,15 +175,28 @@ def layer_density(
 
 
 def read_step_header(store: Store, manifest: Manifest) -> StepHeader:
-    """A step's header from the first bytes of its object (two ranged reads; the object is not verified)."""
-    path = store.path(step_dir(manifest.step), manifest.object)
-    where = f"{store.url} step {manifest.step} object"
+    """A step's header from the first bytes of its object(s) (two ranged reads each; not verified).
+
+    For a multi-part step (docs/FORMAT.md section 5b), the parts' headers combined: every tensor once, its
+    ``changed`` the parts' total.
+    """
+    headers = [_read_part_header(store, manifest, part) for part in manifest.objects]
+    if len(headers) == 1:
+        return headers[0]
+    from deltasync.format.parts import combine_headers
+
+    return combine_headers(manifest, headers, where=f"{store.url} step {manifest.step}", check_checksums=False)
+
+
+def _read_part_header(store: Store, manifest: Manifest, part: Part) -> StepHeader:
+    rel = f"{step_dir(manifest.step)}/{part.object}"
+    where = f"{store.url} step {manifest.step} object {part.object}"
 
     def read(offset: int, size: int) -> bytes:
-        return store.call(f"read {where} header", lambda: store.fs.cat_file(path, start=offset, end=offset + size))
+        return store.read_range(rel, offset, offset + size)
 
     try:
-        return parse_header(read, manifest.object_bytes, where=where)[2]
+        return parse_header(read, part.object_bytes, where=where)[2]
     except FileNotFoundError:
         raise CorruptObjectError(f"{where}: missing, though the step is committed") from None
 

@@ -31,6 +31,10 @@ class Snapshot:
     Memory: one copy of every tensor, on the trainer's device (``"same"``) or in host memory (``"cpu"``).
     With ``"cpu"`` a device tensor is diffed through host chunks of at most ``max_chunk_bytes``. With
     ``dtype``, floating tensors are published in that dtype (one tensor is cast at a time).
+
+    ``offsets`` (name -> global flat index of the first element) make each tensor a contiguous slice of a
+    larger one (a rank's shard, docs/FORMAT.md section 5b): checksums hash global indices, while the
+    patches a diff returns stay in the slice's own coordinates.
     """
 
     def __init__(
@@ -40,17 +44,19 @@ class Snapshot:
         device: SnapshotDevice = "same",
         max_chunk_bytes: int = 64 << 20,
         dtype: torch.dtype | None = None,
+        offsets: Mapping[str, int] | None = None,
     ) -> None:
         self.device = device
         self.dtype = dtype
         self.max_chunk_bytes = max_chunk_bytes
+        self.offsets: dict[str, int] = dict(offsets or {})
         self.tensors: dict[str, torch.Tensor] = {}
         self._scratch = _Scratch()
         for name, t in tensors.items():
             t = self._cast(t.detach())
             copy = t.to("cpu", copy=True) if device == "cpu" else t.clone(memory_format=torch.contiguous_format)
             self.tensors[name] = copy
-        self.checksums: dict[str, int] = {name: tensor_checksum(t) for name, t in self.tensors.items()}
+        self.checksums: dict[str, int] = {name: tensor_checksum(t, self.offsets.get(name, 0)) for name, t in self.tensors.items()}
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         """Floating tensors in the published dtype (e.g. fp32 master weights published as bf16)."""
@@ -86,7 +92,10 @@ class Snapshot:
         changes = []
         for name, t in tensors.items():
             snap = self.tensors[name]
-            positions, xor, delta = _diff_tensor(self._cast(t.detach()), snap, self.max_chunk_bytes, self._scratch)
+            base = self.offsets.get(name, 0)
+            positions, xor, delta = _diff_tensor(self._cast(t.detach()), snap, self.max_chunk_bytes, self._scratch, base)
+            if base:
+                positions -= base  # the kernels report global positions (they hash global indices)
             self.checksums[name] = (self.checksums[name] + delta) & MASK64
             changes.append(
                 Patch(name=name, dtype=dtype_name(snap.dtype), shape=tuple(snap.shape), positions=positions, xor=xor,
@@ -96,28 +105,28 @@ class Snapshot:
 
 
 def _diff_tensor(
-    cur: torch.Tensor, snap: torch.Tensor, max_chunk_bytes: int, scratch: _Scratch
+    cur: torch.Tensor, snap: torch.Tensor, max_chunk_bytes: int, scratch: _Scratch, base: int = 0
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Positions, xor bits and checksum delta of ``cur`` vs ``snap``; sets ``snap`` to ``cur``."""
+    """Positions (global: from ``base``), xor bits and checksum delta of ``cur`` vs ``snap``; sets ``snap`` to ``cur``."""
     if not cur.is_contiguous():
         cur = cur.contiguous()
     step = max(1, max_chunk_bytes // snap.element_size())
     if snap.device.type != "cpu":
-        return _diff_torch(int_view(cur), int_view(snap), step, snap.element_size())
+        return _diff_torch(int_view(cur), int_view(snap), step, snap.element_size(), base)
     if cur.device.type == "cpu":
-        return _diff_np(np_bits(cur), np_bits(snap), 0, scratch)
-    return _diff_host_chunks(int_view(cur), np_bits(snap), step, scratch)
+        return _diff_np(np_bits(cur), np_bits(snap), base, scratch)
+    return _diff_host_chunks(int_view(cur), np_bits(snap), step, scratch, base)
 
 
 def _diff_host_chunks(
-    cur: torch.Tensor, snap: np.ndarray, step: int, scratch: _Scratch
+    cur: torch.Tensor, snap: np.ndarray, step: int, scratch: _Scratch, base: int = 0
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """``cur`` (flat bits, any device) vs a host snapshot, through host copies of ``step`` elements at a time.
 
     Bounds the host memory a device tensor costs; each chunk is diffed with its global offset.
     """
     parts = [
-        _diff_np(np_bits(cur[s : s + step].to("cpu")), snap[s : s + step], s, scratch)
+        _diff_np(np_bits(cur[s : s + step].to("cpu")), snap[s : s + step], base + s, scratch)
         for s in range(0, cur.numel(), step)
     ]
     return _concat(parts, snap.itemsize)
@@ -182,14 +191,14 @@ def _scan(aw, bw, a, b, group: int, base: int, scratch: _Scratch) -> list[tuple[
     return parts
 
 
-def _diff_torch(cur: torch.Tensor, snap: torch.Tensor, step: int, width: int) -> tuple[np.ndarray, np.ndarray, int]:
+def _diff_torch(cur: torch.Tensor, snap: torch.Tensor, step: int, width: int, base: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
     parts = []
     for s in range(0, cur.numel(), step):
         c, o = cur[s : s + step], snap[s : s + step]
         idx = (c != o).nonzero().squeeze(1)
         new, old = c[idx], o[idx]
         o[idx] = new
-        g = idx + s
+        g = idx + (base + s)
         delta = int((_torch_hash(_unsigned64(new), g).sum() - _torch_hash(_unsigned64(old), g).sum()).item())
         xor = (new ^ old).cpu().numpy().view(UNSIGNED_NP[width])
         parts.append((g.cpu().numpy(), xor, delta))
