@@ -33,6 +33,7 @@ class DemoConfig:
     batch_size: int = 8
     seed: int = 0
     engine: str = "vllm"  # "vllm": a real vLLM engine follows; "torch": a state dict in this process
+    transport: str = "store"  # "store": the follower reads the store; "nixl": trainer and consumer processes over NIXL
 
 
 def tiny_qwen3(*, hidden_size: int = 256, layers: int = 4, vocab_size: int = 512, tie: bool = False, seed: int = 0):
@@ -100,6 +101,8 @@ def run_demo(
     """
     scratch = ScratchFolder("demo")
     try:
+        if config.transport == "nixl":
+            return _run_demo_nixl(url, config, scratch.path, storage_options=storage_options, echo=echo)
         return _run_demo(url, config, scratch.path, storage_options=storage_options, echo=echo)
     finally:
         scratch.remove()
@@ -220,6 +223,156 @@ def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_opt
         )
     who = "vLLM engine" if llm is not None else "follower"
     echo(f"{who} weights at step {target.step}: {final[:16]}…  trainer: {trainer_sums[config.steps - 1][:16]}…")
+    echo("BIT-EXACT: every step verified" if ok else "MISMATCH: see the table")
+    if not ok:
+        raise SystemExit(1)
+    return rows
+
+
+# --- the NIXL fast path: trainer and consumer in separate processes, a controller here (docs/RDMA.md) ---
+
+
+def _train_batches(config: DemoConfig):
+    """The model, its optimizer and a batch function, as the store demo trains them."""
+    torch.manual_seed(config.seed)
+    model = tiny_qwen3(hidden_size=config.hidden_size, layers=config.layers, seed=config.seed).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    data = stdlib_corpus(seed=config.seed) % model.config.vocab_size
+    gen = torch.Generator().manual_seed(config.seed)
+
+    def batch() -> torch.Tensor:
+        starts = torch.randint(0, data.numel() - config.seq_len - 1, (config.batch_size,), generator=gen)
+        return torch.stack([data[s : s + config.seq_len + 1] for s in starts])
+
+    return model, opt, batch
+
+
+def _nixl_trainer(address: str, url: str, config: DemoConfig, storage_options: dict | None, out) -> None:
+    """The trainer process: train, publish every step to the store and, once committed, over NIXL."""
+    from deltasync.store import Store
+    from deltasync.transports.nixl import NixlTransport
+
+    try:
+        model, opt, batch = _train_batches(config)
+        rdma = {"controller": address, "slot_bytes": 64 << 20, "plan_wait_s": 60.0}
+        with NixlTransport.trainer(url, rdma=rdma, storage_options=storage_options) as transport:
+            store = Store(url, transport=transport, storage_options=storage_options)
+            with DeltaPublisher(store, model, dtype=torch.bfloat16, anchor_every=config.anchor_every,
+                                on_backlog="block") as pub:
+                for step in range(config.steps):
+                    b = batch()
+                    model(input_ids=b[:, :-1], labels=b[:, 1:]).loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    out.put(("sum", step, state_checksum(bf16_checksums(model))))
+                    pub.publish(step)
+                    out.put(("published", step, time.monotonic()))
+                pub.flush()
+            out.put(("metrics", [m.to_dict() for m in pub.metrics], transport.trainer.stats.store_only))
+    except BaseException as e:
+        out.put(("error", "trainer", f"{type(e).__name__}: {e}"))
+        raise
+
+
+def _nixl_consumer(address: str, url: str, config: DemoConfig, storage_options: dict | None, out) -> None:
+    """The consumer process: a state dict that follows every announced step over NIXL (store as fallback)."""
+    from deltasync.rdma.consumer import RdmaConsumer
+    from rollout_loader import StateDictTarget
+
+    try:
+        target = StateDictTarget(verify="full")
+        with RdmaConsumer(url, rdma={"controller": address, "capacity_bytes": 64 << 20}, consumer_id="demo-consumer",
+                          storage_options=storage_options, plan_wait_s=60.0) as consumer:
+            out.put(("ready",))
+            for step in consumer.follow(target, until=config.steps - 1, timeout_s=120.0):
+                out.put(("live", step, time.monotonic(), consumer.arrived.get(step, "?")))
+            final = state_checksum({n: format_checksum(c) for n, c in target.replica.checksums.items()})
+            out.put(("final", target.step, final))
+    except BaseException as e:
+        out.put(("error", "consumer", f"{type(e).__name__}: {e}"))
+        raise
+
+
+def _run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage_options: dict | None, echo) -> list[dict]:
+    import multiprocessing as mp
+    import queue
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from deltasync.rdma.controller import Controller
+
+    if url is None:
+        url = str(workdir / "stream")
+    echo("transport: NIXL (UCX loopback, CPU memory): trainer and consumer in separate processes, a controller here; "
+         "every step is also committed to the store")
+    echo("consumer: a state dict (the torch engine; the vLLM engine does not take NIXL yet)")
+    echo(f"store: {url}")
+    ctx = mp.get_context("spawn")
+    got: dict[str, dict] = {"sum": {}, "published": {}, "live": {}}
+    with Controller(trainers=1, consumers=1) as controller:
+        q = ctx.Queue()
+        procs = [ctx.Process(target=f, args=(controller.address, url, config, storage_options, q), daemon=True)
+                 for f in (_nixl_consumer, _nixl_trainer)]
+        for p in procs:
+            p.start()
+        try:
+            deadline = time.monotonic() + 600
+            while "final" not in got or "metrics" not in got:
+                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs) and q.empty():
+                    raise SystemExit(f"NIXL demo failed: {got.get('error') or [p.exitcode for p in procs]}")
+                try:
+                    msg = q.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                kind = msg[0]
+                if kind in ("sum", "published"):
+                    got[kind][msg[1]] = msg[2]
+                elif kind == "live":
+                    got["live"][msg[1]] = (msg[2], msg[3])
+                elif kind == "error":
+                    echo(f"{msg[1]} failed: {msg[2]}")
+                    got["error"] = msg[1:]
+                elif kind in ("metrics", "final"):
+                    got[kind] = msg[1:]
+        finally:
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            q.close()
+            q.join_thread()
+        versions = dict(controller.versions)
+    metrics, store_only = got["metrics"]
+    final_step, final = got["final"]
+    from deltasync.store import Store
+
+    rows = []
+    table = Table(title="deltasync demo: trainer -> NIXL (store as history) -> follower, separate processes")
+    for col in ["step", "kind", "density", "bytes", "vs full", "B/changed", "diff ms", "encode ms", "commit ms", "via",
+                "live +ms", "exact"]:
+        table.add_column(col, justify="right")
+    with Store(url, storage_options=storage_options) as store:
+        for m in metrics:
+            s = m["step"]
+            exact = s in got["live"] and store.manifest(s).state_checksum == got["sum"][s]
+            live_at, via = got["live"].get(s, (float("nan"), "-"))
+            lag = (live_at - got["published"][s]) * 1e3
+            rows.append({**m, "via": via, "live_after_publish_ms": lag, "exact": bool(exact)})
+            table.add_row(str(s), m["kind"], f"{m['density']:.2%}" if m["kind"] == "delta" else "full",
+                          f"{m['object_bytes'] / 1e6:.2f} MB", f"{m['object_bytes'] / m['full_bytes']:.1%}",
+                          f"{m['object_bytes'] / m['changed']:.2f}" if m["kind"] == "delta" and m["changed"] else "-",
+                          f"{m['capture_s'] * 1e3:.1f}", f"{m['encode_s'] * 1e3:.1f}",
+                          f"{(m['write_s'] + m['upload_s']) * 1e3:.1f}", via, f"{lag:.0f}", "yes" if exact else "NO")
+    Console(width=max(Console().width, 120)).print(table)
+    rdma = sum(r["via"] == "rdma" for r in rows)
+    echo(f"{rdma} of {len(rows)} steps read over NIXL, the others from the store"
+         + (f" ({'; '.join(f'step {s}: {why}' for s, why in store_only[:3])})" if store_only else ""))
+    echo(f"controller: engine version {versions.get('demo-consumer')} (advanced only after the consumer applied)")
+    last = config.steps - 1
+    ok = all(r["exact"] for r in rows) and final_step == last and final == got["sum"][last]
+    echo(f"follower weights at step {final_step}: {final[:16]}…  trainer: {got['sum'][last][:16]}…")
     echo("BIT-EXACT: every step verified" if ok else "MISMATCH: see the table")
     if not ok:
         raise SystemExit(1)
