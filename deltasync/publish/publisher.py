@@ -15,27 +15,15 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from deltasync.errors import DeltaSyncError, PublishError, StepOrderError
-from deltasync.format._bits import dtype_name
-from deltasync.format.checksum import format_checksum, state_checksum
-from deltasync.format.codecs import EncodedTensor, encode_patch, parallel_map
-from deltasync.format.documents import ManifestStats, check_step
-from deltasync.format.objects import (
-    Destination,
-    Kind,
-    StepHeader,
-    TensorHeader,
-    WrittenObject,
-    write_anchor,
-    write_delta,
-)
+from deltasync.format.documents import check_step
+from deltasync.format.objects import Kind, TensorHeader
 from deltasync.format.patch import Patch
 from deltasync.history.checkpoints import (
     ModelFiles,
@@ -43,11 +31,21 @@ from deltasync.history.checkpoints import (
     write_model_files,
 )
 from deltasync.publish.names import NameMap, canonical_names
+from deltasync.publish.sharded import ShardedWriter, ShardGroup, is_sharded
+from deltasync.publish.steps import (
+    snapshot_headers,
+    step_manifest,
+    write_step,
+    write_step_object,
+)
 from deltasync.scratch import ScratchFolder
 from deltasync.stages.diff import Snapshot, SnapshotDevice
-from deltasync.store import Manifest, Store, sha256_file
+from deltasync.store import Store
 
 log = logging.getLogger(__name__)
+
+__all__ = ["DeltaPublisher", "StepMetrics", "named_tensors", "snapshot_headers", "step_manifest", "write_step",
+           "write_step_object"]
 
 OnBacklog = Literal["coalesce", "block"]
 
@@ -143,6 +141,11 @@ class DeltaPublisher:
     ``files`` (a checkpoint folder, or name -> bytes) are the model's non-weight files: config, tokenizer,
     generation config. They are stored once per stream, before the first commit, so that
     ``deltasync replay`` writes folders that transformers and vLLM load as they are.
+
+    A sharded model (FSDP2 ``fully_shard``, any ``DTensor`` state dict; ``sharded=None`` detects it) is
+    published by every rank: make the publisher and call ``publish(step)`` on every rank. Each rank writes
+    its own shard as one part of the step (docs/FORMAT.md section 5b; publish/sharded.py), rank 0 holds
+    the lease and commits; steps run on the trainer's thread.
     """
 
     def __init__(
@@ -164,6 +167,7 @@ class DeltaPublisher:
         lease_s: float = 120.0,
         files: str | Path | ModelFiles | None = None,
         names: NameMap | None = None,
+        sharded: bool | None = None,
     ) -> None:
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
@@ -190,17 +194,34 @@ class DeltaPublisher:
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.lease_s = lease_s
-        self.store.acquire_lease(self.writer_id, ttl_s=lease_s, take_over=take_over)
-        # leftovers of a writer that died; a young folder may belong to a writer still finishing its upload
-        self.store.remove_uncommitted(older_than_s=lease_s)
-        # resume after the newest committed manifest, never after the latest.json hint (it may be stale)
-        committed = self.store.steps()
-        self.last_committed_step: int | None = committed[-1] if committed else None
+        if sharded is None:
+            sharded = is_sharded(source.state_dict() if isinstance(source, torch.nn.Module) else source() if callable(source) else source)
+        self._sharded = ShardedWriter(self, ShardGroup()) if sharded else None
+        self._holds_lease = self._sharded is None or self._sharded.rank == 0  # one lease per stream: rank 0's
+        start_error = None
+        if self._holds_lease:
+            try:
+                self.store.acquire_lease(self.writer_id, ttl_s=lease_s, take_over=take_over)
+                # leftovers of a writer that died; a young folder may belong to a writer still finishing its upload
+                self.store.remove_uncommitted(older_than_s=lease_s)
+                # resume after the newest committed manifest, never after the latest.json hint (it may be stale)
+                committed = self.store.steps()
+                self.last_committed_step: int | None = committed[-1] if committed else None
+            except DeltaSyncError as e:
+                if self._sharded is None:
+                    raise
+                start_error, self.last_committed_step = e, None
+        if self._sharded is not None:  # every rank starts where rank 0 found the stream, or fails with it
+            start_error, self.last_committed_step = self._sharded.group.broadcast((start_error, self.last_committed_step if self._holds_lease else None))
+            if start_error is not None:
+                self._sharded.group.destroy()
+                raise start_error
         self._last_captured = self.last_committed_step
         if self.last_committed_step is not None:
             log.info("%s: resuming after committed step %d", self.store.url, self.last_committed_step)
         self._thread = threading.Thread(target=self._run, name="deltasync-publisher", daemon=True)
-        self._thread.start()
+        if self._holds_lease:  # other ranks of a sharded model hold no lease: nothing to renew
+            self._thread.start()
 
     # --- trainer thread ---
 
@@ -210,17 +231,45 @@ class DeltaPublisher:
         Raises ``PublishError`` if an earlier step failed in the background (that step is then covered
         by an anchor at this call), ``StepOrderError`` if ``step`` does not increase.
         """
+        if self._sharded is not None:
+            return self._publish_sharded(step, anchor=anchor)
         self._raise_background_error()
-        check_step(step, what=f"{self.store.url}: step", error=StepOrderError)
-        if self._last_captured is not None and step <= self._last_captured:
-            raise StepOrderError(f"{self.store.url}: step {step} is not after the last published step {self._last_captured}")
-        if self._skipped and step <= self._skipped[-1]:
-            raise StepOrderError(f"{self.store.url}: step {step} is not after the last coalesced step {self._skipped[-1]}")
+        self._check_order(step)
         if self.on_backlog == "coalesce" and self._queue.full() and not anchor:
             self._skipped.append(step)
             log.debug("step %d coalesced (upload backlog)", step)
             return False
         self._capture(step, anchor=anchor)
+        return True
+
+    def _check_order(self, step: int) -> None:
+        check_step(step, what=f"{self.store.url}: step", error=StepOrderError)
+        if self._last_captured is not None and step <= self._last_captured:
+            raise StepOrderError(f"{self.store.url}: step {step} is not after the last published step {self._last_captured}")
+        if self._skipped and step <= self._skipped[-1]:
+            raise StepOrderError(f"{self.store.url}: step {step} is not after the last coalesced step {self._skipped[-1]}")
+
+    def _publish_sharded(self, step: int, *, anchor: bool) -> bool:
+        """Every rank's part of ``step``, committed by rank 0 (publish/sharded.py); always published."""
+        assert self._sharded is not None
+        precheck: BaseException | None = None
+        try:
+            self._raise_background_error()  # rank 0's lease renewals
+            self._check_order(step)
+        except DeltaSyncError as e:
+            precheck = e
+        kind: Kind = "anchor" if (anchor or self._force_anchor or self._since_anchor + 1 >= self.anchor_every) else "delta"
+        t0 = time.perf_counter()
+        try:
+            nbytes = self._sharded.publish(step, kind=kind, base_step=None if kind == "anchor" else self._last_captured,
+                                           precheck=precheck)
+        except BaseException:
+            self._force_anchor = True  # every rank failed the step: every rank anchors next
+            raise
+        self._force_anchor = False
+        self._since_anchor = 0 if kind == "anchor" else self._since_anchor + 1
+        self._last_captured = self.last_committed_step = step
+        log.info("committed sharded %s step %d (%d bytes, %.3f s)", kind, step, nbytes, time.perf_counter() - t0)
         return True
 
     def flush(self, timeout_s: float | None = None) -> None:
@@ -244,9 +293,12 @@ class DeltaPublisher:
                     self._queue.put(None)
                     self._thread.join()
                 try:
-                    self.store.release_lease(self.writer_id)
+                    if self._holds_lease:
+                        self.store.release_lease(self.writer_id)
                 except DeltaSyncError as e:
                     log.warning("could not release the writer lease: %s", e)
+                if self._sharded is not None:
+                    self._sharded.group.destroy()
             finally:
                 self._spool_folder.remove()  # also after a failed step: nothing stays in the temp folder
 
@@ -387,107 +439,3 @@ class DeltaPublisher:
             )
         )
         log.info("committed %s step %d (%d bytes, %d changed)", job.kind, job.step, size, header.changed)
-
-
-def write_step(
-    path: str | Path,
-    *,
-    kind: Kind,
-    step: int,
-    base_step: int | None,
-    headers: dict[str, TensorHeader],
-    changes: Sequence[Patch] = (),
-    anchor_tensors: dict[str, torch.Tensor] | None = None,
-    aliases: dict[str, str] | None = None,
-    zstd_level: int = 1,
-) -> StepHeader:
-    """Encode and write one step's object to a local file; returns its header (see ``write_step_object``)."""
-    header, _ = write_step_object(
-        path, kind=kind, step=step, base_step=base_step, headers=headers, changes=changes,
-        anchor_tensors=anchor_tensors, aliases=aliases, zstd_level=zstd_level,
-    )
-    return header
-
-
-def write_step_object(
-    dest: Destination,
-    *,
-    kind: Kind,
-    step: int,
-    base_step: int | None,
-    headers: dict[str, TensorHeader],
-    changes: Sequence[Patch] = (),
-    anchor_tensors: dict[str, torch.Tensor] | None = None,
-    aliases: dict[str, str] | None = None,
-    zstd_level: int = 1,
-) -> tuple[StepHeader, WrittenObject]:
-    """Encode and write one step's object to ``dest`` (a path or a binary file, ``io.BytesIO`` to keep it
-    in memory); returns its header and the size and SHA-256 of the bytes written (hashed as they went out).
-
-    ``headers`` describe every tensor after the step (checksums included); ``changes`` are a delta's
-    changed tensors, ``anchor_tensors`` an anchor's full tensors.
-    """
-    headers = dict(headers)
-    encoded: dict[str, EncodedTensor] = {}
-    encodings = parallel_map(lambda c: encode_patch(c, zstd_level=zstd_level), changes)
-    for c, enc in zip(changes, encodings):
-        encoded[c.name] = enc
-        headers[c.name] = replace(headers[c.name], changed=c.changed, positions=enc.positions_chain, values=enc.values_chain)
-    header = StepHeader(
-        kind=kind,
-        step=step,
-        base_step=base_step,
-        state_checksum=state_checksum({n: h.checksum for n, h in headers.items()}),
-        tensors=headers,
-        aliases=dict(aliases or {}),
-    )
-    if kind == "anchor":
-        written = write_anchor(dest, header, anchor_tensors or {})
-    else:
-        written = write_delta(dest, header, encoded)
-    return header, written
-
-
-def step_manifest(
-    source: str | Path | WrittenObject,
-    header: StepHeader,
-    *,
-    coalesced: Sequence[int] = (),
-    capture_s: float = 0.0,
-    encode_s: float = 0.0,
-) -> Manifest:
-    """The manifest that commits an object (docs/FORMAT.md section 5): ``source`` is what its writer
-    reported (size and SHA-256 taken while writing), or a path, hashed here."""
-    if isinstance(source, WrittenObject):
-        digest, nbytes = source.sha256, source.nbytes
-    else:
-        digest, nbytes = sha256_file(source), Path(source).stat().st_size
-    return Manifest(
-        step=header.step,
-        base_step=header.base_step,
-        kind=header.kind,
-        # a name no other attempt at this step uses: an upload never touches another writer's object
-        object=f"{header.kind}-{digest[:16]}.safetensors",
-        object_bytes=nbytes,
-        object_sha256=digest,
-        state_checksum=header.state_checksum,
-        created_unix_s=time.time(),
-        stats=ManifestStats(
-            numel=header.numel,
-            changed=header.changed if header.kind == "delta" else header.numel,
-            density=header.changed / header.numel if header.kind == "delta" and header.numel else 1.0,
-            coalesced_steps=tuple(coalesced),
-            capture_s=round(capture_s, 6),
-            encode_s=round(encode_s, 6),
-        ),
-    )
-
-
-def snapshot_headers(snapshot: Snapshot) -> dict[str, TensorHeader]:
-    """Unchanged-tensor header entries for the snapshot's current state."""
-    return {
-        name: TensorHeader(
-            dtype=dtype_name(t.dtype), shape=tuple(t.shape), changed=0, checksum=format_checksum(snapshot.checksums[name])
-        )
-        for name, t in snapshot.tensors.items()
-    }
