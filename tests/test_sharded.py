@@ -167,6 +167,15 @@ def test_fsdp2_ranks_publish_their_own_shards_bit_exact(tmp_path, world):
         ref = torch.load(out / "ref-5.pt")["norm.bias"]
         if obj.header.tensors["norm.bias"].changed:
             assert obj.patch("norm.bias").shape == tuple(ref.shape)
+    # a follower (rollout_loader) applies the multi-part steps to a state dict, step by step
+    from rollout_loader import Follower, StateDictTarget
+
+    target = StateDictTarget()
+    with Follower(str(stream), target) as follower:
+        follower.sync(2)
+        assert follower.sync(5) == reader.chain(5, start=2)  # [4, 5]: from the anchor at step 4
+    ref = torch.load(out / "ref-5.pt")
+    assert target.step == 5 and all(torch.equal(_bits(target.state_dict()[n]), _bits(ref[n])) for n in ref)
     # a single-writer publisher (version-1 objects) continues the same stream; both kinds read back
     final = {k: v.clone() for k, v in torch.load(out / "ref-5.pt").items()}
     with DeltaPublisher(str(stream), final, take_over=True) as pub:

@@ -145,7 +145,7 @@ class DeltaPublisher:
     A sharded model (FSDP2 ``fully_shard``, any ``DTensor`` state dict; ``sharded=None`` detects it) is
     published by every rank: make the publisher and call ``publish(step)`` on every rank. Each rank writes
     its own shard as one part of the step (docs/FORMAT.md section 5b; publish/sharded.py), rank 0 holds
-    the lease and commits; steps run on the trainer's thread.
+    the lease and commits; steps run on the trainer's thread. A function ``source`` needs ``sharded=True``.
     """
 
     def __init__(
@@ -195,7 +195,8 @@ class DeltaPublisher:
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.lease_s = lease_s
         if sharded is None:
-            sharded = is_sharded(source.state_dict() if isinstance(source, torch.nn.Module) else source() if callable(source) else source)
+            # a function is not called before the first publish: it may not be ready yet (say sharded=True)
+            sharded = not callable(source) and is_sharded(source) or isinstance(source, torch.nn.Module) and is_sharded(source.state_dict())
         self._sharded = ShardedWriter(self, ShardGroup()) if sharded else None
         self._holds_lease = self._sharded is None or self._sharded.rank == 0  # one lease per stream: rank 0's
         start_error = None
