@@ -346,9 +346,10 @@ class Store(Retrying):
         except FileNotFoundError:
             raise self._missing(manifest, where) from None
         if len(data) != part.object_bytes:
+            longer = len(data) > part.object_bytes
             raise CorruptObjectError(
-                f"{where}: {len(data)}{'+' if len(data) > part.object_bytes else ''} bytes, "
-                f"manifest says {part.object_bytes} (truncated or replaced)"
+                f"{where}: {len(data)}{'+' if longer else ''} bytes, manifest says {part.object_bytes} "
+                f"({'more than it says: replaced' if longer else 'truncated or replaced'})"
             )
         digest = hashlib.sha256(data).hexdigest()
         if digest != part.object_sha256:
