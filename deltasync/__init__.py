@@ -64,6 +64,7 @@ from deltasync.format.objects import (
     StepObject,
     TensorHeader,
 )
+from deltasync.format.parts import PartedObject
 from deltasync.format.patch import Patch
 from deltasync.history.compare import Comparison, compare
 from deltasync.history.gc import (
@@ -88,7 +89,7 @@ from deltasync.publish.publisher import DeltaPublisher, StepMetrics
 from deltasync.reader import StreamReader
 from deltasync.stages.apply import Replica, Verify, apply_staged, xor_apply
 from deltasync.stages.staging import Layout, StagedStep, TensorSpec, layout_of, stage
-from deltasync.store import Manifest, Store
+from deltasync.store import Manifest, Part, Store
 from deltasync.transports import (
     Capabilities,
     Entry,
@@ -114,6 +115,8 @@ __all__ = [
     "Replica",
     "Verify",
     "StepObject",
+    "PartedObject",
+    "Part",
     "StepHeader",
     "TensorHeader",
     "FORMAT_VERSION",

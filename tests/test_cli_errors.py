@@ -277,12 +277,12 @@ def test_s3_endpoint_that_never_accepts_fails_with_a_connect_timeout(monkeypatch
                                 "-S", f"endpoint_url={endpoint}")
         assert_one_line_error(code, err, "StoreUnreachableError", "Connect timeout")
         with Store("s3://bucket/run", storage_options={"key": "a", "secret": "b", "endpoint_url": endpoint}) as store:
-            assert store.fs.config_kwargs["connect_timeout"] == 2  # the default deltasync sets for s3
+            assert store.transport.fs.config_kwargs["connect_timeout"] == 2  # the default deltasync sets for s3
             with pytest.raises(StoreUnreachableError, match="Connect timeout"):
                 store.steps()
     user = {"key": "a", "secret": "b", "endpoint_url": "http://127.0.0.1:1", "config_kwargs": {"connect_timeout": 7}}
     with Store("s3://bucket/run", storage_options=user) as store:
-        assert store.fs.config_kwargs["connect_timeout"] == 7  # the user's own setting wins
+        assert store.transport.fs.config_kwargs["connect_timeout"] == 7  # the user's own setting wins
     assert user["config_kwargs"] == {"connect_timeout": 7}  # and their options are not changed
 
 
