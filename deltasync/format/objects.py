@@ -40,8 +40,18 @@ from deltasync.format.documents import (
 )
 from deltasync.format.patch import Patch
 
-__all__ = ["FORMAT_VERSION", "METADATA_KEY", "Kind", "StepHeader", "StepObject", "TensorHeader", "WrittenObject",
-           "write_anchor", "write_delta", "blob_names"]
+__all__ = [
+    "FORMAT_VERSION",
+    "METADATA_KEY",
+    "Kind",
+    "StepHeader",
+    "StepObject",
+    "TensorHeader",
+    "WrittenObject",
+    "blob_names",
+    "write_anchor",
+    "write_delta",
+]
 
 METADATA_KEY = "deltasync"
 Kind = Literal["delta", "anchor"]
@@ -260,6 +270,11 @@ class StepObject:
     @property
     def nbytes(self) -> int:
         return self._src.size
+
+    @property
+    def buffer(self) -> memoryview | None:
+        """The object's bytes when it was opened from memory (None when it reads from a file: see ``path``)."""
+        return self._src._buf
 
     def _check_entries(self) -> None:
         """The object holds exactly the tensors its header promises, in the promised dtypes and shapes."""

@@ -24,10 +24,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal, get_args
 
-from deltasync import BaseStepMismatchError, ChecksumMismatchError, ConfigError, StepObject
+from deltasync import (
+    BaseStepMismatchError,
+    ChecksumMismatchError,
+    ConfigError,
+    StepObject,
+)
 
 from .client import WORKER_EXTENSION, engine_client, worker_module
 
@@ -96,17 +104,16 @@ class VllmTarget:
             raise BaseStepMismatchError(
                 f"{obj.where}: delta to step {h.step} is based on step {h.base_step}, the engine holds step {self._step}"
             )
-        if obj.path is None:
-            raise ConfigError(f"{obj.where}: VllmTarget passes objects by path; this one was opened from memory")
         if h.kind == "delta" and not self._ready:
             self._init()
-        self.engine.pause()
-        t0 = time.perf_counter()
-        try:
-            self._apply(obj, obj.path)
-        finally:
-            self.engine.resume()
-            self.pauses_s.append(time.perf_counter() - t0)
+        with _as_file(obj) as path:  # before the pause: the workers read the object by path
+            self.engine.pause()
+            t0 = time.perf_counter()
+            try:
+                self._apply(obj, path)
+            finally:
+                self.engine.resume()
+                self.pauses_s.append(time.perf_counter() - t0)
 
     def _apply(self, obj: StepObject, path: str) -> None:
         h = obj.header
@@ -179,3 +186,23 @@ def start_engine(model_dir: str, *, live_cpu_weights: bool = True, in_process: b
     from vllm import LLM
 
     return LLM(model=str(model_dir), worker_extension_cls=WORKER_EXTENSION, **llm_kwargs)
+
+
+@contextmanager
+def _as_file(obj: StepObject) -> Iterator[str]:
+    """The object's path; an object fetched into memory (a small delta from a remote store) is written to a
+    temporary file for the call and removed after it. A multi-part (sharded) step has no single object."""
+    if obj.path is not None:
+        yield obj.path
+        return
+    buf = getattr(obj, "buffer", None)
+    if buf is None:
+        raise ConfigError(f"{obj.where}: a multi-part (sharded) step cannot go through the worker extension; "
+                          "start vLLM with --weight-transfer-config '{\"backend\": \"deltasync\"}' instead")
+    fd, path = tempfile.mkstemp(prefix="deltasync-object-", suffix=".safetensors")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(buf)
+        yield path
+    finally:
+        os.unlink(path)

@@ -93,3 +93,25 @@ def test_damaged_step_rolls_back_and_refuses_to_serve_a_false_step(tmp_path):
                 target.apply(obj)
         assert target.step == 1
         assert engine_checksums(llm) == held and generate(llm) == tokens
+
+
+def test_deltas_fetched_into_memory_reach_the_workers(tmp_path):
+    """From a remote store small deltas come into memory, not files; the worker-extension path, which hands
+    workers a path, writes them to a temporary file for the call and removes it."""
+    import os
+    import tempfile
+    import uuid
+
+    model_dir = tmp_path / "model"
+    build_checkpoint(model_dir, tie=False)
+    url = f"memory://deltasync-vllm-{uuid.uuid4().hex[:8]}"  # not local: deltas are read into memory
+    train_and_publish(model_dir, url, 3)
+    with StreamReader(url) as reader, engine(model_dir, "bfloat16", live=True) as llm:
+        with reader.open(1) as obj:
+            assert obj.path is None and obj.buffer is not None
+        target = VllmTarget(llm)
+        assert Follower(reader, target).sync() == [0, 1, 2]
+        with reader.open(2) as obj:
+            want = {n: parse_checksum(t.checksum) for n, t in obj.header.tensors.items()}
+        assert engine_checksums(llm) == want
+    assert not [p for p in os.listdir(tempfile.gettempdir()) if p.startswith("deltasync-object-")]
