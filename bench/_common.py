@@ -25,9 +25,35 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
+class _Parser(argparse.ArgumentParser):
+    """Starts the CPU-bound competitor right after parsing when ``--contend`` is given (stopped at exit)."""
+
+    def parse_args(self, *a: Any, **kw: Any) -> argparse.Namespace:  # type: ignore[override]
+        args = super().parse_args(*a, **kw)
+        if getattr(args, "contend", False):
+            start_competitor()
+        return args
+
+
+def start_competitor() -> None:
+    """One other CPU-bound process, as a trainer's data loader would be: it spins until this process exits.
+
+    The figures of a ``--contend`` run say how a stage copes when one core is busy (kernels that split one
+    small tensor across every core stall then)."""
+    import atexit
+    import subprocess
+    import sys
+
+    code = "import os, sys\nwhile os.getppid() == int(sys.argv[1]):\n    sum(i * i for i in range(100000))"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(os.getpid())])
+    atexit.register(lambda: (proc.kill(), proc.wait()))
+
+
 def parser(doc: str, *, steps: int) -> argparse.ArgumentParser:
     """The model and stream arguments every benchmark takes (a >= 100M-parameter model by default)."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contend", action="store_true",
+                    help="run a CPU-bound competitor process for the whole run (results are named ...-contended)")
     ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--hidden", type=int, default=768)
@@ -40,6 +66,8 @@ def parser(doc: str, *, steps: int) -> argparse.ArgumentParser:
 def write_results(args: argparse.Namespace, name: str, payload: dict[str, Any]) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if getattr(args, "contend", False):
+        name += "-contended"
     path = out / f"{name}-{dt.date.today().isoformat()}.json"
     path.write_text(json.dumps({"machine": machine(), "args": vars(args), **payload}, indent=1))
     print(f"wrote {path}")
