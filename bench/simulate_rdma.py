@@ -92,6 +92,7 @@ class Topology:
     per_read_us: float = 20.0  # cost of one prepared multi-descriptor READ (post + completion)
     fixed_ms: float = 2.0  # announce + acknowledgements per step
     max_part: int = 1 << 26  # a trainer GPU serves tensors in parts of at most this many elements
+    consumer_gbps: float = 0.0  # the consumer's verify+decode+apply rate per byte moved; 0: not modelled (overlapped)
 
 
 @dataclass(frozen=True)
@@ -148,9 +149,23 @@ def predict(tensors: list[Tensor], topo: Topology, *, model: str, density: float
         reads = max(len(schedule.reads[c.id]) for c in consumers)
         busiest = max(max(per_consumer.values()), max(trainer_out))
         seconds = busiest / (topo.nic_gbps * 1e9) + reads * topo.per_read_us * 1e-6 + topo.fixed_ms * 1e-3
+        if topo.consumer_gbps > 0:
+            seconds += max(per_consumer.values()) / (topo.consumer_gbps * 1e9)
         out.append(Prediction(model, mode, sum(t.numel for t in tensors), max(per_consumer.values()) / 1e9,
                               max(trainer_out) / 1e9, reads, seconds))
     return out[0], out[1]
+
+
+def loopback(object_bytes: int, topo: Topology) -> tuple[float, float]:
+    """Predicted (raw read, pipeline) seconds for one object of ``object_bytes`` moved between one trainer and one
+    consumer (the loopback runs of bench/bench_rdma.py): the schedule of a one-tensor model at one byte per element,
+    without and with the consumer's own work (``consumer_gbps``)."""
+    one = Topology(**{**asdict(topo), "trainer_gpus": 1, "inference_gpus": 1, "engine_gpus": 1, "attention_tp": 1})
+    tensors = [Tensor("object", object_bytes)]
+    kw = {"model": "loopback", "density": 1.0, "bytes_per_change": 1.0, "dense_width": 1.0}
+    raw, _ = predict(tensors, Topology(**{**asdict(one), "consumer_gbps": 0.0}), **kw)
+    pipeline, _ = predict(tensors, one, **kw)
+    return raw.seconds, pipeline.seconds
 
 
 def main() -> None:

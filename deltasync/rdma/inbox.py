@@ -72,6 +72,11 @@ class Inbox:
 
     def read(self, info: SlotInfo, *, timeout_s: float = 10.0) -> memoryview:
         """The announced object's bytes, checked; raises an ``RdmaError`` subclass when they cannot be had."""
+        where = self.transfer(info, timeout_s=timeout_s)
+        return self._checked(info, where)
+
+    def transfer(self, info: SlotInfo, *, timeout_s: float = 10.0) -> str:
+        """Only the READ of the slot into the buffer, nothing checked (what a raw transfer costs: benchmarks)."""
         where = f"{self.agent.name}: step {info.step} from {info.agent} slot {info.slot}"
         ring = self._rings.get(info.agent)
         if ring is None:
@@ -89,6 +94,10 @@ class Inbox:
         first = info.slot * (lay.slot_bytes // lay.chunk_bytes)
         self.agent.read(ring.local, list(range(count)), ring.remote, list(range(first, first + count)),
                         notif=info.ack(), timeout_s=timeout_s, where=where)
+        return where
+
+    def _checked(self, info: SlotInfo, where: str) -> memoryview:
+        total = HEADER.size + info.length
         data = self._buffer[:total]
         if not data.is_cpu:
             data = data.cpu()  # checked on the host; a GPU consumer would hash on the device (docs/RDMA.md)
