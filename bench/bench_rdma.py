@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import parser, write_results  # noqa: E402
+from bench._common import parser, write_results
 
 CTX = mp.get_context("spawn")
 
@@ -193,7 +193,7 @@ def main() -> None:
     lo, hi = min(anchors, key=lambda a: a["bytes"]), max(anchors, key=lambda a: a["bytes"])
     gbps = (hi["bytes"] - lo["bytes"]) / (hi["raw_s"] - lo["raw_s"]) / 1e9
     fixed_ms = max(lo["raw_s"] - lo["bytes"] / (gbps * 1e9), 0.0) * 1e3
-    extra = lambda a: a["pipeline_s"] - a["raw_s"]  # noqa: E731 - the consumer's own work per step
+    extra = lambda a: a["pipeline_s"] - a["raw_s"]
     consumer_gbps = (hi["bytes"] - lo["bytes"]) / (extra(hi) - extra(lo)) / 1e9
     topo = sim.Topology(trainer_gpus=1, inference_gpus=1, engine_gpus=1, attention_tp=1, nic_gbps=gbps,
                         per_read_us=0.0, fixed_ms=fixed_ms, consumer_gbps=consumer_gbps)

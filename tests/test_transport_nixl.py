@@ -215,11 +215,10 @@ def test_every_step_commits_when_the_rdma_path_fails(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Outbox, "offer", broken)
     url = str(tmp_path / "store")
-    with Controller(trainers=1, consumers=0) as controller:
-        with NixlTransport.trainer(url, rdma={"controller": controller.address, "slot_bytes": 1 << 20,
-                                              "plan_wait_s": 10.0}) as transport:
-            truth = _publish(url, transport, None)
-            stats = transport.trainer.stats
+    with Controller(trainers=1, consumers=0) as controller, NixlTransport.trainer(
+            url, rdma={"controller": controller.address, "slot_bytes": 1 << 20, "plan_wait_s": 10.0}) as transport:
+        truth = _publish(url, transport, None)
+        stats = transport.trainer.stats
     assert stats.announced == [] and [s for s, _ in stats.store_only] == STEPS
     assert all("the NIC is gone" in why for _, why in stats.store_only)
     _store_holds_truth(url, truth)

@@ -26,6 +26,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from typing_extensions import Self
+
 from deltasync.errors import RdmaError, StaleMetadataError, WaitTimeoutError
 from deltasync.format.objects import StepObject
 from deltasync.rdma.agent import Agent
@@ -211,7 +213,7 @@ class RdmaConsumer:
         finally:
             self.ring.close()
 
-    def __enter__(self) -> RdmaConsumer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -126,7 +126,6 @@ class RdmaTrainer:
     def skip(self, step: int, why: str) -> None:
         self.stats.store_only.append((step, why))
         log.warning("%s: step %d goes through the store only: %s", self.agent.name, step, why)
-        return None
 
     def close(self) -> None:
         """Let consumers still reading finish (acks polled until every slot is free or its deadline passed)."""
