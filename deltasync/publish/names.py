@@ -9,7 +9,7 @@ names, so a stream must carry those: the same weights publish under the same nam
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from deltasync.errors import ConfigError
 
@@ -57,3 +57,15 @@ def canonical_names(state_dict: Mapping[str, T], names: NameMap | None = None) -
         out[new] = value
         origin[new] = name
     return out
+
+
+def source_state(source: Any, names: NameMap | None = None) -> Mapping[str, Any]:
+    """The state dict a publisher's ``source`` stands for (a module, a state dict, or a function returning
+    one), under canonical names."""
+    if callable(getattr(source, "state_dict", None)):
+        sd = source.state_dict()
+    elif callable(source):
+        sd = source()
+    else:
+        sd = source
+    return canonical_names(sd, names)

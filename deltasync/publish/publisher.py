@@ -30,7 +30,7 @@ from deltasync.history.checkpoints import (
     collect_model_files,
     write_model_files,
 )
-from deltasync.publish.names import NameMap, canonical_names
+from deltasync.publish.names import NameMap, source_state
 from deltasync.publish.sharded import ShardedWriter, ShardGroup, is_sharded
 from deltasync.publish.steps import (
     snapshot_headers,
@@ -97,13 +97,7 @@ def named_tensors(source: Any, names: NameMap | None = None) -> tuple[dict[str, 
     ``names`` applied), and aliases (names sharing storage with an earlier name, e.g. tied embeddings),
     which are published once under their first name.
     """
-    if isinstance(source, torch.nn.Module):
-        sd = source.state_dict()
-    elif callable(source):
-        sd = source()
-    else:
-        sd = source
-    sd = canonical_names(sd, names)
+    sd = source_state(source, names)
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}

@@ -45,7 +45,7 @@ from deltasync.format.documents import (
 )
 from deltasync.format.objects import write_anchor, write_delta
 from deltasync.format.patch import Patch
-from deltasync.publish.names import NameMap, canonical_names
+from deltasync.publish.names import NameMap, source_state
 from deltasync.stages.diff import Snapshot
 
 log = logging.getLogger(__name__)
@@ -86,13 +86,7 @@ def local_shards(source: Any, rank: int, names: NameMap | None = None) -> LocalS
     shard replicated over some mesh dimensions is written by the ranks at coordinate 0 on those; plain
     tensors (and fully replicated DTensors) by rank 0. Any other placement is a ``ConfigError``.
     """
-    if isinstance(source, torch.nn.Module):
-        sd = source.state_dict()
-    elif callable(source):
-        sd = source()
-    else:
-        sd = source
-    sd = canonical_names(sd, names)
+    sd = source_state(source, names)
     dtensor = _dtensor_type()
     out = LocalShards(tensors={}, ranges={}, shapes={}, dtypes={})
     seen: dict[int, str] = {}  # id of the tensor object (a tied DTensor is one object under two names)
