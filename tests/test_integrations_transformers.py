@@ -1,5 +1,6 @@
 """DeltaSyncCallback in a real transformers Trainer (and TRL's GRPOTrainer) on a tiny Qwen3 on CPU: the stream
-holds the model's exact bits after the last step, the metrics reach the Trainer's logs, sharding is refused."""
+holds the model's exact bits after the last step, the metrics reach the Trainer's logs, an FSDP2 model publishes
+per rank and FSDP1 is refused."""
 
 from __future__ import annotations
 
@@ -124,34 +125,86 @@ def test_resumed_run_does_not_republish_and_a_stream_ahead_is_refused(tmp_path):
         assert reader.steps() == [0, 1, 2]
 
 
-def test_sharded_training_is_refused_on_every_rank(tmp_path):
-    model = tiny_qwen3(hidden_size=64, layers=1).float()
-
-    class Args:
-        fsdp = "full_shard"
-
-    callback = DeltaSyncCallback(str(tmp_path / "stream"))
-    state = type("State", (), {"is_world_process_zero": False, "global_step": 0})()
-    with pytest.raises(ConfigError, match=r"sharded \(TrainingArguments.fsdp='full_shard'\).*issue 11"):
-        callback.on_train_begin(Args(), state, None, model=model)
-    assert not (tmp_path / "stream").exists()  # refused before anything was created
+def _state(*, zero: bool, step: int = 0):
+    return type("State", (), {"is_world_process_zero": zero, "global_step": step})()
 
 
-def test_fully_sharded_model_is_refused(tmp_path):
-    """A real FSDP2 model (gloo, world size 1) is recognised from the model alone."""
+class _Args:
+    """What the callback reads of TrainingArguments, for the cases a CPU Trainer cannot set up itself."""
+
+    fsdp = ""
+    deepspeed = None
+
+
+def test_fsdp1_is_refused_on_every_rank_before_anything_is_created(tmp_path):
+    """A real FSDP1 module (gloo, world size 1): flat parameters, no DTensor state dict to publish per rank."""
     import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = FullyShardedDataParallel(tiny_qwen3(hidden_size=64, layers=1).float(), device_id=torch.device("cpu"))
+        for zero in (True, False):  # every rank refuses alike (none waits in a collective for the others)
+            with pytest.raises(ConfigError, match=r"FSDP1 \(a FullyShardedDataParallel module\).*no DTensor state dict.*FSDP2"):
+                DeltaSyncCallback(str(tmp_path / "stream")).on_train_begin(_Args(), _state(zero=zero), None, model=model)
+    finally:
+        dist.destroy_process_group()
+    assert not (tmp_path / "stream").exists()
+
+
+def test_fsdp_asked_for_but_not_applied_publishes_from_rank_zero(tmp_path):
+    """accelerate trains DDP where FSDP is unavailable (CPU): every rank holds the full weights, rank 0 publishes."""
+    model = tiny_qwen3(hidden_size=64, layers=1).float()
+    args = _Args()
+    args.fsdp = "full_shard"
+    other = DeltaSyncCallback(str(tmp_path / "stream"))
+    other.on_train_begin(args, _state(zero=False), None, model=model)
+    assert other.mode == "single" and other.publisher is None and not (tmp_path / "stream").exists()
+    callback = DeltaSyncCallback(str(tmp_path / "stream"))
+    callback.on_train_begin(args, _state(zero=True), None, model=model)
+    callback.on_train_end(args, _state(zero=True), None)
+    with StreamReader(str(tmp_path / "stream")) as reader:
+        assert reader.steps() == [0]
+        assert_bit_exact(reader.state_dict(0), model, torch.float32)
+
+
+def test_fully_sharded_model_publishes_its_shards(tmp_path):
+    """A real FSDP2 model (fully_shard, gloo, world size 1) is recognised from the model alone and published
+    per rank: the hooks a Trainer calls, around AdamW steps (2 ranks under torchrun: test_integrations_fsdp2.py)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         model = tiny_qwen3(hidden_size=64, layers=1).float()
         fully_shard(model)
-        state = type("State", (), {"is_world_process_zero": True, "global_step": 0})()
-        with pytest.raises(ConfigError, match="no rank holds the full weights"):
-            DeltaSyncCallback(str(tmp_path / "stream")).on_train_begin(object(), state, None, model=model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        callback = DeltaSyncCallback(str(tmp_path / "stream"), dtype=torch.bfloat16)
+        callback.on_train_begin(_Args(), _state(zero=True), None, model=model)
+        assert callback.mode == "sharded"
+        for step in (1, 2):
+            model(input_ids=torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(step))).logits.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            callback.on_step_end(_Args(), _state(zero=True, step=step), None)
+        logs: dict = {}
+        callback.on_log(_Args(), type("State", (), {"global_step": 2, "log_history": []})(), None, logs=logs)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        callback.on_train_end(_Args(), _state(zero=True, step=2), None)
     finally:
         dist.destroy_process_group()
-    assert not (tmp_path / "stream").exists()
+    assert callback.publisher is None
+    assert logs["deltasync/step"] == 2 and logs["deltasync/lag_steps"] == 0 and logs["deltasync/bytes"] > 0
+    with StreamReader(str(tmp_path / "stream")) as reader:
+        assert reader.steps() == [0, 1, 2] and reader.manifest(2).parts is not None
+        got = reader.state_dict(2)
+        assert set(got) == set(full)
+        for name, t in full.items():
+            assert got[name].dtype == torch.bfloat16 and torch.equal(bits(got[name]), bits(t.to(torch.bfloat16))), name
 
 
 def test_trl_grpo_trainer_publishes_bit_exactly(tmp_path):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from deltasync.publish.publisher import StepMetrics
 
 PREFIX = "deltasync/"
@@ -27,4 +30,21 @@ def metrics_for_logs(m: StepMetrics, *, prefix: str = PREFIX) -> dict[str, float
     }
     if m.kind == "delta":  # an anchor stores everything: its change is not measured, so it has no density
         values.update(density=m.density, changed=m.changed)
+    return {prefix + key: value for key, value in values.items()}
+
+
+def sharded_metrics_for_logs(record: Mapping[str, Any], *, prefix: str = PREFIX) -> dict[str, float]:
+    """One committed step of a sharded (per-rank) publisher, from its writer's record, every value a number.
+
+    ``bytes`` is the whole step (every rank's part), ``part_bytes`` this rank's part; the seconds are this
+    rank's own. Sharded steps do not measure their change density here.
+    """
+    values: dict[str, float] = {
+        "step": record["step"],
+        "anchor": 1 if record["kind"] == "anchor" else 0,
+        "bytes": record["step_bytes"],
+        "part_bytes": record["part_bytes"],
+        "capture_s": record["capture_s"],
+        "encode_s": record["encode_s"],
+    }
     return {prefix + key: value for key, value in values.items()}

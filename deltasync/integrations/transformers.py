@@ -5,9 +5,16 @@ Two lines in a training script::
     from deltasync.integrations.transformers import DeltaSyncCallback
     trainer = Trainer(..., callbacks=[DeltaSyncCallback("s3://bucket/run-7", dtype=torch.bfloat16)])
 
-One process publishes: rank 0 under DDP (every rank holds the same full weights, so one copy is enough), the
-only process otherwise. Sharded trainers (FSDP, DeepSpeed ZeRO-3) hold no rank with the full weights; they are
-refused at train begin until per-rank sharded publishing lands (issue 11).
+Who publishes depends on how the weights are held:
+
+- one process, or DDP: every rank holds the same full weights, so rank 0 alone publishes;
+- FSDP2 (``fully_shard``: accelerate's ``fsdp_version: 2``, or ``from_pretrained(distributed_config=
+  DistributedConfig(fsdp_size=N))``): every parameter is a ``DTensor`` and no rank holds the full weights, so
+  every rank makes a publisher and publishes its own shard (sharded publishing, deltasync/publish/sharded.py);
+  rank 0 commits each step's manifest;
+- FSDP1 (``FullyShardedDataParallel``) and DeepSpeed ZeRO-3 are refused at train begin: their parameters are
+  flat, rank-local buffers with no ``DTensor`` state dict saying which elements of which tensor a rank holds,
+  so a rank cannot publish its shard without gathering the model. Use FSDP2.
 
 This module imports transformers; ``import deltasync`` does not import this module.
 """
@@ -16,14 +23,19 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from deltasync.errors import ConfigError, MissingDependencyError
-from deltasync.integrations.metrics import PREFIX, metrics_for_logs
+from deltasync.integrations.metrics import (
+    PREFIX,
+    metrics_for_logs,
+    sharded_metrics_for_logs,
+)
 from deltasync.publish.names import NameMap
 from deltasync.publish.publisher import DeltaPublisher
+from deltasync.publish.sharded import is_sharded
 
 try:
     from transformers import (
@@ -39,7 +51,7 @@ except ImportError as e:  # pragma: no cover - exercised only where transformers
 
 log = logging.getLogger(__name__)
 
-SHARDED_ISSUE = "issue 11: per-rank sharded publishing"
+Mode = Literal["single", "sharded"]
 
 
 class DeltaSyncCallback(TrainerCallback):
@@ -72,27 +84,27 @@ class DeltaSyncCallback(TrainerCallback):
         self.log_prefix = log_prefix
         self.publisher_kwargs = publisher_kwargs
         self.publisher: DeltaPublisher | None = None
-        self._logged_step: int | None = None
+        self.mode: Mode | None = None  # decided at train begin
 
     # --- Trainer events ---
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
     ) -> None:
-        """Check that one rank holds the full weights (on every rank, so all fail alike), then start publishing on it."""
+        """Decide who publishes (on every rank, so that all fail alike), then start publishing there.
+
+        Sharded (FSDP2): every rank makes its publisher (a collective: ranks agree on where the stream
+        stands) and publishes. Otherwise rank 0 alone does.
+        """
         if model is None:
             raise ConfigError("DeltaSyncCallback: the Trainer passed no model to on_train_begin")
-        sharding = _sharding(args, model)
-        if sharding is not None:
-            raise ConfigError(
-                f"DeltaSyncCallback: the model is sharded ({sharding}): no rank holds the full weights; expected "
-                f"single-process or DDP training. Sharded trainers are not supported yet ({SHARDED_ISSUE})"
-            )
-        if not state.is_world_process_zero:
+        self.mode = publishing_mode(args, model)
+        if self.mode == "single" and not state.is_world_process_zero:
             return
         self.close()  # a second train() call starts a new publisher on the same stream
-        self.publisher = DeltaPublisher(self.url, model, names=self.names, **self.publisher_kwargs)
-        committed = self.publisher.last_committed_step
+        self.publisher = DeltaPublisher(self.url, model, names=self.names, sharded=self.mode == "sharded",
+                                        **self.publisher_kwargs)
+        committed = self.publisher.last_committed_step  # the same on every rank of a sharded publisher
         if committed is not None and committed > state.global_step:
             self.close()
             raise ConfigError(
@@ -137,14 +149,25 @@ class DeltaSyncCallback(TrainerCallback):
 
     def metrics(self, trainer_step: int | None = None) -> dict[str, float]:
         """The newest committed step's metrics as numbers (empty before the first commit); with ``trainer_step``,
-        also ``lag_steps``: how far the newest committed step is behind it."""
+        also ``lag_steps``: how far the newest committed step is behind it.
+
+        A sharded publisher reports fewer figures (``step``, ``anchor``, ``bytes`` of the whole step,
+        ``part_bytes`` of this rank's part, ``capture_s``, ``encode_s``), the same on every rank but the
+        part sizes and seconds, which are this rank's own.
+        """
         pub = self.publisher
-        if pub is None or not pub.metrics:
+        if pub is None:
             return {}
-        newest = pub.metrics[-1]
-        out = metrics_for_logs(newest, prefix=self.log_prefix)
+        if pub.metrics:
+            newest = pub.metrics[-1]
+            out, step = metrics_for_logs(newest, prefix=self.log_prefix), newest.step
+        else:
+            sharded = _sharded_metrics(pub)
+            if sharded is None:
+                return {}
+            out, step = sharded_metrics_for_logs(sharded, prefix=self.log_prefix), int(sharded["step"])
         if trainer_step is not None:
-            out[self.log_prefix + "lag_steps"] = trainer_step - newest.step
+            out[self.log_prefix + "lag_steps"] = trainer_step - step
         return out
 
     def _publish(self, step: int) -> None:
@@ -167,26 +190,50 @@ class DeltaSyncCallback(TrainerCallback):
             pub.close()
 
 
-def _sharding(args: Any, model: Any) -> str | None:
-    """How the model is sharded across ranks, in words, or None when this process holds its full weights."""
-    fsdp = getattr(args, "fsdp", None)
-    if fsdp:
-        return f"TrainingArguments.fsdp={fsdp!r}"
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
-        return "accelerate FSDP (ACCELERATE_USE_FSDP)"
+def publishing_mode(args: Any, model: Any) -> Mode:
+    """``"sharded"`` for an FSDP2 / DTensor model (every rank publishes), ``"single"`` when each process holds the
+    full weights (rank 0 publishes); ``ConfigError`` for the sharded trainers that cannot publish per rank.
+
+    Decided from the model the Trainer trains (already wrapped by accelerate at train begin), not from the
+    arguments alone: accelerate falls back to DDP where FSDP is not available (on CPU), and then every rank
+    does hold the full weights.
+    """
+    refused = _unsupported_sharding(args, model)
+    if refused is not None:
+        raise ConfigError(
+            f"DeltaSyncCallback: the model is sharded by {refused}: its parameters are flat rank-local buffers with "
+            "no DTensor state dict, so no rank can publish its shard without gathering the whole model; expected "
+            "single-process, DDP or FSDP2 training (accelerate fsdp_version 2, torch fully_shard, or from_pretrained("
+            "distributed_config=DistributedConfig(fsdp_size=N)))"
+        )
+    if isinstance(model, torch.nn.Module) and is_sharded(model.state_dict()):
+        return "sharded"
+    if getattr(args, "fsdp", None) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        log.info("DeltaSyncCallback: FSDP was asked for but the model holds no DTensor (accelerate fell back to "
+                 "DDP?): every rank holds the full weights, rank 0 publishes")
+    return "single"
+
+
+def _unsupported_sharding(args: Any, model: Any) -> str | None:
+    """The sharding that leaves no per-rank ``DTensor`` state dict (FSDP1, DeepSpeed ZeRO-3), in words, or None."""
     if getattr(args, "deepspeed", None):
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
         if is_deepspeed_zero3_enabled():
             return "DeepSpeed ZeRO-3"
     if isinstance(model, torch.nn.Module) and torch.distributed.is_available():
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.fsdp import FullyShardedDataParallel
 
         for module in model.modules():
-            if isinstance(module, (FSDPModule, FullyShardedDataParallel)):  # FSDP2, FSDP1
-                return f"a {type(module).__name__} module"
-        for name, p in model.named_parameters():
-            if isinstance(p, DTensor):
-                return f"parameter {name!r} is a DTensor"
+            if isinstance(module, FullyShardedDataParallel):
+                return "FSDP1 (a FullyShardedDataParallel module)"
+        if any(hasattr(p, "ds_id") for p in model.parameters()):  # DeepSpeed ZeRO-3 partitioned parameters
+            return "DeepSpeed ZeRO-3 (partitioned parameters)"
     return None
+
+
+def _sharded_metrics(pub: DeltaPublisher) -> dict[str, Any] | None:
+    """The newest step of a sharded publisher, from its writer's per-step record (None before the first)."""
+    writer = getattr(pub, "_sharded", None)  # deltasync.publish.sharded.ShardedWriter: records dicts per step
+    records = getattr(writer, "metrics", None)
+    return records[-1] if records else None
