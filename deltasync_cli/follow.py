@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
 from deltasync_cli.app import StorageOpt, _storage_options, app, err, out
+
+if TYPE_CHECKING:  # imported inside the command: --help imports neither torch nor deltasync
+    from rollout_loader.metrics import FollowerStatus
 
 
 @app.command()
@@ -26,42 +29,72 @@ def follow(
              "(deprecated): the worker extension, objects passed by path (needs a shared filesystem).")] = "weight-transfer",
     poll_s: Annotated[float, typer.Option(min=0.0, help="Seconds between polls of the store.")] = 0.1,
     timeout_s: Annotated[float, typer.Option(min=0.0, help="With --until: give up after this long.")] = 600.0,
+    metrics_port: Annotated[int | None, typer.Option(min=0, max=65535, help="Serve Prometheus metrics (held step, newest "
+                                                     "committed step, lag, apply/pause seconds, bytes, errors) on "
+                                                     "this port of 127.0.0.1 (0: any free port). Needs deltasync[metrics].")] = None,
     storage_option: StorageOpt = None,
 ) -> None:
-    """Keep a running vLLM server at the newest step of a stream (prints one line per step).
+    """Keep a running vLLM server at the newest step of a stream (prints one line per step, with how many steps it
+    runs behind the newest committed step).
 
     Before anything is paused: the options are checked, the server is asked which step it holds (GET
     /weight_info) and whether it is set up for deltasync, and the URL must hold a stream. Needs no vLLM
     package here, and no access to the server's filesystem.
     """
     if via == "collective-rpc":
-        _follow_collective_rpc(url, server, until, engine_step, verify, mode, poll_s, timeout_s, storage_option)
+        _follow_collective_rpc(url, server, until, engine_step, verify, mode, poll_s, timeout_s, storage_option, metrics_port)
         return
 
     from rich.markup import escape
 
+    from rollout_loader.metrics import FollowerStats, serve
     from rollout_loader.vllm.remote import ServerFollower
 
     def report(step: int) -> None:
-        pause_ms = follower.client.pauses_s[-1] * 1e3
-        out.print(f"step {step} live in {server} (generation paused {pause_ms:.1f} ms, checksums match)")
+        pause_s = follower.client.pauses_s[-1]  # the engine applies the step while generation is paused
+        stats.applied(step, nbytes=follower.reader.manifest(step).object_bytes, apply_s=pause_s, pause_s=pause_s)
+        stats.saw_newest(follower.reader.latest_step())  # one listing per step applied, for the lag
+        out.print(f"step {step} live in {server} (generation paused {pause_s * 1e3:.1f} ms, checksums match)"
+                  f"{_lag_words(stats.status(step))}")
 
     def warn(error: BaseException) -> None:
+        stats.failed()
         err.print(f"[yellow]retrying:[/yellow] {escape(f'{type(error).__name__}: {error}')}")
+
+    class Source:  # what the metrics endpoint reads: the step the server holds, as the follower knows it
+        def status(self) -> FollowerStatus:
+            return stats.status(follower.step)
 
     follower = ServerFollower(url, server, storage_options=_storage_options(storage_option), verify=verify, mode=mode,
                               engine_step=engine_step, poll_s=max(poll_s, 0.05), on_step=report, on_error=warn)
+    stats = FollowerStats(follower.reader.url)
+    metrics = None
     try:
+        if metrics_port is not None:
+            metrics = serve(Source(), metrics_port)
+            out.print(f"metrics at {metrics.url}")
         follower.connect()  # a missing flag, an unreachable server or a wrong URL: one line, exit 2
         follower.follow(until=until, timeout_s=timeout_s if until is not None else None)
     except KeyboardInterrupt:
         pass
     finally:
-        follower.close()
+        try:
+            if metrics is not None:
+                metrics.close()
+        finally:
+            follower.close()
+
+
+def _lag_words(status: FollowerStatus) -> str:
+    """``", 2 steps behind step 7"`` or ``", the newest committed step"``: provenance for the rollouts that follow."""
+    lag = status.lag_steps
+    if lag is None:
+        return ""
+    return ", the newest committed step" if lag == 0 else f", {lag} step{'s' if lag != 1 else ''} behind step {status.newest_step}"
 
 
 def _follow_collective_rpc(url: str, server: str, until: int | None, engine_step: int | None, verify: str, mode: str,
-                           poll_s: float, timeout_s: float, storage_option: list[str] | None) -> None:
+                           poll_s: float, timeout_s: float, storage_option: list[str] | None, metrics_port: int | None) -> None:
     """The deprecated path: a server with ``--worker-extension-cls rollout_loader.worker.DeltaWorkerExtension``
     that reads each object from this machine's download folder."""
     import time
@@ -74,10 +107,14 @@ def _follow_collective_rpc(url: str, server: str, until: int | None, engine_step
     target = VllmTarget(server, step=engine_step, mode=mode, verify=verify)  # type: ignore[arg-type]
 
     def report(step: int) -> None:
-        out.print(f"step {step} live in {server} (generation paused {target.pauses_s[-1] * 1e3:.1f} ms, checksums match)")
+        out.print(f"step {step} live in {server} (generation paused {target.pauses_s[-1] * 1e3:.1f} ms, checksums match)"
+                  f"{_lag_words(follower.status())}")
 
-    follower = Follower(url, target, poll_s=poll_s, on_step=report, storage_options=_storage_options(storage_option))
+    follower = Follower(url, target, poll_s=poll_s, on_step=report, storage_options=_storage_options(storage_option),
+                        metrics_port=metrics_port)
     try:  # close() stops the thread and removes the downloads, however the command ends (Ctrl-C too)
+        if follower.metrics_server is not None:
+            out.print(f"metrics at {follower.metrics_server.url}")
         follower.reader.store.require_stream()
         if until is not None:
             follower.wait_for(until, timeout_s=timeout_s)  # retries like the thread; raises what stopped it

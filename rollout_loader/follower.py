@@ -36,6 +36,8 @@ from deltasync import (
     write_heartbeat,
 )
 
+from .metrics import FollowerStats, FollowerStatus, MetricsServer, serve
+
 log = logging.getLogger(__name__)
 
 
@@ -106,8 +108,13 @@ class Follower:
     error in ``PERMANENT_ERRORS`` stops it; ``wait_for`` then raises ``FollowError`` from that error, and
     on its deadline ``WaitTimeoutError`` from the last error. ``sync()`` raises the error itself.
 
-    ``close()`` (or leaving a ``with`` block, which also ``start()``s) stops the thread and removes the
-    download cache of the reader it made from ``url``.
+    Provenance and metrics: ``lag_steps`` is how far the held step is behind the newest committed step
+    the follower has seen (``newest_step``); ``status()`` adds what applying cost (rollout_loader/metrics.py).
+    With ``metrics_port`` (0: any free port) it serves them for Prometheus at ``metrics_server.url``
+    (needs prometheus-client: ``pip install 'deltasync[metrics]'``).
+
+    ``close()`` (or leaving a ``with`` block, which also ``start()``s) stops the thread, the metrics
+    endpoint, and removes the download cache of the reader it made from ``url``.
     """
 
     def __init__(
@@ -121,9 +128,12 @@ class Follower:
         on_step: Callable[[int], None] | None = None,
         storage_options: dict[str, Any] | None = None,
         consumer_id: str | None = None,
+        metrics_port: int | None = None,
+        metrics_addr: str = "127.0.0.1",
     ) -> None:
         self._owns_reader = not isinstance(url, StreamReader)
         self.reader = url if isinstance(url, StreamReader) else StreamReader(url, storage_options=storage_options)
+        self.stats = FollowerStats(self.reader.url)
         self.target = target
         self.poll_s = poll_s
         self.max_backoff_s = max(max_backoff_s, poll_s)
@@ -142,10 +152,34 @@ class Follower:
         self._stop = threading.Event()
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
+        self.metrics_server: MetricsServer | None = None
+        if metrics_port is not None:
+            try:
+                self.metrics_server = serve(self, metrics_port, addr=metrics_addr)
+            except BaseException:
+                if self._owns_reader:
+                    self.reader.close()
+                raise
 
     @property
     def step(self) -> int | None:
         return self.target.step
+
+    @property
+    def newest_step(self) -> int | None:
+        """The newest committed step this follower has seen in the store (its last poll's, or a step it applied)."""
+        return self.stats.status(None).newest_step
+
+    @property
+    def lag_steps(self) -> int | None:
+        """How many steps the target is behind the newest committed step seen (None until both are known):
+        rollouts generated now come from weights this many steps older than the trainer's newest."""
+        return self.status().lag_steps
+
+    def status(self) -> FollowerStatus:
+        """Where the follower stands: held and newest step, lag, steps and bytes applied, errors, last apply and
+        pause seconds (what ``metrics_port`` serves)."""
+        return self.stats.status(self.target.step)
 
     @property
     def running(self) -> bool:
@@ -170,6 +204,7 @@ class Follower:
         self._at_step = None
         if step is None:
             step = self.reader.latest_step()
+            self.stats.saw_newest(step)
             if step is None:
                 if not self._stream_seen:  # a wrong URL must not look like a quiet stream
                     self.reader.store.require_stream()
@@ -185,6 +220,7 @@ class Follower:
         applied = []
         for s in chain:
             self._at_step = s
+            t0 = time.perf_counter()
             try:
                 with self.reader.open(s) as obj:
                     self.target.apply(obj)
@@ -193,6 +229,8 @@ class Follower:
                 raise
             self._from_anchor = False
             applied.append(s)
+            self.stats.applied(s, nbytes=self.reader.manifest(s).object_bytes, apply_s=time.perf_counter() - t0,
+                               pause_s=_last_pause_s(self.target))
             with self._changed:
                 self._changed.notify_all()
             if self.on_step:
@@ -209,6 +247,7 @@ class Follower:
         """Record a failure; log it unless it is the one logged last."""
         self.last_error, self.last_error_step = e, self._at_step
         self.failures += 1
+        self.stats.failed()
         key = (type(e).__name__, str(e))
         if key != self._logged:
             self._logged = key
@@ -253,6 +292,7 @@ class Follower:
             self._raise_if_stopped(step)
             try:
                 latest = self.reader.latest_step()
+                self.stats.saw_newest(latest)
                 if latest is not None and latest >= step:
                     self.sync()
                     continue
@@ -312,12 +352,18 @@ class Follower:
                 thread.join()
 
     def close(self) -> None:
-        """Stop, and remove the download cache of the reader made from ``url`` (also after an error)."""
+        """Stop, close the metrics endpoint, and remove the download cache of the reader made from ``url`` (also
+        after an error)."""
         try:
             self.stop()
         finally:
-            if self._owns_reader:
-                self.reader.close()
+            try:
+                server, self.metrics_server = self.metrics_server, None
+                if server is not None:
+                    server.close()
+            finally:
+                if self._owns_reader:
+                    self.reader.close()
 
     def __enter__(self) -> Follower:
         return self.start()
@@ -350,3 +396,10 @@ class Follower:
                     self._changed.notify_all()
                 raise
             self._stop.wait(delay)
+
+
+def _last_pause_s(target: Target) -> float | None:
+    """How long an engine target stopped generating for its last step (``pauses_s``), None for one that never
+    pauses (a state dict)."""
+    pauses = getattr(target, "pauses_s", None)
+    return float(pauses[-1]) if pauses else None
