@@ -106,6 +106,7 @@ __all__ = [
     "Manifest",
     # stores: a new backend is one Transport subclass, registered by URL scheme (or entry point)
     "Transport",
+    "RdmaConsumer",
     "Capabilities",
     "Entry",
     "open_transport",
@@ -186,3 +187,12 @@ __all__ = [
     "EngineUnreachableError",
     "EngineConfigError",
 ]
+
+
+def __getattr__(name: str):
+    """The RDMA consumer is imported on first use: it needs pyzmq and NIXL (``pip install 'deltasync[rdma]'``)."""
+    if name == "RdmaConsumer":
+        from deltasync.rdma.consumer import RdmaConsumer
+
+        return RdmaConsumer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

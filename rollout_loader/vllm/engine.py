@@ -54,7 +54,16 @@ from deltasync import (
 
 from .layout import checkpoint_layout
 from .prefetch import Prefetcher, Prepared, prepare
-from .state import Mode, WorkerState, anchor_patches, build_state, checksums, rollback, stage, write
+from .state import (
+    Mode,
+    WorkerState,
+    anchor_patches,
+    build_state,
+    checksums,
+    rollback,
+    stage,
+    write,
+)
 from .target import Verify
 
 log = logging.getLogger(__name__)
@@ -77,6 +86,7 @@ class DeltasyncInitInfo(WeightTransferInitInfo):
     step: int | None = None
     mode: str = "auto"
     prefetch: bool = True
+    rdma: dict[str, Any] | None = None  # {"controller": "tcp://host:port", ...}: read steps over NIXL first
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
@@ -89,6 +99,8 @@ class DeltasyncInitInfo(WeightTransferInitInfo):
             raise _refuse(f"deltasync init_info: mode must be one of {get_args(Mode)}, not {self.mode!r}")
         if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0):
             raise _refuse(f"deltasync init_info: step must be a step number or null, got {self.step!r}")
+        if self.rdma is not None and not (isinstance(self.rdma, dict) and isinstance(self.rdma.get("controller"), str)):
+            raise _refuse(f"deltasync init_info: rdma must be an object naming a 'controller' address, got {self.rdma!r}")
 
 
 @dataclass
@@ -141,6 +153,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         self._state: WorkerState | None = None
         self._held: int | None = None
         self._prefetcher: Prefetcher | None = None
+        self._rdma: Any = None  # deltasync.RdmaConsumer when init_info names a controller
         self.pauses_s: list[float] = []  # write + verify time of each applied step
 
     @property
@@ -152,8 +165,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
 
     def init_transfer_engine(self, init_info: DeltasyncInitInfo) -> None:
         old = self._info
-        same = old is not None and (old.url, old.storage_options, old.mode) == (
-            init_info.url, init_info.storage_options, init_info.mode)
+        same = old is not None and (old.url, old.storage_options, old.mode, old.rdma) == (
+            init_info.url, init_info.storage_options, init_info.mode, init_info.rdma)
         if same and self._state is not None:
             if init_info.step is not None and self._held is not None and init_info.step != self._held:
                 log.warning("deltasync: init_info says step %d, this engine holds step %d (kept)", init_info.step, self._held)
@@ -171,9 +184,12 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         self._info = init_info
         if init_info.verify == "incremental" and self._held is not None:
             checksums(self._state)  # the base of incremental verification: computed now, not inside a pause
+        if init_info.rdma is not None and self._rdma is None:
+            self._rdma = self._rdma_consumer(init_info)
         if init_info.prefetch:
-            self._prefetcher = Prefetcher(StreamReader(init_info.url, storage_options=init_info.storage_options),
-                                          self._state, lambda: self._held)
+            reader = self._rdma.reader if self._rdma is not None else StreamReader(
+                init_info.url, storage_options=init_info.storage_options)
+            self._prefetcher = Prefetcher(reader, self._state, lambda: self._held)
 
     def start_weight_update(self) -> None:
         try:
@@ -206,6 +222,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
 
     def shutdown(self) -> None:
         self._stop_prefetch()
+        if self._rdma is not None:
+            self._rdma.close()
+            self._rdma = None
         if self._reader is not None:
             self._reader.close()
         self._reader = self._state = self._info = None
@@ -243,6 +262,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         self._verify(state, prepared, sums)
         self.pauses_s.append(time.perf_counter() - t0)
         self._held = step
+        if self._rdma is not None:
+            self._rdma.applied(step)  # the controller advances this engine's version once every rank did
         log.info("deltasync: engine at step %d (%s, written and verified in %.1f ms)", step, h.kind, 1e3 * self.pauses_s[-1])
 
     def _verify(self, state: WorkerState, prepared: Prepared, sums: dict[str, int]) -> None:
@@ -287,5 +308,20 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
     def _stop_prefetch(self) -> None:
         if self._prefetcher is not None:
             self._prefetcher.stop()
-            self._prefetcher.reader.close()
+            if self._rdma is None or self._prefetcher.reader is not self._rdma.reader:
+                self._prefetcher.reader.close()
             self._prefetcher = None
+
+    def _rdma_consumer(self, info: DeltasyncInitInfo) -> Any:
+        """This rank's NIXL consumer: step objects read from the trainer's ring when announced, from the store
+        otherwise (the prefetcher reads through it); one consumer per tensor-parallel rank, grouped by engine."""
+        from vllm.distributed import get_tp_group
+
+        from deltasync import RdmaConsumer
+
+        options = dict(info.rdma or {})
+        engine = str(options.pop("engine", "vllm"))
+        plan_wait_s = float(options.pop("plan_wait_s", 0.0))
+        rank = get_tp_group().rank_in_group
+        return RdmaConsumer(info.url, rdma=options, consumer_id=f"{engine}-tp{rank}", engine=engine,
+                            storage_options=info.storage_options, plan_wait_s=plan_wait_s)
