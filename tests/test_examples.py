@@ -46,6 +46,22 @@ def test_hf_trainer():
     assert lines[-1] == "bit-exact: yes"
 
 
+def test_fsdp2_torchrun():
+    """Two FSDP2 ranks under torchrun (started by the example itself), every rank publishing its shard."""
+    lines = run_example("fsdp2_torchrun.py", "--steps", "2")
+    assert [line.split(":")[0] for line in lines if line.startswith("step ")] == ["step   1", "step   2"]
+    assert lines[-2].endswith(": steps 0..2, 2 parts per step (one per rank)")
+    assert lines[-1] == "bit-exact: yes"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed (pip install trl==1.16.0)")
+def test_trl_grpo():
+    lines = run_example("trl_grpo.py", "--steps", "2")
+    assert [line.split(":")[0] for line in lines if line.startswith("step ")] == ["step 1", "step 2"]
+    assert lines[-2].endswith(": steps [0, 1, 2]")
+    assert lines[-1] == "bit-exact: yes"
+
+
 def test_debug_divergence_finds_the_planted_bug(tmp_path):
     plot = tmp_path / "density.png"
     args = ["--steps", "6", "--bug-step", "4", "--bad-layer", "1"]
@@ -85,6 +101,18 @@ def test_vllm_offline_follow():
     lines = run_example("vllm_offline_follow.py", "--steps", "2", timeout_s=600)
     assert any(line.startswith("step 2: engine applied [2], now at step 2") for line in lines)
     assert lines[-1] == "bit-exact: yes"
+
+
+@pytest.mark.vllm
+def test_vllm_server_sync():
+    """A real vLLM server kept in sync by ``deltasync follow --server``; every rollout names its step."""
+    lines = run_example("vllm_server_sync.py", "--steps", "2", timeout_s=900)
+    rollouts = [line for line in lines if line.startswith("step ") and "/weight_info says" in line]
+    assert [line.split(":")[0] for line in rollouts] == ["step 0", "step 1", "step 2"]
+    for step, line in enumerate(rollouts):
+        assert f"sampled by weight versions [('{step}', 0, 8)]" in line
+    assert any(line.startswith("step 2 live in http://127.0.0.1:") for line in lines)  # the follower's own line
+    assert lines[-1] == "every rollout tied to its step, server verified at step 2: yes"
 
 
 # --- first contact with the command line ---
