@@ -115,7 +115,7 @@ def main() -> int:
                 # next to the server, as in production: keeps it at the newest step until stopped
                 follower = subprocess.Popen([sys.executable, "-m", "deltasync_cli", "follow", url, "--server", base,
                                              "--verify", "all"], env={**os.environ, "COLUMNS": "200"}, start_new_session=True)
-                for step in range(0, args.steps + 1):
+                for step in range(args.steps + 1):
                     if step:
                         ids = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(step))
                         model(input_ids=ids, labels=ids).loss.backward()
