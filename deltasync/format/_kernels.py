@@ -9,6 +9,9 @@ views of the tensors' bits; indices are int64. Callers live in ``diff.py``, ``ch
 from __future__ import annotations
 
 import sys
+import types
+from collections.abc import Callable
+from typing import Any
 
 import numba
 import numpy as np
@@ -37,8 +40,31 @@ _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)
 
+PARALLEL_MIN_ELEMENTS = 1 << 21
+"""Below this many elements (or patched positions) a kernel runs on the calling thread alone.
+
+numba's parallel kernels end in a barrier: when another process holds a core, a kernel split across every
+core waits for it, and a small tensor's work is far shorter than that wait (up to 20x slower under load).
+Callers get parallelism across tensors instead (``deltasync.format.codecs.parallel_map``)."""
+
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
 _pjit = numba.njit(cache=True, nogil=True, boundscheck=False, parallel=True)
+
+
+def _serial_twin(fn: Callable[..., Any]) -> Any:
+    """A single-threaded compilation of a ``prange`` kernel (``prange`` runs as ``range``).
+
+    The twin has its own qualified name, so numba's on-disk cache keeps the two compilations apart.
+    """
+    twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__)
+    twin.__qualname__ = fn.__qualname__ + "_serial"
+    twin.__doc__ = fn.__doc__
+    return _jit(twin)
+
+
+def _pick(serial: Any, parallel: Any, size: int, want: bool | None) -> Any:
+    """The parallel kernel for large work (or when asked), else the serial one."""
+    return parallel if (size >= PARALLEL_MIN_ELEMENTS if want is None else want) else serial
 
 
 @_jit
@@ -55,8 +81,7 @@ def element_hash(index: np.int64, bits: np.uint64) -> np.uint64:
     return mix64(np.uint64(bits) ^ mix64(np.uint64(index)))
 
 
-@_pjit
-def checksum_range(u: np.ndarray, base: np.int64) -> np.uint64:
+def _checksum_range(u: np.ndarray, base: np.int64) -> np.uint64:
     """Checksum of contiguous elements whose first global flat index is ``base``."""
     nblocks = (u.size + _BLOCK - 1) // _BLOCK
     parts = np.zeros(nblocks, np.uint64)
@@ -82,8 +107,7 @@ def checksum_at(u: np.ndarray, indices: np.ndarray) -> np.uint64:
     return acc
 
 
-@_pjit
-def diff_scan(
+def _diff_scan(
     aw: np.ndarray,
     bw: np.ndarray,
     a: np.ndarray,
@@ -227,8 +251,7 @@ def unshuffle_bytes(data: np.ndarray, out: np.ndarray) -> None:
         out[i] = v
 
 
-@_pjit
-def xor_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> np.uint64:
+def _xor_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> np.uint64:
     """``u[positions] ^= xor`` in place; returns the change of the checksum of ``u``.
 
     Positions must be in range (callers validate first, so that bad input changes nothing).
@@ -253,8 +276,7 @@ def xor_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> np.uint64:
     return total
 
 
-@_pjit
-def xor_at_indexed(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: np.ndarray, old_out: np.ndarray) -> np.uint64:
+def _xor_at_indexed(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: np.ndarray, old_out: np.ndarray) -> np.uint64:
     """``u[local] ^= xor``, keeping the old bits in ``old_out``; returns the checksum change hashed with the
     elements' global indices ``hashed`` (a slice of a larger tensor: a fused or sharded parameter).
 
@@ -280,8 +302,7 @@ def xor_at_indexed(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: np
     return total
 
 
-@_pjit
-def xor_dense(u: np.ndarray, xor: np.ndarray, base: np.int64) -> np.uint64:
+def _xor_dense(u: np.ndarray, xor: np.ndarray, base: np.int64) -> np.uint64:
     """``u ^= xor`` for a whole (chunk of a) tensor; returns the change of the checksum."""
     nblocks = (u.size + _BLOCK - 1) // _BLOCK
     parts = np.zeros(nblocks, np.uint64)
@@ -311,6 +332,99 @@ def xor_plain_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> None:
     """
     for i in range(positions.size):
         u[positions[i]] ^= xor[i]
+
+
+_checksum_range_parallel, _checksum_range_serial = _pjit(_checksum_range), _serial_twin(_checksum_range)
+_diff_scan_parallel, _diff_scan_serial = _pjit(_diff_scan), _serial_twin(_diff_scan)
+_xor_at_parallel, _xor_at_serial = _pjit(_xor_at), _serial_twin(_xor_at)
+_xor_at_indexed_parallel, _xor_at_indexed_serial = _pjit(_xor_at_indexed), _serial_twin(_xor_at_indexed)
+_xor_dense_parallel, _xor_dense_serial = _pjit(_xor_dense), _serial_twin(_xor_dense)
+
+
+def checksum_range(u: np.ndarray, base: int, *, parallel: bool | None = None) -> np.uint64:
+    """Checksum of contiguous elements whose first global flat index is ``base``.
+
+    ``parallel``: split across numba's threads (None: only from ``PARALLEL_MIN_ELEMENTS`` elements on)."""
+    return _pick(_checksum_range_serial, _checksum_range_parallel, u.size, parallel)(u, base)
+
+
+def diff_scan(aw: np.ndarray, bw: np.ndarray, a: np.ndarray, b: np.ndarray, group: int, block_words: int,
+              first_block: int, nblocks: int, base: int, scratch_pos: np.ndarray, scratch_xor: np.ndarray,
+              counts: np.ndarray, sums: np.ndarray, *, parallel: bool | None = None) -> None:
+    """See ``_diff_scan``; ``parallel`` as in ``checksum_range`` (sized by the blocks scanned)."""
+    size = min(nblocks * block_words, aw.size) * group
+    _pick(_diff_scan_serial, _diff_scan_parallel, size, parallel)(
+        aw, bw, a, b, group, block_words, first_block, nblocks, base, scratch_pos, scratch_xor, counts, sums
+    )
+
+
+def xor_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray, *, parallel: bool | None = None) -> np.uint64:
+    """See ``_xor_at``; ``parallel`` as in ``checksum_range`` (sized by the positions)."""
+    return _pick(_xor_at_serial, _xor_at_parallel, positions.size, parallel)(u, positions, xor)
+
+
+def xor_at_indexed(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: np.ndarray, old_out: np.ndarray,
+                   *, parallel: bool | None = None) -> np.uint64:
+    """See ``_xor_at_indexed``; ``parallel`` as in ``checksum_range`` (sized by the positions)."""
+    return _pick(_xor_at_indexed_serial, _xor_at_indexed_parallel, local.size, parallel)(u, local, xor, hashed, old_out)
+
+
+def xor_dense(u: np.ndarray, xor: np.ndarray, base: int, *, parallel: bool | None = None) -> np.uint64:
+    """See ``_xor_dense``; ``parallel`` as in ``checksum_range``."""
+    return _pick(_xor_dense_serial, _xor_dense_parallel, u.size, parallel)(u, xor, base)
+
+
+def dispatchers() -> dict[str, Any]:
+    """Every compiled kernel of this module by name (what ``warm_kernels`` loads, what tests inspect)."""
+    return {name: obj for name, obj in globals().items() if isinstance(obj, numba.core.registry.CPUDispatcher)}
+
+
+_UNSIGNED = (np.uint8, np.uint16, np.uint32, np.uint64)
+
+
+def warm_kernels() -> None:
+    """Compile or load from numba's disk cache every kernel signature deltasync's stages use, on tiny inputs.
+
+    A kernel's first call with a new signature costs a cache load (milliseconds) or a compilation (seconds);
+    calling this when a publisher, replica or engine state is created keeps both out of a diff, a decode and
+    above all a paused engine's apply. Idempotent and cheap once done (a few hundred microseconds)."""
+    n = 64
+    idx = np.arange(0, n, 3, dtype=np.int64)
+    for t in _UNSIGNED:
+        u = np.zeros(n, t)
+        x = np.ones(idx.size, t)
+        frozen = x.copy()
+        frozen.flags.writeable = False  # decoded from immutable bytes, or a caller's read-only buffer
+        words = np.zeros(n * np.dtype(t).itemsize // 8, np.uint64)
+        counts, sums = np.zeros(1, np.int64), np.zeros(1, np.uint64)
+        pos, xs = np.empty(n, np.int64), np.empty(n, t)
+        for parallel in (False, True):
+            checksum_range(u, 0, parallel=parallel)
+            # the word-aligned body (8-byte words) and the tail (elements) of a tensor
+            diff_scan(words, words.copy(), u, u.copy(), 8 // u.itemsize, n, 0, 1, 0, pos, xs, counts, sums, parallel=parallel)
+            diff_scan(u, u.copy(), u, u.copy(), 1, n, 0, 1, 0, pos, xs, counts, sums, parallel=parallel)
+            for xv in (x, frozen):
+                xor_at(u, idx, xv, parallel=parallel)
+                xor_at_indexed(u, idx, xv, idx, np.empty_like(x), parallel=parallel)
+            for xv in (u.copy(), _frozen(u)):
+                xor_dense(u, xv, 0, parallel=parallel)
+        checksum_at(u, idx)
+        compact(pos, xs, counts, n, pos.copy(), xs.copy())
+        for xv in (x, frozen):
+            xor_plain_at(u, idx, xv)
+        shuffle_bytes(x)
+        for raw in (np.zeros(n * u.itemsize, np.uint8), _frozen(np.zeros(n * u.itemsize, np.uint8))):
+            unshuffle_bytes(raw, np.empty(n, t))
+    gap16_encode(idx)
+    for raw in (np.zeros(8, np.uint8), _frozen(np.zeros(8, np.uint8))):
+        gap16_decode(raw, 4)
+        shuffle_bytes(raw.view(np.uint16))
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = a.copy()
+    a.flags.writeable = False
+    return a
 
 
 BLOCK = _BLOCK

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -52,14 +52,52 @@ class EncodedTensor:
 
 _local = threading.local()
 _pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """Map over tensors on a small shared thread pool: the kernels and zstd release the GIL."""
+    """Map over tensors (or ranges of tensors) on a small shared thread pool: the kernels and zstd release the
+    GIL, and many independent work items keep every core busy even when another process holds one (unlike
+    one kernel split across all cores, which waits for its slowest thread). Called from one of the pool's
+    own threads, it maps in that thread (a nested map on a full pool would wait for itself)."""
+    items = list(items)
+    if len(items) <= 1 or getattr(_local, "in_pool", False):
+        return [fn(x) for x in items]
+    return list(_executor().map(fn, items))
+
+
+def submit_all(fn: Callable[[T], R], items: Iterable[T]) -> list[Future[R]]:
+    """Like ``parallel_map`` but returns the futures, for a caller that must know which items finished
+    (an apply that undoes what it wrote when another item fails). Inside the pool the items run in order
+    right here, and those after a failed one are cancelled (never started); an interrupt propagates."""
+    items = list(items)
+    if len(items) > 1 and not getattr(_local, "in_pool", False):
+        pool = _executor()
+        return [pool.submit(fn, x) for x in items]
+    futures: list[Future[R]] = [Future() for _ in items]
+    for k, (f, x) in enumerate(zip(futures, items)):
+        try:
+            f.set_result(fn(x))
+        except Exception as e:  # noqa: BLE001 - reported through the future, as the pool would
+            f.set_exception(e)
+            for rest in futures[k + 1 :]:
+                rest.cancel()
+            break
+    return futures
+
+
+def _executor() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="deltasync-codec")
-    return list(_pool.map(fn, items))
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)),
+                                           thread_name_prefix="deltasync-codec", initializer=_mark_pool_thread)
+    return _pool
+
+
+def _mark_pool_thread() -> None:
+    _local.in_pool = True
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:

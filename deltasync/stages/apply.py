@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, wait
 from typing import Literal
 
 import numpy as np
@@ -31,6 +32,7 @@ from deltasync.format.checksum import (
     parse_checksum,
     tensor_checksum,
 )
+from deltasync.format.codecs import parallel_map, submit_all
 from deltasync.format.objects import StepHeader, StepObject
 from deltasync.format.patch import Patch
 from deltasync.stages.staging import StagedStep, check_layout, layout_of, stage
@@ -126,16 +128,26 @@ def apply_staged(
     error while writing, the patches already written are applied again, which restores the exact previous
     bits, and the error is raised (``ChecksumMismatchError`` for a mismatch).
     """
-    done: list[Patch] = []
-    deltas: dict[str, int] = {}
+    written: list[Patch] = []
+    futures: list[Future[int]] = []
+
+    def write(p: Patch) -> int:
+        delta = xor_apply(tensors[p.name], p.positions, p.xor)
+        written.append(p)  # list.append is atomic: the undo sees every landed patch
+        return delta
+
     try:
-        for p in staged.patches:
-            deltas[p.name] = xor_apply(tensors[p.name], p.positions, p.xor)
-            done.append(p)
+        # host tensors are patched in parallel across tensors; device tensors one after another, in order
+        on_host = all(tensors[p.name].device.type == "cpu" for p in staged.patches)
+        futures = submit_all(write, staged.patches) if on_host else []
+        deltas = {p.name: f.result() for p, f in zip(staged.patches, futures)} if on_host else {
+            p.name: write(p) for p in staged.patches
+        }
         if checksums is not None:
             after = {p.name: (checksums[p.name] + deltas[p.name]) & MASK64 for p in staged.patches}
         else:
-            after = {p.name: tensor_checksum(tensors[p.name]) for p in staged.patches}
+            after = dict(zip((p.name for p in staged.patches),
+                             parallel_map(lambda p: tensor_checksum(tensors[p.name]), staged.patches)))
         bad = [p for p in staged.patches if after[p.name] != p.checksum]
         if bad:
             raise ChecksumMismatchError(
@@ -143,7 +155,10 @@ def apply_staged(
                 f"first {bad[0].name!r}: expected {format_checksum(bad[0].checksum)}, got {format_checksum(after[bad[0].name])}"
             )
     except BaseException:
-        _undo(tensors, done)
+        for f in futures:
+            f.cancel()
+        wait(futures)  # writes still running land before they are undone
+        _undo(tensors, written)
         raise
     return after
 

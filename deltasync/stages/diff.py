@@ -7,6 +7,7 @@ checksums, in time proportional to the change.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Literal
 
@@ -17,6 +18,7 @@ from deltasync.errors import TensorMismatchError
 from deltasync.format import _kernels
 from deltasync.format._bits import UNSIGNED_NP, dtype_name, int_view, np_bits, np_words
 from deltasync.format.checksum import MASK64, _torch_hash, _unsigned64, tensor_checksum
+from deltasync.format.codecs import parallel_map
 from deltasync.format.patch import Patch
 
 SnapshotDevice = Literal["same", "cpu"]
@@ -87,13 +89,39 @@ class Snapshot:
 
     def diff(self, tensors: Mapping[str, torch.Tensor]) -> list[Patch]:
         """Changes from the snapshot to ``tensors`` (same names, shapes, dtypes), one sparse ``Patch`` per
-        tensor (unchanged ones included, empty); advances the snapshot."""
+        tensor (unchanged ones included, empty); advances the snapshot.
+
+        Host tensors are diffed as ranges of at most ``_RANGE_ELEMS`` elements on the codec thread pool,
+        largest first, each by the single-threaded kernel: parallel across tensors, never inside a small one.
+        """
         self.check_same_layout(tensors)
-        changes = []
+        found: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
+        host: list[tuple[str, int, int]] = []
         for name, t in tensors.items():
             snap = self.tensors[name]
+            if snap.device.type == "cpu" and t.device.type == "cpu" and t.is_contiguous():
+                host += [(name, s, min(s + _RANGE_ELEMS, snap.numel())) for s in range(0, max(snap.numel(), 1), _RANGE_ELEMS)]
+            else:  # device paths (torch ops, host chunks): one tensor at a time
+                found[name] = _diff_tensor(self._cast(t.detach()), snap, self.max_chunk_bytes, self._scratch,
+                                           self.offsets.get(name, 0))
+        host.sort(key=lambda r: r[1] - r[2])
+
+        def diff_range(r: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, int]:
+            name, start, stop = r
+            cur = self._cast(tensors[name].detach().reshape(-1)[start:stop])
+            snap = np_bits(self.tensors[name].reshape(-1)[start:stop])
+            return _diff_np(np_bits(cur), snap, self.offsets.get(name, 0) + start, self._scratch, parallel=False)
+
+        ranges: dict[str, list[tuple[int, tuple[np.ndarray, np.ndarray, int]]]] = {}
+        for r, part in zip(host, parallel_map(diff_range, host)):
+            ranges.setdefault(r[0], []).append((r[1], part))
+        for name, parts in ranges.items():
+            found[name] = _concat([p for _, p in sorted(parts, key=lambda sp: sp[0])], self.tensors[name].element_size())
+        changes = []
+        for name in tensors:
+            snap = self.tensors[name]
             base = self.offsets.get(name, 0)
-            positions, xor, delta = _diff_tensor(self._cast(t.detach()), snap, self.max_chunk_bytes, self._scratch, base)
+            positions, xor, delta = found[name]
             if base:
                 positions -= base  # the kernels report global positions (they hash global indices)
             self.checksums[name] = (self.checksums[name] + delta) & MASK64
@@ -133,27 +161,33 @@ def _diff_host_chunks(
 
 
 _BLOCK_ELEMS = 1 << 15  # elements per parallel work item
+_RANGE_ELEMS = 1 << 22  # elements per work item of a host diff (a multiple of the block: keeps words aligned)
 _SUPER_BLOCKS = 64  # work items per kernel call: bounds the scratch memory to ~20 MB
 
 
 class _Scratch:
-    """Reusable per-block output regions of the diff kernel (bounded temporary memory)."""
+    """Reusable per-block output regions of the diff kernel (bounded temporary memory), one set per thread
+    (the diff runs ranges on several threads at once)."""
 
     def __init__(self) -> None:
-        self._arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._local = threading.local()
 
     def get(self, width: int) -> tuple[np.ndarray, np.ndarray]:
-        if width not in self._arrays:
+        arrays = self._local.__dict__.setdefault("arrays", {})
+        if width not in arrays:
             n = _SUPER_BLOCKS * _BLOCK_ELEMS
-            self._arrays[width] = (np.empty(n, np.int64), np.empty(n, UNSIGNED_NP[width]))
-        return self._arrays[width]
+            arrays[width] = (np.empty(n, np.int64), np.empty(n, UNSIGNED_NP[width]))
+        return arrays[width]
 
 
-def _diff_np(a: np.ndarray, b: np.ndarray, base: int, scratch: _Scratch) -> tuple[np.ndarray, np.ndarray, int]:
+def _diff_np(
+    a: np.ndarray, b: np.ndarray, base: int, scratch: _Scratch, *, parallel: bool | None = None
+) -> tuple[np.ndarray, np.ndarray, int]:
     """Diff host bits ``a`` (new) against ``b`` (snapshot, updated), a slice starting at global flat index ``base``.
 
     The body that fills whole 8-byte words is scanned a word at a time, the rest element by element; both
-    report global positions and hash global indices (docs/FORMAT.md section 4).
+    report global positions and hash global indices (docs/FORMAT.md section 4). ``parallel``: see
+    ``_kernels.checksum_range`` (None: by size).
     """
     words_a, group = np_words(a)
     words_b, _ = np_words(b)
@@ -161,14 +195,17 @@ def _diff_np(a: np.ndarray, b: np.ndarray, base: int, scratch: _Scratch) -> tupl
     covered = 0
     if words_a is not None and words_b is not None:
         covered = words_a.size * group
-        parts += _scan(words_a, words_b, a[:covered], b[:covered], group, base, scratch)
+        parts += _scan(words_a, words_b, a[:covered], b[:covered], group, base, scratch, parallel)
     if covered < a.size:
         ta, tb = a[covered:], b[covered:]
-        parts += _scan(ta, tb, ta, tb, 1, base + covered, scratch)
+        parts += _scan(ta, tb, ta, tb, 1, base + covered, scratch, parallel)
     return _concat(parts, a.itemsize)
 
 
-def _scan(aw, bw, a, b, group: int, base: int, scratch: _Scratch) -> list[tuple[np.ndarray, np.ndarray, int]]:
+def _scan(
+    aw: np.ndarray, bw: np.ndarray, a: np.ndarray, b: np.ndarray, group: int, base: int, scratch: _Scratch,
+    parallel: bool | None = None,
+) -> list[tuple[np.ndarray, np.ndarray, int]]:
     """Run the diff kernel over ``a`` (global index of ``a[0]``: ``base``), at most 64 blocks per call."""
     block_words = _BLOCK_ELEMS // group
     total_blocks = -(-aw.size // block_words)
@@ -178,7 +215,8 @@ def _scan(aw, bw, a, b, group: int, base: int, scratch: _Scratch) -> list[tuple[
     parts = []
     for first in range(0, total_blocks, _SUPER_BLOCKS):
         n = min(_SUPER_BLOCKS, total_blocks - first)
-        _kernels.diff_scan(aw, bw, a, b, group, block_words, first, n, base, scratch_pos, scratch_xor, counts, sums)
+        _kernels.diff_scan(aw, bw, a, b, group, block_words, first, n, base, scratch_pos, scratch_xor, counts, sums,
+                           parallel=parallel)
         changed = int(counts[:n].sum())
         delta = int(sums[:n].sum(dtype=np.uint64))
         if changed:
