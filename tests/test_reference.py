@@ -31,7 +31,7 @@ from deltasync.format.checksum import (
 from deltasync.format.objects import StepObject
 from deltasync.publish.publisher import snapshot_headers, write_step
 from deltasync.stages.apply import _xor_apply_torch, xor_apply
-from deltasync.stages.diff import Snapshot, _diff_host_chunks, _diff_torch, _Scratch
+from deltasync.stages.diff import Snapshot, _diff_host_chunks, _diff_np, _diff_torch, _Scratch
 from deltasync_cli import app
 
 # --- the reference: docs/FORMAT.md section 4, nothing else ---
@@ -325,6 +325,62 @@ def test_torch_diff(dtype):
     diff_with_torch(single_change_cases(dtype, range(0, 25), exhaustive_up_to=24, seed=11), 1 << 20)
     diff_with_torch(single_change_cases(dtype, (0, 1, 3, 7, 9, 33), exhaustive_up_to=40, seed=12), 5)
     diff_with_torch(pattern_cases(dtype, range(0, 301, 23), seed=13), 29)
+
+
+@pytest.mark.parametrize("range_elems", [40, 64, 1 << 15])
+def test_snapshot_diff_in_ranges_on_the_pool(monkeypatch, range_elems):
+    """``Snapshot.diff`` splits host tensors into ranges diffed on the codec pool, largest first, and
+    reassembles them: ranges that end inside an 8-byte word (40 elements of 1 byte), on word boundaries, and
+    at the kernel's blocks; a snapshot of shard slices (``offsets``) hashes global indices."""
+    monkeypatch.setattr("deltasync.stages.diff._RANGE_ELEMS", range_elems)
+    rng = np.random.default_rng(21)
+    sizes = [0, 1, 39, 40, 41, 129, 300] + ([(1 << 15) + 77, 3 * (1 << 15) + 5] if range_elems > 64 else [1001])
+    for dtype in ONE_PER_WIDTH:
+        diff_with_snapshot(pattern_cases(dtype, sizes, seed=22))
+    cases = [c for d in ONE_PER_WIDTH for c in pattern_cases(d, [1, 45, 300, 2 * range_elems + 3], seed=23)]
+    offsets = {c.name + str(c.dtype): int(rng.integers(0, 1 << 40)) for c in cases}
+    snap = Snapshot({c.name + str(c.dtype): tensor_of(c.old, c.dtype) for c in cases}, offsets=offsets)
+    changes = {ch.name: ch for ch in snap.diff({c.name + str(c.dtype): tensor_of(c.new, c.dtype) for c in cases})}
+    for c in cases:
+        name, off = c.name + str(c.dtype), offsets[c.name + str(c.dtype)]
+        ch = changes[name]
+        want_pos, want_xor, _ = ref_diff(c.old, c.new)
+        assert np.array_equal(ch.positions, want_pos) and np.array_equal(ch.xor, want_xor), name
+        assert ch.checksum == ref_checksum(c.new, np.arange(off, off + c.new.size)), name
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("dtype", ONE_PER_WIDTH, ids=str)
+def test_both_compilations_of_each_kernel(dtype, parallel):
+    """Every kernel split into blocks has a single-threaded twin (small work, busy machines): each of the
+    two, forced whatever the size, against the reference (diff, checksum, sparse, indexed and dense XOR)."""
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # parallel=True: really on every thread
+    block = 1 << 15
+    # parallel launches are slow on a busy machine (the reason for the twins): fewer tiny cases there
+    sizes = [0, 1, 9, 33, block + 1, 2 * block + 5] if parallel else [0, 1, 7, 9, 33, 300, block - 1, block + 1, 2 * block + 5]
+    cases = pattern_cases(dtype, sizes, seed=24) + single_change_cases(dtype, range(0, 10 if parallel else 17), 16, seed=25)
+    scratch = _Scratch()
+    for c in cases:
+        label = f"{'parallel' if parallel else 'serial'} {c.dtype} {c.name}"
+        snap = c.old.copy()
+        positions, xor, delta = _diff_np(c.new.copy(), snap, 0, scratch, parallel=parallel)
+        check_diff(c, positions, xor, (ref_checksum(c.old) + delta) % 2**64, label)
+        assert np.array_equal(snap, c.new), label
+        base = 5 if c.old.size % 2 else 0
+        assert int(_kernels.checksum_range(c.new, base, parallel=parallel)) == ref_checksum(
+            c.new, np.arange(base, base + c.new.size)), label
+        pos, x, want_after = ref_diff(c.old, c.new)
+        u = c.old.copy()
+        assert (ref_checksum(c.old) + int(_kernels.xor_at(u, pos, x, parallel=parallel))) % 2**64 == want_after, label
+        assert np.array_equal(u, c.new), label
+        u = c.old.copy()
+        assert (ref_checksum(c.old) + int(_kernels.xor_dense(u, c.old ^ c.new, 0, parallel=parallel))) % 2**64 == want_after
+        assert np.array_equal(u, c.new), label
+        u, kept = c.old.copy(), np.empty(pos.size, c.old.dtype)
+        delta = int(_kernels.xor_at_indexed(u, pos, x, pos + base, kept, parallel=parallel))
+        idx = np.arange(base, base + c.old.size)
+        assert (ref_checksum(c.old, idx) + delta) % 2**64 == ref_checksum(c.new, idx), label
+        assert np.array_equal(u, c.new) and np.array_equal(kept, c.old[pos]), label
 
 
 # --- apply: XOR patches in place and the checksum change they report ---

@@ -1,0 +1,109 @@
+"""``warm_kernels()``: after it, nothing a publisher, a replica or an engine does compiles (or loads) a kernel.
+
+A kernel's first call with a new signature costs a compilation (seconds) or a disk-cache load (milliseconds);
+inside an engine's pause either is too much. The check: every numba dispatcher's signatures after
+``warm_kernels()`` are all the signatures the whole pipeline then uses, on every dtype width, sparse and
+dense, compressed and raw, host chunks, slices, verified both ways.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+
+from deltasync.format import _kernels
+from deltasync.format.checksum import checksum_elements
+from deltasync.format.objects import StepObject
+from deltasync.publish.steps import snapshot_headers, write_step_object
+from deltasync.stages.apply import Replica, apply_staged, xor_apply
+from deltasync.stages.diff import Snapshot, _diff_host_chunks, _Scratch
+from deltasync.stages.staging import layout_of, stage
+
+DTYPES = [torch.uint8, torch.bool, torch.int8, torch.bfloat16, torch.float16, torch.int16, torch.float32,
+          torch.int32, torch.float64, torch.int64]
+
+
+def signatures() -> dict[str, list]:
+    return {name: list(d.signatures) for name, d in _kernels.dispatchers().items()}
+
+
+def _state(rng: np.random.Generator, n: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for dtype in DTYPES:
+        width = torch.empty(0, dtype=dtype).element_size()
+        for shape in ((n,), (3, 7), (1,), (0,)):
+            numel = int(np.prod(shape))
+            raw = rng.integers(0, 2 if dtype == torch.bool else 256, numel * width, dtype=np.uint8)
+            out[f"{dtype}.{shape}"] = torch.from_numpy(raw).view(dtype).reshape(shape) if numel else torch.empty(shape, dtype=dtype)
+    return out
+
+
+def _changed(state: dict[str, torch.Tensor], rng: np.random.Generator, fraction: float) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in state.items():
+        new = t.clone()
+        bits = new.reshape(-1).view(torch.uint8)
+        if bits.numel():
+            hit = torch.from_numpy(rng.random(bits.numel()) < fraction)
+            bits[hit] ^= 1  # low bit of some byte: a change of the element (bool stays 0/1)
+        out[name] = new
+    return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _exercise(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], tmp_path) -> None:
+    """Everything a publisher, a replica, replay and a vLLM worker do with one step, checked bit for bit."""
+    for device in ("same", "cpu"):  # a slice of a larger tensor (a rank's shard) hashes from its offset
+        sharded = Snapshot(old, device=device, offsets=dict.fromkeys(old, 11))
+        sharded.diff(new)
+    snap = Snapshot(old)
+    headers = snapshot_headers(snap)
+    changes = [c for c in snap.diff(new) if c.changed]
+    for level in (1, 3):
+        buf = io.BytesIO()
+        write_step_object(buf, kind="delta", step=1, base_step=0, headers=snapshot_headers(snap), changes=changes,
+                          zstd_level=level)
+        for source in (buf.getvalue(), bytearray(buf.getvalue())):  # immutable and writable buffers
+            staged = stage(StepObject(source, where="warm test"), layout_of(old), base_step=0)
+            for verify in ("incremental", "full"):
+                target = {k: t.clone() for k, t in old.items()}
+                sums = {k: int(h.checksum, 16) for k, h in headers.items()}
+                apply_staged(staged, target, checksums=sums if verify == "incremental" else None)
+                assert all(_same_bits(target[k], t) for k, t in new.items())
+    path = tmp_path / "step.safetensors"
+    with open(path, "wb") as f:
+        write_step_object(f, kind="delta", step=1, base_step=0, headers=snapshot_headers(snap), changes=changes)
+    with StepObject(path, where="warm test") as obj:
+        for verify in ("incremental", "full"):
+            rep = Replica.from_tensors({k: t.clone() for k, t in old.items()}, step=0)
+            rep.apply(obj, verify=verify)
+            assert all(_same_bits(rep.tensors[k], t) for k, t in new.items())
+    for c in changes:  # the calls a vLLM worker and replay make, NumPy and torch inputs
+        t = old[c.name].clone()
+        xor_apply(t, c.positions, c.xor, index=3)
+        xor_apply(t, torch.from_numpy(c.positions), torch.from_numpy(c.xor.view(f"i{c.xor.itemsize}")),
+                  index=torch.from_numpy(c.positions + 3))
+        xor_apply(t, c.positions, c.xor, checksum=False)
+        xor_apply(t, None, np.zeros(t.numel(), c.xor.dtype), index=2)
+        checksum_elements(t, torch.arange(t.numel()))
+        signed = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+        snap_bits = old[c.name].clone().reshape(-1).view(torch.uint8).numpy().view(c.xor.dtype)
+        _diff_host_chunks(t.reshape(-1).view(torch.uint8).view(signed), snap_bits, 13, _Scratch())
+
+
+def test_after_warm_kernels_nothing_compiles(tmp_path):
+    _kernels.warm_kernels()
+    before = signatures()
+    assert all(before.values()), [n for n, s in before.items() if not s]  # every kernel has been loaded
+    rng = np.random.default_rng(0)
+    for n, fraction in ((5000, 0.02), (5000, 0.6), (300, 0.0), (40000, 0.01)):
+        old = _state(rng, n)
+        _exercise(old, _changed(old, rng, fraction), tmp_path)
+    after = signatures()
+    grown = {n: [s for s in after[n] if s not in before[n]] for n in after}
+    assert not any(grown.values()), f"compiled after warm_kernels(): { {n: s for n, s in grown.items() if s} }"
