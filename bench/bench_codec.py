@@ -25,12 +25,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import machine, parser, write_results  # noqa: E402
-from deltasync.stages.apply import Replica  # noqa: E402
-from deltasync_cli.demo import stdlib_corpus, tiny_qwen3  # noqa: E402
-from deltasync.stages.diff import Snapshot  # noqa: E402
-from deltasync.format.objects import StepObject  # noqa: E402
-from deltasync.publish.publisher import named_tensors, snapshot_headers, write_step  # noqa: E402
+from bench._common import machine, parser, write_results
+from deltasync.format._kernels import warm_kernels
+from deltasync.format.objects import StepObject
+from deltasync.publish.publisher import named_tensors, snapshot_headers, write_step
+from deltasync.stages.apply import Replica
+from deltasync.stages.diff import Snapshot
+from deltasync_cli.demo import stdlib_corpus, tiny_qwen3
 
 
 def rss_bytes() -> int:
@@ -114,7 +115,8 @@ def main() -> None:
     base_states = {"idx32": {n: t.clone() for n, t in bf16.items()}, "gap16": {n: t.clone() for n, t in bf16.items()}}
 
     rows = []
-    # warm-up: load the compiled kernels from numba's cache, outside the measurement
+    # warm-up: load the compiled kernels from numba's cache (or compile them), outside the measurement
+    warm_kernels()
     warm = {"w": torch.zeros(1 << 16, dtype=torch.bfloat16)}
     wsnap = Snapshot(warm)
     write_step(tmp / "w0", kind="anchor", step=0, base_step=None, headers=snapshot_headers(wsnap), anchor_tensors=warm)
