@@ -64,7 +64,11 @@ class Replica:
 
     @classmethod
     def from_anchor(cls, obj: StepObject, *, device: str | torch.device = "cpu") -> Replica:
-        """Load an anchor and check every tensor's checksum."""
+        """Load an anchor and check every tensor's checksum.
+
+        Also loads every kernel a later apply may need (``warm_kernels``: once per process, seconds at most),
+        so that no step, and no engine pause built on a replica, waits for a compilation."""
+        _kernels.warm_kernels()
         h = obj.header
         if h.kind != "anchor":
             raise BaseStepMismatchError(f"{obj.where}: a fresh replica needs an anchor, this is a delta on step {h.base_step}")
