@@ -22,17 +22,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import machine, parser, write_results  # noqa: E402
-from deltasync import DeltaPublisher  # noqa: E402
-from deltasync_cli.demo import save_model_dir, stdlib_corpus, tiny_qwen3  # noqa: E402
-from rollout_loader import Follower  # noqa: E402
-from rollout_loader.vllm import VllmTarget, start_engine  # noqa: E402
+from bench._common import machine, parser, write_results
+from deltasync import DeltaPublisher
+from deltasync.publish.steps import snapshot_headers, write_step
+from deltasync.stages.diff import Snapshot
+from deltasync_cli.demo import save_model_dir, stdlib_corpus, tiny_qwen3
+from rollout_loader import Follower
+from rollout_loader.vllm import VllmTarget, start_engine
 
 
 def main() -> None:
     args = parser(__doc__, steps=10).parse_args()
 
-    import safetensors.torch
 
     work = Path(tempfile.mkdtemp(prefix="deltasync-bench-vllm-"))
     model = tiny_qwen3(hidden_size=args.hidden, layers=args.layers, vocab_size=args.vocab).float()
@@ -67,9 +68,13 @@ def main() -> None:
             paused = target.pauses_s[-1]
             m = pub.metrics[-1] if pub.metrics and pub.metrics[-1].step == step else None
             # baseline, same run, same step: a full reload of this step's checkpoint through vLLM
+            # (the same step as an anchor object: a safetensors checkpoint with deltasync's header, which the
+            # worker loads through vLLM's reload path)
             ckpt = work / "full.safetensors"
-            safetensors.torch.save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
-                                         if not (model.config.tie_word_embeddings and k == "lm_head.weight")}, str(ckpt))
+            bf16 = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
+                    if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+            write_step(ckpt, kind="anchor", step=step, base_step=None, headers=snapshot_headers(Snapshot(bf16)),
+                       anchor_tensors=bf16)
             reply = target.engine.rpc("deltasync_load", str(ckpt), "auto")[0]
             target.checksums()  # re-seed incremental verification after the reload (not timed)
             rows.append({
@@ -94,7 +99,7 @@ def main() -> None:
               f"median density {med['density']:.2%} (medians over steps)")
     for col in ("measure", "ms", "target"):
         t.add_column(col, justify="right")
-    t.add_row("generation paused per step", f"{med['paused_s'] * 1e3:.0f}", f"<= 10% of full reload")
+    t.add_row("generation paused per step", f"{med['paused_s'] * 1e3:.0f}", "<= 10% of full reload")
     t.add_row("full reload through vLLM (same step)", f"{med['full_reload_s'] * 1e3:.0f}", "")
     t.add_row("paused / full reload", f"{med['paused_s'] / med['full_reload_s']:.1%}", "<= 10%")
     t.add_row("publish() returned -> live in engine", f"{med['live_after_publish_s'] * 1e3:.0f}", "<= 1000")
