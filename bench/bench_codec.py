@@ -14,7 +14,9 @@ Prints a table and writes bench/results/codec-<date>.json.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -107,6 +109,7 @@ def main() -> None:
     print(f"snapshot (last-published copy, host): {snapshot_rss / 1e6:.0f} MB resident for a {model_bytes / 1e6:.0f} MB bf16 model")
     copy_s = plain_copy_s(bf16)
     tmp = Path(tempfile.mkdtemp(prefix="deltasync-bench-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # nothing left behind, Ctrl-C included
     anchor = tmp / "anchor.safetensors"
     write_step(anchor, kind="anchor", step=0, base_step=None, headers=snapshot_headers(snap), anchor_tensors=bf16)
     full_bytes = anchor.stat().st_size
