@@ -50,6 +50,7 @@ from deltasync.errors import (
     WriterConflictError,
 )
 from deltasync.format._bits import DTYPES, dtype_from_name, dtype_name, int_view
+from deltasync.format._kernels import warm_kernels
 from deltasync.format.checksum import add as add_checksums
 from deltasync.format.checksum import (
     checksum_elements,
@@ -133,6 +134,7 @@ __all__ = [
     "layout_of",
     "apply_staged",
     "xor_apply",
+    "warm_kernels",
     "DTYPES",
     "dtype_name",
     "dtype_from_name",

@@ -50,6 +50,7 @@ from deltasync import (
     StepNotFoundError,
     StreamReader,
     add_checksums,
+    warm_kernels,
 )
 
 from .layout import checkpoint_layout
@@ -182,6 +183,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             self._held = init_info.step
             log.info("deltasync engine following %s from step %s: %s", init_info.url, self._held, summary)
         self._info = init_info
+        warm_kernels()  # every kernel compiled or loaded now: nothing compiles inside a pause
         if init_info.verify == "incremental" and self._held is not None:
             checksums(self._state)  # the base of incremental verification: computed now, not inside a pause
         if init_info.rdma is not None and self._rdma is None:
