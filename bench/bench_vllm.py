@@ -11,7 +11,9 @@ reload of the same step's checkpoint through vLLM's reload_weights. Prints a tab
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -33,9 +35,8 @@ from rollout_loader.vllm import VllmTarget, start_engine
 
 def main() -> None:
     args = parser(__doc__, steps=10).parse_args()
-
-
     work = Path(tempfile.mkdtemp(prefix="deltasync-bench-vllm-"))
+    atexit.register(shutil.rmtree, work, True)  # removed at exit, on success, error or Ctrl-C
     model = tiny_qwen3(hidden_size=args.hidden, layers=args.layers, vocab_size=args.vocab).float()
     numel = sum(p.numel() for p in model.parameters())
     print(f"model: {numel / 1e6:.1f}M parameters; machine: {machine()}")
