@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -86,12 +87,35 @@ def vllm_server(model_dir: Path, log_dir: Path, *, dev_mode: bool, extension: bo
                 time.sleep(1)
         yield base
     finally:
-        proc.terminate()
+        _stop_group(proc)
+        # vLLM ends its engine-core process without running its exit handlers, so a download cache the
+        # deltasync engine made there outlives it; the library's promise is that the next process reclaims
+        # folders whose owner died: this test process is that next process.
+        from deltasync.scratch import reclaim_abandoned
+
+        reclaim_abandoned("cache", older_than_s=0)
+
+
+def _stop_group(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM the server's whole process group (API server and engine core), SIGKILL what is left after
+    ``timeout_s``, and wait until no process of the group remains."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            continue
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            os.killpg(proc.pid, 0)  # anyone left in the group?
+        except ProcessLookupError:
+            break
+        if time.monotonic() >= deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+        time.sleep(0.2)
+    proc.wait()
 
 
 def serves(base: str) -> bool:
