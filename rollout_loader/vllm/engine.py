@@ -20,8 +20,10 @@ same stream keeps the step the engine holds.
 ``update_info``: ``{"step": N}`` (an int, or ``"latest"``). The engine applies the chain from the step it holds
 to N, each step verified against the trainer's checksums on every rank (parts summed across tensor-parallel
 ranks), and rolled back on any failure or mismatch, on every rank, before raising: the engine never holds
-unverified weights. Steps are fetched, verified and decoded in the background beforehand (the update finds
-them staged); anchors are written as a dense XOR against the held bits, so they roll back the same way.
+unverified weights. Steps are fetched, verified, decoded and sealed in the background beforehand (the
+update finds them staged: each changed tensor's checksum after the write is already computed from the bits
+held and the patch, so the pause holds a plain XOR scatter and the comparison; see ``pause_parts``); anchors
+are written as a dense XOR against the held bits, so they roll back the same way.
 The weight version is the caller's (``finish_weight_update(weight_version=str(N))``); prompts cached with
 older weights must be dropped by the caller (``reset_prefix_cache``), as vLLM keeps that cache outside the
 workers. Importing this module imports vLLM.
@@ -64,12 +66,17 @@ from .state import (
     rollback,
     stage,
     write,
+    write_sealed,
 )
 from .target import Verify
 
 log = logging.getLogger(__name__)
 
 BACKEND = "deltasync"
+# the parts of an update's time inside the pause: finding the steps to apply (the manifest), taking the staged
+# step (or preparing it, when the prefetcher had not), the in-place write, the ranks' agreement, the checksum
+# comparison (with any checksum computation it needs); "total" is the whole update_weights call
+PAUSE_PARTS = ("resolve", "staging", "write", "all_gather", "compare", "total")
 
 
 def _refuse(message: str) -> ConfigError:
@@ -156,11 +163,18 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         self._prefetcher: Prefetcher | None = None
         self._rdma: Any = None  # deltasync.RdmaConsumer when init_info names a controller
         self.pauses_s: list[float] = []  # write + verify time of each applied step
+        # where the time of each update_weights call that moved the engine went (seconds, see PAUSE_PARTS)
+        self.pause_parts: list[dict[str, float]] = []
+        self.sealed_steps: list[int] = []  # steps written from a seal (a plain scatter inside the pause)
 
     @property
     def held_step(self) -> int | None:
         """The verified step this worker's weights are at (None: the weights it started with, step unknown)."""
         return self._held
+
+    def is_staged(self, step: int) -> bool:
+        """Whether the prefetcher holds ``step`` ready, so an update to it only writes and compares."""
+        return self._prefetcher is not None and self._prefetcher.has(step)
 
     # --- vLLM's interface ---
 
@@ -207,6 +221,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
 
     def _receive(self, update_info: DeltasyncUpdateInfo) -> None:
         reader, _ = self._require()
+        parts = dict.fromkeys(PAUSE_PARTS, 0.0)
+        t0 = time.perf_counter()
         want = update_info.step
         if want == "latest":
             latest = reader.latest_step()
@@ -216,8 +232,12 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         assert isinstance(want, int)
         if want == self._held:
             return
-        for step in reader.chain(want, start=self._held):
-            self._advance(step)
+        chain = self._staged_chain(want) or reader.chain(want, start=self._held)
+        parts["resolve"] = time.perf_counter() - t0
+        for step in chain:
+            self._advance(step, parts)
+        parts["total"] = time.perf_counter() - t0
+        self.pause_parts.append(parts)
 
     def finish_weight_update(self) -> None:
         pass  # the weights were written in place, verified, by receive_weights
@@ -233,8 +253,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
 
     # --- one step ---
 
-    def _advance(self, step: int) -> None:
+    def _advance(self, step: int, parts: dict[str, float]) -> None:
         reader, state = self._require()
+        t_stage = time.perf_counter()
         ready = self._prefetcher.take(step) if self._prefetcher is not None else None
         prepared = ready or prepare(reader, state, step)
         h = prepared.header
@@ -245,11 +266,17 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         staged = prepared.staged if prepared.anchor is None else stage(state, anchor_patches(state, prepared.anchor))
         assert staged is not None
         t0 = time.perf_counter()
+        parts["staging"] += t0 - t_stage
         error: BaseException | None = None
         try:
-            sums = write(state, staged)
+            sealed = write_sealed(state, staged, prepared.seal) if prepared.seal is not None else None
+            sums = sealed if sealed is not None else write(state, staged)
+            if sealed is not None:
+                self.sealed_steps.append(step)
         except Exception as e:  # every rank must learn of it before any raises
             error, sums = e, {}
+        t1 = time.perf_counter()
+        parts["write"] += t1 - t0
         outcome = _all_gather(None if error is None else f"{type(error).__name__}: {error}")
         failed = [(rank, text) for rank, text in enumerate(outcome) if text is not None]
         if failed:
@@ -261,25 +288,41 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             if error is not None:
                 raise error
             raise EngineError(msg)
-        self._verify(state, prepared, sums)
+        parts["all_gather"] += time.perf_counter() - t1
+        self._verify(state, prepared, sums, parts)
         self.pauses_s.append(time.perf_counter() - t0)
         self._held = step
+        if self._prefetcher is not None:
+            self._prefetcher.wake()  # seal the next step against these bits now, not at the next poll
         if self._rdma is not None:
             self._rdma.applied(step)  # the controller advances this engine's version once every rank did
         log.info("deltasync: engine at step %d (%s, written and verified in %.1f ms)", step, h.kind, 1e3 * self.pauses_s[-1])
 
-    def _verify(self, state: WorkerState, prepared: Prepared, sums: dict[str, int]) -> None:
+    def _staged_chain(self, want: int) -> list[int] | None:
+        """``[want]`` when the prefetcher holds it and it applies to the step held (a delta based on it, or an
+        anchor): the manifest was read when it was staged, so the pause does not read it again."""
+        prepared = self._prefetcher.peek(want) if self._prefetcher is not None else None
+        if prepared is None or (prepared.header.kind == "delta" and prepared.header.base_step != self._held):
+            return None
+        return [want]
+
+    def _verify(self, state: WorkerState, prepared: Prepared, sums: dict[str, int], timing: dict[str, float]) -> None:
         """Compare every rank's parts, summed, with the trainer's checksums; roll back every rank on a mismatch."""
         h = prepared.header
         assert self._info is not None
+        t0 = time.perf_counter()
         if prepared.anchor is not None or self._info.verify == "all":
             parts = checksums(state, list(h.tensors))
         elif self._info.verify == "changed":
             parts = checksums(state, [n for n, t in h.tensors.items() if t.changed])
         else:
             parts = sums
+        t1 = time.perf_counter()
         gathered = _all_gather(parts)
+        t2 = time.perf_counter()
         bad = [n for n in parts if add_checksums(*(g[n] for g in gathered)) != int(h.tensors[n].checksum, 16)]
+        timing["compare"] += (t1 - t0) + (time.perf_counter() - t2)
+        timing["all_gather"] += t2 - t1
         if bad:
             rollback(state)
             n = bad[0]

@@ -2,12 +2,15 @@
 
 A :class:`Prepared` step is everything that can be done before the pause: the object downloaded and its
 SHA-256 checked (``StreamReader.open``), its header checked against the engine, a delta decoded and mapped
-onto this rank's elements (``state.stage``), an anchor's tensors read into memory. What is left for the
-pause is the in-place write and the checksum comparison.
+onto this rank's elements (``state.stage``), an anchor's tensors read into memory; and, once the engine holds
+the delta's base step, the delta sealed (``state.seal``: each patched tensor's checksum after the write,
+from the bits held and the patch). What is left for the pause is a plain XOR scatter and the comparison of
+the sealed checksums with the trainer's.
 
 The :class:`Prefetcher` thread polls the store and prepares the chain from the step the engine holds to the
-newest committed step, a few steps ahead at most. Anything it fails at is dropped (logged once): the update
-prepares that step again in its own thread and raises the error there, where it is reported.
+newest committed step, a few steps ahead at most; the engine wakes it after each update, so the next step is
+sealed against the new bits at once. Anything it fails at is dropped (logged once): the update prepares that
+step again in its own thread and raises the error there, where it is reported.
 """
 
 from __future__ import annotations
@@ -15,13 +18,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from deltasync import StepHeader, StreamReader
 
-from .state import Staged, WorkerState, check_header, stage
+from .state import Seal, Staged, WorkerState, check_header, seal, stage
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,12 @@ class Prepared:
     where: str
     staged: list[Staged] | None = None
     anchor: dict[str, torch.Tensor] | None = None
+    seal: Seal | None = None  # a delta's checksums after the write, over the bits held when sealed
+
+    @property
+    def ready(self) -> bool:
+        """Nothing but the write and the comparison left (a sealed delta; an anchor is staged in the pause)."""
+        return self.seal is not None or self.anchor is not None
 
 
 def prepare(reader: StreamReader, state: WorkerState, step: int) -> Prepared:
@@ -65,16 +74,32 @@ class Prefetcher:
         self._ready: dict[int, Prepared] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._logged: str | None = None
         self._thread = threading.Thread(target=self._run, name="deltasync-prefetch", daemon=True)
         self._thread.start()
+
+    def has(self, step: int) -> bool:
+        """Whether ``step`` is prepared and sealed (an update to it would only write and compare)."""
+        with self._lock:
+            p = self._ready.get(step)
+            return p is not None and p.ready
+
+    def peek(self, step: int) -> Prepared | None:
+        with self._lock:
+            return self._ready.get(step)
 
     def take(self, step: int) -> Prepared | None:
         with self._lock:
             return self._ready.pop(step, None)
 
+    def wake(self) -> None:
+        """Look again now (the engine moved: seal the next step against its new bits)."""
+        self._wake.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=60)
         with self._lock:
             self._ready.clear()
@@ -88,7 +113,8 @@ class Prefetcher:
                 if str(e) != self._logged:
                     self._logged = str(e)
                     log.info("deltasync prefetch: %s: %s (the update will fetch the step itself)", type(e).__name__, e)
-            self._stop.wait(self.poll_s)
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
 
     def _prefetch_once(self) -> None:
         latest = self.reader.latest_step()
@@ -112,3 +138,17 @@ class Prefetcher:
                 if self.held() != held:  # the engine moved meanwhile: stage against what it holds now
                     return
                 self._ready[s] = prepared
+        self._seal_next(wanted[0], held)
+
+    def _seal_next(self, step: int, held: int | None) -> None:
+        """Seal the next step (its base is the step held) against the bits held now, once."""
+        with self._lock:
+            prepared = self._ready.get(step)
+        if prepared is None or prepared.staged is None or prepared.seal is not None:
+            return
+        if prepared.header.base_step != held or held is None:
+            return
+        sealed = seal(self.state, prepared.staged)
+        with self._lock:
+            if self.held() == held and self._ready.get(step) is prepared:
+                self._ready[step] = replace(prepared, seal=sealed)

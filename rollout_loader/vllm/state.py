@@ -6,6 +6,11 @@ in-place XOR, all or nothing, with the old bits kept for :func:`rollback`), and 
 parts (:func:`checksums`, or the running ones :func:`write` keeps). Shared by the worker extension
 (:mod:`rollout_loader.vllm.worker`) and the weight-transfer engine (:mod:`rollout_loader.vllm.engine`).
 
+The engine also seals a staged step before the pause (:func:`seal`: each patched tensor's checksum after the
+write, computed from the bits held now and the patch), so that the pause holds only a plain XOR scatter
+(:func:`write_sealed`) and the comparison. Every write and rollback bumps ``WorkerState.version`` under
+``WorkerState.lock``; a seal taken at another version is stale and the write falls back to :func:`write`.
+
 Two ways a write reaches the kernels: "live" (the kernel reads the parameter: GPU, or CPU with live
 weights, :mod:`rollout_loader.vllm.live_cpu`) and "reload" (the stock CPU path: layers whose weight was
 repacked away keep a host copy of their checkpoint tensors, which is patched and re-loaded through vLLM;
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -85,6 +91,18 @@ class WorkerState:
     # this rank's part of each tensor's checksum, kept current by every write (incremental verification)
     sums: dict[str, int] = field(default_factory=dict)
     undo_sums: dict[str, int] = field(default_factory=dict)
+    # bumped by every write and rollback (under ``lock``): a seal is good for the version it was taken at
+    version: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(frozen=True)
+class Seal:
+    """This rank's checksum part of each tensor a staged step patches, as it will be once the step is written
+    over the bits held at ``version`` (computed before the pause: :func:`seal`)."""
+
+    version: int
+    sums: dict[str, int]
 
 
 def build_state(
@@ -242,6 +260,75 @@ def write(state: WorkerState, staged: Sequence[Staged]) -> dict[str, int]:
     If a write or a kernel sync fails, the old bits are put back before raising. The old bits of a
     successful write stay recorded until the next write, for :func:`rollback`.
     """
+    with state.lock:
+        state.version += 1
+        return _write(state, staged)
+
+
+def seal(state: WorkerState, staged: Sequence[Staged]) -> Seal:
+    """This rank's checksum part of each patched tensor after ``staged`` is written over the bits held now
+    (owned elements only): the old bits at the patched positions are read, the new ones are old ^ xor.
+
+    O(change) plus, the first time a tensor is seen, one pass over it (its running part). Runs before the pause
+    (the prefetcher's thread); :func:`write_sealed` uses it only while no other write happened since.
+    """
+    with state.lock:
+        sums: dict[str, int] = {}
+        for s in staged:
+            target = state.targets[s.name]
+            total = sums[s.name] if s.name in sums else part(state, s.name)
+            if target.route.owner and s.idx.numel():
+                old = _gather(target.bits, s.idx)
+                new = old ^ s.x.to(old.device)
+                total += checksum_elements(new, s.hf_idx) - checksum_elements(old, s.hf_idx)
+            sums[s.name] = total & MASK64
+        return Seal(version=state.version, sums=sums)
+
+
+def write_sealed(state: WorkerState, staged: Sequence[Staged], sealed: Seal) -> dict[str, int] | None:
+    """:func:`write` for a sealed step: a plain XOR scatter (no hashing inside the pause), this rank's parts
+    taken from the seal. None, with nothing written, when the bits changed since the seal (write it unsealed).
+
+    The seal's parts are exact for the bits written: they were computed from the same old bits (no write
+    happened since: same version, under the lock) and the same xor; a mismatch with the trainer's checksums
+    still rolls the write back (:func:`rollback`).
+    """
+    with state.lock:
+        if state.version != sealed.version or any(s.name not in sealed.sums for s in staged):
+            return None
+        state.version += 1
+        state.undo, state.undo_modules, state.undo_sums = [], set(), {}
+        undo: list[tuple[torch.Tensor, Staged]] = []
+        modules: set[str] = set()
+        try:
+            with torch.inference_mode():
+                for s in staged:
+                    target = state.targets[s.name]
+                    xor_apply(target.bits, s.idx, s.x, checksum=False)  # checks, then writes
+                    undo.append((target.bits, s))
+                    modules.update(target.modules)
+            sync_kernels(state, modules)
+        except BaseException:
+            try:
+                _restore(state, undo, modules)
+            except Exception:
+                log.exception("deltasync: restoring the old weights after a failed write failed too")
+            raise
+        sums = {s.name: sealed.sums[s.name] for s in staged}
+        state.undo, state.undo_modules = undo, modules
+        state.undo_sums = {name: state.sums[name] for name in sums}
+        state.sums.update(sums)
+        return sums
+
+
+def _gather(bits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``bits[idx]`` (a copy); on CPU through NumPy, several times faster than torch's index kernel."""
+    if bits.device.type != "cpu":
+        return bits[idx.to(bits.device)]
+    return torch.from_numpy(np.take(bits.numpy(), idx.numpy()))
+
+
+def _write(state: WorkerState, staged: Sequence[Staged]) -> dict[str, int]:
     state.undo, state.undo_modules, state.undo_sums = [], set(), {}  # a failed write leaves nothing to undo
     sums = {s.name: part(state, s.name) for s in staged}
     undo: list[tuple[torch.Tensor, Staged]] = []
@@ -270,12 +357,14 @@ def write(state: WorkerState, staged: Sequence[Staged]) -> dict[str, int]:
 
 def rollback(state: WorkerState) -> bool:
     """Put back the bits the last write changed; False when there is nothing to undo."""
-    if not state.undo:
-        return False
-    _restore(state, state.undo, state.undo_modules)
-    state.sums.update(state.undo_sums)
-    state.undo, state.undo_modules, state.undo_sums = [], set(), {}
-    return True
+    with state.lock:
+        if not state.undo:
+            return False
+        state.version += 1
+        _restore(state, state.undo, state.undo_modules)
+        state.sums.update(state.undo_sums)
+        state.undo, state.undo_modules, state.undo_sums = [], set(), {}
+        return True
 
 
 def checksums(state: WorkerState, names: Iterable[str] | None = None) -> dict[str, int]:

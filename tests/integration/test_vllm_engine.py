@@ -114,7 +114,7 @@ def test_server_without_the_weight_transfer_engine(s3_server, tmp_path):  # noqa
 
 _OFFLINE_SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import json, sys, time
     from vllm import SamplingParams
     from rollout_loader.vllm import start_engine
 
@@ -126,7 +126,12 @@ _OFFLINE_SCRIPT = textwrap.dedent(
         gen = lambda: [list(o.outputs[0].token_ids) for o in llm.generate(json.loads(prompts), sp, use_tqdm=False)]
         res = {"before": gen()}
         llm.init_weight_transfer_engine({"init_info": {"url": url, "verify": "incremental"}})
-        for step in (2, "latest"):
+        engine = llm.collective_rpc(lambda worker: worker.weight_transfer_engine)[0]  # in-process: the object
+        for step in (2, 4, "latest"):
+            if step == "latest":  # the prefetcher seals step 5 against step 4's bits: the pause only scatters
+                deadline = time.monotonic() + 60
+                while not engine.is_staged(5) and time.monotonic() < deadline:
+                    time.sleep(0.01)
             llm.start_weight_update()
             llm.update_weights({"update_info": {"step": step}})
             llm.finish_weight_update(weight_version=str(step))
@@ -142,6 +147,7 @@ _OFFLINE_SCRIPT = textwrap.dedent(
                 errors.append(str(e))
         res["errors"] = errors
         res["after_errors"] = gen()
+        res["sealed"] = engine.sealed_steps
         json.dump(res, open(out, "w"))
     """
 )
@@ -149,7 +155,8 @@ _OFFLINE_SCRIPT = textwrap.dedent(
 
 def test_offline_llm_follows_through_weight_transfer_methods(tmp_path):
     """Anchors (step 0: weights that differ from the engine's, and step 3) are written as a dense XOR against
-    the held bits, deltas in place; every step verified; bad requests change nothing."""
+    the held bits, deltas in place; a delta the prefetcher sealed against the held bits (step 5) is a plain
+    scatter; every step verified; bad requests change nothing."""
     model_dir = tmp_path / "model"
     build_checkpoint(model_dir, tie=True)
     url = str(tmp_path / "stream")
@@ -158,7 +165,7 @@ def test_offline_llm_follows_through_weight_transfer_methods(tmp_path):
         state[name].copy_(t)
     states = {}
     with DeltaPublisher(url, state, anchor_every=3, on_backlog="block") as pub:
-        for step in range(5):
+        for step in range(6):
             if step:
                 for name, t in perturb(state, perturbed_names(True), seed=step).items():
                     state[name].copy_(t)
@@ -171,16 +178,18 @@ def test_offline_llm_follows_through_weight_transfer_methods(tmp_path):
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())
-    assert res["versions"] == ["2", "latest"]
+    assert res["versions"] == ["2", "4", "latest"]
     assert res["tokens"][0] != res["before"]
     assert res["errors"][0].startswith("StepNotFoundError") or "step 99" in res["errors"][0]
     assert "step must be a step number" in res["errors"][1]
     assert "Invalid update_info" in res["errors"][2]
-    assert res["after_errors"] == res["tokens"][1]
-    assert res["tokens"][0] != res["tokens"][1]
+    assert res["after_errors"] == res["tokens"][2]
+    assert res["tokens"][0] != res["tokens"][1] != res["tokens"][2]
+    assert 5 in res["sealed"]
     # one in-process engine per test here (vLLM's distributed state does not survive a second in this process
-    # after the S3 server tests): the last step, reached through the anchor at step 3, against a fresh engine
-    with engine(save_like(model_dir, tmp_path / "fresh", states[4]), "bfloat16", live=True) as fresh:
+    # after the S3 server tests): the last step, reached through the anchor at step 3 and the sealed step 5,
+    # against a fresh engine
+    with engine(save_like(model_dir, tmp_path / "fresh", states[5]), "bfloat16", live=True) as fresh:
         from tests.integration.conftest import generate
 
-        assert generate(fresh) == res["tokens"][1]
+        assert generate(fresh) == res["tokens"][2]
