@@ -6,6 +6,7 @@ Use with ``LLM(..., worker_extension_cls="rollout_loader.worker.DeltaWorkerExten
     apply_patch(llm, delta_object)  # every step: a FORMAT.md delta object (bytes, or a path); all ranks or none
     engine_checksums(llm) == trainer_checksums  # bit-exact proof
     rpc(llm, "deltasync_rollback")  # undo the last apply
+    transfer_status(llm)  # the weight-transfer engine's view: held step, how each step arrived, checksums
 
 The only wire format is the deltasync object (docs/FORMAT.md): the worker opens it with deltasync's own
 validating reader, so a damaged object is a ``FormatError`` and changes nothing. The worker methods take
@@ -40,7 +41,7 @@ from .state import Mode, PatchError, WorkerState
 log = logging.getLogger(__name__)
 
 __all__ = ["LIVE_ENV", "DeltaWorkerExtension", "PatchError", "RoutingError", "apply_patch", "enable_live_cpu_weights",
-           "engine_checksums", "install_dispatch_hook", "live_linear", "rpc", "unwrap_replies"]
+           "engine_checksums", "install_dispatch_hook", "live_linear", "rpc", "transfer_status", "unwrap_replies"]
 
 _ERRORS: dict[str, type[Exception]] = {
     e.__name__: e for e in (PatchError, RoutingError, FormatError, CorruptObjectError, TensorMismatchError)
@@ -84,6 +85,30 @@ def engine_checksums(llm: Any, names: list[str] | None = None) -> dict[str, int]
     """Checksum of every checkpoint tensor as the engine holds it: the ranks' owned parts added up."""
     parts = rpc(llm, "deltasync_checksums", names)
     return {name: sum(p[name] for p in parts) & ((1 << 64) - 1) for name in parts[0]}
+
+
+def transfer_status(llm: Any, *, checksums: bool = True) -> dict[str, Any]:
+    """What the deltasync weight-transfer engine holds, from every rank of an engine in any mode (the engine
+    lives in the workers; an ``LLM`` in multiprocess mode reaches it only through ``collective_rpc``).
+
+    Returns ``{"held_step", "arrived": {step: "rdma" | "store: <why>"}, "pauses_s": [...], "checksums"}``:
+    the held step every rank agrees on (``EngineError`` when they differ), per step ``"rdma"`` only if every
+    rank read it over NIXL (else the first rank's reason), rank 0's pauses, and each tensor's checksum with
+    the ranks' parts added up (with ``checksums``).
+    """
+    from deltasync import EngineError
+
+    ranks = rpc(llm, "deltasync_transfer_status", checksums)
+    held = {r["held_step"] for r in ranks}
+    if len(held) != 1:
+        raise EngineError(f"the engine's ranks hold different steps: {[r['held_step'] for r in ranks]}")
+    arrived: dict[int, str] = {}
+    for r in ranks:
+        for step, how in r["arrived"].items():
+            if arrived.get(int(step), "rdma") == "rdma":
+                arrived[int(step)] = how
+    sums = {n: sum(r["checksums"][n] for r in ranks) & ((1 << 64) - 1) for n in ranks[0]["checksums"]} if checksums else {}
+    return {"held_step": held.pop(), "arrived": arrived, "pauses_s": ranks[0]["pauses_s"], "checksums": sums}
 
 
 def _replies(method: Callable[..., Any]) -> Callable[..., dict[str, Any]]:
@@ -185,6 +210,25 @@ class DeltaWorkerExtension:
         if isinstance(names, str):
             names = json.loads(names) if names else None
         return st.checksums(state, names)
+
+    @_replies
+    def deltasync_transfer_status(self, checksums: bool = True) -> dict[str, Any]:
+        """This rank's deltasync weight-transfer engine: held step, how each step's object arrived, pauses, and
+        (with ``checksums``) the ``mix64-sum`` parts of every checkpoint tensor from the bits as they are."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "held_step"):
+            raise RuntimeError("this engine has no deltasync weight-transfer engine: start vLLM with "
+                               "--weight-transfer-config '{\"backend\": \"deltasync\"}'")
+        state = engine._state  # the routes the engine writes through: its checksums are the engine's bits
+        if state is None:
+            raise RuntimeError("call init_weight_transfer_engine first")
+        rdma = engine._rdma  # its RdmaConsumer (None without init_info rdma)
+        return {
+            "held_step": engine.held_step,
+            "arrived": {str(s): how for s, how in (rdma.arrived if rdma is not None else {}).items()},
+            "pauses_s": list(engine.pauses_s),
+            "checksums": st.checksums(state) if checksums else {},
+        }
 
     def _state(self) -> WorkerState:
         if self._deltasync is None:
