@@ -1,17 +1,23 @@
-"""A vLLM engine follows a training run over NIXL: the deltasync weight-transfer engine, given a controller in
-``init_info``, reads each step's object from the trainer's ring (real NIXL agents, UCX over loopback, separate
-processes), verifies it against the trainer's checksums, and acknowledges it; the controller advances the
-engine's version only then. The engine's final weights are compared with checksums computed here from the
-trainer's own tensors."""
+"""A vLLM engine in multiprocess mode follows a training run over NIXL: the deltasync weight-transfer engine in
+the engine's worker(s), given a controller in ``init_info``, reads each step's object from the trainer's ring
+(real NIXL agents, UCX over loopback, the trainer in its own process), verifies it against the trainer's
+checksums, and acknowledges it; the controller advances the engine's version only then. The engine's final
+weights are compared with checksums computed in the trainer process from its own tensors.
+
+The engine runs as vLLM runs in production, its engine core and worker(s) in processes of their own (reached
+from the driver through ``collective_rpc`` only). TP=2 (two workers, two NIXL consumers grouped as one
+engine) runs with ``DELTASYNC_TEST_TP2=1``."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -40,7 +46,7 @@ def trainer(address: str, url: str, model_dir: str, out) -> None:
     from deltasync.transports.nixl import NixlTransport
 
     state = load_state(Path(model_dir))
-    rdma = {"controller": address, "slot_bytes": 4 << 20, "plan_wait_s": 60.0, "ack_deadline_s": 30.0}
+    rdma = {"controller": address, "slot_bytes": 4 << 20, "plan_wait_s": 120.0, "ack_deadline_s": 30.0}
     with NixlTransport.trainer(url, rdma=rdma) as transport:
         with DeltaPublisher(Store(url, transport=transport), state, anchor_every=100, on_backlog="block") as pub:
             for step in range(STEPS + 1):
@@ -54,58 +60,85 @@ def trainer(address: str, url: str, model_dir: str, out) -> None:
                  "checksums": {n: tensor_checksum(t) for n, t in state.items()}})
 
 
+# the driver, in a fresh process: an LLM in this pytest process would share vLLM's settings with in-process
+# engines of other tests (VLLM_ENABLE_V1_MULTIPROCESSING, cached once an engine starts)
 ENGINE = textwrap.dedent(
     """
     import json, sys, time
+    from deltasync import StreamReader
     from rollout_loader.vllm import start_engine
+    from rollout_loader.vllm.worker import transfer_status
 
     if __name__ == "__main__":
-        model, url, address, out = sys.argv[1:5]
-        llm = start_engine(model, weight_transfer=True, in_process=True, dtype="bfloat16", enforce_eager=True,
-                           max_model_len=512, seed=0)
-        llm.init_weight_transfer_engine({"init_info": {
-            "url": url, "verify": "incremental",
-            "rdma": {"controller": address, "capacity_bytes": 4 << 20, "plan_wait_s": 60, "engine": "e0"}}})
-        deadline = time.monotonic() + 120
-        while llm.get_weight_version() != str(%d) and time.monotonic() < deadline:
-            llm.start_weight_update()
-            try:
-                llm.update_weights({"update_info": {"step": "latest"}})
-            except Exception as e:  # nothing committed yet
-                if "no committed step" not in str(e):
-                    raise
-                llm.finish_weight_update()
-                time.sleep(0.2)
-                continue
-            engine = llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine
-            llm.finish_weight_update(weight_version=str(engine.held_step))
-            time.sleep(0.1)
-        engine = llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine
-        arrived = dict(engine._rdma.arrived)
-        from rollout_loader.vllm.state import checksums
-        sums = checksums(engine._state)  # the engine's own bits, one rank: whole tensors
-        json.dump({"version": llm.get_weight_version(), "arrived": {str(k): v for k, v in arrived.items()},
-                   "checksums": {n: str(v) for n, v in sums.items()}}, open(out, "w"))
-    """ % STEPS
+        model, url, address, out, tp, last = sys.argv[1:7]
+        llm = start_engine(model, weight_transfer=True, dtype="bfloat16", enforce_eager=True, max_model_len=512,
+                           seed=0, tensor_parallel_size=int(tp))
+        try:
+            llm.init_weight_transfer_engine({"init_info": {
+                "url": url, "verify": "incremental",
+                "rdma": {"controller": address, "capacity_bytes": 4 << 20, "engine": "e0"}}})
+            versions = []
+            with StreamReader(url) as reader:
+                reader.wait_for(0, timeout_s=120)
+                deadline = time.monotonic() + 120
+                while llm.get_weight_version() != last and time.monotonic() < deadline:
+                    llm.start_weight_update()
+                    llm.update_weights({"update_info": {"step": "latest"}})
+                    llm.finish_weight_update(weight_version=str(transfer_status(llm, checksums=False)["held_step"]))
+                    versions.append(llm.get_weight_version())
+                    time.sleep(0.1)
+            status = transfer_status(llm)  # every rank's parts added up: whole tensors
+            json.dump({"version": llm.get_weight_version(), "versions": versions,
+                       "arrived": {str(k): v for k, v in status["arrived"].items()},
+                       "checksums": {n: str(v) for n, v in status["checksums"].items()}}, open(out, "w"))
+        finally:
+            llm.shutdown_weight_transfer_engine()
+            llm.llm_engine.engine_core.shutdown(timeout=60)
+    """
 )
 
 
-def test_engine_follows_a_training_run_over_nixl(tmp_path):
+def run_alone(cmd: list[str], *, env: dict[str, str], timeout_s: float) -> tuple[int, str]:
+    """Run ``cmd`` in a process group of its own; its exit code and stderr once no process of the group is
+    left (vLLM's engine core and workers included), the whole group killed if it overruns ``timeout_s``."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return proc.returncode, stderr
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError(f"processes of {cmd[:2]} outlived it by 30 s (killed now)")
+
+
+@pytest.mark.parametrize("tp", [
+    1, pytest.param(2, marks=pytest.mark.skipif(os.environ.get("DELTASYNC_TEST_TP2") != "1",
+                                                reason="TP=2 (two vLLM workers): set DELTASYNC_TEST_TP2=1"))])
+def test_multiprocess_engine_follows_a_training_run_over_nixl(tmp_path, tp):
     from deltasync.rdma.controller import Controller
 
     model_dir = tmp_path / "model"
     build_checkpoint(model_dir, tie=False)
     url = str(tmp_path / "stream")
-    controller = Controller(trainers=1, consumers=1)
+    controller = Controller(trainers=1, consumers=tp)
     out = CTX.Queue()
     proc = CTX.Process(target=trainer, args=(controller.address, url, str(model_dir), out), daemon=True)
     proc.start()
     try:
         result = tmp_path / "engine.json"
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "DELTASYNC_CPU_LIVE_WEIGHTS": "1"}
-        r = subprocess.run([sys.executable, "-c", ENGINE, str(model_dir), url, controller.address, str(result)],
-                           capture_output=True, text=True, timeout=400, check=False, env=env)
-        assert r.returncode == 0, r.stderr[-4000:]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        code, stderr = run_alone([sys.executable, "-c", ENGINE, str(model_dir), url, controller.address, str(result),
+                                  str(tp), str(STEPS)], env=env, timeout_s=500)
+        assert code == 0, stderr[-4000:]
         report = out.get(timeout=120)
         proc.join(30)
     finally:
@@ -114,6 +147,7 @@ def test_engine_follows_a_training_run_over_nixl(tmp_path):
         controller.close()
     got = json.loads(result.read_text())
     assert got["version"] == str(STEPS)
+    assert [int(v) for v in got["versions"]] == sorted(int(v) for v in got["versions"]), got["versions"]
     over_rdma = [int(s) for s, how in got["arrived"].items() if how == "rdma"]
     assert over_rdma and set(over_rdma) <= set(report["announced"]), got["arrived"]
     assert controller.versions.get("e0") == STEPS
