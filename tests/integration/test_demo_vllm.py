@@ -1,8 +1,18 @@
-"""The README's main job as it runs: a real vLLM engine follows the trainer, every step verified."""
+"""The README's main job as it runs: a real vLLM engine follows the trainer, every step verified; over the store
+(the engine in this process) and over NIXL (trainer, engine core and worker each in a process of their own)."""
+
+import json
+import math
+import os
+import sys
+import textwrap
 
 import pytest
 
+from deltasync import Store
+from deltasync.rdma.agent import nixl_available
 from deltasync_cli.demo import DemoConfig, run_demo
+from tests.integration.test_vllm_rdma import run_alone
 
 pytestmark = pytest.mark.vllm
 
@@ -14,3 +24,47 @@ def test_demo_with_vllm_engine_is_bit_exact(tmp_path):
     assert all(r["exact"] and r["engine_paused_ms"] is not None for r in rows)
     assert lines[-1] == "BIT-EXACT: every step verified"
     assert "vLLM engine weights at step 4" in lines[-2]
+
+
+# in a fresh process: the demo's engine runs in multiprocess mode, which an in-process engine of another test in
+# this process would have switched off (vLLM caches its settings once an engine starts)
+DEMO = textwrap.dedent(
+    """
+    import json, sys
+    from deltasync_cli.demo import DemoConfig, run_demo
+
+    if __name__ == "__main__":
+        lines = []
+        rows = run_demo(sys.argv[1], DemoConfig(steps=4, anchor_every=3, hidden_size=128, layers=2, transport="nixl"),
+                        echo=lines.append)
+        json.dump({"rows": rows, "lines": lines}, open(sys.argv[2], "w"))
+    """
+)
+
+
+@pytest.mark.skipif(not nixl_available(), reason="needs NIXL: pip install 'deltasync[rdma]'")
+def test_nixl_demo_with_a_multiprocess_vllm_engine_is_bit_exact(tmp_path):
+    url, result, tmp = str(tmp_path / "s"), tmp_path / "demo.json", tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    code, stderr = run_alone([sys.executable, "-c", DEMO, url, str(result)], env=env, timeout_s=500)
+    assert code == 0, stderr[-4000:]
+    got = json.loads(result.read_text())
+    rows, lines = got["rows"], got["lines"]
+
+    assert [(r["step"], r["kind"]) for r in rows] == [(0, "anchor"), (1, "delta"), (2, "delta"), (3, "anchor")]
+    assert all(r["exact"] for r in rows)
+    assert all(0 < r["density"] < 0.2 for r in rows if r["kind"] == "delta")
+    assert all(r["via"] == "rdma" or r["via"].startswith("store: ") for r in rows), [r["via"] for r in rows]
+    assert any(r["via"] == "rdma" for r in rows)
+    assert all(math.isfinite(r["live_after_publish_ms"]) and r["engine_paused_ms"] > 0 for r in rows)  # all went live
+    with Store(url) as store:  # the trainer's own checksums, as it committed them
+        manifests = [store.manifest(r["step"]) for r in rows]
+        assert [r["object_bytes"] for r in rows] == [m.objects[0].object_bytes for m in manifests]
+        last = manifests[-1].state_checksum
+    assert f"{sum(r['via'] == 'rdma' for r in rows)} of 4 steps read over NIXL" in lines[-5]
+    assert lines[-4].startswith("generated with step 3's weights: token ids [")
+    assert lines[-3].startswith("controller: engine version 3 ") and lines[-3].endswith("vLLM weight version 3")
+    assert lines[-2] == f"vLLM engine weights at step 3: {last[:16]}…  trainer: {last[:16]}…"
+    assert lines[-1] == "BIT-EXACT: every step verified"
+    assert not list(tmp.glob("deltasync-*"))  # the model folder, the stream's scratch, the engine's cache
