@@ -45,6 +45,30 @@ class _CachedObject(StepObject):
         self._release()
 
 
+class _HeldObject(StepObject):
+    """A step object opened in place on bytes a transport holds for it (``read_verified``: the NIXL inbox),
+    already checked against the manifest's size and SHA-256 there. The holder's ``check`` runs again after
+    every read of the bytes, so a change under the object is refused rather than decoded; closing (or
+    dropping) the object releases the bytes."""
+
+    def __init__(self, held: Any, *, where: str) -> None:
+        self._held = held
+        self._release = weakref.finalize(self, held.release)
+        try:
+            super().__init__(held.view(), where=where)
+        except BaseException:
+            self._release()
+            raise
+
+    def _read_into(self, key: str, out: Any) -> None:
+        super()._read_into(key, out)
+        self._held.check()
+
+    def close(self) -> None:
+        super().close()
+        self._release()
+
+
 class StreamReader:
     """Read a deltasync stream from any fsspec URL. Objects are verified (size, SHA-256) before use.
 
@@ -146,8 +170,11 @@ class StreamReader:
         return obj
 
     def _open_part(self, m: Manifest, part: Part, where: str) -> StepObject:
-        """One object of a step: read in place (local), fetched into memory (small remote deltas) or
-        through the download cache."""
+        """One object of a step: held by the transport (the NIXL inbox), read in place (local), fetched into
+        memory (small remote deltas) or through the download cache."""
+        held = self._held(m, part)
+        if held is not None:
+            return _HeldObject(held, where=where)
         if self.store.is_local:
             return StepObject(self.store.fetch_object(m, part=part), where=where)
         if m.kind == "delta" and part.object_bytes <= self.memory_object_bytes:
@@ -155,6 +182,14 @@ class StreamReader:
         path = self.store.fetch_object(m, part=part, hold=True)
         store = self.store
         return _CachedObject(path, where=where, release=lambda: store.release_object(m, part))
+
+    def _held(self, m: Manifest, part: Part) -> Any:
+        """The object's bytes from a transport that holds checked objects in memory (``read_verified``, the
+        NIXL consumer's: hashed once as they landed, against this manifest), or None."""
+        read_verified = getattr(self.store.transport, "read_verified", None)
+        if read_verified is None or m.is_multipart:  # the ring carries single-object steps only
+            return None
+        return read_verified(m.step, part.object, part.object_bytes, part.object_sha256)
 
     def fetch_bytes(self, m: Manifest) -> bytes:
         """A single-object step's object fetched into memory, checked against its manifest's size and SHA-256."""

@@ -388,3 +388,105 @@ def test_slot_overwritten_while_read_is_detected(run, tmp_path):
             good += 1
         inbox.close()
     assert good >= 5 and stale >= 5
+
+
+def serving_peer(out: Any, commands: Any, stop: Any) -> None:
+    """A two-slot ring that offers, corrupts and reports on command (the consumer side runs in the test)."""
+    from deltasync.rdma.agent import Agent
+    from deltasync.rdma.outbox import Outbox
+
+    agent = Agent(f"server-{uuid.uuid4().hex[:8]}")
+    outbox = Outbox(agent, slots=2, slot_bytes=1 << 20, chunk_bytes=64 << 10, ack_deadline_s=30.0)
+    out.put(("layout", (outbox.layout(), agent.metadata())))
+    while not stop.is_set():
+        try:
+            what, *args = commands.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        if what == "consumers":
+            outbox.set_consumers(args[0])
+        elif what == "offer":
+            out.put(("info", outbox.offer(*args)))
+        elif what == "flip":  # one byte of a slot's object, after its announcement: what a bad NIC would do
+            slot, at = args
+            outbox._buffer[slot * outbox.slot_bytes + 32 + at] ^= 1
+            out.put(("flipped", slot))
+        elif what == "waiting":
+            deadline = time.monotonic() + 10
+            while outbox._slots[args[0]].waiting and time.monotonic() < deadline:
+                outbox.poll()
+                time.sleep(0.01)
+            out.put(("waiting", sorted(outbox._slots[args[0]].waiting)))
+    agent.close()
+
+
+def test_pieced_read_hashed_once_held_in_place_and_refused_once_changed(run, tmp_path):
+    """A read cut into pieces (hashed as they land) brings the object's exact bytes, checked against the
+    publisher's manifest SHA-256, and acknowledges the slot; a lease keeps its bytes where they landed (the
+    next read lands elsewhere) and a step object opens on them without a copy; a flipped byte, a digest that
+    is not the manifest's, or memory changed under a held object are each refused by name."""
+    import torch
+
+    from deltasync.errors import StaleSlotError
+    from deltasync.publish.publisher import DeltaPublisher
+    from deltasync.rdma.agent import Agent
+    from deltasync.rdma.inbox import Inbox
+    from deltasync.reader import _HeldObject
+
+    url = str(tmp_path / "published")
+    state = _model()
+    with DeltaPublisher(url, state, anchor_every=1000) as pub:
+        pub.publish(1)
+        _train_step(state, 2)
+        pub.publish(2)
+    objects = {s: _store_object(url, s) for s in (1, 2)}  # checked against the manifest's SHA-256 there
+    sha = {s: hashlib.sha256(d).hexdigest() for s, d in objects.items()}
+    assert len(objects[1]) > 2 * (64 << 10)  # several pieces of one 64 KiB chunk each
+
+    r = run(consumers=0)
+    commands = CTX.Queue()
+    r._start(serving_peer, r.out, commands, r.stop)
+    layout, metadata = r.wait("layout")
+    with Agent(f"reader-{uuid.uuid4().hex[:8]}") as agent:
+        inbox = Inbox(agent, capacity_bytes=1 << 20, piece_bytes=64 << 10)
+        inbox.connect(layout, metadata)
+        commands.put(("consumers", [agent.name]))
+        commands.put(("offer", 1, objects[1]))
+        first = r.wait("info")
+        held = inbox.lease(first, sha256=sha[1])
+        assert bytes(held.view()) == objects[1] and held.sha256 == sha[1]
+        commands.put(("waiting", first.slot))
+        assert r.wait("waiting") == []  # the pieced read acknowledged the slot once every piece landed
+
+        commands.put(("offer", 2, objects[2]))
+        second = r.wait("info")
+        with pytest.raises(StaleSlotError, match="not the expected"):  # announced object is not the manifest's
+            inbox.lease(second, sha256=sha[1])
+        other = inbox.lease(second, sha256=sha[2])
+        assert other.offset >= held.offset + held.total  # landed beside the held object, not over it
+        assert bytes(held.view()) == objects[1] and bytes(other.view()) == objects[2]
+        other.release()
+
+        obj = _HeldObject(held, where="held step 1")  # opens in place: its bytes are the inbox's
+        import numpy as np
+
+        address = np.frombuffer(obj.buffer, np.uint8).ctypes.data  # the inbox's own memory, no copy
+        assert address == inbox._buffer.data_ptr() + held.offset + 32
+        got = {n: obj.read_tensor(n) for n in NAMES}
+        assert all(torch.equal(got[n].view(torch.uint8), _model()[n].view(torch.uint8)) for n in NAMES)
+        inbox._buffer[held.offset] ^= 1  # the held slot header's generation changes under the open object
+        with pytest.raises(StaleSlotError, match="overwritten"):
+            obj.read_tensor(NAMES[0])
+        with pytest.raises(StaleSlotError, match="overwritten"):
+            _HeldObject(held, where="held step 1 again")
+        obj.close()
+        assert held.released and not inbox._leases  # closing the object let its bytes go
+
+        commands.put(("offer", 3, objects[1]))
+        third = r.wait("info")
+        commands.put(("flip", third.slot, len(objects[1]) - 7))
+        r.wait("flipped")
+        with pytest.raises(StaleSlotError, match="SHA-256"):  # the single hash still catches one flipped bit
+            inbox.lease(third, sha256=sha[1])
+        assert not inbox._leases
+        inbox.close()

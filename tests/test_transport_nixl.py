@@ -73,7 +73,7 @@ def _publish(url: str, transport: Any, out: Any | None) -> dict[int, dict[str, s
     return truth
 
 
-def trainer_peer(address: str, url: str, opts: dict[str, Any], out: Any) -> None:
+def trainer_peer(address: str, url: str, opts: dict[str, Any], stop: Any, out: Any) -> None:
     from deltasync.transports.nixl import NixlTransport
 
     rdma = {"controller": address, "slot_bytes": opts.get("slot_bytes", 1 << 20), "chunk_bytes": 16 << 10,
@@ -81,12 +81,24 @@ def trainer_peer(address: str, url: str, opts: dict[str, Any], out: Any) -> None
     with NixlTransport.trainer(url, rdma=rdma) as transport:
         _publish(url, transport, out)
         stats = transport.trainer.stats
+        stop.wait(60)  # the ring stays up until the consumer is done (a slow consumer would read the store)
     out.put(("trainer", {"announced": stats.announced, "store_only": [s for s, _ in stats.store_only]}))
 
 
 def consumer_peer(address: str, url: str, out: Any) -> None:
     from deltasync.rdma.consumer import RdmaConsumer
     from deltasync.stages.apply import Replica
+    from deltasync.store import Store
+
+    from_store: list[int] = []  # steps whose object the store fetched (a second SHA-256 of those bytes)
+    for method in ("read_object", "fetch_object"):
+        original = getattr(Store, method)
+
+        def counted(self: Any, manifest: Any, *a: Any, _original: Any = original, **kw: Any) -> Any:
+            from_store.append(manifest.step)
+            return _original(self, manifest, *a, **kw)
+
+        setattr(Store, method, counted)
 
     class Target:  # the smallest target: a Replica, as rollout_loader's StateDictTarget holds
         def __init__(self) -> None:
@@ -109,7 +121,7 @@ def consumer_peer(address: str, url: str, out: Any) -> None:
         held = {}
         for step in consumer.follow(target, until=STEPS[-1], timeout_s=30.0):
             held[step] = _digests({n: target.replica.tensors[n] for n in target.replica.checksums})
-        out.put(("c0", {"held": held, "arrived": dict(consumer.arrived)}))
+        out.put(("c0", {"held": held, "arrived": dict(consumer.arrived), "from_store": from_store}))
 
 
 class Peers:
@@ -119,6 +131,7 @@ class Peers:
         self.url = str(tmp_path / "store")
         self.controller = Controller(trainers=1, consumers=1)
         self.out = CTX.Queue()
+        self.stop = CTX.Event()
         self.procs: list[Any] = []
         self.got: dict[str, list[Any]] = {}
 
@@ -139,6 +152,7 @@ class Peers:
         return self.got[who].pop(0)
 
     def close(self) -> None:
+        self.stop.set()
         for p in self.procs:
             p.join(15)
             if p.is_alive():
@@ -158,9 +172,10 @@ def peers(tmp_path: Path) -> Any:
 
 def _follow(peers: Peers, **trainer_opts: Any) -> tuple[dict, dict, dict]:
     peers.start(consumer_peer)
-    peers.start(trainer_peer, trainer_opts)
+    peers.start(trainer_peer, trainer_opts, peers.stop)
     assert peers.wait("c0") == "ready"
     consumer = peers.wait("c0")
+    peers.stop.set()
     trainer = peers.wait("trainer")
     truth = dict(peers.wait("truth") for _ in STEPS)
     return consumer, trainer, truth
@@ -170,6 +185,7 @@ def test_state_dict_consumer_follows_a_publisher_over_nixl_bit_exactly(peers):
     consumer, trainer, truth = _follow(peers)
     assert consumer["held"] == truth  # every step, every tensor, byte for byte
     assert consumer["arrived"] == {s: "rdma" for s in STEPS}
+    assert consumer["from_store"] == []  # opened where they landed, hashed once there against the manifest
     assert trainer == {"announced": STEPS, "store_only": []}
     assert peers.controller.versions == {"c0": STEPS[-1]}
     _objects_equal_store(peers.url)
@@ -181,6 +197,7 @@ def test_a_step_the_ring_cannot_hold_comes_from_the_store(peers):
     assert consumer["held"] == truth
     assert consumer["arrived"][1].startswith("store: ")
     assert {s: how for s, how in consumer["arrived"].items() if s > 1} == {s: "rdma" for s in STEPS[1:]}
+    assert consumer["from_store"] == [1]  # once: the failed ring read is not retried by the store's read
     assert trainer == {"announced": STEPS[1:], "store_only": [1]}
 
 

@@ -32,16 +32,6 @@ INSTALL_HINT = "pip install 'deltasync[rdma]'"
 MemType = Literal["DRAM", "VRAM"]
 
 
-# These belong in deltasync/errors.py (asked of the lead); they subclass StoreError because the caller's answer
-# to each is the same as to a store hiccup: read this step from the object store instead.
-
-
-
-
-
-
-
-
 def _nixl() -> Any:
     try:
         from nixl import _api
@@ -149,27 +139,58 @@ class Agent:
         Raises :class:`RdmaTimeoutError` after ``timeout_s`` (the request is released, which cancels it) and
         :class:`RdmaError` when NIXL reports a failure (a dead peer, unknown memory).
         """
+        handle = self.post_read(local, local_idx, remote, remote_idx, notif=notif, where=where)
+        try:
+            self.wait(handle, deadline=time.monotonic() + timeout_s, where=where)
+        finally:
+            self.drop(handle, where)
+
+    def post_read(self, local: PreparedSide, local_idx: list[int], remote: PreparedSide, remote_idx: list[int], *,
+                  notif: bytes = b"", where: str) -> Any:
+        """Start a READ and return its request without waiting (``wait`` for it, then ``drop`` it).
+
+        Several posted reads progress together (NIXL's progress thread), so a caller can work on the bytes of
+        one while the next lands: the inbox hashes piece by piece that way."""
         try:
             handle = self._agent.make_prepped_xfer("READ", local.handle, local_idx, remote.handle, remote_idx, notif)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own types (nixlNotFoundError, ...) for stale peers
             raise RdmaError(f"{where}: cannot prepare the read ({type(e).__name__}: {e})") from None
         try:
             state = self._agent.transfer(handle)
-            deadline = time.monotonic() + timeout_s
-            pause = 1e-5
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise RdmaTimeoutError(f"{where}: read not complete after {timeout_s:g} s")
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-                state = self._agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise RdmaError(f"{where}: the read failed (NIXL state {state})")
-        finally:
-            try:
-                handle.release()
-            except Exception as e:  # noqa: BLE001 - an uncancellable request is leaked by NIXL, not by us
-                log.warning("%s: could not release a transfer request: %s", where, e)
+        except Exception as e:  # noqa: BLE001
+            self.drop(handle, where)
+            raise RdmaError(f"{where}: cannot post the read ({type(e).__name__}: {e})") from None
+        if state not in ("PROC", "DONE"):
+            self.drop(handle, where)
+            raise RdmaError(f"{where}: the read failed (NIXL state {state})")
+        return handle
+
+    def wait(self, handle: Any, *, deadline: float, where: str) -> None:
+        """Poll a posted READ until it is done: :class:`RdmaTimeoutError` past ``deadline`` (monotonic),
+        :class:`RdmaError` when NIXL reports a failure."""
+        pause = 1e-5
+        state = self._state(handle, where)
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                raise RdmaTimeoutError(f"{where}: read not complete by its deadline")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+            state = self._state(handle, where)
+        if state != "DONE":
+            raise RdmaError(f"{where}: the read failed (NIXL state {state})")
+
+    def _state(self, handle: Any, where: str) -> str:
+        try:
+            return self._agent.check_xfer_state(handle)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own types (nixlRemoteDisconnectError, ...)
+            raise RdmaError(f"{where}: the read failed ({type(e).__name__}: {e})") from None
+
+    def drop(self, handle: Any, where: str) -> None:
+        """Release a READ request (cancelling it if it is still in progress)."""
+        try:
+            handle.release()
+        except Exception as e:  # noqa: BLE001 - an uncancellable request is leaked by NIXL, not by us
+            log.warning("%s: could not release a transfer request: %s", where, e)
 
     def notifications(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, by sending agent."""

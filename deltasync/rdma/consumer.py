@@ -2,8 +2,8 @@
 
 ``RdmaConsumer(url, rdma=...)`` registers with the controller (one NIXL agent, one registered inbox) and
 gives a ``StreamReader`` (``.reader``) whose store reads step objects from the announced ring slot first
-(SHA-256 checked in the inbox, then against the manifest by the reader, as any object) and from the store
-on any ``RdmaError``. So a target applies with the existing code::
+(hashed once, as they land in the inbox, against the manifest's SHA-256; opened in place, no copy) and from
+the store on any ``RdmaError``. So a target applies with the existing code::
 
     with RdmaConsumer(url, rdma="tcp://controller:5555", consumer_id="rollout-0") as consumer:
         target = StateDictTarget()
@@ -32,7 +32,7 @@ from deltasync.errors import RdmaError, StaleMetadataError, WaitTimeoutError
 from deltasync.format.objects import StepObject
 from deltasync.rdma.agent import Agent
 from deltasync.rdma.controller import ConsumerHello, ConsumerLink
-from deltasync.rdma.inbox import Inbox
+from deltasync.rdma.inbox import Inbox, Lease
 from deltasync.rdma.trainer import RdmaOptions, rdma_options
 from deltasync.reader import StreamReader
 from deltasync.store import Store
@@ -100,7 +100,17 @@ class RingReader:
             self.link.pending(timeout_s)
 
     def read(self, step: int) -> bytes:
-        """``step``'s object from its announced slot, checked; an ``RdmaError`` when it cannot be had there.
+        """``step``'s object from its announced slot, checked, as ``bytes`` (a copy); an ``RdmaError`` when it
+        cannot be had there. ``lease`` gives the same bytes without the copy."""
+        lease = self.lease(step)
+        try:
+            return bytes(lease.view())
+        finally:
+            lease.release()
+
+    def lease(self, step: int, *, sha256: str | None = None) -> Lease:
+        """``step``'s object from its announced slot, checked (against ``sha256`` too: the manifest's) and
+        held in the inbox until the lease is released; an ``RdmaError`` when it cannot be had there.
 
         Waits up to ``announce_wait_s`` for the announcement unless a later step was announced already (then
         this one was lost, or its slot is long reused): the store is faster than waiting.
@@ -118,14 +128,14 @@ class RingReader:
                 if time.monotonic() >= deadline:
                     raise RdmaError(f"{self.id}: step {step} not announced within {self.options.announce_wait_s:g} s")
                 self.link.pending(0.001)
+            timeout_s = self.options.read_timeout_s
             try:
-                data = bytes(self.inbox.read(info, timeout_s=self.options.read_timeout_s))
+                return self.inbox.lease(info, timeout_s=timeout_s, sha256=sha256)
             except StaleMetadataError:  # the trainer restarted: its new agent's metadata, then read again
                 rank = min(self.link.ranks)
-                fresh = self.link.fetch_metadata(rank, timeout_s=self.options.read_timeout_s)
+                fresh = self.link.fetch_metadata(rank, timeout_s=timeout_s)
                 self.inbox.connect(fresh.ring, fresh.metadata)
-                data = bytes(self.inbox.read(info, timeout_s=self.options.read_timeout_s))
-            return data
+                return self.inbox.lease(info, timeout_s=timeout_s, sha256=sha256)
 
     def applied(self, step: int) -> None:
         """Tell the controller ``step`` is applied and verified here (the engine's version counts it)."""

@@ -3,17 +3,35 @@
 A read uses descriptor lists prepared once per trainer ring (the ring cut into ``chunk_bytes`` chunks, the
 local buffer likewise), picks the chunks covering the slot's header and object, and waits with a timeout. The
 bytes are accepted only when the slot header's generation, step and length equal the announcement's and the
-object's SHA-256 equals the announced one; anything else raises a :class:`~deltasync.rdma.agent.RdmaError`
-subclass and the caller reads the step from the object store instead. Nothing is applied from an unchecked
-read. The read's notification is the acknowledgement that frees the slot on the trainer (outbox.py).
+object's SHA-256 equals the expected one (the manifest's, when the caller has it, and the announcement's);
+anything else raises a :class:`~deltasync.rdma.agent.RdmaError` subclass and the caller reads the step from
+the object store instead. Nothing is applied from an unchecked read.
+
+**Hashed once, while it lands.** A read larger than ``piece_bytes`` is posted as several READs at once; each
+piece is hashed as soon as it landed while the next ones are still moving, so the SHA-256 (the one check:
+the reader does not hash again, see ``NixlTransport.read_verified``) overlaps the transfer.
+
+**Zero copy.** ``lease`` returns a :class:`Lease`: the checked bytes stay where they landed, and no later read
+lands on them until the lease is released; a step object opens straight on ``Lease.view()``. Each view (and
+``Lease.check``) re-reads the slot header the READ brought with the object: if the memory under a lease ever
+changed (a bug, a stray write), the generation no longer matches and the object is refused
+(``StaleSlotError``) rather than decoded. ``read`` is a lease released at once (its view is valid until the
+next read).
+
+Acknowledgement: a one-piece read carries it as the READ's notification, delivered once its bytes landed; a
+read of several pieces sends it once every piece is done (the trainer may then reuse the slot: it is read).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,6 +42,8 @@ from deltasync.rdma.outbox import HEADER, RingLayout, SlotInfo
 
 log = logging.getLogger(__name__)
 
+PIECE_BYTES = 8 << 20  # one READ request per piece: hashing a piece overlaps the READs of the next ones
+
 
 @dataclass
 class _Ring:
@@ -32,17 +52,53 @@ class _Ring:
     remote: PreparedSide
 
 
+@dataclass(eq=False)
+class Lease:
+    """A checked object held where it landed in the inbox (zero copy) until ``release``; see the module doc.
+
+    ``wait_s``/``hash_s``: time spent waiting for READs and hashing (they overlap), for benchmarks."""
+
+    inbox: Inbox
+    info: SlotInfo
+    offset: int
+    total: int
+    sha256: str = ""
+    wait_s: float = 0.0
+    hash_s: float = 0.0
+    released: bool = field(default=False)
+
+    def view(self) -> memoryview:
+        """The object's bytes in the inbox, after checking they are still the ones that were checked."""
+        self.check()
+        return self.inbox._host(self.offset + HEADER.size, self.offset + self.total)
+
+    def check(self) -> None:
+        """``StaleSlotError`` unless the slot header under this lease still names its generation and step."""
+        if self.released:
+            raise RdmaError(f"{self.inbox.agent.name}: step {self.info.step}: the lease was released")
+        self.inbox._check_header(self.info, self.offset, f"{self.inbox.agent.name}: step {self.info.step} (held)")
+
+    def release(self) -> None:
+        self.inbox._release(self)
+
+
 class Inbox:
     """One registered buffer of ``capacity_bytes`` on ``agent``, and the trainer rings connected to it.
 
-    A returned view aliases the buffer: it is valid until the next ``read`` (copy it to keep it).
+    Reads land at the first chunk-aligned place no lease holds; ``piece_bytes`` sets how a read is cut
+    into READs that are hashed while the next ones land.
     """
 
-    def __init__(self, agent: Agent, *, capacity_bytes: int = 64 << 20, device: str = "cpu") -> None:
+    def __init__(self, agent: Agent, *, capacity_bytes: int = 64 << 20, device: str = "cpu",
+                 piece_bytes: int = PIECE_BYTES) -> None:
         self.agent = agent
+        self.piece_bytes = piece_bytes
         self._buffer = torch.zeros(capacity_bytes, dtype=torch.uint8, device=device)
+        self._np = self._buffer.numpy() if self._buffer.is_cpu else None
         self.region = agent.register(self._buffer)
         self._rings: dict[str, _Ring] = {}
+        self._leases: dict[int, Lease] = {}
+        self._lock = threading.Lock()  # leases are released from any thread (a finalizer)
 
     def connect(self, layout: RingLayout, metadata: bytes) -> None:
         """Load a trainer's metadata and prepare reads of its ring (again, if that agent restarted)."""
@@ -70,14 +126,49 @@ class Inbox:
     def connected(self) -> list[str]:
         return list(self._rings)
 
-    def read(self, info: SlotInfo, *, timeout_s: float = 10.0) -> memoryview:
-        """The announced object's bytes, checked; raises an ``RdmaError`` subclass when they cannot be had."""
-        where = self.transfer(info, timeout_s=timeout_s)
-        return self._checked(info, where)
+    def read(self, info: SlotInfo, *, timeout_s: float = 10.0, sha256: str | None = None) -> memoryview:
+        """The announced object's bytes, checked; a view valid until the next read (copy it to keep it)."""
+        lease = self.lease(info, timeout_s=timeout_s, sha256=sha256)
+        try:
+            return lease.view()
+        finally:
+            lease.release()
+
+    def lease(self, info: SlotInfo, *, timeout_s: float = 10.0, sha256: str | None = None) -> Lease:
+        """READ the announced object, check it (header, then SHA-256 against ``sha256`` when given, which
+        must also be the announced one) and hold it in place; raises an ``RdmaError`` subclass otherwise."""
+        where = f"{self.agent.name}: step {info.step} from {info.agent} slot {info.slot}"
+        if sha256 is not None and sha256 != info.sha256:
+            raise StaleSlotError(f"{where}: announced SHA-256 {info.sha256[:16]}… is not the expected "
+                                 f"{sha256[:16]}… (another object)")
+        ring, count = self._ring_for(info, where)
+        lease = self._reserve(info, ring.layout.chunk_bytes, count, where)
+        try:
+            self._land(ring, lease, count, time.monotonic() + timeout_s, where)
+        except BaseException:
+            self._release(lease)
+            raise
+        return lease
 
     def transfer(self, info: SlotInfo, *, timeout_s: float = 10.0) -> str:
-        """Only the READ of the slot into the buffer, nothing checked (what a raw transfer costs: benchmarks)."""
+        """Only one READ of the slot into free inbox memory, nothing checked (a raw transfer: benchmarks)."""
         where = f"{self.agent.name}: step {info.step} from {info.agent} slot {info.slot}"
+        ring, count = self._ring_for(info, where)
+        lease = self._reserve(info, ring.layout.chunk_bytes, count, where)
+        try:
+            local, remote = self._indices(ring, lease, 0, count)
+            self.agent.read(ring.local, local, ring.remote, remote, notif=info.ack(), timeout_s=timeout_s, where=where)
+        finally:
+            self._release(lease)
+        return where
+
+    def close(self) -> None:
+        for name in list(self._rings):
+            self.disconnect(name)
+
+    # --- where a read lands, and what holds it ---
+
+    def _ring_for(self, info: SlotInfo, where: str) -> tuple[_Ring, int]:
         ring = self._rings.get(info.agent)
         if ring is None:
             raise StaleMetadataError(f"{where}: no metadata for {info.agent!r} (connected: {sorted(self._rings)}); "
@@ -90,33 +181,89 @@ class Inbox:
         if total > lay.slot_bytes or total > ring.local.count * lay.chunk_bytes:
             raise RdmaError(f"{where}: {info.length} bytes do not fit a slot ({lay.slot_bytes}) or this inbox "
                             f"({ring.local.count * lay.chunk_bytes})")
-        count = math.ceil(total / lay.chunk_bytes)
-        first = info.slot * (lay.slot_bytes // lay.chunk_bytes)
-        self.agent.read(ring.local, list(range(count)), ring.remote, list(range(first, first + count)),
-                        notif=info.ack(), timeout_s=timeout_s, where=where)
-        return where
+        return ring, math.ceil(total / lay.chunk_bytes)
 
-    def _checked(self, info: SlotInfo, where: str) -> memoryview:
-        total = HEADER.size + info.length
-        data = self._buffer[:total]
-        if not data.is_cpu:
-            data = data.cpu()  # checked on the host; a GPU consumer would hash on the device (docs/RDMA.md)
-        raw = memoryview(data.numpy())
-        generation, step, length, _ = HEADER.unpack(raw[:HEADER.size])
+    def _reserve(self, info: SlotInfo, chunk: int, count: int, where: str) -> Lease:
+        """A lease on the first chunk-aligned range of ``count`` chunks that no other lease holds."""
+        size = count * chunk
+        limit = self.region.nbytes - self.region.nbytes % chunk
+        with self._lock:
+            held = sorted((x.offset, x.offset + x.total) for x in self._leases.values())
+            for start in itertools.chain([0], (-(-end // chunk) * chunk for _, end in held)):
+                if start + size <= limit and all(end <= start or begin >= start + size for begin, end in held):
+                    lease = Lease(self, info, start, HEADER.size + info.length)
+                    self._leases[id(lease)] = lease
+                    return lease
+        raise RdmaError(f"{where}: no room in the inbox for {size} bytes ({len(held)} object(s) held open, "
+                        f"{self.region.nbytes} bytes)")
+
+    def _release(self, lease: Lease) -> None:
+        with self._lock:
+            lease.released = True
+            self._leases.pop(id(lease), None)
+
+    # --- the read itself: pieces posted together, each hashed once landed ---
+
+    def _indices(self, ring: _Ring, lease: Lease, a: int, b: int) -> tuple[list[int], list[int]]:
+        chunk = ring.layout.chunk_bytes
+        local = lease.offset // chunk
+        remote = lease.info.slot * (ring.layout.slot_bytes // chunk)
+        return list(range(local + a, local + b)), list(range(remote + a, remote + b))
+
+    def _land(self, ring: _Ring, lease: Lease, count: int, deadline: float, where: str) -> None:
+        info, chunk = lease.info, ring.layout.chunk_bytes
+        per = max(1, self.piece_bytes // chunk)
+        pieces = [(a, min(a + per, count)) for a in range(0, count, per)]
+        one = len(pieces) == 1
+        handles: list[Any] = []
+        done = 0
+        digest = hashlib.sha256()
+        try:
+            for a, b in pieces:
+                local, remote = self._indices(ring, lease, a, b)
+                handles.append(self.agent.post_read(ring.local, local, ring.remote, remote,
+                                                    notif=info.ack() if one else b"", where=where))
+            for (a, b), handle in zip(pieces, handles):
+                t0 = time.perf_counter()
+                self.agent.wait(handle, deadline=deadline, where=where)
+                t1 = time.perf_counter()
+                done += 1
+                lo = lease.offset + a * chunk
+                if a == 0:
+                    self._check_header(info, lease.offset, where)
+                    lo += HEADER.size
+                digest.update(self._host(lo, lease.offset + min(b * chunk, lease.total)))
+                lease.wait_s += t1 - t0
+                lease.hash_s += time.perf_counter() - t1
+        finally:
+            if done < len(handles):  # failed early: let the rest land (not into memory a later read gets)
+                for handle in handles[done:]:
+                    try:
+                        self.agent.wait(handle, deadline=deadline, where=where)
+                    except RdmaError:
+                        pass
+            for handle in handles:
+                self.agent.drop(handle, where)
+        if not one:  # every piece landed: the slot is read
+            self.agent.notify(info.agent, info.ack())
+        lease.sha256 = digest.hexdigest()
+        if lease.sha256 != info.sha256:
+            raise StaleSlotError(f"{where}: SHA-256 {lease.sha256[:16]}… differs from the announced "
+                                 f"{info.sha256[:16]}… (overwritten while read)")
+
+    def _check_header(self, info: SlotInfo, offset: int, where: str) -> None:
+        generation, step, length, _ = HEADER.unpack(self._host(offset, offset + HEADER.size))
         if (generation, step, length) != (info.generation, info.step, info.length):
             raise StaleSlotError(f"{where}: slot holds generation {generation} (step {step}, {length} bytes), "
                                  f"announced generation {info.generation} (step {info.step}, {info.length} bytes): "
                                  "overwritten")
-        body = raw[HEADER.size:total]
-        digest = hashlib.sha256(body).hexdigest()
-        if digest != info.sha256:
-            raise StaleSlotError(f"{where}: SHA-256 {digest[:16]}… differs from the announced "
-                                 f"{info.sha256[:16]}… (overwritten while read)")
-        return body
 
-    def close(self) -> None:
-        for name in list(self._rings):
-            self.disconnect(name)
+    def _host(self, lo: int, hi: int) -> memoryview:
+        """Bytes ``lo:hi`` of the buffer on the host: a view (CPU), or a copy (a GPU consumer would hash and
+        decode on the device: docs/RDMA.md)."""
+        if self._np is not None:
+            return memoryview(self._np[lo:hi])
+        return memoryview(self._buffer[lo:hi].cpu().numpy())
 
 
 def _ring_chunks(layout: RingLayout) -> np.ndarray:

@@ -7,9 +7,11 @@ store is the history and the safety net) and adds the hot path on one side:
   step's manifest succeeded (the commit), the bytes go into the outbox ring and the slot is announced
   through the controller (``deltasync.rdma.trainer``). An RDMA failure never fails the commit: the step is
   simply read from the store.
-- **consumer** (``deltasync.rdma.consumer.RdmaConsumer`` builds it): ``get`` of a step object first reads the
-  announced ring slot (generation and SHA-256 checked in the inbox; the reader checks the manifest's size
-  and SHA-256 after, as for any object) and falls back to the backing store on any ``RdmaError``.
+- **consumer** (``deltasync.rdma.consumer.RdmaConsumer`` builds it): ``StreamReader`` asks
+  ``read_verified`` first, with the manifest's size and SHA-256: the announced slot is read, hashed once as
+  it lands and held in the inbox, and the step object opens on it in place (no copy, no second hash). On any
+  ``RdmaError`` the step comes from the backing store (``get`` then skips the ring for it). ``get`` of a
+  step object alone (other readers) reads the slot too, and returns a copy the store checks as any object.
 
 Trainer side, with the publisher unchanged::
 
@@ -37,6 +39,7 @@ from deltasync.transports.base import Data, Entry, Transport, as_buffer
 
 if TYPE_CHECKING:
     from deltasync.rdma.consumer import RingReader
+    from deltasync.rdma.inbox import Lease
     from deltasync.rdma.trainer import RdmaOptions, RdmaTrainer
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,7 @@ log = logging.getLogger(__name__)
 OBJECT_KEY = re.compile(r"^steps/(\d{12})/([A-Za-z0-9][A-Za-z0-9._-]*\.safetensors)$")
 MANIFEST_KEY = re.compile(r"^steps/(\d{12})/manifest\.json$")
 MAX_PENDING = 4  # objects put but not yet committed (a failed commit leaves one behind; the oldest go)
+MAX_MISSED = 64  # steps the ring failed to serve, remembered so that the store's own read skips the ring
 
 
 class NixlTransport(Transport):
@@ -61,6 +65,7 @@ class NixlTransport(Transport):
         self.capabilities = replace(backing.capabilities, notify=False,
                                     local_files=backing.capabilities.local_files and trainer is not None)
         self._pending: dict[int, tuple[str, bytes]] = {}
+        self._missed: dict[int, None] = {}  # insertion-ordered set of steps read from the store instead
 
     @classmethod
     def trainer(cls, url: str, *, rdma: str | RdmaOptions | dict,
@@ -141,6 +146,32 @@ class NixlTransport(Transport):
         with open(local, "wb") as f:
             f.write(data)
 
+    def read_verified(self, step: int, name: str, nbytes: int, sha256: str) -> Lease | None:
+        """Step ``step``'s object ``name`` held in the inbox, checked against the manifest's ``nbytes`` and
+        ``sha256`` (the only hash of these bytes: the caller opens them as they are); None (why recorded)
+        where the store must serve it. Release the lease once the object is closed."""
+        if self.consumer is None:
+            return None
+        try:
+            lease = self.consumer.lease(step, sha256=sha256)
+        except (RdmaError, DeltaSyncError) as e:
+            self._missed_ring(step, e)
+            return None
+        if lease.info.length != nbytes:  # the SHA-256 matched, so this cannot happen short of a collision
+            lease.release()
+            self._missed_ring(step, RdmaError(f"{lease.info.length} bytes, manifest says {nbytes}"))
+            return None
+        self.consumer.arrived[step] = "rdma"
+        return lease
+
+    def _missed_ring(self, step: int, e: Exception) -> None:
+        assert self.consumer is not None
+        self.consumer.arrived[step] = f"store: {type(e).__name__}"
+        log.info("%s: step %d from the store: %s", self.consumer.id, step, e)
+        self._missed[step] = None
+        while len(self._missed) > MAX_MISSED:
+            del self._missed[next(iter(self._missed))]
+
     def _from_ring(self, key: str) -> bytes | None:
         """The object's bytes from its announced slot, or None (why recorded) where the store must serve it."""
         m = OBJECT_KEY.match(key) if self.consumer is not None else None
@@ -148,11 +179,12 @@ class NixlTransport(Transport):
             return None
         assert self.consumer is not None
         step = int(m.group(1))
+        if step in self._missed:  # read_verified failed just now: straight to the store, no second wait
+            return None
         try:
             data = self.consumer.read(step)
         except (RdmaError, DeltaSyncError) as e:
-            self.consumer.arrived[step] = f"store: {type(e).__name__}"
-            log.info("%s: step %d from the store: %s", self.consumer.id, step, e)
+            self._missed_ring(step, e)
             return None
         self.consumer.arrived[step] = "rdma"
         return data
