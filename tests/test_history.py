@@ -2,6 +2,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import safetensors
 import safetensors.torch
@@ -25,6 +26,8 @@ from deltasync import (
     replay_to_folder,
 )
 from deltasync.history.checkpoints import FILES_INDEX
+from deltasync.format.patch import Patch
+from deltasync.history import replay
 from deltasync.history.compare import layer_of
 from deltasync.store import Store
 from tests.conftest import bits_equal, states_equal
@@ -37,6 +40,45 @@ def test_replay_of_every_step_equals_the_trainers_state(qwen_stream):
         got = reconstruct_state_dict(reader, step)
         assert states_equal(got, want), step
         assert got["lm_head.weight"] is got["model.embed_tokens.weight"]  # tied, as in the trainer
+
+
+def test_replay_patched_block_by_block_equals_the_trainers_state(qwen_stream, monkeypatch):
+    # blocks of 256 bytes and groups of a few patches: every tensor of the small model takes the blocked path
+    monkeypatch.setattr(replay, "BLOCK_BYTES", 256)
+    monkeypatch.setattr(replay, "GROUP_BYTES", 4096)
+    reader = StreamReader(qwen_stream.url)
+    for step in (3, 7, 9):  # anchor 0 + 3 deltas, anchor 4 + 3, anchor 8 + 1
+        assert states_equal(reconstruct_state_dict(reader, step), qwen_stream.truth[step]), step
+
+
+@pytest.mark.parametrize("block_bytes", [2, 6, 64, 1 << 20])
+def test_xor_patches_equals_patches_applied_one_by_one(block_bytes):
+    """Against a reference written from docs/FORMAT.md section 3 (``bits[positions] ^= xor``, patch after patch)."""
+    rng = np.random.default_rng(block_bytes)
+    n = 1000
+    start = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    patches = []
+    for k in range(7):
+        if k == 3:  # a dense patch among sparse ones, zeros where nothing changes
+            xor = rng.integers(0, 1 << 16, n, dtype=np.uint16) * (rng.random(n) < 0.3)
+            patches.append(Patch(name="w", dtype="BF16", shape=(10, 100), positions=None, xor=xor.astype(np.uint16), checksum=0))
+            continue
+        count = [1, 40, 300, 999][k % 4]
+        pos = np.sort(rng.choice(n, count, replace=False)).astype(np.int64)
+        xor = rng.integers(1, 1 << 16, count, dtype=np.uint16)
+        patches.append(Patch(name="w", dtype="BF16", shape=(10, 100), positions=pos, xor=xor, checksum=0))
+    want = start.copy()
+    for p in patches:
+        if p.positions is None:
+            want ^= p.xor
+        else:
+            for i, x in zip(p.positions.tolist(), p.xor.tolist()):
+                want[i] ^= x
+    t = torch.from_numpy(start.copy()).view(torch.bfloat16).reshape(10, 100)
+    replay.xor_patches(t, patches, block_bytes=block_bytes)
+    assert np.array_equal(t.reshape(-1).view(torch.uint16).numpy(), want)
+    replay.xor_patches(t, [], block_bytes=block_bytes)  # nothing to apply: nothing changes
+    assert np.array_equal(t.reshape(-1).view(torch.uint16).numpy(), want)
 
 
 def test_replayed_folder_loads_in_transformers_with_the_trainers_logits(qwen_stream, tmp_path):
