@@ -234,8 +234,12 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             return
         chain = self._staged_chain(want) or reader.chain(want, start=self._held)
         parts["resolve"] = time.perf_counter() - t0
-        for step in chain:
-            self._advance(step, parts)
+        try:
+            for step in chain:
+                self._advance(step, parts)
+        finally:
+            if self._prefetcher is not None:  # seal the next step against the bits held now, not at the next poll
+                self._prefetcher.wake()  # (once the whole chain is written: a seal holds the state's lock)
         parts["total"] = time.perf_counter() - t0
         self.pause_parts.append(parts)
 
@@ -292,8 +296,6 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         self._verify(state, prepared, sums, parts)
         self.pauses_s.append(time.perf_counter() - t0)
         self._held = step
-        if self._prefetcher is not None:
-            self._prefetcher.wake()  # seal the next step against these bits now, not at the next poll
         if self._rdma is not None:
             self._rdma.applied(step)  # the controller advances this engine's version once every rank did
         log.info("deltasync: engine at step %d (%s, written and verified in %.1f ms)", step, h.kind, 1e3 * self.pauses_s[-1])

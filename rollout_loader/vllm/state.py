@@ -304,7 +304,8 @@ def write_sealed(state: WorkerState, staged: Sequence[Staged], sealed: Seal) -> 
             with torch.inference_mode():
                 for s in staged:
                     target = state.targets[s.name]
-                    xor_apply(target.bits, s.idx, s.x, checksum=False)  # checks, then writes
+                    idx, x, _ = _host_args(target.bits, s)
+                    xor_apply(target.bits, idx, x, checksum=False)  # checks, then writes
                     undo.append((target.bits, s))
                     modules.update(target.modules)
             sync_kernels(state, modules)
@@ -319,6 +320,15 @@ def write_sealed(state: WorkerState, staged: Sequence[Staged], sealed: Seal) -> 
         state.undo_sums = {name: state.sums[name] for name in sums}
         state.sums.update(sums)
         return sums
+
+
+def _host_args(bits: torch.Tensor, s: Staged) -> tuple[Any, Any, Any]:
+    """A staged patch's positions, xor and checksum indices as NumPy views for CPU bits: the checks before a write
+    then run on the calling thread (torch's own reductions split across its thread pool, which stalls when
+    another process holds a core, as in a paused engine next to a trainer)."""
+    if bits.device.type != "cpu":
+        return s.idx, s.x, s.hf_idx
+    return s.idx.numpy(), s.x.numpy(), s.hf_idx.numpy()
 
 
 def _gather(bits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -337,7 +347,8 @@ def _write(state: WorkerState, staged: Sequence[Staged]) -> dict[str, int]:
         with torch.inference_mode():
             for s in staged:
                 target = state.targets[s.name]
-                delta = xor_apply(target.bits, s.idx, s.x, index=s.hf_idx)  # checks, then writes; read back
+                idx, x, hf_idx = _host_args(target.bits, s)
+                delta = xor_apply(target.bits, idx, x, index=hf_idx)  # checks, then writes; read back
                 undo.append((target.bits, s))
                 modules.update(target.modules)
                 if target.route.owner:
@@ -434,7 +445,8 @@ def _restore(state: WorkerState, undo: list[tuple[torch.Tensor, Staged]], module
     """XOR the same patches in again: XOR undoes itself, so the bits are exactly the previous ones."""
     with torch.inference_mode():
         for bits, s in reversed(undo):
-            xor_apply(bits, s.idx, s.x, index=s.hf_idx, checksum=False)
+            idx, x, _ = _host_args(bits, s)
+            xor_apply(bits, idx, x, checksum=False)
     sync_kernels(state, modules)
 
 
