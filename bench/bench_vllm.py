@@ -50,14 +50,21 @@ def _engine(llm: Any) -> Any:
     return llm.collective_rpc(lambda worker: worker.weight_transfer_engine)[0]
 
 
-def _wait_staged(engine: Any, step: int, timeout_s: float = 300.0) -> float:
-    """Wait until the engine's prefetcher holds ``step`` ready; returns when that happened."""
+def _wait_staged(engine: Any, step: int, *, sealed: bool, timeout_s: float = 300.0) -> float:
+    """Wait until the engine's prefetcher holds ``step`` ready (sealed, unless ``sealed`` is False); returns
+    when that happened."""
     deadline = time.perf_counter() + timeout_s
-    while not engine.is_staged(step):
+    while not (engine.is_staged(step) if sealed else _prepared(engine, step)):
         if time.perf_counter() > deadline:
             raise TimeoutError(f"step {step} was not staged within {timeout_s} s")
         time.sleep(0.002)
     return time.perf_counter()
+
+
+def _prepared(engine: Any, step: int) -> bool:
+    """Fetched, verified, decoded and staged, not sealed (--unsealed)."""
+    prefetcher = engine._prefetcher
+    return prefetcher is not None and prefetcher.peek(step) is not None
 
 
 def _update(llm: Any, step: int) -> dict[str, float]:
@@ -96,6 +103,9 @@ def _generate(llm: Any) -> None:
 
 def main() -> None:
     ap = parser(__doc__, steps=10)
+    ap.add_argument("--unsealed", action="store_true",
+                    help="the engine does not seal staged steps: the write hashes inside the pause (the path before "
+                         "sealing, for the before/after table; results named vllm-unsealed)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="deltasync-bench-vllm-"))
     atexit.register(shutil.rmtree, work, True)  # removed at exit, on success, error or Ctrl-C
@@ -119,6 +129,10 @@ def main() -> None:
         llm.init_weight_transfer_engine({"init_info": {"url": url, "step": 0, "verify": "incremental"}})
         init_s = time.perf_counter() - t_init  # routes, kernels warmed, the checksums incremental verification starts from
         engine = _engine(llm)
+        if args.unsealed:
+            from rollout_loader.vllm.prefetch import Prefetcher
+
+            Prefetcher._seal_next = lambda self, step, held: None  # type: ignore[method-assign]
         for step in range(1, args.steps + 1):
             starts = torch.randint(0, data.numel() - 65, (2,), generator=g)
             batch = torch.stack([data[s : s + 65] for s in starts])
@@ -127,7 +141,7 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             pub.publish(step)
             t_pub = time.perf_counter()
-            staged_after = _wait_staged(engine, step) - t_pub
+            staged_after = _wait_staged(engine, step, sealed=not args.unsealed) - t_pub
             _generate(llm)  # a rollout before the update: the prefix cache holds something to drop
             times = _update(llm, step)
             if engine.held_step != step:
@@ -198,7 +212,7 @@ def _report(args: Any, numel: int, init_s: float, rows: list[dict[str, Any]]) ->
     t.add_row("publish() returned -> step staged", f"{med('staged_after_publish_s') * 1e3:.0f}", "")
     t.add_row("engine init (routes, kernels, base checksums)", f"{init_s * 1e3:.0f}", "")
     Console(width=130).print(t)
-    write_results(args, "vllm", {"numel": numel, "init_s": init_s, "rows": rows})
+    write_results(args, "vllm-unsealed" if args.unsealed else "vllm", {"numel": numel, "init_s": init_s, "rows": rows})
 
 
 if __name__ == "__main__":
