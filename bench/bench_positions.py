@@ -14,13 +14,13 @@ changed element becomes depends on its old value (mostly one ulp up or down). On
              counts included);
   values     the empirical order-0 entropy of the XORs, of the XORs given the base's exponent, of the
              difference in ulps (new - old in the order of the bf16 numbers), the current codec
-             (xor+shuffle+zstd) and a prototype ``ulp`` codec (zigzag ulp difference, one byte each with an
-             escape to uint32, zstd);
+             (xor+shuffle+zstd) and a prototype ``ulp-split`` codec (sign bits packed; |difference| - 1 one
+             byte each with an escape to uint32, zstd);
 
 and the encode/decode time of the current and the prototype codecs, parallel across tensors on the codec
 pool (the prototypes: numba kernels below, no zstd time saved), against one plain copy of the model.
-The prototypes' decoders read the base: ``class-gap`` all of it (the class of every element), ``ulp`` the
-changed elements. Entropies of small classes are empirical (biased low), so they are a bound, not a target.
+The prototypes' decoders read the base: ``class-gap`` all of it (the class of every element), ``ulp-split``
+the changed elements; they do not validate their input (measurement code, not a reader). Entropies of small classes are empirical (biased low), so they are a bound, not a target.
 Prints a table and writes bench/results/positions-<date>.json.
 """
 
@@ -183,42 +183,6 @@ def _unkey(k: np.int64) -> np.int64:
 
 
 @_jit
-def ulp_encode(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Zigzag ulp differences: one byte each (255 = look in the uint32 escapes), escapes in order."""
-    k = positions.size
-    out = np.empty(k, np.uint8)
-    esc = np.empty(k, np.uint32)
-    m = 0
-    for j in range(k):
-        old = np.int64(u[positions[j]])
-        d = _key(old ^ np.int64(xor[j])) - _key(old)
-        z = (d << 1) if d >= 0 else ((-d << 1) - 1)
-        if z >= 255:
-            out[j] = 255
-            esc[m] = z
-            m += 1
-        else:
-            out[j] = z
-    return out, esc[:m].copy()
-
-
-@_jit
-def ulp_decode(u: np.ndarray, positions: np.ndarray, small: np.ndarray, esc: np.ndarray) -> np.ndarray:
-    k = positions.size
-    out = np.empty(k, np.uint16)
-    m = 0
-    for j in range(k):
-        z = np.int64(small[j])
-        if z == 255:
-            z = np.int64(esc[m])
-            m += 1
-        d = (z >> 1) if (z & 1) == 0 else -((z + 1) >> 1)
-        old = np.int64(u[positions[j]])
-        out[j] = old ^ _unkey(_key(old) + d)
-    return out
-
-
-@_jit
 def ulp_split_encode(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The ulp difference split: sign bits packed 8 a byte, |d| - 1 one byte each (255: in the uint32 escapes)."""
     k = positions.size
@@ -343,13 +307,6 @@ def decode_values_proto(item: tuple[np.ndarray, np.ndarray, tuple[bytes, bytes, 
                             np.frombuffer(esc, np.uint32))
 
 
-def ulp_byte_bytes(item: tuple[np.ndarray, Patch]) -> int:
-    """Bytes of the simpler ``ulp`` variant (zigzag difference, one byte each + zstd, escapes); not timed."""
-    u, p = item
-    small, esc = ulp_encode(u, p.positions, p.xor)
-    return len(_zstd(small.tobytes())) + esc.nbytes
-
-
 def _unzstd(b: bytes) -> bytes:
     return zstandard.ZstdDecompressor().decompress(b) if b[:4] == b"\x28\xb5\x2f\xfd" else b
 
@@ -411,7 +368,6 @@ def main() -> None:
     # compile (or load) the prototypes outside the timing
     decode_positions_proto((wu, encode_positions_proto((wu, wp))))
     decode_values_proto((wu, wp.positions, encode_values_proto((wu, wp))))
-    ulp_byte_bytes((wu, wp))
     read_pass(wu)
 
     rows = []
@@ -461,7 +417,6 @@ def main() -> None:
                 "pos_current": sum(len(e.positions or b"") for e in current) / changed,
                 "val_current": sum(len(e.values) for e in current) / changed,
                 "pos_class_gap": sum(len(h) + len(gp) for h, gp in pos_new) / changed,
-                "val_ulp_byte": sum(map(ulp_byte_bytes, items)) / changed,
                 "val_ulp_split": sum(sum(map(len, e)) for e in val_new) / changed,
             },
             "seconds": sec,
@@ -496,7 +451,7 @@ def report(args: argparse.Namespace, rows: list[dict], numel: int, copy_s: float
     table.add_row("positions", f"{b('pos_uniform'):.3f}", f"{b('pos_by_exponent'):.3f} (2 classes: {b('pos_two_classes'):.3f})",
                   f"{b('pos_current'):.3f} gap16", f"{b('pos_class_gap'):.3f} class-gap")
     table.add_row("values", f"{b('val_xor'):.3f} xor", f"{b('val_xor_by_exponent'):.3f} xor | exp, {b('val_ulp_entropy'):.3f} ulp",
-                  f"{b('val_current'):.3f} xor", f"{b('val_ulp_split'):.3f} ulp-split ({b('val_ulp_byte'):.3f} ulp-byte)")
+                  f"{b('val_current'):.3f} xor", f"{b('val_ulp_split'):.3f} ulp-split")
     table.add_row("both", f"{b('pos_uniform') + b('val_xor'):.3f}", f"{b('pos_by_exponent') + b('val_ulp_entropy'):.3f}",
                   f"{b('pos_current') + b('val_current'):.3f}", f"{b('pos_class_gap') + b('val_ulp_split'):.3f}")
     Console(width=160).print(table)
