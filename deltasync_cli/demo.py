@@ -296,8 +296,14 @@ def _nixl_consumer(address: str, url: str, config: DemoConfig, storage_options: 
         with RdmaConsumer(url, rdma={"controller": address, "capacity_bytes": 64 << 20}, consumer_id=ENGINE_ID,
                           storage_options=storage_options) as consumer:
             out.put(("ready",))
-            for step in consumer.follow(target, until=config.steps - 1, timeout_s=120.0):
-                out.put(("live", step, time.monotonic(), consumer.arrived.get(step, "?")))
+            reader = consumer.reader
+            for step in range(config.steps):  # every step live in turn, as the vLLM engine takes them
+                reader.wait_for(step, timeout_s=120.0, poll_s=0.01)
+                for s in reader.chain(step, start=target.step):
+                    with reader.open(s) as obj:  # over NIXL when announced, else from the store
+                        target.apply(obj)
+                consumer.applied(step)  # acknowledged: the controller advances the engine's version
+                out.put(("live", step, time.monotonic(), consumer.arrived.get(step, "-")))
             final = state_checksum({n: format_checksum(c) for n, c in target.replica.checksums.items()})
             out.put(("final", target.step, final))
     except BaseException as e:

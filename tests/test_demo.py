@@ -1,6 +1,12 @@
 """The README's main job, small: trains, publishes, follows and verifies (a state-dict follower here;
 tests/integration/test_demo_vllm.py runs it with the real vLLM engine, as the README does)."""
 
+import math
+
+import pytest
+
+from deltasync import Store
+from deltasync.rdma.agent import nixl_available
 from deltasync_cli.demo import DemoConfig, run_demo
 
 
@@ -10,4 +16,21 @@ def test_demo_is_bit_exact(tmp_path):
     assert [r["kind"] for r in rows] == ["anchor", "delta", "delta", "delta", "anchor", "delta"]
     assert all(r["exact"] for r in rows)
     assert all(0 < r["density"] < 0.2 for r in rows if r["kind"] == "delta")
+    assert lines[-1] == "BIT-EXACT: every step verified"
+
+
+@pytest.mark.skipif(not nixl_available(), reason="needs NIXL: pip install 'deltasync[rdma]'")
+def test_nixl_demo_with_the_torch_engine_is_bit_exact(tmp_path):
+    """Trainer and state-dict consumer in processes of their own, step objects over NIXL, the store as history."""
+    lines = []
+    url = str(tmp_path / "s")
+    config = DemoConfig(steps=3, anchor_every=2, hidden_size=128, layers=2, engine="torch", transport="nixl")
+    rows = run_demo(url, config, echo=lines.append)
+    assert [(r["step"], r["kind"]) for r in rows] == [(0, "anchor"), (1, "delta"), (2, "anchor")]
+    assert all(r["exact"] and math.isfinite(r["live_after_publish_ms"]) for r in rows)
+    assert all(r["via"] == "rdma" or r["via"].startswith("store: ") for r in rows) and any(r["via"] == "rdma" for r in rows)
+    with Store(url) as store:
+        last = store.manifest(2).state_checksum  # the trainer's checksums, as it committed them
+    assert lines[-3].startswith("controller: engine version 2 ")
+    assert lines[-2] == f"follower weights at step 2: {last[:16]}…  trainer: {last[:16]}…"
     assert lines[-1] == "BIT-EXACT: every step verified"
