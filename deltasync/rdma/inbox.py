@@ -93,7 +93,8 @@ class Inbox:
                  piece_bytes: int = PIECE_BYTES) -> None:
         self.agent = agent
         self.piece_bytes = piece_bytes
-        self._buffer = torch.zeros(capacity_bytes, dtype=torch.uint8, device=device)
+        self._buffer = torch.empty(capacity_bytes, dtype=torch.uint8, device=device)
+        self._buffer.fill_(0)  # every page touched now, at start: not by the first reads that land there
         self._np = self._buffer.numpy() if self._buffer.is_cpu else None
         self.region = agent.register(self._buffer)
         self._rings: dict[str, _Ring] = {}

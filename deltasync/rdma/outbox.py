@@ -146,8 +146,12 @@ class Outbox:
                 if slot < len(self._slots) and self._slots[slot].generation == generation:
                     self._slots[slot].waiting.discard(sender)
 
-    def offer(self, step: int, data: bytes | bytearray | memoryview) -> SlotInfo:
+    def offer(self, step: int, data: bytes | bytearray | memoryview, *, sha256: str | None = None) -> SlotInfo:
         """Copy ``data`` (a step's encoded object) into the next slot and return what to announce.
+
+        ``sha256``: ``data``'s digest when the caller has it (the manifest's: the publisher hashed the object
+        while writing it), announced as is; consumers check the bytes they read against it, so a wrong one
+        only sends them to the store.
 
         Waits, polling acknowledgements, until the slot is free and the watermark admits ``data``: at most
         ``ack_deadline_s``, since a slot's deadline frees it from consumers that never acknowledged.
@@ -184,7 +188,7 @@ class Outbox:
         slot.deadline = time.monotonic() + self.ack_deadline_s
         self._next = (index + 1) % len(self._slots)
         return SlotInfo(agent=self.agent.name, step=step, slot=index, offset=offset, length=view.nbytes,
-                        sha256=hashlib.sha256(view).hexdigest(), generation=self._generation)
+                        sha256=sha256 or hashlib.sha256(view).hexdigest(), generation=self._generation)
 
     def close(self) -> None:
         """Nothing of its own to release: the agent deregisters the ring when it closes."""

@@ -87,15 +87,16 @@ class RdmaTrainer:
         self.registered = False
         self.stats = TrainerStats()
 
-    def offer(self, step: int, data: bytes | memoryview) -> SlotInfo | None:
-        """Put a committed step's object in the ring and announce it; None (logged) when it goes by store only."""
+    def offer(self, step: int, data: bytes | memoryview, *, sha256: str | None = None) -> SlotInfo | None:
+        """Put a committed step's object in the ring and announce it; None (logged) when it goes by store only.
+        ``sha256``: the object's digest when known (the manifest's), so that it is not computed again."""
         try:
             if not self.registered:
                 self._register(data, where=f"step {step}")
             self._poll()
             if not self.planned:
                 return self.skip(step, "no plan from the controller yet")
-            info = self.outbox.offer(step, data)
+            info = self.outbox.offer(step, data, sha256=sha256)
             self.link.ready(info)
         except (DeltaSyncError, OSError) as e:  # RingFullError, a controller gone: the store has the step
             return self.skip(step, f"{type(e).__name__}: {e}")

@@ -128,7 +128,7 @@ class NixlTransport(Transport):
             self.trainer.skip(step, f"the object put ({name}, {len(payload)} bytes) is not the step's only object "
                                     f"({objects[:3]})")
             return
-        self.trainer.offer(step, payload)
+        self.trainer.offer(step, payload, sha256=manifest.objects[0].object_sha256)  # hashed once, by the writer
 
     # --- the consumer's hook: objects from the ring first ---
 
