@@ -1,28 +1,36 @@
-"""The NIXL fast path measured: pipeline vs raw read, publish()->live over NIXL vs a local store, anchors.
+"""The NIXL fast path measured: its stages against a raw READ, publish()->live over NIXL, S3 and a local store.
 
-For each model size a trainer process publishes a bf16 model with ``DeltaPublisher`` through
-``NixlTransport.trainer`` (an anchor, then deltas at ``--density``); this process follows with
-``RdmaConsumer``'s reader and, for every step, times in the same process on the same bytes:
+For each model size a trainer process publishes a bf16 model with ``DeltaPublisher`` (an anchor, then deltas
+at ``--density``); this process follows and applies each step to a ``Replica`` (the state-dict consumer). The
+trainer waits for each step to be live here before the next, so every step is measured alone.
 
-- **pipeline**: ``reader.open`` (manifest from the store, READ of the ring slot over NIXL, SHA-256 in the
-  inbox and against the manifest, header parse) + decode + apply + checksum verify (``Replica``);
-- **raw**: a second READ of the same slot (``Inbox.transfer``: the transfer only, nothing checked);
-- **publish()->live**: from ``publish()`` returning in the trainer to the step applied here (one clock:
-  CLOCK_MONOTONIC is system-wide). The trainer waits for each step to be live before the next, so every
-  step is measured alone. The same run then repeats over the local store alone (the consumer polls
-  ``latest_step`` every millisecond).
+- ``nixl``: the trainer publishes through ``NixlTransport.trainer`` (local store behind it); this process
+  follows with ``RdmaConsumer``'s reader, the real path (``reader.open``: manifest, READ of the ring slot in
+  pieces hashed once as they land, opened in place; then decode, apply, incremental checksums), timed stage
+  by stage on that one pass. Then, on the same slot: a raw READ (``Inbox.transfer``: one READ, nothing
+  checked; least of ``--repeats``), the transport stage again (``Inbox.lease``: READ + SHA-256, bytes ready
+  for decode; least of ``--repeats``) and SHA-256 alone over the same bytes in memory (this CPU's floor).
+- ``local`` / ``s3``: the same stream through a local store / a real SeaweedFS S3 on loopback
+  (tests/integration/seaweedfs.py); the follower polls ``latest_step`` every ``--poll-ms``.
+- publish()->live: from ``publish()`` returning in the trainer to the step applied here (one clock:
+  CLOCK_MONOTONIC is system-wide). The consumer is a state dict, not a vLLM engine (bench/bench_vllm.py
+  measures the engine).
 
-Then ``bench/simulate_rdma.py`` is validated: ``nic_gbps``/``fixed_ms`` are fitted from the raw reads of
-the smallest and largest anchors and ``consumer_gbps`` from their pipelines; the other sizes are predicted
-(held out) and compared with what was measured.
+Then ``bench/simulate_rdma.py`` is validated: its loopback model is parameterised by the measured loopback
+latency (the raw READ of the smallest object) and bandwidth (the largest anchor's raw READ) and, for the
+transport stage, by this CPU's SHA-256 rate; every other object's READ and transport stage are predicted and
+compared with what was measured.
 
-    .venv/bin/python bench/bench_rdma.py                     # table + bench/results/bench_rdma-<date>.json
-    .venv/bin/python bench/bench_rdma.py --sizes 1,4 --steps 3   # quick
+    .venv/bin/python bench/bench_rdma.py                        # table + bench/results/bench_rdma-<date>.json
+    .venv/bin/python bench/bench_rdma.py --sizes 1,4 --steps 3  # quick
+    .venv/bin/python bench/bench_rdma.py --modes nixl           # the NIXL breakdown only
 """
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -54,7 +62,8 @@ def _step(state: dict[str, Any], step: int, density: float) -> None:
         t[idx] = (t[idx].float() * 1.01 + 1e-3).to(t.dtype)
 
 
-def trainer(address: str | None, url: str, melems: float, steps: int, density: float, out: Any, go: Any) -> None:
+def trainer(address: str | None, url: str, options: dict | None, melems: float, steps: int, density: float,
+            out: Any, go: Any) -> None:
     """Publish ``steps`` steps; after each, wait for the consumer's go (so each step is measured alone)."""
     import torch
 
@@ -66,7 +75,7 @@ def trainer(address: str | None, url: str, melems: float, steps: int, density: f
     slot = ((int(melems * 1e6) * 2 + (4 << 20)) >> 20) << 20
     transport = (NixlTransport.trainer(url, rdma={"controller": address, "slot_bytes": slot, "slots": 2,
                                                   "plan_wait_s": 60.0}) if address else None)
-    store = Store(url, transport=transport) if transport else Store(url)
+    store = Store(url, transport=transport) if transport else Store(url, storage_options=options)
     with DeltaPublisher(store, state, anchor_every=1000, on_backlog="block") as pub:
         for s in range(steps):
             if s:
@@ -74,20 +83,55 @@ def trainer(address: str | None, url: str, melems: float, steps: int, density: f
             with torch.no_grad():
                 pub.publish(s)
             out.put(("published", s, time.monotonic()))
-            go.get(timeout=120)
+            go.get(timeout=300)
+    store.close()
     if transport:
         transport.close()
 
 
-def follow(url: str, address: str | None, steps: int, out: Any, go: Any) -> list[dict[str, Any]]:
+def _least(f: Any, n: int) -> tuple[float, Any]:
+    """The least time of ``n`` calls of ``f`` (this machine is shared), and the result of that call."""
+    best, kept = float("inf"), None
+    for _ in range(n):
+        t0 = time.perf_counter()
+        got = f()
+        dt = time.perf_counter() - t0
+        if dt < best:
+            best, kept = dt, got
+    return best, kept
+
+
+def _apply(replica: Any, obj: Any) -> tuple[Any, float, float]:
+    """``Replica.apply`` / ``Replica.from_anchor`` split into decode and apply+checksums (the same calls)."""
+    from deltasync.format.checksum import parse_checksum, tensor_checksum
+    from deltasync.stages.apply import Replica, apply_staged, stage
+    from deltasync.stages.staging import layout_of
+
+    h = obj.header
+    t0 = time.perf_counter()
+    if h.kind == "anchor":
+        tensors = {n: obj.tensor(n) for n in h.tensors}  # decode: the dense bytes copied out of the object
+        t1 = time.perf_counter()
+        checksums = {n: tensor_checksum(t) for n, t in tensors.items()}
+        assert all(checksums[n] == parse_checksum(h.tensors[n].checksum) for n in tensors), "anchor checksum"
+        return Replica(h.step, tensors, checksums), t1 - t0, time.perf_counter() - t1
+    staged = stage(obj, layout_of(replica.tensors), base_step=replica.step)
+    t1 = time.perf_counter()
+    changed = apply_staged(staged, replica.tensors, checksums=replica.checksums)
+    replica.checksums = {**replica.checksums, **changed}
+    replica.step = h.step
+    return replica, t1 - t0, time.perf_counter() - t1
+
+
+def follow(mode: str, url: str, options: dict | None, address: str | None, steps: int, repeats: int, poll_s: float,
+           go: Any) -> list[dict[str, Any]]:
     from deltasync.format.objects import StepObject
     from deltasync.rdma.consumer import RdmaConsumer
     from deltasync.reader import StreamReader
-    from deltasync.stages.apply import Replica
 
     consumer = RdmaConsumer(url, rdma={"controller": address, "capacity_bytes": 1 << 30}, consumer_id="bench",
-                            plan_wait_s=60.0) if address else None
-    reader = consumer.reader if consumer else StreamReader(url)
+                            plan_wait_s=60.0) if mode == "nixl" else None
+    reader = consumer.reader if consumer else StreamReader(url, storage_options=options)
     rows, replica = [], None
     try:
         for s in range(steps):
@@ -102,30 +146,37 @@ def follow(url: str, address: str | None, steps: int, out: Any, go: Any) -> list
                     latest = reader.latest_step()
                     if latest is not None and latest >= s:
                         break
-                    time.sleep(0.001)
+                    time.sleep(poll_s)
             t0 = time.perf_counter()
+            m = reader.manifest(s)
+            t1 = time.perf_counter()
             with reader.open(s) as obj:
-                t1 = time.perf_counter()
-                if replica is None:
-                    replica = Replica.from_anchor(obj)
-                else:
-                    replica.apply(obj, verify="incremental")
-            t2 = time.perf_counter()
+                t2 = time.perf_counter()
+                replica, decode_s, apply_s = _apply(replica, obj)
+                held = getattr(obj, "_held", None)
+            t3 = time.perf_counter()
             live = time.monotonic()
-            row = {"step": s, "kind": reader.manifest(s).kind, "bytes": reader.manifest(s).object_bytes,
-                   "read_s": t1 - t0, "pipeline_s": t2 - t0, "live_mono": live}
+            row = {"step": s, "kind": m.kind, "bytes": m.object_bytes, "manifest_s": t1 - t0, "open_s": t2 - t1,
+                   "decode_s": decode_s, "apply_s": apply_s, "pipeline_s": t3 - t0, "live_mono": live}
             if consumer:
                 info = consumer.ring.link.announced(s)  # before applied(): that forgets the announcement
                 consumer.applied(s)
                 row["via"] = consumer.arrived.get(s, "?")
-                raws = []
-                for _ in range(10):  # the least of 10: this machine is shared
-                    r0 = time.perf_counter()
-                    consumer.ring.inbox.transfer(info)
-                    raws.append(time.perf_counter() - r0)
-                row["raw_s"] = min(raws)
-                with StepObject(bytes(consumer.ring.inbox.read(info)), where="raw check"):
-                    pass  # the raw READ brought the same object
+                if held is not None:
+                    row |= {"read_wait_s": held.wait_s, "read_hash_s": held.hash_s}
+                inbox = consumer.ring.inbox
+                row["raw_s"], _ = _least(lambda: inbox.transfer(info), repeats)
+
+                def lease() -> tuple[float, float]:
+                    got = inbox.lease(info, sha256=m.object_sha256)
+                    got.release()
+                    return got.wait_s, got.hash_s
+
+                row["transport_s"], (row["transport_wait_s"], row["transport_hash_s"]) = _least(lease, repeats)
+                data = bytes(inbox.read(info, sha256=m.object_sha256))
+                row["sha256_s"], _ = _least(lambda: hashlib.sha256(data).hexdigest(), max(3, repeats // 3))
+                with StepObject(data, where="raw check") as again:
+                    assert again.header.step == s  # the raw READ brought the same object
             rows.append(row)
             go.put(s)
     finally:
@@ -136,20 +187,21 @@ def follow(url: str, address: str | None, steps: int, out: Any, go: Any) -> list
     return rows
 
 
-def run(melems: float, steps: int, density: float, rdma: bool) -> list[dict[str, Any]]:
+def run(mode: str, melems: float, steps: int, density: float, repeats: int, poll_s: float,
+        s3: Any = None) -> list[dict[str, Any]]:
     from deltasync.rdma.controller import Controller
 
     with tempfile.TemporaryDirectory(prefix="bench-rdma-") as tmp:
-        url = str(Path(tmp) / "store")
-        controller = Controller(trainers=1, consumers=1) if rdma else None
+        url, options = (s3.new_url(), s3.storage_options) if mode == "s3" else (str(Path(tmp) / "store"), None)
+        controller = Controller(trainers=1, consumers=1) if mode == "nixl" else None
+        address = controller.address if controller else None
         out, go = CTX.Queue(), CTX.Queue()
-        p = CTX.Process(target=trainer, args=(controller.address if controller else None, url, melems, steps, density,
-                                              out, go), daemon=True)
+        p = CTX.Process(target=trainer, args=(address, url, options, melems, steps, density, out, go), daemon=True)
         p.start()
         try:
-            rows = follow(url, controller.address if controller else None, steps, out, go)
-            published = dict(out.get(timeout=60)[1:] for _ in range(steps))
-            p.join(60)
+            rows = follow(mode, url, options, address, steps, repeats, poll_s, go)
+            published = dict(out.get(timeout=120)[1:] for _ in range(steps))
+            p.join(120)
         finally:
             if p.is_alive():
                 p.kill()
@@ -161,62 +213,109 @@ def run(melems: float, steps: int, density: float, rdma: bool) -> list[dict[str,
     return rows
 
 
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _simulate(nixl: list[dict[str, Any]], sha_gbps: float) -> dict[str, Any]:
+    """Parameterise the simulator's loopback model with the measured latency (raw READ of the smallest object)
+    and bandwidth (raw READ of the largest), then predict every other object's raw READ and transport stage."""
+    import simulate_rdma as sim  # bench/ is on sys.path when run as a script
+
+    lo, hi = min(nixl, key=lambda a: a["bytes"]), max(nixl, key=lambda a: a["bytes"])
+    gbps = (hi["bytes"] - lo["bytes"]) / (hi["raw_s"] - lo["raw_s"]) / 1e9
+    fixed_ms = max(lo["raw_s"] - lo["bytes"] / (gbps * 1e9), 0.0) * 1e3
+    topo = sim.Topology(trainer_gpus=1, inference_gpus=1, engine_gpus=1, attention_tp=1, nic_gbps=gbps,
+                        per_read_us=0.0, fixed_ms=fixed_ms, consumer_gbps=sha_gbps, consumer_overlap=True)
+    checks = []
+    for a in nixl:
+        if a is lo or a is hi:
+            continue
+        raw_p, stage_p = sim.loopback(a["bytes"], topo)
+        checks.append({"bytes": a["bytes"], "kind": a["kind"], "raw_s": a["raw_s"], "raw_pred_s": raw_p,
+                       "transport_s": a["transport_s"], "transport_pred_s": stage_p,
+                       "raw_err": raw_p / a["raw_s"] - 1, "transport_err": stage_p / a["transport_s"] - 1})
+    return {"nic_gbps": gbps, "fixed_ms": fixed_ms, "sha256_gbps": sha_gbps, "fitted_on_bytes": [lo["bytes"], hi["bytes"]],
+            "checks": checks}
+
+
 def main() -> None:
     ap = parser(__doc__, steps=4)
     ap.add_argument("--sizes", default="1,4,16,32", help="model sizes in millions of bf16 elements")
     ap.add_argument("--density", type=float, default=0.03)
+    ap.add_argument("--modes", default="nixl,local,s3", help="nixl, local, s3 (SeaweedFS on loopback)")
+    ap.add_argument("--repeats", type=int, default=10, help="raw READs / transport stages per step (least kept)")
+    ap.add_argument("--poll-ms", type=float, default=1.0, help="store modes: latest_step polling interval")
     args = ap.parse_args()
-    import simulate_rdma as sim  # bench/ is on sys.path when run as a script
+    from deltasync import warm_kernels
 
+    warm_kernels()  # once per process, never inside a measured step
     sizes = [float(x) for x in args.sizes.split(",")]
+    modes = args.modes.split(",")
+    load = {"start": os.getloadavg()}
     results: dict[str, Any] = {"sizes": {}}
-    for m in sizes:
-        nixl = run(m, args.steps, args.density, rdma=True)
-        store = run(m, args.steps, args.density, rdma=False)
-        results["sizes"][str(m)] = {"nixl": nixl, "store": store}
-        print(f"{m:g}M elements done", file=sys.stderr)
-    print("| M elems | step | kind | MB | via | raw read ms | pipeline ms | raw/pipeline | live ms NIXL | live ms local store |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="bench-rdma-s3-") as s3dir:
+        s3 = None
+        if "s3" in modes:
+            from tests.integration.seaweedfs import SeaweedFS
+
+            s3 = SeaweedFS(Path(s3dir))
+            s3.start()
+        try:
+            for m in sizes:
+                results["sizes"][str(m)] = {mode: run(mode, m, args.steps, args.density, args.repeats,
+                                                      args.poll_ms / 1e3, s3) for mode in modes}
+                print(f"{m:g}M elements done", file=sys.stderr)
+        finally:
+            if s3 is not None:
+                s3.stop(crash=True)
+    load["end"] = os.getloadavg()
+    summary: dict[str, Any] = {"load_average": load}
+    nixl = [a for r in results["sizes"].values() for a in r.get("nixl", [])]
+    if nixl:
+        print("| M elems | step | kind | MB | via | raw READ ms | READ+SHA (transport) ms | SHA-256 alone ms | "
+              "manifest ms | open ms | decode ms | apply+checksums ms | end to end ms | transport/raw | end to end/raw |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for m, r in results["sizes"].items():
+            for a in r["nixl"]:
+                print(f"| {m} | {a['step']} | {a['kind']} | {a['bytes'] / 1e6:.2f} | {a['via']} | {a['raw_s'] * 1e3:.2f} | "
+                      f"{a['transport_s'] * 1e3:.2f} | {a['sha256_s'] * 1e3:.2f} | {a['manifest_s'] * 1e3:.2f} | "
+                      f"{a['open_s'] * 1e3:.2f} | {a['decode_s'] * 1e3:.2f} | {a['apply_s'] * 1e3:.2f} | "
+                      f"{a['pipeline_s'] * 1e3:.2f} | {a['raw_s'] / a['transport_s']:.2f} | {a['raw_s'] / a['pipeline_s']:.3f} |")
+        sha_gbps = sum(a["bytes"] for a in nixl) / sum(a["sha256_s"] for a in nixl) / 1e9
+        for kind in ("anchor", "delta"):
+            rows = [a for a in nixl if a["kind"] == kind]
+            summary[kind] = {
+                "transport_over_raw_median": _median([a["raw_s"] / a["transport_s"] for a in rows]),
+                "end_to_end_over_raw_median": _median([a["raw_s"] / a["pipeline_s"] for a in rows]),
+                "sha256_floor_median": _median([a["raw_s"] / max(a["raw_s"], a["sha256_s"]) for a in rows]),
+            }
+        summary["sha256_gbps"] = sha_gbps
+        summary["simulator"] = sim = _simulate(nixl, sha_gbps)
+        print(f"\nsimulator parameterised on loopback: {sim['nic_gbps']:.2f} GB/s, {sim['fixed_ms']:.3f} ms per READ, "
+              f"SHA-256 {sha_gbps:.2f} GB/s (fitted on {sim['fitted_on_bytes'][0] / 1e6:.2f} and "
+              f"{sim['fitted_on_bytes'][1] / 1e6:.2f} MB)")
+        print("| MB | kind | raw READ ms | predicted | error | transport ms | predicted | error |")
+        print("|---|---|---|---|---|---|---|---|")
+        for c in sorted(sim["checks"], key=lambda c: c["bytes"]):
+            print(f"| {c['bytes'] / 1e6:.2f} | {c['kind']} | {c['raw_s'] * 1e3:.2f} | {c['raw_pred_s'] * 1e3:.2f} | "
+                  f"{c['raw_err']:+.0%} | {c['transport_s'] * 1e3:.2f} | {c['transport_pred_s'] * 1e3:.2f} | "
+                  f"{c['transport_err']:+.0%} |")
+    print("\n| M elems | mode | publish()->live ms per step (step 0 is the anchor) |")
+    print("|---|---|---|")
     for m, r in results["sizes"].items():
-        for a, b in zip(r["nixl"], r["store"]):
-            print(f"| {m} | {a['step']} | {a['kind']} | {a['bytes'] / 1e6:.2f} | {a['via']} | {a['raw_s'] * 1e3:.2f} | "
-                  f"{a['pipeline_s'] * 1e3:.2f} | {a['raw_s'] / a['pipeline_s']:.2f} | {a['live_ms']:.1f} | {b['live_ms']:.1f} |")
-    deltas = [a for r in results["sizes"].values() for a in r["nixl"] if a["kind"] == "delta"]
-    anchors = [a for r in results["sizes"].values() for a in r["nixl"] if a["kind"] == "anchor"]
-    summary = {
-        "delta_raw_over_pipeline_median": statistics.median(a["raw_s"] / a["pipeline_s"] for a in deltas),
-        "anchor_raw_over_pipeline_median": statistics.median(a["raw_s"] / a["pipeline_s"] for a in anchors),
-        "live_ms_nixl_median": statistics.median(a["live_ms"] for r in results["sizes"].values() for a in r["nixl"][1:]),
-        "live_ms_store_median": statistics.median(a["live_ms"] for r in results["sizes"].values() for a in r["store"][1:]),
-    }
-    # --- the simulator: fit on the smallest and largest anchors, predict every other step (held out) ---
-    lo, hi = min(anchors, key=lambda a: a["bytes"]), max(anchors, key=lambda a: a["bytes"])
-    gbps = (hi["bytes"] - lo["bytes"]) / (hi["raw_s"] - lo["raw_s"]) / 1e9
-    fixed_ms = max(lo["raw_s"] - lo["bytes"] / (gbps * 1e9), 0.0) * 1e3
-    extra = lambda a: a["pipeline_s"] - a["raw_s"]
-    consumer_gbps = (hi["bytes"] - lo["bytes"]) / (extra(hi) - extra(lo)) / 1e9
-    topo = sim.Topology(trainer_gpus=1, inference_gpus=1, engine_gpus=1, attention_tp=1, nic_gbps=gbps,
-                        per_read_us=0.0, fixed_ms=fixed_ms, consumer_gbps=consumer_gbps)
-    checks = []
-    for a in anchors + deltas:
-        if a is lo or a is hi:
-            continue
-        raw_p, pipe_p = sim.loopback(a["bytes"], topo)
-        checks.append({"bytes": a["bytes"], "kind": a["kind"], "raw_s": a["raw_s"], "raw_pred_s": raw_p,
-                       "pipeline_s": a["pipeline_s"], "pipeline_pred_s": pipe_p,
-                       "raw_err": raw_p / a["raw_s"] - 1, "pipeline_err": pipe_p / a["pipeline_s"] - 1})
-    print(f"\nsimulator fitted on {lo['bytes'] / 1e6:.1f} and {hi['bytes'] / 1e6:.1f} MB anchors: nic {gbps:.2f} GB/s, "
-          f"fixed {fixed_ms:.2f} ms, consumer {consumer_gbps:.2f} GB/s")
-    print("| MB | kind | raw ms | predicted | error | pipeline ms | predicted | error |")
-    print("|---|---|---|---|---|---|---|---|")
-    for c in checks:
-        print(f"| {c['bytes'] / 1e6:.2f} | {c['kind']} | {c['raw_s'] * 1e3:.2f} | {c['raw_pred_s'] * 1e3:.2f} | "
-              f"{c['raw_err']:+.0%} | {c['pipeline_s'] * 1e3:.2f} | {c['pipeline_pred_s'] * 1e3:.2f} | {c['pipeline_err']:+.0%} |")
-    big = [c for c in checks if c["bytes"] >= 1e6]
-    summary["simulator"] = {"nic_gbps": gbps, "fixed_ms": fixed_ms, "consumer_gbps": consumer_gbps, "checks": checks,
-                            "max_abs_pipeline_err_over_1MB": max((abs(c["pipeline_err"]) for c in big), default=None),
-                            "max_abs_raw_err_over_1MB": max((abs(c["raw_err"]) for c in big), default=None)}
-    print("\n" + "\n".join(f"{k}: {v:.3f}" for k, v in summary.items() if isinstance(v, float)))
+        for mode, rows in r.items():
+            lives = ", ".join(f"{a['live_ms']:.1f}" for a in rows)
+            print(f"| {m} | {mode} | {lives} |")
+    for mode in modes:
+        summary[f"live_ms_{mode}_delta_median"] = _median([a["live_ms"] for r in results["sizes"].values()
+                                                           for a in r[mode] if a["kind"] == "delta"])
+        summary[f"live_ms_{mode}_anchor_median"] = _median([a["live_ms"] for r in results["sizes"].values()
+                                                            for a in r[mode] if a["kind"] == "anchor"])
+    print(f"\nload average {load['start'][0]:.1f} -> {load['end'][0]:.1f}")
+    for k, v in summary.items():
+        if isinstance(v, (float, dict)) and k not in ("simulator", "load_average"):
+            print(f"{k}: {v}")
     write_results(args, "bench_rdma", {**results, "summary": summary})
 
 

@@ -92,7 +92,8 @@ class Topology:
     per_read_us: float = 20.0  # cost of one prepared multi-descriptor READ (post + completion)
     fixed_ms: float = 2.0  # announce + acknowledgements per step
     max_part: int = 1 << 26  # a trainer GPU serves tensors in parts of at most this many elements
-    consumer_gbps: float = 0.0  # the consumer's verify+decode+apply rate per byte moved; 0: not modelled (overlapped)
+    consumer_gbps: float = 0.0  # the consumer's per-byte work (e.g. SHA-256) rate; 0: not modelled
+    consumer_overlap: bool = False  # that work runs while the bytes land (pieced READs): max, not sum
 
 
 @dataclass(frozen=True)
@@ -148,18 +149,19 @@ def predict(tensors: list[Tensor], topo: Topology, *, model: str, density: float
                 trainer_out[r.rank] += engines * sum(part_bytes(p, mode == "dense") for p in r.parts)
         reads = max(len(schedule.reads[c.id]) for c in consumers)
         busiest = max(max(per_consumer.values()), max(trainer_out))
-        seconds = busiest / (topo.nic_gbps * 1e9) + reads * topo.per_read_us * 1e-6 + topo.fixed_ms * 1e-3
-        if topo.consumer_gbps > 0:
-            seconds += max(per_consumer.values()) / (topo.consumer_gbps * 1e9)
+        wire = busiest / (topo.nic_gbps * 1e9)
+        work = max(per_consumer.values()) / (topo.consumer_gbps * 1e9) if topo.consumer_gbps > 0 else 0.0
+        seconds = (max(wire, work) if topo.consumer_overlap else wire + work) + reads * topo.per_read_us * 1e-6 \
+            + topo.fixed_ms * 1e-3
         out.append(Prediction(model, mode, sum(t.numel for t in tensors), max(per_consumer.values()) / 1e9,
                               max(trainer_out) / 1e9, reads, seconds))
     return out[0], out[1]
 
 
 def loopback(object_bytes: int, topo: Topology) -> tuple[float, float]:
-    """Predicted (raw read, pipeline) seconds for one object of ``object_bytes`` moved between one trainer and one
-    consumer (the loopback runs of bench/bench_rdma.py): the schedule of a one-tensor model at one byte per element,
-    without and with the consumer's own work (``consumer_gbps``)."""
+    """Predicted (raw read, read + consumer work) seconds for one object of ``object_bytes`` moved between one
+    trainer and one consumer (the loopback runs of bench/bench_rdma.py): the schedule of a one-tensor model at one
+    byte per element, without and with the consumer's own work (``consumer_gbps``, overlapped or not)."""
     one = Topology(**{**asdict(topo), "trainer_gpus": 1, "inference_gpus": 1, "engine_gpus": 1, "attention_tp": 1})
     tensors = [Tensor("object", object_bytes)]
     kw = {"model": "loopback", "density": 1.0, "bytes_per_change": 1.0, "dense_width": 1.0}
@@ -175,7 +177,10 @@ def main() -> None:
     ap.add_argument("--bytes-per-change", type=float, default=1.4)
     ap.add_argument("--dense-width", type=float, default=1.0, help="bytes per element on the inference side (FP8: 1)")
     for f, v in asdict(Topology()).items():
-        ap.add_argument("--" + f.replace("_", "-"), type=type(v), default=v)
+        if isinstance(v, bool):
+            ap.add_argument("--" + f.replace("_", "-"), action=argparse.BooleanOptionalAction, default=v)
+        else:
+            ap.add_argument("--" + f.replace("_", "-"), type=type(v), default=v)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     topo = Topology(**{f: getattr(a, f) for f in asdict(Topology())})
