@@ -206,13 +206,9 @@ def gap16_encode(positions: np.ndarray) -> np.ndarray:
 def gap16_decode(shuffled: np.ndarray, max_count: np.int64) -> np.ndarray:
     """Sorted positions from byte-shuffled ``gap16`` entries; at most ``max_count`` (more returns -1 marker)."""
     entries = shuffled.size // 2
-    count = 0
-    for e in range(entries):
-        if shuffled[e] != 0 or shuffled[entries + e] != 0:
-            count += 1
-    if count > max_count:
+    if max_count < 0:
         return np.full(1, -1, np.int64)
-    out = np.empty(count, np.int64)
+    out = np.empty(min(entries, max_count), np.int64)  # one pass: no entry yields more than one position
     pos = np.int64(-1)
     k = 0
     for e in range(entries):
@@ -220,9 +216,12 @@ def gap16_decode(shuffled: np.ndarray, max_count: np.int64) -> np.ndarray:
         if v == 0:
             pos += 65535
         else:
+            if k == out.size:
+                return np.full(1, -1, np.int64)
             pos += v
             out[k] = pos
             k += 1
+    return out[:k]
     return out
 
 
@@ -232,6 +231,11 @@ def shuffle_bytes(x: np.ndarray) -> np.ndarray:
     n = x.size
     w = x.itemsize
     out = np.empty(n * w, np.uint8)
+    if w == 2:  # bf16/fp16 bits: a loop the compiler vectorises (the general one runs several times slower)
+        for i in range(n):
+            out[i] = np.uint8(x[i] & 0xFF)
+            out[n + i] = np.uint8((x[i] >> 8) & 0xFF)
+        return out
     for i in range(n):
         v = np.uint64(x[i])
         for k in range(w):
@@ -244,6 +248,15 @@ def unshuffle_bytes(data: np.ndarray, out: np.ndarray) -> None:
     """Inverse of ``shuffle_bytes`` into ``out`` (unsigned, ``data.size == out.size * width``)."""
     n = out.size
     w = out.itemsize
+    if w == 2:  # bf16/fp16 bits: a loop the compiler vectorises (the general one runs ~10x slower)
+        for i in range(n):
+            out[i] = np.uint16(data[i]) | (np.uint16(data[n + i]) << np.uint16(8))
+        return
+    if w == 4:
+        for i in range(n):
+            out[i] = (np.uint32(data[i]) | (np.uint32(data[n + i]) << np.uint32(8))
+                      | (np.uint32(data[2 * n + i]) << np.uint32(16)) | (np.uint32(data[3 * n + i]) << np.uint32(24)))
+        return
     for i in range(n):
         v = np.uint64(0)
         for k in range(w):
