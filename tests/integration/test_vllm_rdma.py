@@ -136,6 +136,9 @@ def test_multiprocess_engine_follows_a_training_run_over_nixl(tmp_path, tp):
     try:
         result = tmp_path / "engine.json"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        if tp > 1:  # vLLM's CPU workers bind their threads per NUMA node unless told which cores: one each
+            cores = sorted(os.sched_getaffinity(0))
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(cores[r % len(cores)]) for r in range(tp)))
         code, stderr = run_alone([sys.executable, "-c", ENGINE, str(model_dir), url, controller.address, str(result),
                                   str(tp), str(STEPS)], env=env, timeout_s=500)
         assert code == 0, stderr[-4000:]
