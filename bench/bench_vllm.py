@@ -13,7 +13,9 @@ loop does between two rollouts. Per step:
   what vLLM itself spends around them;
 * publish() returning -> the step staged in the engine (fetched, verified, decoded in the background);
 * baseline, same run, same step: a full reload of the step's replayed checkpoint through vLLM's own
-  ``reload_weights`` (plus the same prefix-cache reset).
+  ``reload_weights`` (plus the same prefix-cache reset); and two references: the floor of the pause (the bare
+  XOR scatter of the same step's positions, numba's plain kernel, nothing checked or hashed) and one plain
+  copy of the engine's weights.
 
 Every step is verified by the engine (incremental checksums); at the end the engine's weights are checksummed
 from scratch against the trainer's last step. Prints a table, writes JSON (``--contend``: a CPU-bound
@@ -79,6 +81,40 @@ def _update(llm: Any, step: int) -> dict[str, float]:
     llm.reset_prefix_cache()
     t4 = time.perf_counter()
     return {"start_s": t1 - t0, "update_s": t2 - t1, "finish_s": t3 - t2, "reset_s": t4 - t3, "paused_s": t4 - t0}
+
+
+def _scatter_floor_s(engine: Any) -> float:
+    """The pause's floor on this machine: the bare XOR scatter of the step just written (numba's plain kernel on
+    the same positions of the same live weights, nothing checked or hashed), timed once, then undone by the same
+    scatter again. Runs between updates (the offline engine generates nothing meanwhile)."""
+    from deltasync.format import _kernels
+
+    state = engine._state  # the benchmark's own view of the engine
+    args = []
+    for bits, s in state.undo:  # what the last write XORed in, and where
+        width = f"u{bits.element_size()}"
+        args.append((bits.numpy().view(width), s.idx.numpy(), s.x.numpy().view(width)))
+    t0 = time.perf_counter()
+    for u, idx, x in args:
+        _kernels.xor_plain_at(u, idx, x)
+    floor = time.perf_counter() - t0
+    for u, idx, x in args:  # XOR undoes itself: the engine holds the step's bits again
+        _kernels.xor_plain_at(u, idx, x)
+    return floor
+
+
+def _plain_copy_s(llm: Any) -> float:
+    """One plain copy of the engine's weights (copy_ into preallocated tensors), as bench_codec measures it."""
+
+    def copy(worker: Any) -> float:
+        params = [p.data for p in worker.model_runner.get_model().parameters()]
+        dst = [torch.empty_like(p) for p in params]
+        t0 = time.perf_counter()
+        for d, p in zip(dst, params, strict=True):
+            d.copy_(p)
+        return time.perf_counter() - t0
+
+    return llm.collective_rpc(copy)[0]
 
 
 def _full_reload(llm: Any, folder: Path) -> float:
@@ -147,6 +183,8 @@ def main() -> None:
             if engine.held_step != step:
                 raise RuntimeError(f"the engine holds step {engine.held_step} after an update to step {step}")
             parts = engine.pause_parts[-1]
+            floor_s = _scatter_floor_s(engine)
+            copy_s = _plain_copy_s(llm)
             m = pub.metrics[-1] if pub.metrics and pub.metrics[-1].step == step else None
             # baseline, same run, same step: the replayed checkpoint of this step, reloaded in full by vLLM
             folder = work / f"replayed-{step}"
@@ -163,13 +201,16 @@ def main() -> None:
                 **{f"engine_{k}_s": v for k, v in parts.items()},
                 "vllm_overhead_s": times["paused_s"] - inside - times["reset_s"],
                 "full_reload_s": full_s,
+                "scatter_floor_s": floor_s,
+                "plain_copy_s": copy_s,
             })
             r = rows[-1]
             print(f"step {step:3d}: density {r['density']:.2%}  paused {r['paused_s'] * 1e3:6.1f} ms "
                   f"(write {parts['write'] * 1e3:.1f}, compare {parts['compare'] * 1e3:.2f}, staging "
                   f"{parts['staging'] * 1e3:.2f}, resolve {parts['resolve'] * 1e3:.1f}, reset {r['reset_s'] * 1e3:.1f}, "
                   f"vLLM {r['vllm_overhead_s'] * 1e3:.1f})  staged +{staged_after * 1e3:.0f} ms  "
-                  f"full reload {full_s * 1e3:.0f} ms ({r['paused_s'] / full_s:.1%})", flush=True)
+                  f"full reload {full_s * 1e3:.0f} ms ({r['paused_s'] / full_s:.1%})  scatter floor {floor_s * 1e3:.1f} ms  "
+                  f"plain copy {copy_s * 1e3:.0f} ms", flush=True)
         last = step
     # the engine's weights, checksummed from scratch (a fresh routing table over the live parameters), against
     # the trainer's checksums of the last step: neither the updates nor the reloads left a stale or wrong bit
@@ -206,8 +247,11 @@ def _report(args: Any, numel: int, init_s: float, rows: list[dict[str, Any]]) ->
                        ("  prefix-cache reset", "reset_s"),
                        ("  vLLM's own (RPCs, start/finish)", "vllm_overhead_s")):
         t.add_row(label, f"{med(key) * 1e3:.2f}", "")
+    t.add_row("  floor: bare XOR scatter of the same step", f"{med('scatter_floor_s') * 1e3:.2f}", "")
     t.add_row("full reload through vLLM (same step)", f"{full * 1e3:.0f}", "")
+    t.add_row("one plain copy of the weights", f"{med('plain_copy_s') * 1e3:.0f}", "")
     t.add_row("paused / full reload", f"{paused / full:.1%}", "<= 10%")
+    t.add_row("floor / full reload", f"{med('scatter_floor_s') / full:.1%}", "")
     t.add_row("first pause / median pause", f"{first / paused:.2f}x", "<= 1.5x")
     t.add_row("publish() returned -> step staged", f"{med('staged_after_publish_s') * 1e3:.0f}", "")
     t.add_row("engine init (routes, kernels, base checksums)", f"{init_s * 1e3:.0f}", "")
