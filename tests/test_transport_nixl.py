@@ -227,7 +227,7 @@ def test_every_step_commits_when_the_rdma_path_fails(tmp_path, monkeypatch):
     from deltasync.rdma.outbox import Outbox
     from deltasync.transports.nixl import NixlTransport
 
-    def broken(self: Any, step: int, data: Any) -> Any:
+    def broken(self: Any, step: int, data: Any, **kw: Any) -> Any:
         raise RdmaError("the NIC is gone")
 
     monkeypatch.setattr(Outbox, "offer", broken)
