@@ -165,16 +165,16 @@ def follow(mode: str, url: str, options: dict | None, address: str | None, steps
                 if held is not None:
                     row |= {"read_wait_s": held.wait_s, "read_hash_s": held.hash_s}
                 inbox = consumer.ring.inbox
-                row["raw_s"], _ = _least(lambda: inbox.transfer(info), repeats)
+                row["raw_s"], _ = _least(lambda inbox=inbox, info=info: inbox.transfer(info), repeats)
 
-                def lease() -> tuple[float, float]:
-                    got = inbox.lease(info, sha256=m.object_sha256)
+                def lease(inbox: Any = inbox, info: Any = info, sha256: str = m.object_sha256) -> tuple[float, float]:
+                    got = inbox.lease(info, sha256=sha256)
                     got.release()
                     return got.wait_s, got.hash_s
 
                 row["transport_s"], (row["transport_wait_s"], row["transport_hash_s"]) = _least(lease, repeats)
                 data = bytes(inbox.read(info, sha256=m.object_sha256))
-                row["sha256_s"], _ = _least(lambda: hashlib.sha256(data).hexdigest(), max(3, repeats // 3))
+                row["sha256_s"], _ = _least(lambda data=data: hashlib.sha256(data).hexdigest(), max(3, repeats // 3))
                 with StepObject(data, where="raw check") as again:
                     assert again.header.step == s  # the raw READ brought the same object
             rows.append(row)

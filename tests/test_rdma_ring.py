@@ -114,8 +114,8 @@ def trainer_peer(address: str, url: str, steps: list[int], opts: dict[str, Any],
 def consumer_peer(address: str, url: str, cid: str, engine: str, steps: list[int], opts: dict[str, Any],
                   out: Any) -> None:
     """Follow ``steps``: over NIXL when possible, from the store otherwise; report how each step arrived."""
-    from deltasync.format.objects import StepObject
     from deltasync.errors import RdmaError, StaleMetadataError
+    from deltasync.format.objects import StepObject
     from deltasync.rdma.agent import Agent
     from deltasync.rdma.controller import ConsumerHello, ConsumerLink
     from deltasync.rdma.inbox import Inbox
