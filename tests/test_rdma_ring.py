@@ -135,7 +135,7 @@ def consumer_peer(address: str, url: str, cid: str, engine: str, steps: list[int
                 if step == 2 and "lag_until" in opts:  # busy elsewhere until the trainer is that far ahead
                     while opts["lag_until"] not in link._ready:
                         link._next(30.0)
-                (info,) = link.wait_step(step, timeout_s=opts.get("timeouts", {}).get(step, 10.0)).values()
+                (info,) = link.wait_step(step, timeout_s=opts.get("timeouts", {}).get(step, 60.0)).values()
                 if step in opts.get("skip", ()):
                     raise RdmaError("skipped (busy)")  # never reads, never acknowledges
                 if opts.get("victim"):
