@@ -10,13 +10,21 @@ from deltasync.rdma.agent import nixl_available
 from deltasync_cli.demo import DemoConfig, run_demo
 
 
+def taken_or_skipped_for_an_anchor(rows: list[dict]) -> bool:
+    """Every step went live exactly, or (store demo, ``exact`` None) the follower went past it straight to a newer
+    anchor that did; the last step went live."""
+    return rows[-1]["exact"] is True and all(
+        r["exact"] is True or r["exact"] is None and any(n["kind"] == "anchor" and n["exact"] for n in rows[i + 1:])
+        for i, r in enumerate(rows))
+
+
 def test_demo_is_bit_exact(tmp_path):
     lines = []
     rows = run_demo(str(tmp_path / "s"), DemoConfig(steps=6, anchor_every=4, hidden_size=128, layers=2, engine="torch"), echo=lines.append)
     assert [r["kind"] for r in rows] == ["anchor", "delta", "delta", "delta", "anchor", "delta"]
-    assert all(r["exact"] for r in rows)
+    assert taken_or_skipped_for_an_anchor(rows)
     assert all(0 < r["density"] < 0.2 for r in rows if r["kind"] == "delta")
-    assert lines[-1] == "BIT-EXACT: every step verified"
+    assert lines[-1].startswith("BIT-EXACT: every step verified")
 
 
 @pytest.mark.skipif(not nixl_available(), reason="needs NIXL: pip install 'deltasync[rdma]'")

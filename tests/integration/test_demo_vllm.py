@@ -13,6 +13,7 @@ from deltasync import Store
 from deltasync.rdma.agent import nixl_available
 from deltasync_cli.demo import DemoConfig, run_demo
 from tests.integration.test_vllm_rdma import run_alone
+from tests.test_demo import taken_or_skipped_for_an_anchor
 
 pytestmark = pytest.mark.vllm
 
@@ -21,8 +22,9 @@ def test_demo_with_vllm_engine_is_bit_exact(tmp_path):
     lines = []
     rows = run_demo(str(tmp_path / "s"), DemoConfig(steps=5, anchor_every=3, hidden_size=128, layers=2), echo=lines.append)
     assert [r["kind"] for r in rows] == ["anchor", "delta", "delta", "anchor", "delta"]
-    assert all(r["exact"] and r["engine_paused_ms"] is not None for r in rows)
-    assert lines[-1] == "BIT-EXACT: every step verified"
+    assert taken_or_skipped_for_an_anchor(rows)
+    assert all(r["engine_paused_ms"] is not None for r in rows if r["exact"])
+    assert lines[-1].startswith("BIT-EXACT: every step verified")
     assert "vLLM engine weights at step 4" in lines[-2]
 
 
