@@ -332,6 +332,9 @@ class _VllmFollower:
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # vLLM leaves its IPC socket files in the temp folder: here they go into the demo's folder, removed with it
+        self._rpc_path = os.environ.get("VLLM_RPC_BASE_PATH")
+        os.environ["VLLM_RPC_BASE_PATH"] = str(model_dir.parent)
         self.store = Store(url, storage_options=storage_options)  # only to see which steps are committed
         self.llm = None
         self.held = -1
@@ -372,6 +375,10 @@ class _VllmFollower:
     def close(self) -> None:
         """Stop the weight-transfer engine (its NIXL agent, its download cache) and the engine's processes."""
         self.store.close()
+        if self._rpc_path is None:
+            os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        else:
+            os.environ["VLLM_RPC_BASE_PATH"] = self._rpc_path
         if self.llm is None:
             return
         llm, self.llm = self.llm, None
