@@ -332,9 +332,11 @@ class _VllmFollower:
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        # vLLM leaves its IPC socket files in the temp folder: here they go into the demo's folder, removed with it
+        # vLLM leaves its IPC socket files (<base>/<uuid4>) in the temp folder: here they go into the demo's folder,
+        # removed with it, where that path fits a Unix socket address (107 bytes)
         self._rpc_path = os.environ.get("VLLM_RPC_BASE_PATH")
-        os.environ["VLLM_RPC_BASE_PATH"] = str(model_dir.parent)
+        if len(os.fsencode(model_dir.parent)) + 37 <= 107:
+            os.environ["VLLM_RPC_BASE_PATH"] = str(model_dir.parent)
         self.store = Store(url, storage_options=storage_options)  # only to see which steps are committed
         self.llm = None
         self.held = -1

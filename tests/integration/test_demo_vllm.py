@@ -4,8 +4,11 @@
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -46,8 +49,8 @@ DEMO = textwrap.dedent(
 
 @pytest.mark.skipif(not nixl_available(), reason="needs NIXL: pip install 'deltasync[rdma]'")
 def test_nixl_demo_with_a_multiprocess_vllm_engine_is_bit_exact(tmp_path):
-    url, result, tmp = str(tmp_path / "s"), tmp_path / "demo.json", tmp_path / "tmp"
-    tmp.mkdir()
+    url, result = str(tmp_path / "s"), tmp_path / "demo.json"
+    tmp = Path(tempfile.mkdtemp(prefix="demo-"))  # short: vLLM binds Unix sockets in it (107 bytes at most)
     env = {**os.environ, "TMPDIR": str(tmp), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     code, stderr = run_alone([sys.executable, "-c", DEMO, url, str(result)], env=env, timeout_s=500)
     assert code == 0, stderr[-4000:]
@@ -69,4 +72,6 @@ def test_nixl_demo_with_a_multiprocess_vllm_engine_is_bit_exact(tmp_path):
     assert lines[-3].startswith("controller: engine version 3 ") and lines[-3].endswith("vLLM weight version 3")
     assert lines[-2] == f"vLLM engine weights at step 3: {last[:16]}…  trainer: {last[:16]}…"
     assert lines[-1] == "BIT-EXACT: every step verified"
-    assert not list(tmp.glob("deltasync-*"))  # the model folder, the stream's scratch, the engine's cache
+    left = sorted(p.name for p in tmp.iterdir() if p.name != "torchinductor_root")  # torch's compile cache stays
+    shutil.rmtree(tmp)
+    assert not left  # the model folder, the stream's scratch, the engine's cache, vLLM's sockets
