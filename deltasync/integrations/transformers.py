@@ -148,8 +148,9 @@ class DeltaSyncCallback(TrainerCallback):
         return trainer
 
     def metrics(self, trainer_step: int | None = None) -> dict[str, float]:
-        """The newest committed step's metrics as numbers (empty before the first commit); with ``trainer_step``,
-        also ``lag_steps``: how far the newest committed step is behind it.
+        """The newest committed step's metrics as numbers; with ``trainer_step``, also ``lag_steps``: how far the
+        newest committed step is behind it (before the first commit only that, counted from step -1: the
+        initial weights' upload may still run when the first log comes).
 
         A sharded publisher reports fewer figures (``step``, ``anchor``, ``bytes`` of the whole step,
         ``part_bytes`` of this rank's part, ``capture_s``, ``encode_s``), the same on every rank but the
@@ -158,13 +159,12 @@ class DeltaSyncCallback(TrainerCallback):
         pub = self.publisher
         if pub is None:
             return {}
+        out: dict[str, float] = {}
+        step = -1  # nothing committed yet
         if pub.metrics:
             newest = pub.metrics[-1]
             out, step = metrics_for_logs(newest, prefix=self.log_prefix), newest.step
-        else:
-            sharded = _sharded_metrics(pub)
-            if sharded is None:
-                return {}
+        elif (sharded := _sharded_metrics(pub)) is not None:
             out, step = sharded_metrics_for_logs(sharded, prefix=self.log_prefix), int(sharded["step"])
         if trainer_step is not None:
             out[self.log_prefix + "lag_steps"] = trainer_step - step
