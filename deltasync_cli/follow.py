@@ -148,14 +148,12 @@ def demo(
         help="Who follows: 'vllm' (a real engine) or 'torch' (a state dict).")] = "vllm",
     transport: Annotated[Literal["store", "nixl"], typer.Option(
         help="'store': the follower reads the store; 'nixl': trainer and follower in separate processes, step objects "
-             "over NIXL (RDMA; UCX loopback here) with the store as history and fallback (follower: a state dict).")] = "store",
+             "over NIXL (RDMA; UCX loopback here) with the store as history and fallback (follower: the engine chosen with --engine).")] = "store",
     storage_option: StorageOpt = None,
 ) -> None:
     """Train a small Qwen3-shaped model, publish every step, follow it, and prove the weights match."""
     from deltasync_cli.demo import DemoConfig, run_demo
 
-    if transport == "nixl":
-        engine = "torch"  # the vLLM weight-transfer engine does not take NIXL yet (docs/RDMA.md)
     run_demo(
         store,
         DemoConfig(steps=steps, lr=lr, hidden_size=hidden_size, layers=layers, engine=engine, transport=transport),

@@ -261,7 +261,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         reader, state = self._require()
         t_stage = time.perf_counter()
         ready = self._prefetcher.take(step) if self._prefetcher is not None else None
-        prepared = ready or prepare(reader, state, step)
+        # not staged yet: read it now, over NIXL first when the engine has a ring (self._reader has none)
+        prepared = ready or prepare(self._rdma.reader if self._rdma is not None else reader, state, step)
         h = prepared.header
         if h.kind == "delta" and h.base_step != self._held:
             raise BaseStepMismatchError(
