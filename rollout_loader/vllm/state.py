@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -302,12 +304,9 @@ def write_sealed(state: WorkerState, staged: Sequence[Staged], sealed: Seal) -> 
         modules: set[str] = set()
         try:
             with torch.inference_mode():
-                for s in staged:
-                    target = state.targets[s.name]
-                    idx, x, _ = _host_args(target.bits, s)
-                    xor_apply(target.bits, idx, x, checksum=False)  # checks, then writes
-                    undo.append((target.bits, s))
-                    modules.update(target.modules)
+                _scatter_all(state, staged, landed=undo)
+            for _, s in undo:
+                modules.update(state.targets[s.name].modules)
             sync_kernels(state, modules)
         except BaseException:
             try:
@@ -320,6 +319,42 @@ def write_sealed(state: WorkerState, staged: Sequence[Staged], sealed: Seal) -> 
         state.undo_sums = {name: state.sums[name] for name in sums}
         state.sums.update(sums)
         return sums
+
+
+_SCATTER_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="deltasync-write")
+
+
+def _scatter_all(state: WorkerState, staged: Sequence[Staged], *, landed: list[tuple[torch.Tensor, Staged]]) -> None:
+    """XOR every staged patch into its target (each checked before its write), appending each write that landed
+    to ``landed`` (the caller undoes them if any failed); raises the first error once no write runs any more.
+
+    Host tensors are written on a small pool, dynamically across tensors (the kernel is serial: a busy core
+    delays one tensor, never a barrier), so the scatter uses the memory bandwidth of more than one core; device
+    tensors one after another.
+    """
+    def one(s: Staged) -> Staged:
+        target = state.targets[s.name]
+        idx, x, _ = _host_args(target.bits, s)
+        xor_apply(target.bits, idx, x, checksum=False)  # checks, then writes: a failed one wrote nothing
+        return s
+
+    if not (len(staged) > 1 and all(state.targets[s.name].bits.device.type == "cpu" for s in staged)):
+        for s in staged:
+            landed.append((state.targets[one(s).name].bits, s))
+        return
+    futures = [_SCATTER_POOL.submit(one, s) for s in staged]
+    try:
+        wait(futures)
+    finally:  # also on an interrupt: what runs lands first, then everything that landed is known
+        for f in futures:
+            f.cancel()
+        wait(futures)
+        for s, f in zip(staged, futures):
+            if not f.cancelled() and f.exception() is None:
+                landed.append((state.targets[s.name].bits, s))
+    errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
+    if errors:
+        raise errors[0]
 
 
 def _host_args(bits: torch.Tensor, s: Staged) -> tuple[Any, Any, Any]:

@@ -321,3 +321,16 @@ def test_sealed_write_lands_the_reference_bits_and_checksums() -> None:
     assert write_sealed(state, staged, sealed) is None
     assert held("a")[0].tolist() == after_other["a"][0].tolist()
     assert state.sums["a"] == after_other["a"][1]
+
+    # one patch of a sealed step fails its check (written on the pool beside the others): nothing stays written
+    import dataclasses
+
+    from deltasync import TensorMismatchError
+
+    now = {n: held(n)[0].tolist() for n in routes}
+    staged = stage(state, [patch("a", 0.3), patch("b", 0.5), patch("c", 0.2)])
+    sealed = seal(state, staged)
+    bad = dataclasses.replace(staged[1], idx=staged[1].idx + 10**6)  # past the end of its target
+    with pytest.raises(TensorMismatchError):
+        write_sealed(state, [staged[0], bad, staged[2]], sealed)
+    assert {n: held(n)[0].tolist() for n in routes} == now
