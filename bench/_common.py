@@ -72,3 +72,13 @@ def write_results(args: argparse.Namespace, name: str, payload: dict[str, Any]) 
     path.write_text(json.dumps({"machine": machine(), "args": vars(args), **payload}, indent=1))
     print(f"wrote {path}")
     return path
+
+
+def adamw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: torch.Tensor, gen: torch.Generator, *,
+               seq: int = 64, batch: int = 2) -> None:
+    """One optimizer step on ``batch`` random windows of ``data`` (token ids), as every benchmark trains."""
+    starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen)
+    windows = torch.stack([data[s : s + seq + 1] for s in starts])
+    model(input_ids=windows[:, :-1], labels=windows[:, 1:]).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)

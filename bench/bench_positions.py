@@ -40,7 +40,7 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import machine, parser, write_results
+from bench._common import adamw_step, machine, parser, write_results
 from bench.bench_codec import plain_copy_s
 from deltasync.format import _kernels
 from deltasync.format._kernels import warm_kernels
@@ -372,11 +372,7 @@ def main() -> None:
 
     rows = []
     for step in range(1, args.steps + 1):
-        starts = torch.randint(0, data.numel() - args.seq - 1, (args.batch,), generator=g)
-        batch = torch.stack([data[s : s + args.seq + 1] for s in starts])
-        model(input_ids=batch[:, :-1], labels=batch[:, 1:]).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        adamw_step(model, opt, data, g, seq=args.seq, batch=args.batch)
         new = {n: t.to(torch.bfloat16) for n, t in tensors.items()}
         copy_s = min(copy_s, plain_copy_s(new, repeats=1))
         t0 = time.perf_counter()

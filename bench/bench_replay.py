@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import machine, parser, write_results  # noqa: E402
+from bench._common import adamw_step, machine, parser, write_results  # noqa: E402
 
 CASES = ("full", "replay", "replay-folder", "plain-load")
 
@@ -189,11 +189,7 @@ def build_streams(args, work: Path) -> tuple[str, str, dict]:
     with DeltaPublisher(stream, model, dtype=torch.bfloat16, anchor_every=10**9, on_backlog="block", files=files) as pub:
         pub.publish(0)
         for step in range(1, args.steps + 1):
-            starts = torch.randint(0, data.numel() - 65, (2,), generator=g)
-            batch = torch.stack([data[s : s + 65] for s in starts])
-            model(input_ids=batch[:, :-1], labels=batch[:, 1:]).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            adamw_step(model, opt, data, g)
             pub.publish(step)
             print(f"trained and published step {step}/{args.steps}", flush=True)
         pub.flush()

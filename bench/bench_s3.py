@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import machine, parser, write_results  # noqa: E402
+from bench._common import adamw_step, machine, parser, write_results  # noqa: E402
 from deltasync import DeltaPublisher, StreamReader  # noqa: E402
 from deltasync_cli.demo import stdlib_corpus, tiny_qwen3  # noqa: E402
 from deltasync.store import Store, step_dir  # noqa: E402
@@ -65,11 +65,7 @@ def run(args, server: SeaweedFS, work: Path) -> None:
     with DeltaPublisher(url, model, dtype=torch.bfloat16, anchor_every=1000, storage_options=opts) as pub:
         follower.start()
         for step in range(args.steps + 1):
-            starts = torch.randint(0, data.numel() - 65, (2,), generator=g)
-            batch = torch.stack([data[s : s + 65] for s in starts])
-            model(input_ids=batch[:, :-1], labels=batch[:, 1:]).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            adamw_step(model, opt, data, g)
             follower.wait_for(step - 1, timeout_s=120) if step else None  # one step in flight, as in RL
             pub.publish(step)
             published[step] = time.perf_counter()

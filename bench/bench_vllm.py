@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import machine, parser, write_results
+from bench._common import adamw_step, machine, parser, write_results
 from deltasync import DeltaPublisher, StreamReader, replay_to_folder
 from deltasync_cli.demo import save_model_dir, stdlib_corpus, tiny_qwen3
 from rollout_loader.vllm import start_engine
@@ -170,11 +170,7 @@ def main() -> None:
 
             Prefetcher._seal_next = lambda self, step, held: None  # type: ignore[method-assign]
         for step in range(1, args.steps + 1):
-            starts = torch.randint(0, data.numel() - 65, (2,), generator=g)
-            batch = torch.stack([data[s : s + 65] for s in starts])
-            model(input_ids=batch[:, :-1], labels=batch[:, 1:]).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            adamw_step(model, opt, data, g)
             pub.publish(step)
             t_pub = time.perf_counter()
             staged_after = _wait_staged(engine, step, sealed=not args.unsealed) - t_pub
