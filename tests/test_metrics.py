@@ -158,41 +158,17 @@ def test_follow_command_prints_the_lag_and_serves_metrics(tmp_path):
     """``deltasync follow URL --server S --metrics-port 0``: each step's line says how far it is behind the newest
     committed step; the endpoint is announced, and gone once the command ends. The server is a loopback stub
     that accepts vLLM's weight-transfer routes (the real server: tests/integration/test_vllm_engine.py)."""
-    import json
     import subprocess
     import sys
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    class Handler(BaseHTTPRequestHandler):
-        def _reply(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            body = {"weight_version": "default"} if self.path.startswith("/weight_info") else {"status": "ok"}
-            data = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        do_GET = do_POST = _reply
-
-        def log_message(self, *args: object) -> None:
-            pass
+    from tests.test_vllm_client import fake_server
 
     publish(str(tmp_path / "stream"), range(3))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with fake_server() as (_, url):
         proc = subprocess.run([sys.executable, "-m", "deltasync_cli", "follow", str(tmp_path / "stream"), "--server",
-                               f"http://127.0.0.1:{server.server_port}", "--until", "2", "--metrics-port", "0", "--timeout-s", "60"],
+                               url, "--until", "2", "--metrics-port", "0", "--timeout-s", "60"],
                               capture_output=True, text=True, timeout=120, check=False,
                               env={**os.environ, "COLUMNS": "400"})  # one line per step, unwrapped
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("metrics at http://127.0.0.1:") and lines[0].endswith("/metrics")
