@@ -299,26 +299,8 @@ def write_sealed(state: WorkerState, staged: Sequence[Staged], sealed: Seal) -> 
         if state.version != sealed.version or any(s.name not in sealed.sums for s in staged):
             return None
         state.version += 1
-        state.undo, state.undo_modules, state.undo_sums = [], set(), {}
-        undo: list[tuple[torch.Tensor, Staged]] = []
-        modules: set[str] = set()
-        try:
-            with torch.inference_mode():
-                _scatter_all(state, staged, landed=undo)
-            for _, s in undo:
-                modules.update(state.targets[s.name].modules)
-            sync_kernels(state, modules)
-        except BaseException:
-            try:
-                _restore(state, undo, modules)
-            except Exception:
-                log.exception("deltasync: restoring the old weights after a failed write failed too")
-            raise
-        sums = {s.name: sealed.sums[s.name] for s in staged}
-        state.undo, state.undo_modules = undo, modules
-        state.undo_sums = {name: state.sums[name] for name in sums}
-        state.sums.update(sums)
-        return sums
+        return _undoable(state, {s.name: sealed.sums[s.name] for s in staged},
+                         lambda landed: _scatter_all(state, staged, landed=landed))
 
 
 _SCATTER_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="deltasync-write")
@@ -332,15 +314,15 @@ def _scatter_all(state: WorkerState, staged: Sequence[Staged], *, landed: list[t
     delays one tensor, never a barrier), so the scatter uses the memory bandwidth of more than one core; device
     tensors one after another.
     """
-    def one(s: Staged) -> Staged:
+    def one(s: Staged) -> None:
         target = state.targets[s.name]
         idx, x, _ = _host_args(target.bits, s)
         xor_apply(target.bits, idx, x, checksum=False)  # checks, then writes: a failed one wrote nothing
-        return s
 
     if not (len(staged) > 1 and all(state.targets[s.name].bits.device.type == "cpu" for s in staged)):
         for s in staged:
-            landed.append((state.targets[one(s).name].bits, s))
+            one(s)
+            landed.append((state.targets[s.name].bits, s))
         return
     futures = [_SCATTER_POOL.submit(one, s) for s in staged]
     try:
@@ -374,31 +356,46 @@ def _gather(bits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def _write(state: WorkerState, staged: Sequence[Staged]) -> dict[str, int]:
-    state.undo, state.undo_modules, state.undo_sums = [], set(), {}  # a failed write leaves nothing to undo
     sums = {s.name: part(state, s.name) for s in staged}
+
+    def write_all(landed: list[tuple[torch.Tensor, Staged]]) -> None:
+        for s in staged:
+            target = state.targets[s.name]
+            idx, x, hf_idx = _host_args(target.bits, s)
+            delta = xor_apply(target.bits, idx, x, index=hf_idx)  # checks, then writes; read back
+            landed.append((target.bits, s))
+            if target.route.owner:
+                sums[s.name] = (sums[s.name] + delta) & MASK64
+
+    return _undoable(state, sums, write_all)
+
+
+def _undoable(state: WorkerState, sums: dict[str, int],
+              write_all: Callable[[list[tuple[torch.Tensor, Staged]]], None]) -> dict[str, int]:
+    """Run ``write_all`` (it appends each patch that landed) and sync the kernels; on any failure put back what
+    landed and raise; else keep what the next :func:`rollback` undoes and take ``sums`` as this rank's parts.
+    ``sums`` may be filled in by ``write_all``."""
+    state.undo, state.undo_modules, state.undo_sums = [], set(), {}  # a failed write leaves nothing to undo
     undo: list[tuple[torch.Tensor, Staged]] = []
-    modules: set[str] = set()
     try:
         with torch.inference_mode():
-            for s in staged:
-                target = state.targets[s.name]
-                idx, x, hf_idx = _host_args(target.bits, s)
-                delta = xor_apply(target.bits, idx, x, index=hf_idx)  # checks, then writes; read back
-                undo.append((target.bits, s))
-                modules.update(target.modules)
-                if target.route.owner:
-                    sums[s.name] = (sums[s.name] + delta) & MASK64
-        sync_kernels(state, modules)
+            write_all(undo)
+        sync_kernels(state, _modules(state, undo))
     except BaseException:
         try:
-            _restore(state, undo, modules)
+            _restore(state, undo, _modules(state, undo))
         except Exception:
             log.exception("deltasync: restoring the old weights after a failed write failed too")
         raise
-    state.undo, state.undo_modules = undo, modules
+    state.undo, state.undo_modules = undo, _modules(state, undo)
     state.undo_sums = {name: state.sums[name] for name in sums}
     state.sums.update(sums)
     return sums
+
+
+def _modules(state: WorkerState, written: list[tuple[torch.Tensor, Staged]]) -> set[str]:
+    """The modules whose kernels read the written tensors."""
+    return {m for _, s in written for m in state.targets[s.name].modules}
 
 
 def rollback(state: WorkerState) -> bool:
