@@ -100,18 +100,6 @@ def test_server_follows_a_stream_on_s3_through_vllm_routes(s3_server, tmp_path):
         assert [o.outputs[0].text for o in fresh.generate(PROMPTS, sp, use_tqdm=False)] == served
 
 
-def test_server_without_the_weight_transfer_engine(s3_server, tmp_path):  # noqa: F811
-    model_dir = tmp_path / "model"
-    build_checkpoint(model_dir, tie=False)
-    url = s3_server.new_url()
-    with DeltaPublisher(url, load_state(model_dir), storage_options=s3_server.storage_options) as pub:
-        pub.publish(0)
-    with vllm_server(model_dir, tmp_path, dev_mode=True, extension=False) as base:
-        r = run_cli("follow", url, "--server", base, "--until", "0", *_s3_options(s3_server), block_vllm=True)
-        assert_one_line_error(r.returncode, r.stderr, "EngineConfigError", "--weight-transfer-config")
-        assert _weight_version(base) == "default"
-
-
 _OFFLINE_SCRIPT = textwrap.dedent(
     """
     import json, sys, time

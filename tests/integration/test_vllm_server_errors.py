@@ -144,6 +144,9 @@ def test_server_not_set_up_for_deltasync(model_and_stream, tmp_path, dev_mode, e
         assert_one_line_error(r.returncode, r.stderr, "EngineConfigError", needle)
         assert r.stdout == ""
         assert serves(base)  # still serving, and not left paused
+        if dev_mode:  # the weights were never touched (the route is a dev-mode one)
+            with urllib.request.urlopen(f"{base}/weight_info", timeout=10) as info:
+                assert json.loads(info.read())["weight_version"] == "default"
 
 
 def test_follow_without_vllm_installed(model_and_stream, tmp_path):
