@@ -45,7 +45,8 @@ shift || true
 case "$cmd" in
   demo) setup; exec "$VENV/bin/deltasync" demo "$@" ;;
   demo-s3) setup; demo_s3 "$@" ;;
-  test) setup; exec "$VENV/bin/python" -m pytest -q "$@" ;;
+  # two workers (this machine's cores): the vLLM tests one after another on one, the rest on the other
+  test) setup; exec "$VENV/bin/python" -m pytest -q -n "${DELTASYNC_TEST_WORKERS:-2}" --dist loadgroup "$@" ;;
   setup) setup ;;
   *) echo "usage: ./run.sh demo [--steps N ...] | ./run.sh demo-s3 [...] | ./run.sh test [pytest args]" >&2; exit 2 ;;
 esac

@@ -14,6 +14,7 @@ import torch
 
 LEAK_PREFIX = "deltasync-"  # every temporary folder the library makes (caches, spools, pushes, demos)
 _TMP_KEY = pytest.StashKey[tuple]()
+_REAL_TMP_ENV = "DELTASYNC_TEST_REAL_TMPDIR"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -22,19 +23,32 @@ def pytest_configure(config: pytest.Config) -> None:
     Other engineers' test runs share /tmp: a private folder lets the leak checks below see this session's
     folders only. pytest's own ``tmp_path`` folders stay where pytest keeps them (the real temp folder).
     """
-    real = tempfile.gettempdir()
-    root = tempfile.mkdtemp(prefix="dstest-", dir=real)  # short: vLLM puts IPC socket paths in TMPDIR
-    config.stash[_TMP_KEY] = (root, os.environ.get("TMPDIR"), os.environ.get("PYTEST_DEBUG_TEMPROOT"))
+    # pytest-xdist workers inherit the controller's TMPDIR: their folders go beside its folder, not inside,
+    # since vLLM puts IPC socket paths (107 bytes at most) under TMPDIR
+    real = os.environ.get(_REAL_TMP_ENV) or tempfile.gettempdir()
+    root = tempfile.mkdtemp(prefix="dstest-", dir=real)
+    config.stash[_TMP_KEY] = (root, os.environ.get("TMPDIR"), os.environ.get("PYTEST_DEBUG_TEMPROOT"),
+                              os.environ.get(_REAL_TMP_ENV))
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", real)
+    os.environ[_REAL_TMP_ENV] = real
     os.environ["TMPDIR"] = root
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist with ``--dist loadgroup`` (``./run.sh test`` runs two workers), the tests that start
+    a vLLM engine run one after another on one worker, while the other worker takes the rest: an engine uses
+    every core, and two at once would only slow each other down."""
+    for item in items:
+        if item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.xdist_group("vllm"))
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
-    root, tmpdir, temproot = config.stash.get(_TMP_KEY, (None, None, None))
+    root, tmpdir, temproot, real = config.stash.get(_TMP_KEY, (None, None, None, None))
     if root is None:
         return
-    for key, value in (("TMPDIR", tmpdir), ("PYTEST_DEBUG_TEMPROOT", temproot)):
+    for key, value in (("TMPDIR", tmpdir), ("PYTEST_DEBUG_TEMPROOT", temproot), (_REAL_TMP_ENV, real)):
         if value is None:
             os.environ.pop(key, None)
         else:
