@@ -67,6 +67,17 @@ def _pick(serial: Any, parallel: Any, size: int, want: bool | None) -> Any:
     return parallel if (size >= PARALLEL_MIN_ELEMENTS if want is None else want) else serial
 
 
+def _ro(a: np.ndarray) -> np.ndarray:
+    """``a`` as a read-only view. numba compiles a kernel once per writability of each array argument, and
+    inputs arrive both ways (views of immutable object bytes, writable buffers): the wrappers below hand
+    every input-only array over read-only, so each kernel compiles once per dtype instead of twice."""
+    if not a.flags.writeable:
+        return a
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
 @_jit
 def mix64(z: np.uint64) -> np.uint64:
     z = z ^ (z >> _S30)
@@ -203,7 +214,7 @@ def gap16_encode(positions: np.ndarray) -> np.ndarray:
 
 
 @_jit
-def gap16_decode(shuffled: np.ndarray, max_count: np.int64) -> np.ndarray:
+def _gap16_decode(shuffled: np.ndarray, max_count: np.int64) -> np.ndarray:
     """Sorted positions from byte-shuffled ``gap16`` entries; at most ``max_count`` (more returns -1 marker)."""
     entries = shuffled.size // 2
     if max_count < 0:
@@ -226,7 +237,7 @@ def gap16_decode(shuffled: np.ndarray, max_count: np.int64) -> np.ndarray:
 
 
 @_jit
-def shuffle_bytes(x: np.ndarray) -> np.ndarray:
+def _shuffle_bytes(x: np.ndarray) -> np.ndarray:
     """Byte ``k`` of every element, for k = 0 .. width-1 (little-endian), concatenated."""
     n = x.size
     w = x.itemsize
@@ -244,7 +255,7 @@ def shuffle_bytes(x: np.ndarray) -> np.ndarray:
 
 
 @_jit
-def unshuffle_bytes(data: np.ndarray, out: np.ndarray) -> None:
+def _unshuffle_bytes(data: np.ndarray, out: np.ndarray) -> None:
     """Inverse of ``shuffle_bytes`` into ``out`` (unsigned, ``data.size == out.size * width``)."""
     n = out.size
     w = out.itemsize
@@ -338,7 +349,7 @@ def _xor_dense(u: np.ndarray, xor: np.ndarray, base: np.int64) -> np.uint64:
 
 
 @_jit
-def xor_plain_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> None:
+def _xor_plain_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> None:
     """``u[positions] ^= xor`` in place, without a checksum update (replay checks the result once, in full).
 
     Positions must be in range (callers validate first).
@@ -373,18 +384,39 @@ def diff_scan(aw: np.ndarray, bw: np.ndarray, a: np.ndarray, b: np.ndarray, grou
 
 def xor_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray, *, parallel: bool | None = None) -> np.uint64:
     """See ``_xor_at``; ``parallel`` as in ``checksum_range`` (sized by the positions)."""
-    return _pick(_xor_at_serial, _xor_at_parallel, positions.size, parallel)(u, positions, xor)
+    return _pick(_xor_at_serial, _xor_at_parallel, positions.size, parallel)(u, positions, _ro(xor))
 
 
 def xor_at_indexed(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: np.ndarray, old_out: np.ndarray,
                    *, parallel: bool | None = None) -> np.uint64:
     """See ``_xor_at_indexed``; ``parallel`` as in ``checksum_range`` (sized by the positions)."""
-    return _pick(_xor_at_indexed_serial, _xor_at_indexed_parallel, local.size, parallel)(u, local, xor, hashed, old_out)
+    return _pick(_xor_at_indexed_serial, _xor_at_indexed_parallel, local.size, parallel)(u, local, _ro(xor), hashed,
+                                                                                         old_out)
 
 
 def xor_dense(u: np.ndarray, xor: np.ndarray, base: int, *, parallel: bool | None = None) -> np.uint64:
     """See ``_xor_dense``; ``parallel`` as in ``checksum_range``."""
-    return _pick(_xor_dense_serial, _xor_dense_parallel, u.size, parallel)(u, xor, base)
+    return _pick(_xor_dense_serial, _xor_dense_parallel, u.size, parallel)(u, _ro(xor), base)
+
+
+def xor_plain_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> None:
+    """See ``_xor_plain_at``."""
+    _xor_plain_at(u, positions, _ro(xor))
+
+
+def shuffle_bytes(x: np.ndarray) -> np.ndarray:
+    """See ``_shuffle_bytes``."""
+    return _shuffle_bytes(_ro(x))
+
+
+def unshuffle_bytes(data: np.ndarray, out: np.ndarray) -> None:
+    """See ``_unshuffle_bytes``."""
+    _unshuffle_bytes(_ro(data), out)
+
+
+def gap16_decode(shuffled: np.ndarray, max_count: int) -> np.ndarray:
+    """See ``_gap16_decode``."""
+    return _gap16_decode(_ro(shuffled), max_count)
 
 
 def dispatchers() -> dict[str, Any]:
@@ -405,11 +437,9 @@ def warm_kernels() -> None:
     above all a paused engine's apply. Idempotent and cheap once done (a few hundred microseconds)."""
     n = 64
     idx = np.arange(0, n, 3, dtype=np.int64)
-    for t in _UNSIGNED:
+    for t in _UNSIGNED:  # input-only arrays go to the kernels read-only whatever they were (``_ro``)
         u = np.zeros(n, t)
         x = np.ones(idx.size, t)
-        frozen = x.copy()
-        frozen.flags.writeable = False  # decoded from immutable bytes, or a caller's read-only buffer
         words = np.zeros(n * np.dtype(t).itemsize // 8, np.uint64)
         counts, sums = np.zeros(1, np.int64), np.zeros(1, np.uint64)
         pos, xs = np.empty(n, np.int64), np.empty(n, t)
@@ -418,28 +448,16 @@ def warm_kernels() -> None:
             # the word-aligned body (8-byte words) and the tail (elements) of a tensor
             diff_scan(words, words.copy(), u, u.copy(), 8 // u.itemsize, n, 0, 1, 0, pos, xs, counts, sums, parallel=parallel)
             diff_scan(u, u.copy(), u, u.copy(), 1, n, 0, 1, 0, pos, xs, counts, sums, parallel=parallel)
-            for xv in (x, frozen):
-                xor_at(u, idx, xv, parallel=parallel)
-                xor_at_indexed(u, idx, xv, idx, np.empty_like(x), parallel=parallel)
-            for xv in (u.copy(), _frozen(u)):
-                xor_dense(u, xv, 0, parallel=parallel)
+            xor_at(u, idx, x, parallel=parallel)
+            xor_at_indexed(u, idx, x, idx, np.empty_like(x), parallel=parallel)
+            xor_dense(u, u.copy(), 0, parallel=parallel)
         checksum_at(u, idx)
         compact(pos, xs, counts, n, pos.copy(), xs.copy())
-        for xv in (x, frozen):
-            xor_plain_at(u, idx, xv)
+        xor_plain_at(u, idx, x)
         shuffle_bytes(x)
-        for raw in (np.zeros(n * u.itemsize, np.uint8), _frozen(np.zeros(n * u.itemsize, np.uint8))):
-            unshuffle_bytes(raw, np.empty(n, t))
+        unshuffle_bytes(np.zeros(n * u.itemsize, np.uint8), np.empty(n, t))
     gap16_encode(idx)
-    for raw in (np.zeros(8, np.uint8), _frozen(np.zeros(8, np.uint8))):
-        gap16_decode(raw, 4)
-        shuffle_bytes(raw.view(np.uint16))
-
-
-def _frozen(a: np.ndarray) -> np.ndarray:
-    a = a.copy()
-    a.flags.writeable = False
-    return a
+    gap16_decode(np.zeros(8, np.uint8), 4)
 
 
 BLOCK = _BLOCK
