@@ -152,3 +152,14 @@ def test_gap16_decode_matches_a_reference_and_refuses_too_many_positions():
         if want:  # one position more than allowed: the -1 marker, nothing else
             assert _kernels.gap16_decode(shuffled, np.int64(len(want) - 1)).tolist() == [-1]
     assert _kernels.gap16_decode(_shuffle_ref(np.zeros(3, np.uint16)), np.int64(-1)).tolist() == [-1]
+
+
+def test_span_is_numpys_min_and_max():
+    """The one-pass bounds of a patch's positions against NumPy's two passes, on any layout and sign."""
+    rng = np.random.default_rng(5)
+    for n in (1, 2, 3, 1000, 70001):
+        a = rng.integers(-(1 << 62), 1 << 62, n, dtype=np.int64)
+        frozen = a.copy()
+        frozen.flags.writeable = False
+        for x in (a, frozen, a[::2], np.sort(a), np.sort(a)[::-1]):
+            assert _kernels.span(x) == (int(x.min()), int(x.max()))

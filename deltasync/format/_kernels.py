@@ -173,6 +173,18 @@ def _diff_scan(
 
 
 @_jit
+def _span(positions: np.ndarray) -> tuple[np.int64, np.int64]:
+    """The smallest and largest of non-empty ``positions`` in one pass (NumPy's ``min`` and ``max`` take two)."""
+    lo = positions[0]
+    hi = positions[0]
+    for i in range(1, positions.size):
+        v = positions[i]
+        lo = min(lo, v)
+        hi = max(hi, v)
+    return lo, hi
+
+
+@_jit
 def compact(
     scratch_pos: np.ndarray, scratch_xor: np.ndarray, counts: np.ndarray, stride: np.int64,
     out_pos: np.ndarray, out_xor: np.ndarray,
@@ -414,6 +426,12 @@ def unshuffle_bytes(data: np.ndarray, out: np.ndarray) -> None:
     _unshuffle_bytes(_ro(data), out)
 
 
+def span(positions: np.ndarray) -> tuple[int, int]:
+    """See ``_span`` (int64 positions of any layout; at least one)."""
+    lo, hi = _span(_ro(np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)))
+    return int(lo), int(hi)
+
+
 def gap16_decode(shuffled: np.ndarray, max_count: int) -> np.ndarray:
     """See ``_gap16_decode``."""
     return _gap16_decode(_ro(shuffled), max_count)
@@ -458,6 +476,7 @@ def warm_kernels() -> None:
         unshuffle_bytes(np.zeros(n * u.itemsize, np.uint8), np.empty(n, t))
     gap16_encode(idx)
     gap16_decode(np.zeros(8, np.uint8), 4)
+    span(idx)
 
 
 BLOCK = _BLOCK

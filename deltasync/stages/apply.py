@@ -216,7 +216,8 @@ def _check_patch(width: int, numel: int, positions: Indices | None, xor: np.ndar
     if positions is not None and count:
         if positions.dtype not in (np.int64, torch.int64):
             raise TensorMismatchError(f"positions must be int64, got {positions.dtype}")
-        lo, hi = (int(v) for v in (torch.aminmax(positions) if isinstance(positions, torch.Tensor) else (positions.min(), positions.max())))
+        lo, hi = (int(v) for v in (torch.aminmax(positions) if isinstance(positions, torch.Tensor)
+                                    else _kernels.span(positions)))
         if lo < 0 or hi >= numel:
             raise TensorMismatchError(f"positions run from {lo} to {hi}, the tensor has {numel} elements")
     if index is not None and not isinstance(index, int):
