@@ -74,11 +74,22 @@ def write_results(args: argparse.Namespace, name: str, payload: dict[str, Any]) 
     return path
 
 
-def adamw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: torch.Tensor, gen: torch.Generator, *,
-               seq: int = 64, batch: int = 2) -> None:
-    """One optimizer step on ``batch`` random windows of ``data`` (token ids), as every benchmark trains."""
-    starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen)
-    windows = torch.stack([data[s : s + seq + 1] for s in starts])
-    model(input_ids=windows[:, :-1], labels=windows[:, 1:]).loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+class Training:
+    """The run every benchmark measures: a Qwen3-shaped model of the arguments' size (fp32 master weights),
+    AdamW at ``args.lr``, the Python standard library's source as token ids, one seeded generator."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from deltasync_cli.demo import stdlib_corpus, tiny_qwen3
+
+        self.model = tiny_qwen3(hidden_size=args.hidden, layers=args.layers, vocab_size=args.vocab).float()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.0)
+        self.data = stdlib_corpus()
+        self.gen = torch.Generator().manual_seed(0)
+
+    def step(self, *, seq: int = 64, batch: int = 2) -> None:
+        """One optimizer step on ``batch`` random windows of ``seq`` + 1 tokens."""
+        starts = torch.randint(0, self.data.numel() - seq - 1, (batch,), generator=self.gen)
+        windows = torch.stack([self.data[s : s + seq + 1] for s in starts])
+        self.model(input_ids=windows[:, :-1], labels=windows[:, 1:]).loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)

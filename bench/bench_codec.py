@@ -27,13 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import adamw_step, machine, parser, write_results
+from bench._common import Training, machine, parser, write_results
 from deltasync.format._kernels import warm_kernels
 from deltasync.format.objects import StepObject
 from deltasync.publish.publisher import named_tensors, snapshot_headers, write_step
 from deltasync.stages.apply import Replica
 from deltasync.stages.diff import Snapshot
-from deltasync_cli.demo import stdlib_corpus, tiny_qwen3
 
 
 def rss_bytes() -> int:
@@ -93,10 +92,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     args = ap.parse_args()
 
-    model = tiny_qwen3(hidden_size=args.hidden, layers=args.layers, vocab_size=args.vocab).float()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    data = stdlib_corpus()
-    g = torch.Generator().manual_seed(0)
+    train = Training(args)
+    model = train.model
     tensors, _ = named_tensors(model)
     bf16 = {n: t.to(torch.bfloat16) for n, t in tensors.items()}
     numel = sum(t.numel() for t in bf16.values())
@@ -130,7 +127,7 @@ def main() -> None:
     wrep.apply(StepObject(tmp / "w1", where="warm-up"))
 
     for step in range(1, args.steps + 1):
-        adamw_step(model, opt, data, g, seq=args.seq, batch=args.batch)
+        train.step(seq=args.seq, batch=args.batch)
         new = {n: t.to(torch.bfloat16) for n, t in tensors.items()}  # what the trainer would serve
         copy_s = min(copy_s, plain_copy_s(new, repeats=1))
 

@@ -40,7 +40,7 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import adamw_step, machine, parser, write_results
+from bench._common import Training, machine, parser, write_results
 from bench.bench_codec import plain_copy_s
 from deltasync.format import _kernels
 from deltasync.format._kernels import warm_kernels
@@ -54,7 +54,6 @@ from deltasync.format.codecs import (
 from deltasync.format.patch import Patch
 from deltasync.publish.publisher import named_tensors
 from deltasync.stages.diff import Snapshot
-from deltasync_cli.demo import stdlib_corpus, tiny_qwen3
 
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
 _CLASSES = 256  # bf16 exponent field
@@ -351,10 +350,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     args = ap.parse_args()
 
-    model = tiny_qwen3(hidden_size=args.hidden, layers=args.layers, vocab_size=args.vocab).float()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    data = stdlib_corpus()
-    g = torch.Generator().manual_seed(0)
+    train = Training(args)
+    model = train.model
     tensors, _ = named_tensors(model)
     prev = {n: t.to(torch.bfloat16) for n, t in tensors.items()}
     numel = sum(t.numel() for t in prev.values())
@@ -372,7 +369,7 @@ def main() -> None:
 
     rows = []
     for step in range(1, args.steps + 1):
-        adamw_step(model, opt, data, g, seq=args.seq, batch=args.batch)
+        train.step(seq=args.seq, batch=args.batch)
         new = {n: t.to(torch.bfloat16) for n, t in tensors.items()}
         copy_s = min(copy_s, plain_copy_s(new, repeats=1))
         t0 = time.perf_counter()

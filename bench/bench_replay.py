@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import adamw_step, machine, parser, write_results  # noqa: E402
+from bench._common import Training, machine, parser, write_results  # noqa: E402
 
 CASES = ("full", "replay", "replay-folder", "plain-load")
 
@@ -175,21 +175,19 @@ def run_case(case: str, url: str, step: int, work: Path) -> dict:
 
 def build_streams(args, work: Path) -> tuple[str, str, dict]:
     from deltasync import DeltaPublisher
-    from deltasync_cli.demo import save_model_dir, stdlib_corpus, tiny_qwen3
+    from deltasync_cli.demo import save_model_dir, tiny_qwen3
 
-    model = tiny_qwen3(hidden_size=args.hidden, layers=args.layers, vocab_size=args.vocab).float()
+    train = Training(args)
+    model = train.model
     numel = sum(p.numel() for p in model.parameters())
     print(f"model: {numel / 1e6:.1f}M parameters; machine: {machine()}", flush=True)
     files = save_model_dir(tiny_qwen3(hidden_size=64, layers=1, vocab_size=300), work / "model-files")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    data = stdlib_corpus()
-    g = torch.Generator().manual_seed(0)
     stream, full = str(work / "store" / "run"), str(work / "store" / "full")
     densities = []
     with DeltaPublisher(stream, model, dtype=torch.bfloat16, anchor_every=10**9, on_backlog="block", files=files) as pub:
         pub.publish(0)
         for step in range(1, args.steps + 1):
-            adamw_step(model, opt, data, g)
+            train.step()
             pub.publish(step)
             print(f"trained and published step {step}/{args.steps}", flush=True)
         pub.flush()

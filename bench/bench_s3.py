@@ -23,9 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import adamw_step, machine, parser, write_results  # noqa: E402
+from bench._common import Training, machine, parser, write_results  # noqa: E402
 from deltasync import DeltaPublisher, StreamReader  # noqa: E402
-from deltasync_cli.demo import stdlib_corpus, tiny_qwen3  # noqa: E402
 from deltasync.store import Store, step_dir  # noqa: E402
 from rollout_loader import Follower, StateDictTarget  # noqa: E402
 from tests.integration.seaweedfs import SeaweedFS  # noqa: E402
@@ -51,12 +50,10 @@ def main() -> None:
 def run(args, server: SeaweedFS, work: Path) -> None:
     opts = server.storage_options
     url = server.new_url()
-    model = tiny_qwen3(hidden_size=args.hidden, layers=args.layers, vocab_size=args.vocab).float()
+    train = Training(args)
+    model = train.model
     numel = sum(p.numel() for p in model.parameters())
     print(f"model: {numel / 1e6:.1f}M parameters; S3: SeaweedFS on loopback; machine: {machine()}")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    data = stdlib_corpus()
-    g = torch.Generator().manual_seed(0)
 
     live: dict[int, float] = {}
     follower = Follower(url, StateDictTarget(), poll_s=0.02, storage_options=opts,
@@ -65,7 +62,7 @@ def run(args, server: SeaweedFS, work: Path) -> None:
     with DeltaPublisher(url, model, dtype=torch.bfloat16, anchor_every=1000, storage_options=opts) as pub:
         follower.start()
         for step in range(args.steps + 1):
-            adamw_step(model, opt, data, g)
+            train.step()
             follower.wait_for(step - 1, timeout_s=120) if step else None  # one step in flight, as in RL
             pub.publish(step)
             published[step] = time.perf_counter()

@@ -38,9 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import adamw_step, machine, parser, write_results
+from bench._common import Training, machine, parser, write_results
 from deltasync import DeltaPublisher, StreamReader, replay_to_folder
-from deltasync_cli.demo import save_model_dir, stdlib_corpus, tiny_qwen3
+from deltasync_cli.demo import save_model_dir
 from rollout_loader.vllm import start_engine
 from rollout_loader.vllm.worker import engine_checksums, rpc
 
@@ -145,12 +145,10 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="deltasync-bench-vllm-"))
     atexit.register(shutil.rmtree, work, True)  # removed at exit, on success, error or Ctrl-C
-    model = tiny_qwen3(hidden_size=args.hidden, layers=args.layers, vocab_size=args.vocab).float()
+    train = Training(args)
+    model = train.model
     numel = sum(p.numel() for p in model.parameters())
     print(f"model: {numel / 1e6:.1f}M parameters; machine: {machine()}; contended: {args.contend}")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    data = stdlib_corpus()
-    g = torch.Generator().manual_seed(0)
     model_dir = save_model_dir(model, work / "step0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -170,7 +168,7 @@ def main() -> None:
 
             Prefetcher._seal_next = lambda self, step, held: None  # type: ignore[method-assign]
         for step in range(1, args.steps + 1):
-            adamw_step(model, opt, data, g)
+            train.step()
             pub.publish(step)
             t_pub = time.perf_counter()
             staged_after = _wait_staged(engine, step, sealed=not args.unsealed) - t_pub
