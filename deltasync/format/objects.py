@@ -346,6 +346,7 @@ class StepObject:
         )
 
     def patches(self) -> list[Patch]:
-        """Every changed tensor's decoded change (decoded in parallel; any error is raised here)."""
+        """Every changed tensor's decoded change, in the header's order (decoded in parallel, largest first;
+        any error is raised here)."""
         names = [name for name, h in self.header.tensors.items() if h.changed]
-        return parallel_map(self.patch, names)
+        return parallel_map(self.patch, names, cost=lambda n: self.header.tensors[n].changed)

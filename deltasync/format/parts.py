@@ -188,4 +188,4 @@ class PartedObject(StepObject):
 
     def patches(self) -> list[Patch]:
         names = [name for name, h in self.header.tensors.items() if h.changed]
-        return parallel_map(self.patch, names)
+        return parallel_map(self.patch, names, cost=lambda n: self.header.tensors[n].changed)

@@ -206,7 +206,8 @@ def write_part(dest: Any, cap: ShardedCapture, snapshot: Snapshot, *, state: str
     }
     encoded = {}
     if cap.kind == "delta":
-        for c, enc in zip(cap.changes, parallel_map(lambda c: encode_patch(c, zstd_level=zstd_level), cap.changes)):
+        for c, enc in zip(cap.changes, parallel_map(lambda c: encode_patch(c, zstd_level=zstd_level), cap.changes,
+                                                             cost=lambda c: c.changed)):
             encoded[c.name] = enc
             h = headers[c.name]
             headers[c.name] = TensorHeader(dtype=h.dtype, shape=h.shape, changed=c.changed, checksum=h.checksum, range=h.range,

@@ -141,17 +141,20 @@ def apply_staged(
         return delta
 
     try:
-        # host tensors are patched in parallel across tensors; device tensors one after another, in order
+        # host tensors are patched in parallel across tensors, largest first (none starts last); device
+        # tensors one after another, in order
         on_host = all(tensors[p.name].device.type == "cpu" for p in staged.patches)
-        futures = submit_all(write, staged.patches) if on_host else []
-        deltas = {p.name: f.result() for p, f in zip(staged.patches, futures)} if on_host else {
+        order = sorted(staged.patches, key=lambda p: -p.xor.size) if on_host else []
+        futures = submit_all(write, order)
+        deltas = {p.name: f.result() for p, f in zip(order, futures)} if on_host else {
             p.name: write(p) for p in staged.patches
         }
         if checksums is not None:
             after = {p.name: (checksums[p.name] + deltas[p.name]) & MASK64 for p in staged.patches}
         else:
             after = dict(zip((p.name for p in staged.patches),
-                             parallel_map(lambda p: tensor_checksum(tensors[p.name]), staged.patches)))
+                             parallel_map(lambda p: tensor_checksum(tensors[p.name]), staged.patches,
+                                          cost=lambda p: tensors[p.name].numel())))
         bad = [p for p in staged.patches if after[p.name] != p.checksum]
         if bad:
             raise ChecksumMismatchError(

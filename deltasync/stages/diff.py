@@ -104,7 +104,6 @@ class Snapshot:
             else:  # device paths (torch ops, host chunks): one tensor at a time
                 found[name] = _diff_tensor(self._cast(t.detach()), snap, self.max_chunk_bytes, self._scratch,
                                            self.offsets.get(name, 0))
-        host.sort(key=lambda r: r[1] - r[2])
 
         def diff_range(r: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, int]:
             name, start, stop = r
@@ -113,7 +112,7 @@ class Snapshot:
             return _diff_np(np_bits(cur), snap, self.offsets.get(name, 0) + start, self._scratch, parallel=False)
 
         ranges: dict[str, list[tuple[int, tuple[np.ndarray, np.ndarray, int]]]] = {}
-        for r, part in zip(host, parallel_map(diff_range, host)):
+        for r, part in zip(host, parallel_map(diff_range, host, cost=lambda r: r[2] - r[1])):
             ranges.setdefault(r[0], []).append((r[1], part))
         for name, parts in ranges.items():
             found[name] = _concat([p for _, p in sorted(parts, key=lambda sp: sp[0])], self.tensors[name].element_size())
@@ -246,8 +245,11 @@ def _diff_torch(cur: torch.Tensor, snap: torch.Tensor, step: int, width: int, ba
 
 
 def _concat(parts: list[tuple[np.ndarray, np.ndarray, int]], width: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """One part from many; a lone part is returned as is (its arrays are already the diff's own, not scratch)."""
     if not parts:
         return np.empty(0, np.int64), np.empty(0, UNSIGNED_NP[width]), 0
+    if len(parts) == 1:
+        return parts[0]
     return (
         np.concatenate([p[0] for p in parts]),
         np.concatenate([p[1] for p in parts]),
