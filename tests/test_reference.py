@@ -1,8 +1,9 @@
 """Every path that diffs, checksums or patches bits, against an independent reference of docs/FORMAT.md section 4.
 
 The reference below is written from the format text alone (NumPy uint64 arithmetic wraps mod 2**64) and
-imports nothing from deltasync. The kernels read 8-byte words of 1 to 8 elements, skip 4 words at a time and
-split work into blocks of 1 << 15 elements, 64 blocks per call; so sizes and change positions are exhaustive
+imports nothing from deltasync. The kernels read 8-byte words of 1 to 8 elements, in runs of 4096 words (each
+run sparse or dense), and split work into blocks of 1 << 15 elements, 64 blocks per call; so sizes and change
+positions are exhaustive
 where that structure repeats (a period of at most 32 elements, several times over), sampled up to 300, and
 placed around the block and call boundaries. Each path is checked the same way: the device paths (host
 chunks, torch ops) run here on CPU tensors through the very functions that device tensors take.
@@ -156,6 +157,9 @@ PATTERNS: dict[str, Callable[[int, np.random.Generator], np.ndarray]] = {
     "tail8": lambda n, rng: np.arange(max(0, n - 8), n),
     "rand25": lambda n, rng: np.flatnonzero(rng.random(n) < 0.25),
     "rand75": lambda n, rng: np.flatnonzero(rng.random(n) < 0.75),
+    # RL densities: the diff kernel's sparse (marks visited 8 at a time) and dense (listed) runs, mixed
+    "rand2": lambda n, rng: np.flatnonzero(rng.random(n) < 0.02),
+    "rand02": lambda n, rng: np.flatnonzero(rng.random(n) < 0.002),
     "none": lambda n, rng: np.arange(0),
 }
 
@@ -281,6 +285,26 @@ def test_snapshot_diff_around_kernel_blocks(dtype):
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # 65 blocks: let them run concurrently
         diff_with_snapshot(big)
         diff_with_chunks(big, step=(1 << 20) + 3)
+
+
+@pytest.mark.parametrize("dtype", ONE_PER_WIDTH, ids=str)
+def test_snapshot_diff_runs_of_words_sparse_after_dense(dtype):
+    """Inside one block the diff kernel takes runs of 4096 words: a dense run (listed word by word) followed by
+    a short sparse run (its marks visited 8 at a time) must not see the dense run's marks again, whatever
+    the width; and a sparse run ending inside an 8-word group."""
+    rng = np.random.default_rng(61)
+    group = 8 // torch.empty(0, dtype=dtype).element_size()
+    run = 4096 * group  # elements per run of words
+    cases = []
+    for tail_words in (1, 5, 8, 1000, 1001, 1003):
+        n = (1 << 15) + run + tail_words * group  # the last block: a full run, then a partial one
+        old = random_bits(n, dtype, rng)
+        dense = np.arange(1 << 15, (1 << 15) + run)
+        cases.append(Case(f"n{n}.dense_then_last", dtype, old, changed_bits(old, [*dense, n - 1], dtype, rng)))
+        cases.append(Case(f"n{n}.dense_then_none", dtype, old, changed_bits(old, dense, dtype, rng)))
+        sparse = np.flatnonzero(rng.random(n) < 0.002)
+        cases.append(Case(f"n{n}.sparse", dtype, old, changed_bits(old, [*sparse, n - 1], dtype, rng)))
+    diff_with_snapshot(cases)
 
 
 def diff_with_chunks(cases: list[Case], step: int) -> None:

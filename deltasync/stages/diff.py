@@ -194,15 +194,15 @@ def _diff_np(
     covered = 0
     if words_a is not None and words_b is not None:
         covered = words_a.size * group
-        parts += _scan(words_a, words_b, a[:covered], b[:covered], group, base, scratch, parallel)
+        parts += _scan(words_a, words_b, a[:covered], group, base, scratch, parallel)
     if covered < a.size:
         ta, tb = a[covered:], b[covered:]
-        parts += _scan(ta, tb, ta, tb, 1, base + covered, scratch, parallel)
+        parts += _scan(ta, tb, ta, 1, base + covered, scratch, parallel)
     return _concat(parts, a.itemsize)
 
 
 def _scan(
-    aw: np.ndarray, bw: np.ndarray, a: np.ndarray, b: np.ndarray, group: int, base: int, scratch: _Scratch,
+    aw: np.ndarray, bw: np.ndarray, a: np.ndarray, group: int, base: int, scratch: _Scratch,
     parallel: bool | None = None,
 ) -> list[tuple[np.ndarray, np.ndarray, int]]:
     """Run the diff kernel over ``a`` (global index of ``a[0]``: ``base``), at most 64 blocks per call."""
@@ -214,7 +214,7 @@ def _scan(
     parts = []
     for first in range(0, total_blocks, _SUPER_BLOCKS):
         n = min(_SUPER_BLOCKS, total_blocks - first)
-        _kernels.diff_scan(aw, bw, a, b, group, block_words, first, n, base, scratch_pos, scratch_xor, counts, sums,
+        _kernels.diff_scan(aw, bw, a, group, block_words, first, n, base, scratch_pos, scratch_xor, counts, sums,
                            parallel=parallel)
         changed = int(counts[:n].sum())
         delta = int(sums[:n].sum(dtype=np.uint64))
