@@ -79,6 +79,13 @@ def test_xor_patches_equals_patches_applied_one_by_one(block_bytes):
     assert np.array_equal(t.reshape(-1).view(torch.uint16).numpy(), want)
     replay.xor_patches(t, [], block_bytes=block_bytes)  # nothing to apply: nothing changes
     assert np.array_equal(t.reshape(-1).view(torch.uint16).numpy(), want)
+    # a sparse patch that runs past the tensor is refused before any block is written, whatever its place
+    bad = Patch(name="w", dtype="BF16", shape=(10, 100), positions=np.array([5, n], np.int64),
+                xor=np.ones(2, np.uint16), checksum=0)
+    with pytest.raises(TensorMismatchError, match="positions run from 5 to 1000"):
+        replay.xor_patches(t, [p for p in patches if p.positions is not None] + [bad], block_bytes=block_bytes)
+    if block_bytes < n * 2:  # written block by block: nothing was written at all
+        assert np.array_equal(t.reshape(-1).view(torch.uint16).numpy(), want)
 
 
 def test_replayed_folder_loads_in_transformers_with_the_trainers_logits(qwen_stream, tmp_path):

@@ -37,6 +37,7 @@ from deltasync.errors import (
     StepNotFoundError,
     TensorMismatchError,
 )
+from deltasync.format import _kernels
 from deltasync.format.checksum import (
     add,
     format_checksum,
@@ -47,7 +48,7 @@ from deltasync.format.checksum import (
 from deltasync.format.objects import StepHeader, StepObject
 from deltasync.format.patch import Patch
 from deltasync.reader import StreamReader
-from deltasync.stages.apply import xor_apply
+from deltasync.stages.apply import host_arrays, xor_apply
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -246,19 +247,21 @@ def xor_patches(t: torch.Tensor, patches: list[Patch], *, block_bytes: int = BLO
     checksums: the caller checksums the result. A tensor of more than ``block_bytes`` is visited one block
     at a time, each block receiving its part of every patch (found by binary search in the sorted positions)."""
     sparse = [p for p in patches if p.positions is not None and p.positions.size]
+    whole = len(sparse) < 2 or t.numel() * t.element_size() <= block_bytes or t.device.type != "cpu"
     for p in patches:
-        if p.positions is None or len(sparse) < 2 or t.numel() * t.element_size() <= block_bytes:
+        if p.positions is None or whole:
             xor_apply(t, p.positions, p.xor, checksum=False)
-    if len(sparse) < 2 or t.numel() * t.element_size() <= block_bytes:
+    if whole:
         return
+    arrays = [host_arrays(t, p.positions, p.xor) for p in sparse]  # each patch checked once, in full
     step = max(1, block_bytes // t.element_size())
     bounds = np.arange(0, t.numel() + step, step, dtype=np.int64)
     cuts = [np.searchsorted(p.positions, bounds) for p in sparse]
     for b in range(len(bounds) - 1):
-        for p, cut in zip(sparse, cuts):
+        for (u, pos, xor), cut in zip(arrays, cuts):
             i, j = int(cut[b]), int(cut[b + 1])
             if j > i:  # global positions into the whole tensor: no rebased copy
-                xor_apply(t, p.positions[i:j], p.xor[i:j], checksum=False)
+                _kernels.xor_plain_at(u, pos[i:j], xor[i:j])
 
 
 def group_full(t: torch.Tensor, group: list[Patch]) -> bool:

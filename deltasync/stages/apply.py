@@ -210,6 +210,16 @@ def xor_apply(
     return _xor_apply_torch(int_view(bits), positions, xor, index, checksum)
 
 
+def host_arrays(bits: torch.Tensor, positions: np.ndarray, xor: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``bits`` (a contiguous CPU tensor), ``positions`` and ``xor`` checked as ``xor_apply`` checks them, as
+    the arrays the CPU kernels take: for a caller that writes one patch in many slices (replay, block by
+    block), checked once in full (every slice is then in range) instead of once per slice."""
+    if not bits.is_contiguous() or bits.device.type != "cpu":
+        raise TensorMismatchError(f"cannot patch a non-contiguous or non-CPU tensor of shape {tuple(bits.shape)} here")
+    _check_patch(bits.element_size(), bits.numel(), positions, xor, None, int(positions.size))
+    return np_bits(bits), _np_int64(positions), _np_unsigned(xor, bits.element_size())
+
+
 def _check_patch(width: int, numel: int, positions: Indices | None, xor: np.ndarray | torch.Tensor,
                  index: Indices | int | None, count: int) -> None:
     xsize = int(xor.numel() if isinstance(xor, torch.Tensor) else xor.size)
