@@ -9,6 +9,9 @@ baselines on the same change:
   idx32     int32 indices + bf16 new values (TRL v1);
   gap16     uint16 gap-coded indices (uint32 for a tensor whose largest gap needs it) + bf16 values (TRL v3).
 Reference time: one plain copy of all the model's tensors (copy_ into preallocated tensors), same run.
+Floors, same run, for diff + encode: `compare` reads the weights and the snapshot once and only counts
+the words that differ (the memory traffic any diff pays, on the same thread pool); `diff, no change` is
+deltasync's diff of a step that changed nothing (its fixed cost: the scan and the per-tensor calls).
 Prints a table and writes bench/results/codec-<date>.json.
 """
 
@@ -22,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numba
 import numpy as np
 import torch
 
@@ -84,6 +88,34 @@ def baseline_apply(state: dict[str, torch.Tensor], blobs: dict, kind: str) -> No
             idx = torch.from_numpy(np.frombuffer(ib, dtype).astype(np.int64)).cumsum(0) - 1
         vals = torch.from_numpy(np.frombuffer(vb, np.int16).copy())
         state[n].reshape(-1).view(torch.int16)[idx] = vals
+
+
+@numba.njit(nogil=True, cache=True)
+def _count_unequal(a: np.ndarray, b: np.ndarray) -> int:
+    n = 0
+    for i in range(a.size):
+        n += a[i] != b[i]
+    return n
+
+
+def floors_s(snap: Snapshot, new: dict[str, torch.Tensor], repeats: int = 3) -> dict[str, float]:
+    """The two floors of diff + encode (see the module doc), best of ``repeats``."""
+    from deltasync.format._bits import np_bits, np_words
+    from deltasync.format.codecs import parallel_map
+
+    pairs = [(np_words(np_bits(new[n]))[0], np_words(np_bits(t))[0]) for n, t in snap.tensors.items()]
+    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+    _count_unequal(pairs[0][0][:8], pairs[0][1][:8])
+    same = {n: t.clone() for n, t in snap.tensors.items()}
+    best = {"compare_s": float("inf"), "diff_no_change_s": float("inf")}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        parallel_map(lambda ab: _count_unequal(*ab), pairs, cost=lambda ab: ab[0].size)
+        t1 = time.perf_counter()
+        snap.diff(same)
+        t2 = time.perf_counter()
+        best = {"compare_s": min(best["compare_s"], t1 - t0), "diff_no_change_s": min(best["diff_no_change_s"], t2 - t1)}
+    return best
 
 
 def main() -> None:
@@ -201,8 +233,11 @@ def main() -> None:
             f"{mean(k, 'decode_apply_s') / copy_s:.2f}",
         )
     Console(width=140).print(table)
+    floors = floors_s(snap, new)
+    print("floors of diff + encode, same run (best of 3): "
+          + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v * 1e3:.0f} ms = {v / copy_s:.2f}x copy" for k, v in floors.items()))
     write_results(args, "codec", {
-        "numel": numel, "copy_s": copy_s, "model_bytes": model_bytes, "snapshot_rss_bytes": snapshot_rss,
+        "numel": numel, "copy_s": copy_s, "floors_s": floors, "model_bytes": model_bytes, "snapshot_rss_bytes": snapshot_rss,
         "rss_growth_after_run_bytes": rss_bytes() - rss0 - snapshot_rss, "rows": rows,
     })
 
