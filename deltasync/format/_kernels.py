@@ -152,7 +152,7 @@ def _diff_scan(
     word and element in turn (mispredicted branches were most of the time), and ~40% less at 5%.
     """
     stride = block_words * group
-    bits = 64 // group if group > 1 else 64
+    bits = 64 // group
     lane_mask = ~np.uint64(0) >> np.uint64(64 - bits)
     for kk in numba.prange(nblocks):
         marks = np.zeros(_RUN, np.uint8)

@@ -66,21 +66,21 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], *, cost: Callable[[T]
     items = list(items)
     if len(items) <= 1 or getattr(_local, "in_pool", False):
         return [fn(x) for x in items]
-    if cost is None:
-        return list(_executor().map(fn, items))
-    order = sorted(range(len(items)), key=lambda k: -cost(items[k]))
+    order = _start_order(items, cost)
     done = dict(zip(order, _executor().map(lambda k: fn(items[k]), order)))
     return [done[k] for k in range(len(items))]
 
 
-def submit_all(fn: Callable[[T], R], items: Iterable[T]) -> list[Future[R]]:
-    """Like ``parallel_map`` but returns the futures, for a caller that must know which items finished
-    (an apply that undoes what it wrote when another item fails). Inside the pool the items run in order
-    right here, and those after a failed one are cancelled (never started); an interrupt propagates."""
+def submit_all(fn: Callable[[T], R], items: Iterable[T], *, cost: Callable[[T], int] | None = None) -> list[Future[R]]:
+    """Like ``parallel_map`` (``cost`` included) but returns the futures, in the items' order, for a caller
+    that must know which items finished (an apply that undoes what it wrote when another item fails). Inside
+    the pool the items run in order right here, and those after a failed one are cancelled (never started);
+    an interrupt propagates."""
     items = list(items)
     if len(items) > 1 and not getattr(_local, "in_pool", False):
         pool = _executor()
-        return [pool.submit(fn, x) for x in items]
+        started = {k: pool.submit(fn, items[k]) for k in _start_order(items, cost)}
+        return [started[k] for k in range(len(items))]
     futures: list[Future[R]] = [Future() for _ in items]
     for k, (f, x) in enumerate(zip(futures, items)):
         try:
@@ -91,6 +91,11 @@ def submit_all(fn: Callable[[T], R], items: Iterable[T]) -> list[Future[R]]:
                 rest.cancel()
             break
     return futures
+
+
+def _start_order(items: list[T], cost: Callable[[T], int] | None) -> list[int]:
+    """Indices of ``items`` in the order to start them: largest ``cost`` first, else as given."""
+    return list(range(len(items))) if cost is None else sorted(range(len(items)), key=lambda k: -cost(items[k]))
 
 
 def _executor() -> ThreadPoolExecutor:

@@ -144,9 +144,8 @@ def apply_staged(
         # host tensors are patched in parallel across tensors, largest first (none starts last); device
         # tensors one after another, in order
         on_host = all(tensors[p.name].device.type == "cpu" for p in staged.patches)
-        order = sorted(staged.patches, key=lambda p: -p.xor.size) if on_host else []
-        futures = submit_all(write, order)
-        deltas = {p.name: f.result() for p, f in zip(order, futures)} if on_host else {
+        futures = submit_all(write, staged.patches, cost=lambda p: p.xor.size) if on_host else []
+        deltas = {p.name: f.result() for p, f in zip(staged.patches, futures)} if on_host else {
             p.name: write(p) for p in staged.patches
         }
         if checksums is not None:

@@ -249,7 +249,7 @@ def _concat(parts: list[tuple[np.ndarray, np.ndarray, int]], width: int) -> tupl
     if not parts:
         return np.empty(0, np.int64), np.empty(0, UNSIGNED_NP[width]), 0
     if len(parts) == 1:
-        return parts[0]
+        return parts[0][0], parts[0][1], parts[0][2] & MASK64
     return (
         np.concatenate([p[0] for p in parts]),
         np.concatenate([p[1] for p in parts]),

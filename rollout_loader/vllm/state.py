@@ -303,6 +303,8 @@ def write_sealed(state: WorkerState, staged: Sequence[Staged], sealed: Seal) -> 
                          lambda landed: _scatter_all(state, staged, landed=landed))
 
 
+# not the codec pool (deltasync.format.codecs): the prefetcher decodes the next step there, and a pause must
+# not queue behind that work
 _SCATTER_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="deltasync-write")
 
 
