@@ -45,6 +45,16 @@ class Recorder(TrainerCallback):
         self.logs.append(dict(logs or {}))
 
 
+class Committed(TrainerCallback):
+    """Waits, at the end of each step (after the DeltaSyncCallback captured it), until the step is committed."""
+
+    def __init__(self, callback: DeltaSyncCallback) -> None:
+        self.callback = callback
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.callback.publisher.flush()
+
+
 def training_args(tmp_path, steps: int, **kw) -> TrainingArguments:
     return TrainingArguments(
         output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3,
@@ -111,6 +121,9 @@ def test_attach_puts_metrics_ahead_of_reporting_callbacks(tmp_path):
     trainer = Trainer(model=model, args=training_args(tmp_path, 2), train_dataset=TokenData(), callbacks=[reporter])
     callback = DeltaSyncCallback(str(tmp_path / "stream"), on_backlog="block")
     assert callback.attach(trainer) is trainer
+    # each step committed before its log (publishing is asynchronous: on a fresh install the first upload
+    # waits for the kernels to compile, and a log would come before any commit whatever the order)
+    trainer.add_callback(Committed(callback))
     trainer.train()
     assert [("deltasync/bytes" in log) for log in reporter.logs if "loss" in log] == [True, True]
 
