@@ -1,24 +1,33 @@
 """Static routing from trainer (Hugging Face checkpoint) tensors to an inference engine's parameters.
 
-Built once at start-up from names and shapes only, so every later patch is a pure index computation. An
-engine parameter may be fused (``qkv_proj`` holds q, k and v stacked along dim 0; ``gate_up_proj`` holds
-gate and up) and, under tensor parallelism, each rank holds one slice of it. A :class:`Route` records, for
-one checkpoint tensor on this rank, the box of the checkpoint tensor this rank holds and where that box
-sits inside the local parameter; flat indices map through it with a handful of integer ops.
+Routes are *learned*, not written per model: the engine's own loading code runs once over meta tensors (no
+data) while :class:`CopyRecorder` records every ``copy_`` into a parameter: which checkpoint tensor it read,
+and which strided view of it landed in which strided view of the parameter. Fused projections (q/k/v into
+``qkv_proj``), tensor-parallel slices, mixture-of-experts stacks (``experts.{e}.gate_proj`` into
+``w13_weight[e_local, :I]``), padded vocabularies: whatever the loader does with views, the record says.
+:func:`build_routing_table` turns the record into one :class:`Route` per checkpoint tensor, a box of the
+checkpoint tensor and the box of the parameter it lands in, so every later patch is a pure index
+computation.
 
-Everything that cannot be placed fails here, at build time, not halfway through a patch.
+Everything that cannot be placed exactly fails here, at build time, not halfway through a patch: a tensor the
+loader reads through anything but a view, a parameter written by anything but a copy of a checkpoint tensor
+(or a fill of padding), a parameter or part of one no checkpoint element feeds.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltasync import TensorMismatchError
+
+Shape = tuple[int, ...]
 
 
 class RoutingError(TensorMismatchError):
@@ -27,56 +36,73 @@ class RoutingError(TensorMismatchError):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Shard:
-    """One checkpoint tensor's part of a parameter, along the parameter's split (or fused) dim.
+class View:
+    """A strided view into a contiguous tensor of shape ``base``: element ``i`` of the view is flat element
+    ``offset + sum(i[d] * stride[d])`` of the base (what ``storage_offset()``/``stride()`` say)."""
 
-    ``size`` is the checkpoint tensor's extent along that dim. Under tensor parallelism the extent
-    ``padded_size`` (>= size; vocabularies are padded to a multiple) is cut into ``tp_size // replicas``
-    equal blocks and rank r holds block ``r // replicas``: ``replicas > 1`` when several ranks hold the
-    same block (k and v when there are fewer kv heads than ranks). Rows past ``size`` are padding that no
-    checkpoint element feeds.
-    """
+    base: Shape
+    offset: int
+    shape: Shape
+    stride: Shape
 
-    size: int
-    padded_size: int | None = None
-    replicas: int = 1
+    def box(self) -> tuple[Shape, Shape] | None:
+        """(start, extent) of the view as a box of the base, or None when it is no box (a transpose, a step,
+        a broadcast): its dims of size > 1 must be base dims, in the base's order, with the base's strides."""
+        strides = _strides(self.base)
+        start, rest = [], self.offset
+        for s, size in zip(strides, self.base):
+            c, rest = divmod(rest, s) if s else (0, rest)
+            if size and c >= size:
+                return None
+            start.append(c)
+        extent = [1] * len(self.base)
+        last = -1
+        for size, st in zip(self.shape, self.stride):
+            if size == 1:
+                continue
+            dims = [d for d in range(last + 1, len(self.base)) if strides[d] == st and self.base[d] > 1]
+            if not dims or start[dims[0]] + size > self.base[dims[0]]:
+                return None
+            last = dims[0]
+            extent[last] = size
+        return tuple(start), tuple(extent)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParamSpec:
-    """An engine parameter as this rank holds it.
+class Copy:
+    """One ``copy_`` the engine's loader made: view ``src`` of checkpoint tensor ``hf_name`` into view ``dst``
+    of parameter ``param_name`` (both views have the same elements, in the same order)."""
 
-    ``split_dim``: the dim cut across tensor-parallel ranks (0 for column- and vocab-parallel layers,
-    1 for row-parallel ones), None when every rank holds the whole parameter. ``shards``: for a fused
-    parameter, its parts stacked along dim 0 in checkpoint order (q, k, v); for a plain one either empty
-    (one shard of the checkpoint tensor's full extent) or one shard saying how dim 0 is padded.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    split_dim: int | None = None
-    shards: tuple[Shard, ...] = ()
+    hf_name: str
+    src: View
+    param_name: str
+    dst: View
 
 
 @dataclass(frozen=True, kw_only=True)
 class Route:
     """Where this rank's part of checkpoint tensor ``hf_name`` lives in parameter ``param_name``.
 
-    The part is a box: along dim d it spans ``hf_start[d] : hf_start[d] + extent[d]`` of the checkpoint
-    tensor and ``param_start[d] : param_start[d] + extent[d]`` of the local parameter. ``owner`` is True on
-    exactly one of the ranks holding the same box, so per-rank checksums of owned boxes add up to the
-    checksum of the whole checkpoint tensor.
+    The part is a box of the checkpoint tensor (``hf_start``, ``extent``, in its dims) and lands, element for
+    element in row-major order, in a box of the local parameter (``param_start``, ``param_extent``, in the
+    parameter's dims: an expert's ``[I, H]`` box sits in ``w13_weight`` as ``[1, I, H]``). ``owner`` is True on
+    exactly one of the ranks holding the same box, so per-rank checksums of owned boxes add up to the checksum
+    of the whole checkpoint tensor.
     """
 
     hf_name: str
-    hf_shape: tuple[int, ...]
+    hf_shape: Shape
     param_name: str
-    param_shape: tuple[int, ...]
-    shard: int | None
-    hf_start: tuple[int, ...]
-    param_start: tuple[int, ...]
-    extent: tuple[int, ...]
+    param_shape: Shape
+    hf_start: Shape
+    param_start: Shape
+    extent: Shape
+    param_extent: Shape = ()  # () means the same as ``extent`` (both tensors have the same rank)
     owner: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.param_extent:
+            object.__setattr__(self, "param_extent", tuple(self.extent))
 
     @property
     def numel(self) -> int:
@@ -97,37 +123,35 @@ class Route:
 
     def param_indices(self) -> torch.Tensor:
         """Flat local-parameter indices of the same elements, in the same order as :meth:`hf_indices`."""
-        return _box_indices(self.param_shape, self.param_start, self.extent)
+        return _box_indices(self.param_shape, self.param_start, self.param_extent)
 
     def localize(self, positions: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """For flat checkpoint ``positions``: (mask of those held on this rank, or None for all of them,
         their flat param indices)."""
         pos = positions.reshape(-1).to(torch.int64)
-        trailing_whole = all(
-            hs == 0 and ext == size and psize == size
-            for size, psize, hs, ext in zip(self.hf_shape[1:], self.param_shape[1:], self.hf_start[1:], self.extent[1:])
-        )
-        if self.hf_shape and trailing_whole:
-            # a block of whole rows (q/k/v in qkv_proj, gate/up, a column-parallel shard): one shift
-            row = math.prod(self.hf_shape[1:])
-            lo, hi = self.hf_start[0] * row, (self.hf_start[0] + self.extent[0]) * row
-            shift = self.param_start[0] * row - lo
-            if lo == 0 and hi == math.prod(self.hf_shape):
+        hf_run, p_run = _run(self.hf_shape, self.hf_start, self.extent), _run(self.param_shape, self.param_start,
+                                                                             self.param_extent)
+        if hf_run is not None and p_run is not None:
+            # both boxes are one contiguous run (whole rows of q in qkv_proj, an expert in w13_weight): one shift
+            lo, hi = hf_run, hf_run + self.numel
+            shift = p_run - lo
+            if lo == 0 and hi == self.hf_numel:
                 return None, pos + shift if shift else pos
             keep = (pos >= lo) & (pos < hi)
             return keep, pos[keep] + shift
         keep = torch.ones_like(pos, dtype=torch.bool)
-        out = torch.zeros_like(pos)
-        hf_strides = _strides(self.hf_shape)
-        p_strides = _strides(self.param_shape)
-        for d, (size, hs, ps, ext) in enumerate(
-            zip(self.hf_shape, self.hf_start, self.param_start, self.extent, strict=True)
-        ):
-            coord = (pos // hf_strides[d]) % size
+        local = torch.zeros_like(pos)
+        for d, (size, st, hs, ext) in enumerate(zip(self.hf_shape, _strides(self.extent), self.hf_start, self.extent)):
+            coord = (pos // _strides(self.hf_shape)[d]) % size
             if hs != 0 or ext != size:
                 keep &= (coord >= hs) & (coord < hs + ext)
-            out += (coord - hs + ps) * p_strides[d]
-        return keep, out[keep]
+            local += (coord - hs) * st
+        local = local[keep]
+        out = torch.zeros_like(local)
+        for size, st, ps, pst in zip(self.param_extent, _strides(self.param_extent), self.param_start,
+                                     _strides(self.param_shape)):
+            out += ((local // st) % size + ps) * pst
+        return keep, out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,184 +181,216 @@ class RoutingTable:
         return out
 
 
-def packed_resolver(
-    packed_modules_mapping: Mapping[str, Sequence[str]],
-    rename: Callable[[str], str | None] | None = None,
-) -> Callable[[str], tuple[str, int | None] | None]:
-    """Resolve a checkpoint name to (parameter name, shard position) with a model's packed-module mapping.
+class CopyRecorder(TorchDispatchMode):
+    """Records what a weight loader does to parameters while it runs over meta tensors (no data moves).
 
-    ``rename`` (e.g. a model's prefix renames) is applied first; it returns None for names the engine
-    drops. ``model.layers.0.self_attn.k_proj.weight`` with ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``
-    resolves to (``model.layers.0.self_attn.qkv_proj.weight``, 1). Names that are no packed part resolve to
-    themselves with shard None; the caller checks that they exist.
+    ``params``/``sources``: {name: meta tensor} of the parameters (checkpoint format) and of the checkpoint
+    tensors handed to the loader. Each ``copy_`` into a parameter becomes a :class:`Copy`; a ``fill_``/``zero_``
+    of a parameter view a fill (padding no checkpoint element feeds); any other write into a parameter, or a
+    copy from anything but a view of a checkpoint tensor, a problem naming the parameter (it gets no exact
+    route). Views keep their storage, so the storage tells which tensor a view belongs to. Writes into
+    parameters are recorded, never executed.
     """
-    part_of = {part: (fused, i) for fused, parts in packed_modules_mapping.items() for i, part in enumerate(parts)}
 
-    def resolve(name: str) -> tuple[str, int | None] | None:
-        new = rename(name) if rename is not None else name
-        if new is None:
-            return None
-        module, _, leaf = new.rpartition(".")
-        parent, _, last = module.rpartition(".")
-        if last in part_of:
-            fused, i = part_of[last]
-            return f"{parent + '.' if parent else ''}{fused}.{leaf}", i
-        return new, None
+    def __init__(self, params: Mapping[str, torch.Tensor], sources: Mapping[str, torch.Tensor]) -> None:
+        super().__init__()
+        self._params = {_storage(t): (n, tuple(t.shape)) for n, t in params.items()}
+        self._sources = {_storage(t): (n, tuple(t.shape)) for n, t in sources.items()}
+        self.copies: list[Copy] = []
+        self.fills: list[tuple[str, View]] = []
+        self.problems: dict[str, str] = {}
 
-    return resolve
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        dst = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        target = self._params.get(_storage(dst)) if dst is not None and func._schema.is_mutable else None
+        if target is not None:
+            name, base = target
+            view = _view(dst, base)
+            op = func.overloadpacket.__name__
+            if op == "copy_":
+                src = args[1]
+                source = self._sources.get(_storage(src)) if isinstance(src, torch.Tensor) else None
+                if source is None:
+                    self.problems.setdefault(name, "copied from something other than a view of a checkpoint tensor")
+                elif src.numel() != dst.numel():
+                    self.problems.setdefault(name, f"the loader copies {list(src.shape)} of {source[0]!r} into "
+                                                   f"{list(dst.shape)} of it: the shapes do not fit")
+                else:
+                    self.copies.append(Copy(hf_name=source[0], src=_view(src, source[1]), param_name=name, dst=view))
+            elif op in ("fill_", "zero_"):
+                self.fills.append((name, view))
+            else:
+                self.problems.setdefault(name, f"written by {func} (only copies of checkpoint tensors are routable)")
+            return dst  # never executed: a parameter left live (a bias) must keep its bits
+        return func(*args, **kwargs)
 
 
 def build_routing_table(
     hf_shapes: Mapping[str, Sequence[int]],
-    params: Iterable[ParamSpec],
+    copies: Iterable[Copy],
+    param_shapes: Mapping[str, Sequence[int]],
     *,
-    resolve: Callable[[str], tuple[str, int | None] | None],
-    tp_rank: int = 0,
-    tp_size: int = 1,
+    fills: Iterable[tuple[str, View]] = (),
+    problems: Mapping[str, str] | None = None,
+    refused: Mapping[str, str] | None = None,
+    unfed_ok: Iterable[str] = (),
     tied: Mapping[str, str] | None = None,
     ignore: Iterable[str] = (),
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> RoutingTable:
-    """Place every checkpoint tensor in ``hf_shapes`` on this rank's parameters ``params``.
+    """Routes of checkpoint tensors ``hf_shapes`` into parameters ``param_shapes`` from recorded ``copies``.
 
-    ``resolve`` maps a checkpoint name to (parameter name, shard position or None), or None when the engine
-    drops that tensor. ``tied`` maps an alias parameter name to the parameter it shares storage with
-    (``lm_head.weight`` -> ``model.embed_tokens.weight``): an update to the latter reaches both, and a
-    checkpoint tensor resolving to an alias is an error, since it would have to agree with the other.
-    ``ignore``: checkpoint names to leave out on purpose.
+    ``fills``: parameter views the loader filled (padding); ``problems``: {parameter: why it has no exact
+    route} (from :class:`CopyRecorder`); ``refused``: {checkpoint tensor: why the loader refused it};
+    ``unfed_ok``: parameters that need no checkpoint tensor (they share
+    storage with a fed one: a tied head); ``tied`` is kept in the table for callers; ``ignore``: checkpoint
+    names left out on purpose. Owners are this rank's: see :func:`assign_owners` across ranks.
 
-    Raises RoutingError for a checkpoint tensor that resolves to nothing, to an unknown or tied parameter,
-    or with a shape that does not fit; and for a parameter, or a shard of a fused parameter, that no
-    checkpoint tensor feeds.
+    Raises RoutingError naming every checkpoint tensor that lands nowhere, twice, or not as a box, and every
+    parameter with a problem, written twice, or with elements no checkpoint tensor or fill feeds.
     """
-    if not 0 <= tp_rank < tp_size:
-        raise RoutingError(f"tensor-parallel rank {tp_rank} is outside world size {tp_size}")
-    tied = dict(tied or {})
-    specs = {p.name: p for p in params}
     skip = set(ignore)
+    issues = [f"engine parameter {p!r}: {why}" for p, why in sorted((problems or {}).items())]
+    by_hf: dict[str, list[Copy]] = {}
+    for c in copies:
+        if c.hf_name not in skip:
+            by_hf.setdefault(c.hf_name, []).append(c)
     routes: dict[str, Route] = {}
-    fed: dict[str, set[int | None]] = {}
-    misfit: set[str] = set()  # parameters already reported through a tensor that does not fit
-    problems: list[str] = []
+    misfit = set(problems or {})  # parameters already reported through the tensor feeding them
     for hf_name, shape in hf_shapes.items():
         if hf_name in skip:
             continue
-        target = resolve(hf_name)
-        if target is None:
-            problems.append(f"{hf_name!r}: the engine drops this tensor (pass it in ignore= if that is intended)")
-            continue
-        param_name, shard = target
-        if param_name in tied:
-            problems.append(
-                f"{hf_name!r}: engine parameter {param_name!r} is tied to {tied[param_name]!r}; updates reach it "
-                "through that tensor, so leave this one out of the checkpoint (or pass it in ignore=)"
-            )
-            continue
-        spec = specs.get(param_name)
-        if spec is None:
-            problems.append(f"{hf_name!r}: no engine parameter {param_name!r}")
-            continue
-        try:
-            routes[hf_name] = _route(hf_name, tuple(int(s) for s in shape), spec, shard, tp_rank, tp_size)
-        except RoutingError as e:
-            problems.append(str(e))
-            misfit.add(param_name)
-            continue
-        if shard in fed.setdefault(param_name, set()):
-            other = next(
-                r.hf_name
-                for r in routes.values()
-                if r.param_name == param_name and r.shard == shard and r.hf_name != hf_name
-            )
-            problems.append(f"{hf_name!r} and {other!r} both feed {param_name!r} (shard {shard})")
-        fed[param_name].add(shard)
-    for name, spec in specs.items():
-        wanted: set[int | None] = set(range(len(spec.shards))) if len(spec.shards) > 1 else {None}
-        missing = wanted - fed.get(name, set())
-        if name in misfit:
-            continue
-        if missing == wanted:
-            problems.append(f"engine parameter {name!r} is fed by no checkpoint tensor")
-        elif missing:
-            problems.append(f"engine parameter {name!r}: shards {sorted(missing)} are fed by no checkpoint tensor")
-    if problems:
-        raise RoutingError(f"cannot route {len(problems)} tensor(s):\n  " + "\n  ".join(problems))
-    return RoutingTable(routes=routes, tied=tied, tp_rank=tp_rank, tp_size=tp_size)
-
-
-def _route(hf_name: str, hf_shape: tuple[int, ...], spec: ParamSpec, shard: int | None, rank: int, size: int) -> Route:
-    where = f"{hf_name!r} -> {spec.name!r}"
-    nd, split = len(spec.shape), spec.split_dim
-    fused = len(spec.shards) > 1
-    if len(hf_shape) != nd or (nd == 0 and split is not None):
-        raise RoutingError(
-            f"{where}: checkpoint shape {list(hf_shape)} and parameter shape {list(spec.shape)} differ in rank"
-        )
-    if split is not None and not 0 <= split < nd:
-        raise RoutingError(f"{where}: split dim {split} of a {nd}-d parameter")
-    if fused and shard is None:
-        raise RoutingError(f"{where}: the parameter is fused from {len(spec.shards)} tensors; which one is this?")
-    if shard is not None and not (fused and 0 <= shard < len(spec.shards)):
-        raise RoutingError(
-            f"{where}: resolved to shard {shard}, the parameter is fused from {len(spec.shards)} tensor(s)"
-        )
-    hf_start, param_start, extent = [0] * nd, [0] * nd, list(hf_shape)
-    owner = split is not None or rank == 0  # a replicated parameter counts on rank 0 only
-    if nd:
-        # dim 0: shards stack along it, and tensor parallelism may cut each of them
-        shards = spec.shards or (Shard(size=hf_shape[0]),)
-        i = shard or 0
-        if shards[i].size != hf_shape[0]:
-            raise RoutingError(f"{where}: checkpoint dim 0 is {hf_shape[0]}, the parameter expects {shards[i].size}")
-        locals_ = [_local_size(s, size, split == 0, where) for s in shards]
-        if sum(locals_) != spec.shape[0]:
-            if not fused and split != 0:
-                raise RoutingError(
-                    f"{where}: checkpoint shape {list(hf_shape)} does not fit parameter shape {list(spec.shape)}"
-                )
-            raise RoutingError(
-                f"{where}: {sum(locals_)} rows expected on rank {rank} of {size}, the parameter has {spec.shape[0]}"
-            )
-        param_start[0] = sum(locals_[:i])
-        if split == 0:
-            s = shards[i]
-            start = (rank // s.replicas) * locals_[i]
-            hf_start[0] = min(start, s.size)
-            extent[0] = max(0, min(locals_[i], s.size - start))  # rows past s.size are padding
-            owner = rank % s.replicas == 0
-    for d in range(1, nd):
-        if d == split:
-            local = _local_size(Shard(size=hf_shape[d]), size, True, where)
-            hf_start[d], extent[d] = rank * local, local
+        got = by_hf.get(hf_name, [])
+        if hf_name in (refused or {}):
+            issues.append(f"{hf_name!r} {list(shape)}: the engine's loader refuses it ({(refused or {})[hf_name]})")
+        elif not got:
+            issues.append(f"{hf_name!r}: the engine drops this tensor (pass it in ignore= if that is intended)")
+        elif len(got) > 1:
+            misfit.update(c.param_name for c in got)
+            issues.append(f"{hf_name!r}: copied into {len(got)} places ({sorted({c.param_name for c in got})[:3]}); "
+                          "one tensor feeding several (redundant experts) is not supported")
         else:
-            local = hf_shape[d]
-        if local != spec.shape[d]:
-            raise RoutingError(
-                f"{where}: checkpoint shape {list(hf_shape)} does not fit parameter shape {list(spec.shape)} (dim {d})"
-            )
-    return Route(
-        hf_name=hf_name,
-        hf_shape=hf_shape,
-        param_name=spec.name,
-        param_shape=spec.shape,
-        shard=shard,
-        hf_start=tuple(hf_start),
-        param_start=tuple(param_start),
-        extent=tuple(extent),
-        owner=owner,
-    )
+            route = _route(got[0], tuple(int(s) for s in shape))
+            if not isinstance(route, str) and route.param_name in (tied or {}):
+                route = (f"{hf_name!r}: the engine ties {route.param_name!r} to {(tied or {})[route.param_name]!r}; "
+                         "updates reach it through that tensor, so leave this one out of the checkpoint (or pass it "
+                         "in ignore=)")
+            if isinstance(route, str):
+                misfit.add(got[0].param_name)
+                issues.append(route)
+            else:
+                routes[hf_name] = route
+    issues += _coverage(routes.values(), param_shapes, fills, set(unfed_ok) | misfit)
+    if issues:
+        raise RoutingError(f"cannot route {len(issues)} tensor(s):\n  " + "\n  ".join(issues))
+    return RoutingTable(routes=routes, tied=dict(tied or {}), tp_rank=tp_rank, tp_size=tp_size)
 
 
-def _local_size(s: Shard, tp_size: int, split: bool, where: str) -> int:
-    """Rows of shard ``s`` each rank holds."""
-    if not split:
-        return s.size
-    padded = s.padded_size if s.padded_size is not None else s.size
-    if padded < s.size or tp_size % s.replicas:
-        raise RoutingError(f"{where}: bad shard {s} for tensor-parallel size {tp_size}")
-    blocks = tp_size // s.replicas
-    if padded % blocks:
-        raise RoutingError(f"{where}: extent {padded} does not split into {blocks} equal blocks")
-    return padded // blocks
+def assign_owners(table: RoutingTable, boxes_by_rank: Sequence[Mapping[str, tuple[Shape, Shape]]]) -> RoutingTable:
+    """``table`` with each route's owner set: the lowest rank holding the same box of the checkpoint tensor
+    (replicated norms and routers, kv heads shared by ranks). ``boxes_by_rank``: every rank's
+    {hf_name: (hf_start, extent)}, in rank order. Ranks' boxes must be equal or disjoint."""
+    out: dict[str, Route] = {}
+    for name, r in table.routes.items():
+        mine = (tuple(r.hf_start), tuple(r.extent))
+        owner = True
+        for rank, boxes in enumerate(boxes_by_rank[: table.tp_rank]):
+            other = boxes.get(name)
+            if other is None:
+                continue
+            other = (tuple(other[0]), tuple(other[1]))
+            if other == mine:
+                owner = False
+                break
+            if _overlap(mine, other):
+                raise RoutingError(f"{name!r}: ranks {rank} and {table.tp_rank} hold overlapping, unequal parts "
+                                   f"{other} and {mine}: no rank can own them")
+        out[name] = Route(**{**r.__dict__, "owner": owner})
+    return RoutingTable(routes=out, tied=table.tied, tp_rank=table.tp_rank, tp_size=table.tp_size)
+
+
+def _route(c: Copy, hf_shape: Shape) -> Route | str:
+    where = f"{c.hf_name!r} -> {c.param_name!r}"
+    if c.src.base != hf_shape:
+        return f"{where}: the loader saw shape {list(c.src.base)}, the checkpoint has {list(hf_shape)}"
+    src, dst = c.src.box(), c.dst.box()
+    if src is None or dst is None:
+        return (f"{where}: the loader copies a transposed, strided or broadcast view ({'checkpoint' if src is None else 'parameter'} "
+                f"side, shape {list(c.src.shape)}): no exact route")
+    if [e for e in src[1] if e != 1] != [e for e in dst[1] if e != 1]:
+        return f"{where}: checkpoint box {list(src[1])} and parameter box {list(dst[1])} do not line up"
+    return Route(hf_name=c.hf_name, hf_shape=hf_shape, param_name=c.param_name, param_shape=c.dst.base,
+                 hf_start=src[0], param_start=dst[0], extent=src[1], param_extent=dst[1])
+
+
+def _coverage(routes: Iterable[Route], param_shapes: Mapping[str, Sequence[int]],
+              fills: Iterable[tuple[str, View]], exempt: set[str]) -> list[str]:
+    """Every element of every parameter fed exactly once (by a route or a fill), or what is wrong."""
+    boxes: dict[str, list[tuple[Shape, Shape]]] = {}
+    for r in routes:
+        boxes.setdefault(r.param_name, []).append((r.param_start, r.param_extent))
+    filled: dict[str, list[tuple[Shape, Shape]]] = {}
+    for name, view in fills:
+        box = view.box()
+        if box is not None:
+            filled.setdefault(name, []).append(box)
+    issues = []
+    for name, shape in param_shapes.items():
+        if name in exempt:
+            continue
+        fed = boxes.get(name, [])
+        if not fed:
+            issues.append(f"engine parameter {name!r} is fed by no checkpoint tensor")
+            continue
+        pieces = sorted(fed)
+        for a, b in zip(pieces, pieces[1:]):
+            if _overlap(a, b):
+                issues.append(f"engine parameter {name!r}: boxes {a} and {b} are written by two checkpoint tensors")
+        n = sum(math.prod(e) for _, e in fed)
+        if n > math.prod(shape):
+            issues.append(f"engine parameter {name!r}: {n} elements written into its {math.prod(shape)}")
+        pad = _union_numel(filled.get(name, []), fed)
+        if n + pad < math.prod(shape):
+            issues.append(f"engine parameter {name!r}: {math.prod(shape) - n - pad} of its {math.prod(shape)} elements "
+                          "are fed by no checkpoint tensor")
+    return issues
+
+
+def _union_numel(fills: list[tuple[Shape, Shape]], fed: list[tuple[Shape, Shape]]) -> int:
+    """Elements of the fill boxes that no fed box covers (padding rows next to routed ones)."""
+    total = 0
+    for box in set(fills):
+        total += math.prod(box[1]) - sum(_intersection(box, f) for f in fed)
+    return total
+
+
+def _overlap(a: tuple[Shape, Shape], b: tuple[Shape, Shape]) -> bool:
+    return _intersection(a, b) > 0
+
+
+def _intersection(a: tuple[Shape, Shape], b: tuple[Shape, Shape]) -> int:
+    n = 1
+    for s1, e1, s2, e2 in zip(a[0], a[1], b[0], b[1]):
+        n *= max(0, min(s1 + e1, s2 + e2) - max(s1, s2))
+    return n
+
+
+def _run(shape: Sequence[int], start: Sequence[int], extent: Sequence[int]) -> int | None:
+    """The flat start of a box that is one contiguous run of its tensor, else None."""
+    big = [d for d, e in enumerate(extent) if e != 1]
+    if big and any(extent[d] != shape[d] for d in range(big[0] + 1, len(shape))):
+        return None
+    return sum(s * st for s, st in zip(start, _strides(shape)))
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _view(t: torch.Tensor, base: Shape) -> View:
+    return View(base=base, offset=t.storage_offset(), shape=tuple(t.shape), stride=tuple(t.stride()))
 
 
 def _strides(shape: Sequence[int]) -> list[int]:

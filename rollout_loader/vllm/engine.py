@@ -56,6 +56,7 @@ from deltasync import (
 )
 
 from .layout import checkpoint_layout
+from .shadow import reload_as_loaded
 from .prefetch import Prefetcher, Prepared, prepare
 from .state import (
     Mode,
@@ -346,12 +347,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             )
         return self._reader, self._state
 
-    def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Re-load checkpoint tensors into their layers through vLLM (reload mode, stock CPU kernels)."""
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
-        reload_weights(self.vllm_config, self.model, weights_iterator=iter(weights), weights_path=None,
-                       is_checkpoint_format=True)
+    def _reload(self, weights: list[tuple[str, torch.Tensor]], modules: set[str]) -> None:
+        """Re-load checkpoint tensors into their (shadowed) layers through vLLM, processed as at first load."""
+        reload_as_loaded(self.vllm_config, self.model, weights, modules)
 
     def _stop_prefetch(self) -> None:
         if self._prefetcher is not None:

@@ -35,13 +35,15 @@ import torch
 
 from deltasync import StepHeader, TensorMismatchError, checksum_elements, xor_apply
 from rollout_loader.routing import Route, RoutingError, RoutingTable
-from .layout import Dtypes, Shapes, build_table, own_params, param_owners, read_checkpoint
+from .layout import Dtypes, Shapes, param_owners, read_checkpoint
+from .shadow import derived_params, feeds_of, find_transformed, modules_of
+from .trace import routing_table, trace_loader
 from .live_cpu import LIVE_ENV, module_kind
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["auto", "live", "reload"]
-Reload = Callable[[list[tuple[str, torch.Tensor]]], None]
+Reload = Callable[[list[tuple[str, torch.Tensor]], set[str]], None]  # (checkpoint tensors, modules they feed)
 RawPatch = tuple[str, "np.ndarray | torch.Tensor | None", "np.ndarray | torch.Tensor"]
 _CHUNK = 1 << 20
 MASK64 = (1 << 64) - 1
@@ -113,15 +115,23 @@ def build_state(
 ) -> tuple[WorkerState, dict[str, Any]]:
     """Routes and targets for checkpoint tensors ``layout`` in ``model`` on this rank, and a summary.
 
-    ``mode``: "live" needs live weights everywhere; "reload" keeps host copies (read from ``checkpoint``) of
-    tensors feeding repacked layers; "auto" picks "live" when possible. Call it right after the engine
-    loaded ``checkpoint``: host copies must hold what the engine holds.
+    Routes come from vLLM's own loader (:mod:`.trace`). A parameter vLLM holds in checkpoint layout is written
+    in place; the modules of parameters it transformed after loading (:mod:`.shadow`: repacked CPU linears,
+    prepacked MoE experts, quantized weights) keep host copies of their checkpoint tensors (read from
+    ``checkpoint``), patched and re-loaded through vLLM. ``mode``: "live" refuses CPU linears that keep a
+    repacked copy (their weights must be live, :mod:`.live_cpu`); "reload" and "auto" shadow them. Call it right
+    after the engine loaded ``checkpoint``: host copies must hold what the engine holds.
     """
     if mode not in ("auto", "live", "reload"):
         raise RoutingError(f"mode must be 'auto', 'live' or 'reload', not {mode!r}")
     t0 = time.perf_counter()
     shapes, dtypes = layout
-    table = build_table(model, shapes, ignore=ignore)
+    trace = trace_loader(model, shapes, dtypes)
+    table = routing_table(model, trace, shapes, ignore=ignore or ())
+    stale_derived = sorted(n for n, base in derived_params(model, trace).items() if base is None)
+    if stale_derived:
+        raise RoutingError(f"engine parameters {stale_derived[:5]} are derived by vLLM after loading and share no "
+                           "storage with a checkpoint-format parameter: a write would leave them stale")
     owners = param_owners(model)
     kinds = {m: module_kind(model.get_submodule(m)) for ms in owners.values() for m, _ in ms}
     stale = sorted(m for m, k in kinds.items() if k != "live")
@@ -131,39 +141,35 @@ def build_state(
             f"(e.g. {stale[:3]}): call rollout_loader.vllm.enable_live_cpu_weights() or set {LIVE_ENV}=1 "
             f"before creating the engine, or use mode='reload'"
         )
-    params = dict(model.named_parameters())
-    routes_of = table.by_param()
-    feeds = {  # re-loaded module -> every checkpoint tensor feeding it (all of q, k, v, and the bias)
-        m: tuple(r.hf_name for p, _ in own_params(model.get_submodule(m), m) for r in routes_of.get(p, []))
-        for m, k in kinds.items()
-        if k == "reload"
-    }
+    transformed = find_transformed(model, trace, table, checkpoint)
+    shadowed = {m for m, k in kinds.items() if k == "reload"} | modules_of(transformed)
+    feeds = dict(feeds_of(table, shadowed))  # module -> every checkpoint tensor feeding it (all of q, k, v, bias)
     host_names = sorted({n for names in feeds.values() for n in names})
     host = read_checkpoint(checkpoint, host_names, shapes) if host_names else {}
+    params = dict(model.named_parameters())
     targets: dict[str, Target] = {}
     for hf_name, route in table.routes.items():
-        mods = tuple(m for m, _ in owners[route.param_name])
+        mods = tuple(m for m, _ in owners.get(route.param_name, [])) or (route.param_name.rpartition(".")[0],)
         reloaded = tuple(m for m in mods if m in feeds)
         if reloaded:
             targets[hf_name] = Target(route=route, bits=int_bits(host[hf_name]), host=True, modules=reloaded)
             continue
         param = params[route.param_name]
-        if not param.data.is_contiguous():
-            raise RoutingError(f"engine parameter {route.param_name!r} is not contiguous")
-        refresh = tuple(m for m in mods if kinds[m] == "refresh")
+        refresh = tuple(m for m in mods if kinds.get(m) == "refresh")
         targets[hf_name] = Target(route=route, bits=int_bits(param.data), host=False, modules=refresh)
     held = {n: host[n].dtype if t.host else params[t.route.param_name].dtype for n, t in targets.items()}
     wrong = [f"{n} (checkpoint {dtypes[n]}, engine {held[n]})" for n in targets if n in dtypes and dtypes[n] != held[n]]
     if wrong:
         raise RoutingError(f"dtypes differ, XOR patches would corrupt these tensors: {wrong[:5]}")
-    state = WorkerState(model=model, reload=reload, table=table, mode="reload" if stale else "live",
+    state = WorkerState(model=model, reload=reload, table=table, mode="reload" if feeds else "live",
                         targets=targets, host=host, feeds=feeds)
     summary = {
         "mode": state.mode, "tp_rank": table.tp_rank, "tp_size": table.tp_size, "tensors": len(targets),
         "in_place": sum(not t.host for t in targets.values()), "host_copies": len(host),
         "host_bytes": sum(t.numel() * t.element_size() for t in host.values()),
         "kernel_rebuilds": len({m for t in targets.values() if not t.host for m in t.modules}),
-        "reloaded_modules": len(feeds), "tied": dict(table.tied), "seconds": round(time.perf_counter() - t0, 4),
+        "reloaded_modules": len(feeds), "transformed": len(transformed), "tied": dict(table.tied),
+        "trace_seconds": round(trace.seconds, 4), "seconds": round(time.perf_counter() - t0, 4),
     }
     log.info("deltasync routing table built: %s", summary)
     return state, summary
@@ -468,7 +474,7 @@ def sync_kernels(state: WorkerState, modules: set[str]) -> None:
     if reload:
         names = sorted({n for m in reload for n in state.feeds[m]})
         with _quiet(_RELOAD_LOGGERS):
-            state.reload([(n, state.host[n]) for n in names])
+            state.reload([(n, state.host[n]) for n in names], set(reload))
     with torch.inference_mode():
         for m in sorted(modules - set(reload)):
             module = state.model.get_submodule(m)
@@ -485,20 +491,27 @@ def _restore(state: WorkerState, undo: list[tuple[torch.Tensor, Staged]], module
 
 
 def chunks(route: Route, max_elements: int = _CHUNK) -> Iterator[Route]:
-    """Split a route's box along dim 0 so index tensors stay bounded."""
-    if not route.extent or route.numel <= max_elements:
+    """Split a route's box along its first dim of extent > 1 (on both sides) so index tensors stay bounded."""
+    if route.numel <= max_elements:
         yield route
         return
-    row = math.prod(route.extent[1:])
+    hd = next(d for d, e in enumerate(route.extent) if e != 1)
+    pd = next(d for d, e in enumerate(route.param_extent) if e != 1)
+    row = route.numel // route.extent[hd]
     step = max(1, max_elements // max(row, 1))
-    for off in range(0, route.extent[0], step):
-        n = min(step, route.extent[0] - off)
+    for off in range(0, route.extent[hd], step):
+        n = min(step, route.extent[hd] - off)
         yield replace(
             route,
-            hf_start=(route.hf_start[0] + off, *route.hf_start[1:]),
-            param_start=(route.param_start[0] + off, *route.param_start[1:]),
-            extent=(n, *route.extent[1:]),
+            hf_start=_bump(route.hf_start, hd, off),
+            param_start=_bump(route.param_start, pd, off),
+            extent=_bump(route.extent, hd, n - route.extent[hd]),
+            param_extent=_bump(route.param_extent, pd, n - route.param_extent[pd]),
         )
+
+
+def _bump(t: tuple[int, ...], d: int, by: int) -> tuple[int, ...]:
+    return (*t[:d], t[d] + by, *t[d + 1:])
 
 
 @contextmanager

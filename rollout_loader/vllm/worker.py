@@ -235,8 +235,10 @@ class DeltaWorkerExtension:
             raise RuntimeError("call collective_rpc('deltasync_init', ...) first")
         return self._deltasync
 
-    def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)  # type: ignore[attr-defined]
+    def _reload(self, weights: list[tuple[str, torch.Tensor]], modules: set[str]) -> None:
+        from .shadow import reload_as_loaded
+
+        reload_as_loaded(self.vllm_config, self.get_model(), weights, modules)  # type: ignore[attr-defined]
 
 
 install_dispatch_hook()

@@ -139,13 +139,13 @@ def test_init_rejects_what_it_cannot_route(scenario) -> None:
         if current_platform.is_cpu():
             with pytest.raises(RoutingError, match="enable_live_cpu_weights"):
                 init(shapes, "live")  # stock CPU kernels do not read the parameters
-        with pytest.raises(RoutingError, match="no engine parameter 'model.layers.5"):
+        with pytest.raises(RoutingError, match=r"'model.layers.5.mlp.up_proj.weight' \[256, 128\]: the engine's loader refuses it"):
             init({**shapes, "model.layers.5.mlp.up_proj.weight": [256, 128]})
-        with pytest.raises(RoutingError, match=r"qkv_proj.weight': shards \[1\] are fed by no"):
+        with pytest.raises(RoutingError, match=r"qkv_proj.weight': 16384 of its 65536 elements are fed by no"):
             init({k: v for k, v in shapes.items() if k != "model.layers.0.self_attn.k_proj.weight"})
-        with pytest.raises(RoutingError, match="tied to 'model.embed_tokens.weight'"):
+        with pytest.raises(RoutingError, match="ties 'lm_head.weight' to 'model.embed_tokens.weight'"):
             init({**shapes, "lm_head.weight": [512, 128]})
-        with pytest.raises(RoutingError, match=r"\[256, 64\] does not fit parameter shape \[512, 128\]"):
+        with pytest.raises(RoutingError, match=r"'model.layers.0.mlp.up_proj.weight' \[256, 64\]: the engine's loader refuses it"):
             init({**shapes, "model.layers.0.mlp.up_proj.weight": [256, 64]})
         with pytest.raises(RoutingError, match="dtypes differ"):
             init({k: {"shape": v, "dtype": "F32"} for k, v in shapes.items()})
@@ -258,16 +258,16 @@ def test_sealed_write_lands_the_reference_bits_and_checksums() -> None:
     from tests.test_reference import ref_checksum
 
     def route(*values: object) -> Route:
-        keys = ("hf_name", "hf_shape", "param_name", "param_shape", "shard", "hf_start", "param_start", "extent")
+        keys = ("hf_name", "hf_shape", "param_name", "param_shape", "hf_start", "param_start", "extent")
         return Route(**dict(zip(keys, values, strict=True)))  # type: ignore[arg-type]
 
     rng = np.random.default_rng(7)
     fused = torch.from_numpy(rng.integers(-2**15, 2**15, (6, 40), dtype=np.int16)).view(torch.bfloat16)
     shard = torch.from_numpy(rng.integers(-2**15, 2**15, (4, 40), dtype=np.int16)).view(torch.bfloat16)
     routes = {  # "a" and "b" share one fused parameter; this rank holds rows 4..7 of "c" (it owns them)
-        "a": route("a", (4, 40), "fused", (6, 40), None, (0, 0), (0, 0), (4, 40)),
-        "b": route("b", (2, 40), "fused", (6, 40), None, (0, 0), (4, 0), (2, 40)),
-        "c": route("c", (8, 40), "shard", (4, 40), 0, (4, 0), (0, 0), (4, 40)),
+        "a": route("a", (4, 40), "fused", (6, 40), (0, 0), (0, 0), (4, 40)),
+        "b": route("b", (2, 40), "fused", (6, 40), (0, 0), (4, 0), (2, 40)),
+        "c": route("c", (8, 40), "shard", (4, 40), (4, 0), (0, 0), (4, 40)),
     }
     params = {"fused": fused, "shard": shard}
     targets = {n: Target(route=r, bits=params[r.param_name].view(torch.int16).reshape(-1), host=False, modules=())
