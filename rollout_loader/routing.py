@@ -156,18 +156,24 @@ class Route:
 
 @dataclass(frozen=True, kw_only=True)
 class RoutingTable:
-    """Routes of every checkpoint tensor on one rank, and which engine parameters are shared (tied)."""
+    """Routes of every checkpoint tensor on one rank, and which engine parameters are shared (tied).
 
-    routes: Mapping[str, Route]
+    ``routes``: {checkpoint tensor: its pieces on this rank}: one :class:`Route` for a tensor the loader copies
+    whole or narrowed, several for one it splits (a fused ``qkv_proj`` checkpoint into q, k and v rows, a fused
+    ``experts.gate_up_proj`` into every expert), all into one parameter, disjoint; none for a tensor only other
+    ranks hold (an expert of another expert-parallel rank).
+    """
+
+    routes: Mapping[str, tuple[Route, ...]]
     tied: Mapping[str, str] = field(default_factory=dict)
     tp_rank: int = 0
     tp_size: int = 1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "routes", MappingProxyType(dict(self.routes)))
+        object.__setattr__(self, "routes", MappingProxyType({k: tuple(v) for k, v in self.routes.items()}))
         object.__setattr__(self, "tied", MappingProxyType(dict(self.tied)))
 
-    def __getitem__(self, hf_name: str) -> Route:
+    def __getitem__(self, hf_name: str) -> tuple[Route, ...]:
         try:
             return self.routes[hf_name]
         except KeyError:
@@ -176,9 +182,15 @@ class RoutingTable:
     def by_param(self) -> dict[str, list[Route]]:
         """Routes grouped by the parameter they feed (all checkpoint tensors feeding a fused parameter)."""
         out: dict[str, list[Route]] = {}
-        for r in self.routes.values():
-            out.setdefault(r.param_name, []).append(r)
+        for pieces in self.routes.values():
+            for r in pieces:
+                out.setdefault(r.param_name, []).append(r)
         return out
+
+    def boxes(self) -> dict[str, list[tuple[Shape, Shape]]]:
+        """{checkpoint tensor: (hf_start, extent) of each piece this rank holds} (what :func:`assign_owners` needs
+        from every rank)."""
+        return {n: [(r.hf_start, r.extent) for r in pieces] for n, pieces in self.routes.items()}
 
 
 class CopyRecorder(TorchDispatchMode):
@@ -234,6 +246,7 @@ def build_routing_table(
     fills: Iterable[tuple[str, View]] = (),
     problems: Mapping[str, str] | None = None,
     refused: Mapping[str, str] | None = None,
+    held_elsewhere: Iterable[str] = (),
     unfed_ok: Iterable[str] = (),
     tied: Mapping[str, str] | None = None,
     ignore: Iterable[str] = (),
@@ -244,20 +257,22 @@ def build_routing_table(
 
     ``fills``: parameter views the loader filled (padding); ``problems``: {parameter: why it has no exact
     route} (from :class:`CopyRecorder`); ``refused``: {checkpoint tensor: why the loader refused it};
-    ``unfed_ok``: parameters that need no checkpoint tensor (they share
-    storage with a fed one: a tied head); ``tied`` is kept in the table for callers; ``ignore``: checkpoint
-    names left out on purpose. Owners are this rank's: see :func:`assign_owners` across ranks.
+    ``held_elsewhere``: checkpoint tensors other ranks hold (this rank may hold none of them: expert
+    parallelism); ``unfed_ok``: parameters that need no checkpoint tensor (they share storage with a fed one:
+    a tied head); ``tied`` is kept in the table for callers; ``ignore``: checkpoint names left out on purpose.
+    Owners are this rank's: see :func:`assign_owners` across ranks.
 
-    Raises RoutingError naming every checkpoint tensor that lands nowhere, twice, or not as a box, and every
-    parameter with a problem, written twice, or with elements no checkpoint tensor or fill feeds.
+    Raises RoutingError naming every checkpoint tensor that lands nowhere, in two parameters, twice on the same
+    elements, or not as a box, and every parameter with a problem, written twice, or with elements no
+    checkpoint tensor or fill feeds.
     """
-    skip = set(ignore)
+    skip, elsewhere, tied = set(ignore), set(held_elsewhere), dict(tied or {})
     issues = [f"engine parameter {p!r}: {why}" for p, why in sorted((problems or {}).items())]
     by_hf: dict[str, list[Copy]] = {}
     for c in copies:
         if c.hf_name not in skip:
             by_hf.setdefault(c.hf_name, []).append(c)
-    routes: dict[str, Route] = {}
+    routes: dict[str, tuple[Route, ...]] = {}
     misfit = set(problems or {})  # parameters already reported through the tensor feeding them
     for hf_name, shape in hf_shapes.items():
         if hf_name in skip:
@@ -265,49 +280,58 @@ def build_routing_table(
         got = by_hf.get(hf_name, [])
         if hf_name in (refused or {}):
             issues.append(f"{hf_name!r} {list(shape)}: the engine's loader refuses it ({(refused or {})[hf_name]})")
-        elif not got:
-            issues.append(f"{hf_name!r}: the engine drops this tensor (pass it in ignore= if that is intended)")
-        elif len(got) > 1:
-            misfit.update(c.param_name for c in got)
-            issues.append(f"{hf_name!r}: copied into {len(got)} places ({sorted({c.param_name for c in got})[:3]}); "
-                          "one tensor feeding several (redundant experts) is not supported")
-        else:
-            route = _route(got[0], tuple(int(s) for s in shape))
-            if not isinstance(route, str) and route.param_name in (tied or {}):
-                route = (f"{hf_name!r}: the engine ties {route.param_name!r} to {(tied or {})[route.param_name]!r}; "
-                         "updates reach it through that tensor, so leave this one out of the checkpoint (or pass it "
-                         "in ignore=)")
-            if isinstance(route, str):
-                misfit.add(got[0].param_name)
-                issues.append(route)
+            continue
+        if not got:
+            if hf_name in elsewhere:
+                routes[hf_name] = ()
             else:
-                routes[hf_name] = route
-    issues += _coverage(routes.values(), param_shapes, fills, set(unfed_ok) | misfit)
+                issues.append(f"{hf_name!r}: the engine drops this tensor (pass it in ignore= if that is intended)")
+            continue
+        pieces = [_route(c, tuple(int(s) for s in shape)) for c in got]
+        params = sorted({c.param_name for c in got})
+        bad = [p for p in pieces if isinstance(p, str)]
+        if not bad and params[0] in tied:
+            bad = [f"{hf_name!r}: the engine ties {params[0]!r} to {tied[params[0]]!r}; updates reach it through "
+                   "that tensor, so leave this one out of the checkpoint (or pass it in ignore=)"]
+        if not bad and len(params) > 1:
+            bad = [f"{hf_name!r}: copied into {len(params)} parameters ({params[:3]}); one tensor feeds one parameter"]
+        good = sorted((p for p in pieces if not isinstance(p, str)), key=lambda r: (r.hf_start, r.extent))
+        if not bad and any(_overlap((a.hf_start, a.extent), (b.hf_start, b.extent)) for a, b in zip(good, good[1:])):
+            bad = [f"{hf_name!r}: the same elements are copied into {len(good)} places of {params[0]!r}; replicas of "
+                   "one tensor (redundant experts) are not supported"]
+        if bad:
+            misfit.update(params)
+            issues.extend(bad)
+        else:
+            routes[hf_name] = tuple(good)
+    flat = [r for pieces in routes.values() for r in pieces]
+    issues += _coverage(flat, param_shapes, fills, set(unfed_ok) | misfit)
     if issues:
         raise RoutingError(f"cannot route {len(issues)} tensor(s):\n  " + "\n  ".join(issues))
-    return RoutingTable(routes=routes, tied=dict(tied or {}), tp_rank=tp_rank, tp_size=tp_size)
+    return RoutingTable(routes=routes, tied=tied, tp_rank=tp_rank, tp_size=tp_size)
 
 
-def assign_owners(table: RoutingTable, boxes_by_rank: Sequence[Mapping[str, tuple[Shape, Shape]]]) -> RoutingTable:
+def assign_owners(table: RoutingTable,
+                  boxes_by_rank: Sequence[Mapping[str, Sequence[tuple[Shape, Shape]]]]) -> RoutingTable:
     """``table`` with each route's owner set: the lowest rank holding the same box of the checkpoint tensor
     (replicated norms and routers, kv heads shared by ranks). ``boxes_by_rank``: every rank's
-    {hf_name: (hf_start, extent)}, in rank order. Ranks' boxes must be equal or disjoint."""
-    out: dict[str, Route] = {}
-    for name, r in table.routes.items():
-        mine = (tuple(r.hf_start), tuple(r.extent))
-        owner = True
-        for rank, boxes in enumerate(boxes_by_rank[: table.tp_rank]):
-            other = boxes.get(name)
-            if other is None:
-                continue
-            other = (tuple(other[0]), tuple(other[1]))
-            if other == mine:
-                owner = False
-                break
-            if _overlap(mine, other):
-                raise RoutingError(f"{name!r}: ranks {rank} and {table.tp_rank} hold overlapping, unequal parts "
-                                   f"{other} and {mine}: no rank can own them")
-        out[name] = Route(**{**r.__dict__, "owner": owner})
+    :meth:`RoutingTable.boxes`, in rank order. Ranks' boxes must be equal or disjoint."""
+    out: dict[str, tuple[Route, ...]] = {}
+    for name, pieces in table.routes.items():
+        owned = []
+        for r in pieces:
+            mine = (tuple(r.hf_start), tuple(r.extent))
+            owner = True
+            for rank, boxes in enumerate(boxes_by_rank[: table.tp_rank]):
+                for other in boxes.get(name, ()):
+                    other = (tuple(other[0]), tuple(other[1]))
+                    if other == mine and r.numel:
+                        owner = False
+                    elif _overlap(mine, other):
+                        raise RoutingError(f"{name!r}: ranks {rank} and {table.tp_rank} hold overlapping, unequal "
+                                           f"parts {other} and {mine}: no rank can own them")
+            owned.append(Route(**{**r.__dict__, "owner": owner}))
+        out[name] = tuple(owned)
     return RoutingTable(routes=out, tied=table.tied, tp_rank=table.tp_rank, tp_size=table.tp_size)
 
 

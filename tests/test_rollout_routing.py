@@ -152,10 +152,10 @@ def expected_local(ckpt: dict[str, torch.Tensor], tp: int, rank: int) -> dict[st
 
 
 def table(tp: int, rank: int, tie: bool = False, ckpt: dict | None = None, loader: Callable = load,
-          **kw) -> RoutingTable:
+          shapes: dict | None = None, **kw) -> RoutingTable:
     """The routing table recorded from ``loader`` over meta tensors (no data)."""
     ckpt = ckpt if ckpt is not None else checkpoint(tie)
-    shapes = param_shapes(tp, tie)
+    shapes = shapes or param_shapes(tp, tie)
     params = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in shapes.items()}
     sources = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in ckpt.items()}
     with CopyRecorder(params, sources) as rec:
@@ -168,8 +168,9 @@ def table(tp: int, rank: int, tie: bool = False, ckpt: dict | None = None, loade
 def scatter(ckpt: dict[str, torch.Tensor], t: RoutingTable, tp: int, tie: bool) -> dict[str, torch.Tensor]:
     """Local parameters filled through the routing table."""
     local = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in param_shapes(tp, tie).items()}
-    for name, route in t.routes.items():
-        local[route.param_name].view(-1)[route.param_indices()] = ckpt[name].reshape(-1)[route.hf_indices()]
+    for name, pieces in t.routes.items():
+        for route in pieces:
+            local[route.param_name].view(-1)[route.param_indices()] = ckpt[name].reshape(-1)[route.hf_indices()]
     return local
 
 
@@ -191,17 +192,16 @@ def test_owned_boxes_partition_each_tensor_and_checksums_add_up(tp: int) -> None
     """Replicated blocks count on one rank only, so per-rank checksums sum to the whole tensor's."""
     ckpt = checkpoint()
     raw = [table(tp, r) for r in range(tp)]
-    boxes = [{n: (r.hf_start, r.extent) for n, r in t.routes.items()} for t in raw]
-    tables = [assign_owners(t, boxes) for t in raw]
+    tables = [assign_owners(t, [t.boxes() for t in raw]) for t in raw]
     for name, t in ckpt.items():
-        owned = torch.cat([tb.routes[name].hf_indices() for tb in tables if tb.routes[name].owner])
+        owned = torch.cat([r.hf_indices() for tb in tables for r in tb.routes[name] if r.owner])
         assert torch.equal(owned.sort().values, torch.arange(t.numel())), name
         parts = []
-        for r, tb in enumerate(tables):
-            route = tb.routes[name]
-            local = expected_local(ckpt, tp, r)[route.param_name]
-            if route.owner:
-                parts.append(checksum_elements(local.reshape(-1)[route.param_indices()], route.hf_indices()))
+        for rank, tb in enumerate(tables):
+            for route in tb.routes[name]:
+                local = expected_local(ckpt, tp, rank)[route.param_name]
+                if route.owner:
+                    parts.append(checksum_elements(local.reshape(-1)[route.param_indices()], route.hf_indices()))
         assert add(*parts) == checksum_tensor(t), name
 
 
@@ -209,7 +209,7 @@ def test_owned_boxes_partition_each_tensor_and_checksums_add_up(tp: int) -> None
 def test_localize_agrees_with_the_box(tp: int, rank: int) -> None:
     ckpt = checkpoint()
     g = torch.Generator().manual_seed(1)
-    for name, route in table(tp, rank).routes.items():
+    for name, (route,) in table(tp, rank).routes.items():
         n = ckpt[name].numel()
         pos = torch.randperm(n, generator=g)[: n // 3].sort().values
         keep, idx = route.localize(pos)
@@ -221,10 +221,10 @@ def test_localize_agrees_with_the_box(tp: int, rank: int) -> None:
 
 def test_tp1_routes_are_identity_fused_or_expert_offsets() -> None:
     t = table(1, 0)
-    q, k, v = (t[P + f"self_attn.{n}_proj.weight"] for n in "qkv")
+    (q,), (k,), (v,) = (t[P + f"self_attn.{n}_proj.weight"] for n in "qkv")
     assert (q.param_start, k.param_start, v.param_start) == ((0, 0), (HEADS * HD, 0), ((HEADS + KV) * HD, 0))
-    assert all(r.whole for r in t.routes.values())
-    up = t[f"{P}moe.experts.2.up_proj.weight"]
+    assert all(r.whole for pieces in t.routes.values() for r in pieces)
+    (up,) = t[f"{P}moe.experts.2.up_proj.weight"]
     assert (up.param_start, up.param_extent, up.extent) == ((2, MOE, 0), (1, MOE, H), (MOE, H))
     assert len(t.by_param()[P + "moe.experts.w13_weight"]) == 2 * EXPERTS
 
@@ -232,7 +232,7 @@ def test_tp1_routes_are_identity_fused_or_expert_offsets() -> None:
 def test_vocab_rank_past_the_vocabulary_holds_only_padding() -> None:
     """Rows past the vocabulary are padding the loader fills: fed by no checkpoint element, yet not missing."""
     t = table(4, 3)  # 128 padded rows, 32 per rank: rank 3 holds rows 96..127, of which 96..99 are real
-    route = t["model.embed_tokens.weight"]
+    (route,) = t["model.embed_tokens.weight"]
     assert (route.hf_start, route.extent) == ((96, 0), (4, H))
 
 
@@ -259,7 +259,7 @@ def _scaled(params, ckpt, tp, rank):
 
 def _twice(params, ckpt, tp, rank):
     load(params, ckpt, tp, rank)
-    params[P + "moe.gate.weight"].copy_(ckpt["model.norm.weight"].expand(EXPERTS, H))
+    params[P + "input_layernorm.weight"].copy_(ckpt["model.norm.weight"])
 
 
 def _skipping(name):
@@ -274,7 +274,7 @@ def _skipping(name):
         (_transposing, r"'model.layers.0.moe.gate.weight' -> .*transposed, strided or broadcast"),
         (_computed, "'model.norm.weight': copied from something other than a view"),
         (_scaled, r"'model.norm.weight': written by aten.mul_"),
-        (_twice, r"'model.norm.weight': copied into 2 places"),
+        (_twice, r"'model.norm.weight': copied into 2 parameters"),
         (_skipping(P + "self_attn.k_proj.weight"), r"drops this tensor(.|\n)*qkv_proj.weight': 1024 of its 4096"),
         (_skipping("model.norm.weight"), "'model.norm.weight' is fed by no checkpoint tensor"),
     ],
@@ -297,4 +297,41 @@ def test_ranks_holding_overlapping_unequal_boxes_have_no_owner() -> None:
     t = table(2, 1)
     name = "model.norm.weight"
     with pytest.raises(RoutingError, match="overlapping, unequal parts"):
-        assign_owners(t, [{name: ((0,), (H // 2 + 1,))}, {}])
+        assign_owners(t, [{name: [((0,), (H // 2 + 1,))]}, {}])
+
+
+def test_a_fused_checkpoint_tensor_split_by_the_loader_routes_in_pieces() -> None:
+    """A checkpoint that keeps q, k and v fused (Phi-3) or experts fused (transformers 5): the loader narrows the
+    one tensor into several places of one parameter; each place is a piece, and together they place it."""
+    fused = P + "self_attn.qkv_proj.weight"
+    ckpt = checkpoint()
+    qkv = {n: ckpt.pop(P + f"self_attn.{n}_proj.weight") for n in "qkv"}
+    ckpt[fused] = torch.cat(list(qkv.values()))
+
+    def loader(params, c, tp, rank):
+        rows = [HEADS * HD, KV * HD, KV * HD]
+        parts = dict(zip("qkv", c[fused].split(rows)))  # views of the fused tensor
+        load(params, {**{k: v for k, v in c.items() if k != fused},
+                      **{P + f"self_attn.{n}_proj.weight": t for n, t in parts.items()}}, tp, rank)
+
+    for tp, rank in ((1, 0), (2, 1), (4, 3)):
+        t = table(tp, rank, ckpt=ckpt, loader=loader)
+        assert len(t[fused]) == 3
+        got = scatter(ckpt, t, tp, False)
+        want = expected_local({**ckpt, **{P + f"self_attn.{n}_proj.weight": v for n, v in qkv.items()}}, tp, rank)
+        assert torch.equal(got[fused], want[fused])
+
+
+def test_experts_other_ranks_hold_route_nowhere_here() -> None:
+    """Under expert parallelism a rank's loader skips the experts of other ranks: no piece here, and no error,
+    as long as some rank copies them."""
+    def loader(params, c, tp, rank):
+        load(params, {k: v for k, v in c.items() if ".experts.3." not in k}, tp, rank)
+
+    elsewhere = {f"{P}moe.experts.3.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
+    local = {**param_shapes(1), P + "moe.experts.w13_weight": (EXPERTS - 1, 2 * MOE, H),
+             P + "moe.experts.w2_weight": (EXPERTS - 1, H, MOE)}  # this rank's experts 0..2
+    with pytest.raises(RoutingError, match=r"experts.3.gate_proj.weight': the engine drops this tensor"):
+        table(1, 0, loader=loader, shapes=local)
+    t = table(1, 0, loader=loader, shapes=local, held_elsewhere=elsewhere)
+    assert all(t[n] == () for n in elsewhere)

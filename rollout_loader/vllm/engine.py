@@ -57,6 +57,7 @@ from deltasync import (
 
 from .layout import checkpoint_layout
 from .shadow import reload_as_loaded
+from .trace import refuse_moving_experts
 from .prefetch import Prefetcher, Prepared, prepare
 from .state import (
     Mode,
@@ -189,6 +190,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             self._stop_prefetch()
         else:
             self.shutdown()
+            refuse_moving_experts(self.vllm_config)
             layout = checkpoint_layout(self.model_config.model)
             self._state, summary = build_state(
                 self.model, layout=layout, checkpoint=self.model_config.model, mode=init_info.mode,  # type: ignore[arg-type]

@@ -152,6 +152,7 @@ def modules_of(names: Iterable[str]) -> set[str]:
 def feeds_of(table: RoutingTable, modules: Iterable[str]) -> Mapping[str, tuple[str, ...]]:
     """{module: every checkpoint tensor feeding one of its parameters} (what a reload of it must send)."""
     by_module: dict[str, list[str]] = {}
-    for r in table.routes.values():
-        by_module.setdefault(r.param_name.rpartition(".")[0], []).append(r.hf_name)
+    for name, pieces in table.routes.items():
+        for m in {r.param_name.rpartition(".")[0] for r in pieces}:
+            by_module.setdefault(m, []).append(name)
     return {m: tuple(by_module.get(m, ())) for m in modules}

@@ -65,20 +65,32 @@ class PatchError(TensorMismatchError):
 class Target:
     """Where one checkpoint tensor's bits live on this rank: a parameter, or the host copy (reload mode)."""
 
-    route: Route
+    routes: tuple[Route, ...]  # its pieces on this rank (none: another rank holds it, as under expert parallelism)
     bits: torch.Tensor  # flat integer view of the parameter or of the host copy
     host: bool  # bits is the full checkpoint tensor (indexed by checkpoint flat index)
     modules: tuple[str, ...]  # modules to re-load (host) or whose kernel to rebuild after a write
+    hf_shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.routes:
+            self.hf_shape = self.routes[0].hf_shape
+
+    @property
+    def hf_numel(self) -> int:
+        return math.prod(self.hf_shape)
 
 
 @dataclass(frozen=True)
 class Staged:
-    """A patch mapped onto this rank: write ``x`` at ``idx`` of the target's bits (checkpoint indices ``hf_idx``)."""
+    """A patch mapped onto this rank: write ``x`` at ``idx`` of the target's bits (checkpoint indices ``hf_idx``);
+    ``owned``: these elements count in this rank's checksum part (a tensor may be staged as an owned and an
+    unowned part)."""
 
     name: str
     idx: torch.Tensor
     x: torch.Tensor
     hf_idx: torch.Tensor
+    owned: bool = True
 
 
 @dataclass
@@ -148,17 +160,25 @@ def build_state(
     host = read_checkpoint(checkpoint, host_names, shapes) if host_names else {}
     params = dict(model.named_parameters())
     targets: dict[str, Target] = {}
-    for hf_name, route in table.routes.items():
-        mods = tuple(m for m, _ in owners.get(route.param_name, [])) or (route.param_name.rpartition(".")[0],)
+    held: dict[str, torch.dtype] = {}
+    for hf_name, pieces in table.routes.items():
+        if not pieces:  # another rank holds it
+            width = dtypes.get(hf_name, torch.bfloat16).itemsize
+            targets[hf_name] = Target(routes=(), bits=torch.empty(0, dtype=SIGNED[width]), host=False, modules=(),
+                                      hf_shape=tuple(shapes[hf_name]))
+            continue
+        pname = pieces[0].param_name
+        mods = tuple(m for m, _ in owners.get(pname, [])) or (pname.rpartition(".")[0],)
         reloaded = tuple(m for m in mods if m in feeds)
         if reloaded:
-            targets[hf_name] = Target(route=route, bits=int_bits(host[hf_name]), host=True, modules=reloaded)
+            targets[hf_name] = Target(routes=pieces, bits=int_bits(host[hf_name]), host=True, modules=reloaded)
+            held[hf_name] = host[hf_name].dtype
             continue
-        param = params[route.param_name]
+        param = params[pname]
         refresh = tuple(m for m in mods if kinds.get(m) == "refresh")
-        targets[hf_name] = Target(route=route, bits=int_bits(param.data), host=False, modules=refresh)
-    held = {n: host[n].dtype if t.host else params[t.route.param_name].dtype for n, t in targets.items()}
-    wrong = [f"{n} (checkpoint {dtypes[n]}, engine {held[n]})" for n in targets if n in dtypes and dtypes[n] != held[n]]
+        targets[hf_name] = Target(routes=pieces, bits=int_bits(param.data), host=False, modules=refresh)
+        held[hf_name] = param.dtype
+    wrong = [f"{n} (checkpoint {dtypes[n]}, engine {held[n]})" for n in held if n in dtypes and dtypes[n] != held[n]]
     if wrong:
         raise RoutingError(f"dtypes differ, XOR patches would corrupt these tensors: {wrong[:5]}")
     state = WorkerState(model=model, reload=reload, table=table, mode="reload" if feeds else "live",
@@ -184,9 +204,9 @@ def check_header(state: WorkerState, header: StepHeader, where: str) -> None:
         problems.append(f"the step has no {missing[:5]} (the engine's checkpoint has {len(missing)} more tensor(s))")
     for name in sorted(names & set(state.targets)):
         th, t = header.tensors[name], state.targets[name]
-        if tuple(th.shape) != t.route.hf_shape or th.itemsize != t.bits.element_size():
+        if tuple(th.shape) != t.hf_shape or th.itemsize != t.bits.element_size():
             problems.append(f"{name!r}: the step has {th.dtype} {list(th.shape)}, the engine "
-                            f"{8 * t.bits.element_size()}-bit {list(t.route.hf_shape)}")
+                            f"{8 * t.bits.element_size()}-bit {list(t.hf_shape)}")
     if problems:
         raise PatchError(f"{where}: the step does not fit the engine, weights untouched ({len(problems)} problem(s)): "
                          + "; ".join(problems[:8]))
@@ -216,8 +236,8 @@ def stage(state: WorkerState, patches: Iterable[RawPatch]) -> list[Staged]:
             problems.append(f"{name!r}: {problem}")
             continue
         target = state.targets[name]
-        idx, xs, hf = _localize(target, p, x)
-        staged.append(Staged(name=name, idx=idx, x=xs, hf_idx=hf))
+        for idx, xs, hf, owned in _localize(target, p, x):
+            staged.append(Staged(name=name, idx=idx, x=xs, hf_idx=hf, owned=owned))
     if problems:
         raise PatchError(f"patch rejected, weights untouched ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
     return staged
@@ -227,7 +247,7 @@ def _problem(state: WorkerState, name: str, pos: torch.Tensor | None, xor: torch
     target = state.targets.get(name)
     if target is None:
         return "not a checkpoint tensor of this model"
-    n, width = target.route.hf_numel, target.bits.element_size()
+    n, width = target.hf_numel, target.bits.element_size()
     if xor.is_floating_point() or xor.is_complex() or xor.dtype == torch.bool or xor.element_size() != width:
         return f"xor is {xor.dtype}, the engine holds {width}-byte elements (use int{8 * width})"
     if pos is None:
@@ -241,13 +261,42 @@ def _problem(state: WorkerState, name: str, pos: torch.Tensor | None, xor: torch
     return None
 
 
-def _localize(target: Target, pos: torch.Tensor | None, xor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(flat indices into the target's bits, xor values there, their checkpoint flat indices) for this rank."""
+Group = tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]
+
+
+def _localize(target: Target, pos: torch.Tensor | None, xor: torch.Tensor) -> list[Group]:
+    """[(flat indices into the target's bits, xor values there, their checkpoint flat indices, owned)] for this
+    rank: the owned elements and the others (held here, counted on another rank) apart; never empty."""
     xor = xor.reshape(-1).view(SIGNED[xor.element_size()])
-    if target.host:  # the host copy is the whole checkpoint tensor
-        idx = pos if pos is not None else torch.arange(xor.numel(), dtype=torch.int64)
-        return idx, xor, idx
-    route = target.route
+    if target.host:  # the host copy is the whole checkpoint tensor: every element written, the owned ones counted
+        idx = pos.reshape(-1) if pos is not None else torch.arange(xor.numel(), dtype=torch.int64)
+        mine = [r for r in target.routes if r.owner]
+        if len(mine) == len(target.routes) and all(r.whole for r in mine):
+            return [(idx, xor, idx, True)]
+        mask = torch.zeros(idx.numel(), dtype=torch.bool)
+        for r in mine:
+            keep, _ = r.localize(idx)
+            mask = torch.ones_like(mask) if keep is None else mask | keep
+        return [g for g in ((idx[mask], xor[mask], idx[mask], True), (idx[~mask], xor[~mask], idx[~mask], False))
+                if g[0].numel()] or [(idx[:0], xor[:0], idx[:0], False)]
+    groups: dict[bool, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    for route in target.routes:
+        groups.setdefault(route.owner, []).append(_piece(route, pos, xor))
+    if not groups:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return [(empty, xor[:0], empty, False)]
+    out = []
+    for owned, parts in groups.items():
+        if len(parts) == 1:
+            out.append((*parts[0], owned))
+        else:
+            out.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                        torch.cat([p[2] for p in parts]), owned))
+    return out
+
+
+def _piece(route: Route, pos: torch.Tensor | None, xor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(param indices, xor values, checkpoint indices) of the elements of one piece of a checkpoint tensor."""
     if pos is None:
         if route.whole and route.hf_shape == route.param_shape:
             idx = torch.arange(xor.numel(), dtype=torch.int64)
@@ -285,7 +334,7 @@ def seal(state: WorkerState, staged: Sequence[Staged]) -> Seal:
         for s in staged:
             target = state.targets[s.name]
             total = sums[s.name] if s.name in sums else part(state, s.name)
-            if target.route.owner and s.idx.numel():
+            if s.owned and s.idx.numel():
                 old = _gather(target.bits, s.idx)
                 new = old ^ s.x.to(old.device)
                 total += checksum_elements(new, s.hf_idx) - checksum_elements(old, s.hf_idx)
@@ -370,9 +419,9 @@ def _write(state: WorkerState, staged: Sequence[Staged]) -> dict[str, int]:
         for s in staged:
             target = state.targets[s.name]
             idx, x, hf_idx = _host_args(target.bits, s)
-            delta = xor_apply(target.bits, idx, x, index=hf_idx)  # checks, then writes; read back
+            delta = xor_apply(target.bits, idx, x, index=hf_idx, checksum=s.owned)  # checks, writes; read back
             landed.append((target.bits, s))
-            if target.route.owner:
+            if s.owned:
                 sums[s.name] = (sums[s.name] + delta) & MASK64
 
     return _undoable(state, sums, write_all)
@@ -428,14 +477,14 @@ def checksums(state: WorkerState, names: Iterable[str] | None = None) -> dict[st
         target = state.targets.get(name)
         if target is None:
             raise PatchError(f"{name!r} is not a checkpoint tensor of this model")
-        if not target.route.owner:
-            out[name] = 0
-            continue
         total = 0
-        for box in chunks(target.route):
-            hf_idx = box.hf_indices()
-            bits = target.bits[hf_idx] if target.host else target.bits[box.param_indices()]
-            total += checksum_elements(bits, hf_idx)
+        for route in target.routes:
+            if not route.owner:
+                continue
+            for box in chunks(route):
+                hf_idx = box.hf_indices()
+                bits = target.bits[hf_idx] if target.host else target.bits[box.param_indices()]
+                total += checksum_elements(bits, hf_idx)
         out[name] = total & MASK64
     state.sums.update(out)  # exact for the bits as they are now: the base of incremental verification
     return out
@@ -459,9 +508,10 @@ def anchor_patches(state: WorkerState, tensors: Mapping[str, torch.Tensor]) -> l
         if target.host:
             x ^= target.bits
         else:
-            for box in chunks(target.route):
-                hf = box.hf_indices()
-                x[hf] ^= target.bits[box.param_indices()].to(x.device)
+            for route in target.routes:
+                for box in chunks(route):
+                    hf = box.hf_indices()
+                    x[hf] ^= target.bits[box.param_indices()].to(x.device)
         out.append((name, None, x))
     return out
 

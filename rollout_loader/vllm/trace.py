@@ -18,7 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_loader.routing import Copy, CopyRecorder, RoutingError, RoutingTable, View, build_routing_table
+from rollout_loader.routing import (
+    Copy,
+    CopyRecorder,
+    RoutingError,
+    RoutingTable,
+    View,
+    assign_owners,
+    build_routing_table,
+)
 
 log = logging.getLogger(__name__)
 
@@ -122,26 +130,44 @@ def routing_table(model: torch.nn.Module, trace: Trace, shapes: Mapping[str, lis
                   ignore: Iterable[str] = ()) -> RoutingTable:
     """This rank's routing table from ``trace``, owners assigned across the tensor-parallel group.
 
-    Parameters that need no checkpoint tensor are the live ones sharing storage with a fed parameter (a tied
-    head): :func:`tied_aliases`.
+    A checkpoint tensor this rank's loader skips is fine when another rank copies it (expert parallelism
+    places each expert on one rank). Parameters that need no checkpoint tensor are the live ones sharing
+    storage with a fed parameter (a tied head): :func:`tied_aliases`.
     """
     from vllm.distributed import get_tp_group
 
-    from rollout_loader.routing import assign_owners
-
     group = get_tp_group()
     rank, size = group.rank_in_group, group.world_size
+    copied = sorted({c.hf_name for c in trace.copies})
+    everyone = _all_gather(group, copied)
+    elsewhere = {n for r, names in enumerate(everyone) if r != rank for n in names}
     tied = tied_aliases(model)
     table = build_routing_table(
         shapes, trace.copies, {n: s for n, (s, _) in trace.params.items()}, fills=trace.fills,
-        problems=trace.problems, refused=trace.refused, unfed_ok=tied, tied=tied, ignore=ignore, tp_rank=rank, tp_size=size,
+        problems=trace.problems, refused=trace.refused, held_elsewhere=elsewhere, unfed_ok=tied, tied=tied,
+        ignore=ignore, tp_rank=rank, tp_size=size,
     )
-    boxes = {n: (r.hf_start, r.extent) for n, r in table.routes.items()}
+    return assign_owners(table, _all_gather(group, table.boxes()))
+
+
+def _all_gather(group: object, obj: object) -> list:
+    """``obj`` from every rank of the tensor-parallel ``group``, in rank order."""
+    size = group.world_size  # type: ignore[attr-defined]
     if size == 1:
-        return assign_owners(table, [boxes])
-    gathered: list = [None] * size
-    torch.distributed.all_gather_object(gathered, boxes, group=group.cpu_group)
-    return assign_owners(table, gathered)
+        return [obj]
+    out: list = [None] * size
+    torch.distributed.all_gather_object(out, obj, group=group.cpu_group)  # type: ignore[attr-defined]
+    return out
+
+
+def refuse_moving_experts(vllm_config: object) -> None:
+    """Refuse expert load balancing (EPLB): it moves experts between ranks at run time, while routes follow the
+    placement vLLM's loader used; a write through them would land in another expert's slot."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if getattr(parallel, "enable_eplb", False):
+        raise RoutingError("this engine runs with enable_eplb (expert load balancing moves experts at run time); "
+                           "deltasync routes follow the placement at load and are refused: start vLLM without "
+                           "--enable-eplb")
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:

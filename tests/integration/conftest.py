@@ -24,8 +24,7 @@ _INT = {2: torch.int16, 4: torch.int32}
 
 def build_checkpoint(out: Path, *, tie: bool, seed: int = 0) -> None:
     """A random bf16 Qwen3 checkpoint plus a byte-level tokenizer in ``out``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(
@@ -49,6 +48,13 @@ def build_checkpoint(out: Path, *, tie: bool, seed: int = 0) -> None:
             if p.ndim == 1:  # norms start at exactly 1: make them differ
                 p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(out)
+    save_tokenizer(out)
+
+
+def save_tokenizer(out: Path) -> None:
+    """A byte-level tokenizer (every byte one token) in ``out``: no hub access needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))

@@ -270,7 +270,7 @@ def test_sealed_write_lands_the_reference_bits_and_checksums() -> None:
         "c": route("c", (8, 40), "shard", (4, 40), (4, 0), (0, 0), (4, 40)),
     }
     params = {"fused": fused, "shard": shard}
-    targets = {n: Target(route=r, bits=params[r.param_name].view(torch.int16).reshape(-1), host=False, modules=())
+    targets = {n: Target(routes=(r,), bits=params[r.param_name].view(torch.int16).reshape(-1), host=False, modules=())
                for n, r in routes.items()}
     state = WorkerState(model=torch.nn.Module(), reload=lambda w: None, table=None, mode="live", targets=targets)  # type: ignore[arg-type]
 

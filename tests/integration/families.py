@@ -1,0 +1,58 @@
+"""Tiny random checkpoints of the model families RL teams train, built with transformers from their configs.
+
+Each is a 2-layer bf16 model with the family's real module structure (vLLM loads it with the family's own
+model class): dense Llama, Gemma (tied), Phi-3 (q/k/v and gate/up fused in the checkpoint), Qwen3-MoE and
+Mixtral (FusedMoE experts and a router), DeepSeek-V2 (MLA attention, a dense first layer, routed plus shared
+experts). Sizes are what vLLM's CPU kernels accept (head_dim 64, MLA rope dim 64, kv_lora_rank 512).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.integration.conftest import VOCAB, save_tokenizer
+
+FAMILIES = ("llama", "gemma", "phi3", "qwen3_moe", "mixtral", "deepseek_v2")
+MOE = ("qwen3_moe", "mixtral", "deepseek_v2")
+
+
+def build_family(family: str, out: Path, *, seed: int = 0) -> Path:
+    """A random checkpoint of ``family`` (see :data:`FAMILIES`) plus a byte-level tokenizer in ``out``."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
+                  eos_token_id=VOCAB - 1, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    experts = dict(num_experts_per_tok=2)
+    if family == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(head_dim=64, intermediate_size=256, **common))
+    elif family == "gemma":
+        model = tf.GemmaForCausalLM(tf.GemmaConfig(head_dim=64, intermediate_size=256,
+                                                   **{**common, "tie_word_embeddings": True}))
+    elif family == "phi3":
+        model = tf.Phi3ForCausalLM(tf.Phi3Config(intermediate_size=256, **common))
+    elif family == "qwen3_moe":
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            head_dim=64, intermediate_size=256, moe_intermediate_size=64, num_experts=4, decoder_sparse_step=1,
+            **experts, **common))
+    elif family == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(head_dim=64, intermediate_size=64, num_local_experts=4,
+                                                       **experts, **common))
+    elif family == "deepseek_v2":
+        model = tf.DeepseekV2ForCausalLM(tf.DeepseekV2Config(
+            intermediate_size=256, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
+            first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64,
+            v_head_dim=64, n_group=1, topk_group=1, **experts, **common))
+    else:
+        raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+    model = model.to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:  # norms start at exactly 1 or 0: make them differ
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(out)
+    save_tokenizer(out)
+    return out
