@@ -87,3 +87,34 @@ def test_two_tensors_with_one_canonical_name_are_refused():
 def test_names_hook_must_return_a_name(bad):
     with pytest.raises(ConfigError, match=r"mapped 'w' to"):
         canonical_names({"w": 1}, names=lambda n: bad)
+
+
+def test_a_transformers_moe_publishes_its_checkpoint_layout_not_its_fused_experts(tmp_path):
+    """transformers 5 holds a Qwen3-MoE layer's experts fused (``experts.gate_up_proj`` [E, 2I, H]); a stream of
+    the module must carry what ``save_pretrained`` writes (one tensor per expert), the names every engine loads:
+    checked against the saved file, names, shapes and bits, also after a step that changes one expert."""
+    tf = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from deltasync import DeltaPublisher, StreamReader
+
+    cfg = tf.Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=16, intermediate_size=64, moe_intermediate_size=16,
+                            num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = tf.Qwen3MoeForCausalLM(cfg).bfloat16()
+    assert any("experts.gate_up_proj" in n for n in model.state_dict())  # fused in memory
+    url = str(tmp_path / "stream")
+    with DeltaPublisher(url, model, anchor_every=100) as pub:
+        pub.publish(0)
+        with torch.no_grad():
+            model.model.layers[1].mlp.experts.gate_up_proj[2, 20, 3] += 1  # expert 2's up_proj, row 4
+        pub.publish(1)
+    model.save_pretrained(tmp_path / "saved")
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    with StreamReader(url) as reader:
+        got = reader.state_dict(1)
+        changed = {n for n, t in reader.open(1).header.tensors.items() if t.changed}
+    assert got.keys() == saved.keys()
+    assert all(torch.equal(got[n].view(torch.int16), saved[n].view(torch.int16)) for n in saved)
+    assert changed == {"model.layers.1.mlp.experts.2.up_proj.weight"}

@@ -61,11 +61,35 @@ def canonical_names(state_dict: Mapping[str, T], names: NameMap | None = None) -
 
 def source_state(source: Any, names: NameMap | None = None) -> Mapping[str, Any]:
     """The state dict a publisher's ``source`` stands for (a module, a state dict, or a function returning
-    one), under canonical names."""
+    one), under canonical names. A transformers model publishes under its *checkpoint* names
+    (:func:`checkpoint_state`)."""
     if callable(getattr(source, "state_dict", None)):
-        sd = source.state_dict()
+        sd = checkpoint_state(source)
     elif callable(source):
         sd = source()
     else:
         sd = source
     return canonical_names(sd, names)
+
+
+def checkpoint_state(module: Any) -> Mapping[str, Any]:
+    """``module.state_dict()``, in the layout ``save_pretrained`` writes when ``module`` is a transformers model.
+
+    transformers 5 holds some weights fused in memory (a MoE layer's ``experts.gate_up_proj`` [E, 2I, H] and
+    ``experts.down_proj``) while its checkpoints, and so every inference engine, keep one tensor per expert
+    (``experts.{e}.gate_proj.weight``...). The conversion is transformers' own (``revert_weight_conversion``,
+    what ``save_pretrained`` applies), so the stream's names and shapes are the serving checkpoint's. Sharded
+    (DTensor) fused weights are refused: splitting them would gather them on every rank.
+    """
+    sd = module.state_dict()
+    if not type(module).__module__.startswith("transformers."):
+        return sd
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out = revert_weight_conversion(module, sd)
+    if list(out) != list(sd) and any(type(t).__name__ == "DTensor" for t in sd.values()):
+        changed = sorted(set(sd) - set(out))[:3]
+        raise ConfigError(f"{changed} are held fused by transformers and saved split; splitting sharded (FSDP2) "
+                          "tensors is not supported: publish from a model whose experts are not fused, or pass a "
+                          "state dict in checkpoint layout as source")
+    return out

@@ -92,6 +92,12 @@ def derived_params(model: torch.nn.Module, trace: Trace) -> dict[str, str | None
     return out
 
 
+def moe_modules(model: torch.nn.Module) -> list[str]:
+    """Modules whose post-load processing includes an MoE kernel's own step (what a full reload must redo)."""
+    return [n for n, m in model.named_modules()
+            if getattr(getattr(m, "quant_method", None), "moe_kernel", None) is not None]
+
+
 def reload_as_loaded(vllm_config: object, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                      modules: Iterable[str]) -> None:
     """Re-load checkpoint tensors ``weights`` (every one feeding ``modules``) through vLLM's layerwise reload,
@@ -130,8 +136,8 @@ def _matches(reader: object, route: Route, live: torch.Tensor, rng: random.Rando
         first, n = route.hf_start[0], route.extent[0]
         rows = rng.sample(range(first, first + n), min(SAMPLE_ROWS, n)) if n else []
     for row in rows:
-        if row is None:
-            data, hf_idx = sl[...].reshape(-1), torch.zeros(1, dtype=torch.int64)
+        if row is None:  # a 0-d tensor
+            data, hf_idx = reader.get_tensor(route.hf_name).reshape(-1), torch.zeros(1, dtype=torch.int64)  # type: ignore[attr-defined]
         else:
             part = Route(**{**route.__dict__, "hf_start": (row, *route.hf_start[1:]), "extent": (1, *route.extent[1:]),
                             "param_extent": ()})

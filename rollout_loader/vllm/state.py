@@ -140,10 +140,6 @@ def build_state(
     shapes, dtypes = layout
     trace = trace_loader(model, shapes, dtypes)
     table = routing_table(model, trace, shapes, ignore=ignore or ())
-    stale_derived = sorted(n for n, base in derived_params(model, trace).items() if base is None)
-    if stale_derived:
-        raise RoutingError(f"engine parameters {stale_derived[:5]} are derived by vLLM after loading and share no "
-                           "storage with a checkpoint-format parameter: a write would leave them stale")
     owners = param_owners(model)
     kinds = {m: module_kind(model.get_submodule(m)) for ms in owners.values() for m, _ in ms}
     stale = sorted(m for m, k in kinds.items() if k != "live")
@@ -155,6 +151,13 @@ def build_state(
         )
     transformed = find_transformed(model, trace, table, checkpoint)
     shadowed = {m for m, k in kinds.items() if k == "reload"} | modules_of(transformed)
+    # parameters vLLM creates after loading (fp8 scales, MLA's absorbed weights) stay right when they share storage
+    # with a routed parameter, or when their module is re-processed after every write (shadowed)
+    stale_derived = sorted(n for n, base in derived_params(model, trace).items()
+                           if base is None and n.rpartition(".")[0] not in shadowed)
+    if stale_derived:
+        raise RoutingError(f"engine parameters {stale_derived[:5]} are derived by vLLM after loading and share no "
+                           "storage with a checkpoint-format parameter: a write would leave them stale")
     feeds = dict(feeds_of(table, shadowed))  # module -> every checkpoint tensor feeding it (all of q, k, v, bias)
     host_names = sorted({n for names in feeds.values() for n in names})
     host = read_checkpoint(checkpoint, host_names, shapes) if host_names else {}

@@ -92,11 +92,16 @@ class _LoaderError(Exception):
 
 def _trace_once(model: torch.nn.Module, layers: list[torch.nn.Module], sources: Mapping[str, torch.Tensor]
                 ) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], CopyRecorder]:
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, _place_kernel_tensors
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO,
+        _get_original_loader,
+        _place_kernel_tensors,
+    )
     from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
     from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
 
     restored = []
+    wrapped: list[tuple[torch.Tensor, object]] = []
     current: list[str | None] = [None]
     try:
         for layer in layers:
@@ -106,6 +111,11 @@ def _trace_once(model: torch.nn.Module, layers: list[torch.nn.Module], sources: 
             restored.append(layer)
             restore_layer_on_meta(layer, info)
         params = dict(model.named_parameters())
+        for p in params.values():  # online quantization buffers loads until a layer is complete: trace the loader
+            loader = getattr(p, "weight_loader", None)
+            if loader is not None and getattr(loader, "__name__", "") == "online_process_loader":
+                wrapped.append((p, loader))
+                p.weight_loader = _get_original_loader(p)
         recorder = CopyRecorder(params, sources)
 
         def feed() -> Iterator[tuple[str, torch.Tensor]]:
@@ -121,6 +131,8 @@ def _trace_once(model: torch.nn.Module, layers: list[torch.nn.Module], sources: 
         text = f"{type(e).__name__}: {e}"
         raise _LoaderError(current[0], text if len(text) <= 300 else text[:300] + "...") from e
     finally:
+        for p, loader in wrapped:
+            p.weight_loader = loader
         for layer in restored:
             _place_kernel_tensors(layer, LAYERWISE_INFO[layer])
             LAYERWISE_INFO[layer].reset()

@@ -187,9 +187,11 @@ class DeltaWorkerExtension:
         with _open(path, "deltasync_load") as obj, torch.inference_mode():
             if obj.header.kind != "anchor":
                 raise PatchError(f"{obj.where}: a delta is applied with deltasync_apply, not loaded")
-            self.reload_weights(  # type: ignore[attr-defined]
-                weights_iterator=((name, obj.read_tensor(name)) for name in obj.header.tensors), is_checkpoint_format=True
-            )
+            from .shadow import moe_modules, reload_as_loaded
+
+            model = self.get_model()  # type: ignore[attr-defined]
+            reload_as_loaded(self.vllm_config, model,  # type: ignore[attr-defined]
+                             ((name, obj.read_tensor(name)) for name in obj.header.tensors), moe_modules(model))
         reload_s = time.perf_counter() - t0
         self._deltasync = None  # parameters may have been replaced: routes are rebuilt
         summary = type(self).deltasync_init.__wrapped__(self, None, mode, path)  # type: ignore[attr-defined]

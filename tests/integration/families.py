@@ -56,3 +56,42 @@ def build_family(family: str, out: Path, *, seed: int = 0) -> Path:
     model.save_pretrained(out)
     save_tokenizer(out)
     return out
+
+
+# The support matrix docs/MODELS.md shows: one row per verified configuration, each the parameters of a test
+# (tests/test_models_doc.py checks that the document shows exactly this table).
+SHADOW_EXPERTS = "experts shadowed (CPU prepack)"
+MATRIX: list[dict[str, str]] = [
+    *({"family": f, "tp": "1", "ep": "-", "dtype": "bf16", "kernels": "live",
+       "path": {"llama": "in place", "gemma": "in place (tied head: nothing to do)",
+                "phi3": "in place (fused q/k/v and gate/up checkpoint: routed in pieces)",
+                "qwen3_moe": f"in place; {SHADOW_EXPERTS}", "mixtral": f"in place; {SHADOW_EXPERTS}",
+                "deepseek_v2": f"in place (MLA W_UK_T/W_UV share kv_b_proj); {SHADOW_EXPERTS}"}[f],
+       "test": f"test_vllm_models::test_family_follows_a_stream_bit_exact_against_fresh_engines[{f}-live-bf16]"}
+      for f in FAMILIES),
+    {"family": "llama", "tp": "1", "ep": "-", "dtype": "fp8 engine, bf16 stream", "kernels": "live",
+     "path": "linears shadowed: vLLM re-quantizes them (float8 weights, scales)",
+     "test": "test_vllm_models::test_family_follows_a_stream_bit_exact_against_fresh_engines[llama-live-fp8]"},
+    *({"family": f, "tp": "1", "ep": "-", "dtype": "bf16", "kernels": "stock",
+       "path": "linears and experts shadowed (CPU repack/prepack)",
+       "test": f"test_vllm_models::test_family_follows_a_stream_bit_exact_against_fresh_engines[{f}-stock-bf16]"}
+      for f in MOE),
+    {"family": "qwen3_moe", "tp": "2", "ep": "-", "dtype": "bf16", "kernels": "live",
+     "path": f"in place, each rank its slices; {SHADOW_EXPERTS}",
+     "test": "test_vllm_models::test_moe_tensor_parallel_2_bit_exact_against_a_fresh_engine"},
+    {"family": "qwen3 (dense, tied and untied)", "tp": "1, 2", "ep": "-", "dtype": "bf16, fp32", "kernels": "live, stock",
+     "path": "in place (live); linears shadowed (stock)",
+     "test": "test_vllm_worker, test_vllm_engine, test_vllm_follow"},
+]
+COLUMNS = ("family", "tp", "ep", "dtype", "kernels", "path", "test")
+
+
+def matrix_markdown() -> str:
+    """The support matrix as the Markdown table docs/MODELS.md holds."""
+    rows = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    rows += ["| " + " | ".join(r[c] for c in COLUMNS) + " |" for r in MATRIX]
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(matrix_markdown(), end="")

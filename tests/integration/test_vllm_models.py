@@ -21,13 +21,14 @@ import torch
 from deltasync import DeltaPublisher, replay_to_folder
 from tests.integration.conftest import generate, load_state, perturb, save_like
 from tests.integration.families import FAMILIES, MOE, build_family
+from tests.integration.fp8 import fp8_stand_in
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 STEPS = (1, 2, 3)  # 1, 2: deltas; 3: an anchor (anchor_every=3)
 COMPARED = (2, 3)  # a delta on a delta, and an anchor: each against a fresh engine
-CASES = [(f, "live") for f in FAMILIES] + [(f, "stock") for f in MOE]
+CASES = [(f, "live", "bf16") for f in FAMILIES] + [(f, "stock", "bf16") for f in MOE] + [("llama", "live", "fp8")]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -41,11 +42,11 @@ def _held(llm) -> dict[str, tuple[str, tuple[int, ...], torch.Tensor]]:
     return {n: (str(t.dtype), tuple(t.shape), _bits(t)) for n, t in tensors}
 
 
-def _start(path: Path, live: bool, *, weight_transfer: bool = False):
+def _start(path: Path, live: bool, *, weight_transfer: bool = False, quantization: str | None = None):
     from rollout_loader.vllm import start_engine
 
     return start_engine(str(path), in_process=True, live_cpu_weights=live, weight_transfer=weight_transfer,
-                        dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0)
+                        dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0, quantization=quantization)
 
 
 def _publish(model_dir: Path, url: str) -> None:
@@ -69,14 +70,28 @@ def cpu_env(monkeypatch):
     envs.disable_envs_cache()
 
 
-@pytest.mark.parametrize(("family", "kernels"), CASES)
-def test_family_follows_a_stream_bit_exact_against_fresh_engines(family, kernels, tmp_path, cpu_env) -> None:
+@pytest.mark.parametrize(("family", "kernels", "served"), CASES)
+def test_family_follows_a_stream_bit_exact_against_fresh_engines(family, kernels, served, tmp_path, cpu_env) -> None:
+    """``served``: "bf16", or "fp8": a bf16 stream served by an engine started with ``quantization="fp8"``, whose
+    linears hold float8 weights and scales computed from the bf16 values (shadowed: re-quantized by vLLM)."""
     live = kernels == "live"
+    quantization = "fp8" if served == "fp8" else None
+    if quantization:
+        stand_in = fp8_stand_in()
+        stand_in.__enter__()
     model_dir = build_family(family, tmp_path / family)
     url = str(tmp_path / "stream")
     _publish(model_dir, url)
     followed, tokens = {}, {}
-    llm = _start(model_dir, live, weight_transfer=True)
+    try:
+        _follow_and_compare(model_dir, url, live, quantization, followed, tokens, tmp_path)
+    finally:
+        if quantization:
+            stand_in.__exit__(None, None, None)
+
+
+def _follow_and_compare(model_dir, url, live, quantization, followed, tokens, tmp_path) -> None:
+    llm = _start(model_dir, live, weight_transfer=True, quantization=quantization)
     try:
         llm.init_weight_transfer_engine({"init_info": {"url": url, "verify": "all", "step": 0}})
         for step in STEPS:
@@ -88,13 +103,15 @@ def test_family_follows_a_stream_bit_exact_against_fresh_engines(family, kernels
                 followed[step], tokens[step] = _held(llm), generate(llm)
         engine = llm.collective_rpc(lambda worker: worker.weight_transfer_engine)[0]
         assert engine.held_step == STEPS[-1]
+        if quantization:  # the engine really serves float8 weights (and the test compares them)
+            assert any("float8" in dtype for dtype, _, _ in followed[COMPARED[-1]].values())
     finally:
         del llm
         gc.collect()
     for step in COMPARED:
         replayed = replay_to_folder(url, step, str(tmp_path / f"replay{step}"))
         fresh_dir = save_like(model_dir, tmp_path / f"fresh{step}", load_state(Path(replayed.path)))
-        fresh = _start(fresh_dir, live)
+        fresh = _start(fresh_dir, live, quantization=quantization)
         try:
             want, want_tokens = _held(fresh), generate(fresh)
         finally:
@@ -153,3 +170,69 @@ def test_expert_load_balancing_is_refused_by_name(tmp_path, cpu_env) -> None:
     finally:
         del llm
         gc.collect()
+
+
+_TP_SCRIPT = """
+import hashlib, json, sys
+import torch
+
+def digest(worker):
+    model = worker.model_runner.model
+    tensors = [*model.named_parameters(), *(("buffer:" + n, b) for n, b in model.named_buffers())]
+    out = {}
+    for name, t in tensors:
+        flat = t.detach().reshape(-1).contiguous()
+        data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+        out[name] = [str(t.dtype), list(t.shape), hashlib.sha256(data).hexdigest()]
+    return out
+
+if __name__ == "__main__":
+    from rollout_loader.vllm import start_engine
+    from tests.integration.conftest import generate
+    model, url, steps, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+    llm = start_engine(model, weight_transfer=bool(steps), dtype="bfloat16", enforce_eager=True,
+                       max_model_len=512, seed=0, tensor_parallel_size=2)
+    if steps:
+        llm.init_weight_transfer_engine({"init_info": {"url": url, "verify": "all", "step": 0}})
+        for step in steps:
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"step": step}})
+            llm.finish_weight_update(weight_version=str(step))
+        llm.reset_prefix_cache()
+    json.dump({"held": llm.collective_rpc(digest), "tokens": generate(llm)}, open(out, "w"))
+"""
+
+
+def test_moe_tensor_parallel_2_bit_exact_against_a_fresh_engine(tmp_path) -> None:
+    """Qwen3-MoE with tensor parallelism 2 (multiprocess engine, one core per rank): each rank holds its slices
+    of q/k/v, o, the experts' intermediate dimension; after a delta and an anchor every rank's parameters and
+    buffers equal a fresh TP=2 engine's, and so does greedy output."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    model_dir = build_family("qwen3_moe", tmp_path / "m")
+    url = str(tmp_path / "stream")
+    _publish(model_dir, url)
+    replayed = replay_to_folder(url, STEPS[-1], str(tmp_path / "replay"))
+    fresh_dir = save_like(model_dir, tmp_path / "fresh", load_state(Path(replayed.path)))
+    script = tmp_path / "tp.py"
+    script.write_text(_TP_SCRIPT)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+           "DELTASYNC_CPU_LIVE_WEIGHTS": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # the digest function
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    results = {}
+    for name, model, steps in (("followed", model_dir, list(STEPS)), ("fresh", fresh_dir, [])):
+        out = tmp_path / f"{name}.json"
+        r = subprocess.run([sys.executable, str(script), str(model), url, json.dumps(steps), str(out)], env=env,
+                           capture_output=True, text=True, timeout=540)
+        assert r.returncode == 0, r.stderr[-3000:]
+        results[name] = json.loads(out.read_text())
+    got, want = results["followed"]["held"], results["fresh"]["held"]
+    assert len(want) == 2
+    for rank in range(2):
+        assert got[rank].keys() == want[rank].keys()
+        differ = [n for n in want[rank] if got[rank][n] != want[rank][n]]
+        assert not differ, f"rank {rank}: {len(differ)} tensors differ from a fresh engine: {differ[:6]}"
+    assert results["followed"]["tokens"] == results["fresh"]["tokens"]

@@ -1,0 +1,140 @@
+"""Route-table build for the largest MoE models, from their configs on the meta device (no weights).
+
+    .venv/bin/python bench/bench_routes.py [--models qwen3-235b-a22b kimi-k2]
+
+For each model: the vLLM model is built on the meta device from the model's published config (tensor
+parallelism 1, this process's own one-rank group), its checkpoint tensor list is what ``save_pretrained`` writes
+for the transformers model of the same config (one tensor per expert; built on meta too), and the deltasync
+routing table is learned from vLLM's loader exactly as the engine does at init (``trace_loader`` +
+``build_routing_table``). Reports the build time (trace and table apart), the Python heap the build allocated
+(tracemalloc peak), the table's size pickled, and how many tensors and pieces it routes. Baseline in the same
+run: building the vLLM model itself on meta (what any engine start pays before loading a byte).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import _Parser, write_results  # noqa: E402
+
+# the published configs (config.json on the Hugging Face Hub), the fields vLLM and transformers read
+CONFIGS = {
+    "qwen3-235b-a22b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 4096,
+        "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
+        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+        "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+    },
+    "kimi-k2": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "vocab_size": 163840, "max_position_embeddings": 131072, "rope_theta": 50000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+        "num_nextn_predict_layers": 0,
+    },
+}
+
+
+def checkpoint_layout(folder: Path) -> tuple[dict[str, list[int]], dict]:
+    """Names and shapes ``save_pretrained`` writes for the transformers model of this config (built on meta)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    cfg = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    sd = revert_weight_conversion(model, model.state_dict())
+    return {n: list(t.shape) for n, t in sd.items()}, {n: t.dtype for n, t in sd.items()}
+
+
+def vllm_model_on_meta(folder: Path):
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    config = EngineArgs(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+                        max_model_len=4096, load_format="dummy").create_engine_config()
+    with set_current_vllm_config(config):
+        if not torch.distributed.is_initialized():
+            port = 20000 + os.getpid() % 20000
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
+            ensure_model_parallel_initialized(1, 1)
+        with torch.device("meta"):
+            return initialize_model(vllm_config=config)
+
+
+def measure(name: str, work: Path) -> dict:
+    from rollout_loader.routing import build_routing_table
+    from rollout_loader.vllm.trace import tied_aliases, trace_loader
+
+    folder = work / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(CONFIGS[name]))
+    shapes, dtypes = checkpoint_layout(folder)
+    t0 = time.perf_counter()
+    model = vllm_model_on_meta(folder)
+    build_s = time.perf_counter() - t0
+    tracemalloc.start()
+    t1 = time.perf_counter()
+    trace = trace_loader(model, shapes, dtypes)
+    t2 = time.perf_counter()
+    tied = tied_aliases(model)
+    table = build_routing_table(shapes, trace.copies, {n: s for n, (s, _) in trace.params.items()},
+                                fills=trace.fills, problems=trace.problems, refused=trace.refused, unfed_ok=tied,
+                                tied=tied)
+    t3 = time.perf_counter()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    pieces = sum(len(p) for p in table.routes.values())
+    return {
+        "model": name, "checkpoint_tensors": len(shapes), "routed_tensors": len(table.routes), "pieces": pieces,
+        "parameters": len(trace.params), "elements": sum(int(__import__("math").prod(s)) for s in shapes.values()),
+        "vllm_model_on_meta_s": round(build_s, 3), "trace_s": round(t2 - t1, 3), "table_s": round(t3 - t2, 3),
+        "routes_total_s": round(t3 - t1, 3), "heap_peak_mib": round(peak / 2**20, 1),
+        "table_pickled_mib": round(len(pickle.dumps(dict(table.routes))) / 2**20, 2),
+    }
+
+
+def main() -> None:
+    ap = _Parser(description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="deltasync-bench-routes-") as work:
+        for name in args.models:
+            rows.append(measure(name, Path(work)))
+            r = rows[-1]
+            print(f"{name}: {r['checkpoint_tensors']} checkpoint tensors ({r['elements'] / 1e9:.0f}B elements), "
+                  f"{r['pieces']} pieces; routes in {r['routes_total_s']:.2f} s (trace {r['trace_s']:.2f} s, "
+                  f"table {r['table_s']:.2f} s), heap peak {r['heap_peak_mib']} MiB, table {r['table_pickled_mib']} "
+                  f"MiB pickled; vLLM model on meta {r['vllm_model_on_meta_s']:.2f} s", flush=True)
+    print("\n| model | checkpoint tensors | pieces | trace s | table s | heap peak MiB | table MiB | vLLM model on meta s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['checkpoint_tensors']} | {r['pieces']} | {r['trace_s']} | {r['table_s']} | "
+              f"{r['heap_peak_mib']} | {r['table_pickled_mib']} | {r['vllm_model_on_meta_s']} |")
+    write_results(args, "routes", {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
