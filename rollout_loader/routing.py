@@ -16,6 +16,7 @@ loader reads through anything but a view, a parameter written by anything but a 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ class View:
     def box(self) -> tuple[Shape, Shape] | None:
         """(start, extent) of the view as a box of the base, or None when it is no box (a transpose, a step,
         a broadcast): its dims of size > 1 must be base dims, in the base's order, with the base's strides."""
-        strides = _strides(self.base)
+        strides, dim_of = _layout(self.base)
         start, rest = [], self.offset
         for s, size in zip(strides, self.base):
             c, rest = divmod(rest, s) if s else (0, rest)
@@ -60,11 +61,11 @@ class View:
         for size, st in zip(self.shape, self.stride):
             if size == 1:
                 continue
-            dims = [d for d in range(last + 1, len(self.base)) if strides[d] == st and self.base[d] > 1]
-            if not dims or start[dims[0]] + size > self.base[dims[0]]:
+            d = dim_of.get(st, -1)  # dims of size > 1 of a contiguous base have distinct strides
+            if d <= last or start[d] + size > self.base[d]:
                 return None
-            last = dims[0]
-            extent[last] = size
+            last = d
+            extent[d] = size
         return tuple(start), tuple(extent)
 
 
@@ -407,6 +408,13 @@ def _run(shape: Sequence[int], start: Sequence[int], extent: Sequence[int]) -> i
     if big and any(extent[d] != shape[d] for d in range(big[0] + 1, len(shape))):
         return None
     return sum(s * st for s, st in zip(start, _strides(shape)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(base: Shape) -> tuple[list[int], dict[int, int]]:
+    """A contiguous tensor's strides, and {stride: dim} for its dims of size > 1."""
+    strides = _strides(base)
+    return strides, {st: d for d, (st, n) in enumerate(zip(strides, base)) if n > 1}
 
 
 def _storage(t: torch.Tensor) -> int:

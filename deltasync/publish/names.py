@@ -87,9 +87,14 @@ def checkpoint_state(module: Any) -> Mapping[str, Any]:
     from transformers.core_model_loading import revert_weight_conversion
 
     out = revert_weight_conversion(module, sd)
-    if list(out) != list(sd) and any(type(t).__name__ == "DTensor" for t in sd.values()):
+    if set(out) == set(sd):
+        return sd  # nothing held fused: the module's own tensors (tied ones stay recognisably tied)
+    if any(type(t).__name__ == "DTensor" for t in sd.values()):
         changed = sorted(set(sd) - set(out))[:3]
         raise ConfigError(f"{changed} are held fused by transformers and saved split; splitting sharded (FSDP2) "
                           "tensors is not supported: publish from a model whose experts are not fused, or pass a "
                           "state dict in checkpoint layout as source")
-    return out
+    # the conversion may copy what it does not split: keep the module's own tensor where a name is unchanged, so
+    # tensors sharing storage (a tied head) are still published once, under the module's first name
+    kept = {n: sd[n] for n in sd if n in out and sd[n].shape == out[n].shape}
+    return {**kept, **{n: t for n, t in out.items() if n not in kept}}

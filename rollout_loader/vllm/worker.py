@@ -153,6 +153,12 @@ class DeltaWorkerExtension:
         checkpoint = weights_path or self.vllm_config.model_config.model  # type: ignore[attr-defined]
         if layout_json in ("", "null"):  # HTTP /collective_rpc passes strings only
             layout_json = None
+        engine = getattr(self, "weight_transfer_engine", None)
+        shared = getattr(engine, "_state", None) if layout_json is None and weights_path is None else None
+        if shared is not None:  # the deltasync weight-transfer engine follows a stream here: one state, its routes
+            self._deltasync = shared
+            return {"mode": shared.mode, "tensors": len(shared.targets), "tp_rank": shared.table.tp_rank,
+                    "tp_size": shared.table.tp_size, "shared_with": "weight-transfer engine"}
         layout = parse_layout(layout_json) if layout_json is not None else checkpoint_layout(checkpoint)
         self._deltasync, summary = st.build_state(
             self.get_model(), layout=layout, checkpoint=checkpoint, mode=mode, reload=self._reload, ignore=ignore,  # type: ignore[attr-defined]
