@@ -3,7 +3,8 @@
     .venv/bin/python bench/bench_models.py [--steps 5] [--families llama qwen3_moe deepseek_v2]
 
 For each family a small random model of its real structure (transformers, from a config: hidden 512, 4 layers,
-8 experts of 256 for the MoE ones) is trained with AdamW (lr 1e-6, random tokens) and every step published as
+8 experts of 256 for the MoE ones) takes AdamW steps (lr 1e-6, on random gradients: what sets how many bf16
+elements change is the update's size, not its direction) and every step is published as
 bf16 to a local store. A real vLLM CPU engine (in-process, live CPU linear weights) follows it through the
 deltasync weight-transfer engine. Per step: the pause (``start_weight_update`` to ``reset_prefix_cache``), the
 object's bytes and the changed elements; baseline, same run, same step: vLLM's own full reload of the step's
@@ -81,8 +82,8 @@ def run_family(family: str, steps: int, work: Path) -> dict[str, Any]:
             host_bytes = sum(t.numel() * t.element_size() for t in state.host.values())
             shadowed = sorted(state.feeds)
             for step in range(1, steps + 1):
-                tokens = torch.randint(0, 4096, (2, 64), generator=gen)
-                model(input_ids=tokens, labels=tokens).loss.backward()
+                for p in model.parameters():  # AdamW on random gradients: the update's size (lr 1e-6) sets the density
+                    p.grad = torch.randn(p.shape, generator=gen)
                 opt.step()
                 opt.zero_grad()
                 pub.publish(step)

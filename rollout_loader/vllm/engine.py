@@ -56,6 +56,7 @@ from deltasync import (
 )
 
 from .layout import checkpoint_layout
+from .plan import build_state
 from .shadow import reload_as_loaded
 from .trace import refuse_moving_experts
 from .prefetch import Prefetcher, Prepared, prepare
@@ -63,7 +64,6 @@ from .state import (
     Mode,
     WorkerState,
     anchor_patches,
-    build_state,
     checksums,
     rollback,
     stage,

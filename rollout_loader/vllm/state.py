@@ -1,6 +1,6 @@
 """One rank's deltasync state inside a vLLM worker: where each checkpoint tensor lives, and the apply.
 
-Built once from the loaded model (:func:`build_state`); afterwards every step is: :func:`stage` (validate a
+Built once from the loaded model (:func:`rollout_loader.vllm.plan.build_state`); afterwards every step is: :func:`stage` (validate a
 decoded patch against the engine and map it to this rank's elements: before any pause), :func:`write` (the
 in-place XOR, all or nothing, with the old bits kept for :func:`rollback`), and checksums of this rank's
 parts (:func:`checksums`, or the running ones :func:`write` keeps). Shared by the worker extension
@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -34,11 +33,7 @@ import numpy as np
 import torch
 
 from deltasync import StepHeader, TensorMismatchError, checksum_elements, xor_apply
-from rollout_loader.routing import Route, RoutingError, RoutingTable
-from .layout import Dtypes, Shapes, param_owners, read_checkpoint
-from .shadow import derived_params, feeds_of, find_transformed, modules_of
-from .trace import routing_table, trace_loader
-from .live_cpu import LIVE_ENV, module_kind
+from rollout_loader.routing import Route, RoutingTable
 
 log = logging.getLogger(__name__)
 
@@ -119,83 +114,6 @@ class Seal:
 
     version: int
     sums: dict[str, int]
-
-
-def build_state(
-    model: torch.nn.Module, *, layout: tuple[Shapes, Dtypes], checkpoint: str, mode: Mode, reload: Reload,
-    ignore: list[str] | None = None,
-) -> tuple[WorkerState, dict[str, Any]]:
-    """Routes and targets for checkpoint tensors ``layout`` in ``model`` on this rank, and a summary.
-
-    Routes come from vLLM's own loader (:mod:`.trace`). A parameter vLLM holds in checkpoint layout is written
-    in place; the modules of parameters it transformed after loading (:mod:`.shadow`: repacked CPU linears,
-    prepacked MoE experts, quantized weights) keep host copies of their checkpoint tensors (read from
-    ``checkpoint``), patched and re-loaded through vLLM. ``mode``: "live" refuses CPU linears that keep a
-    repacked copy (their weights must be live, :mod:`.live_cpu`); "reload" and "auto" shadow them. Call it right
-    after the engine loaded ``checkpoint``: host copies must hold what the engine holds.
-    """
-    if mode not in ("auto", "live", "reload"):
-        raise RoutingError(f"mode must be 'auto', 'live' or 'reload', not {mode!r}")
-    t0 = time.perf_counter()
-    shapes, dtypes = layout
-    trace = trace_loader(model, shapes, dtypes)
-    table = routing_table(model, trace, shapes, ignore=ignore or ())
-    owners = param_owners(model)
-    kinds = {m: module_kind(model.get_submodule(m)) for ms in owners.values() for m, _ in ms}
-    stale = sorted(m for m, k in kinds.items() if k != "live")
-    if mode == "live" and stale:
-        raise RoutingError(
-            f"mode='live' needs CPU linear weights kept live, but {len(stale)} layers keep a repacked copy "
-            f"(e.g. {stale[:3]}): call rollout_loader.vllm.enable_live_cpu_weights() or set {LIVE_ENV}=1 "
-            f"before creating the engine, or use mode='reload'"
-        )
-    transformed = find_transformed(model, trace, table, checkpoint)
-    shadowed = {m for m, k in kinds.items() if k == "reload"} | modules_of(transformed)
-    # parameters vLLM creates after loading (fp8 scales, MLA's absorbed weights) stay right when they share storage
-    # with a routed parameter, or when their module is re-processed after every write (shadowed)
-    stale_derived = sorted(n for n, base in derived_params(model, trace).items()
-                           if base is None and n.rpartition(".")[0] not in shadowed)
-    if stale_derived:
-        raise RoutingError(f"engine parameters {stale_derived[:5]} are derived by vLLM after loading and share no "
-                           "storage with a checkpoint-format parameter: a write would leave them stale")
-    feeds = dict(feeds_of(table, shadowed))  # module -> every checkpoint tensor feeding it (all of q, k, v, bias)
-    host_names = sorted({n for names in feeds.values() for n in names})
-    host = read_checkpoint(checkpoint, host_names, shapes) if host_names else {}
-    params = dict(model.named_parameters())
-    targets: dict[str, Target] = {}
-    held: dict[str, torch.dtype] = {}
-    for hf_name, pieces in table.routes.items():
-        if not pieces:  # another rank holds it
-            width = dtypes.get(hf_name, torch.bfloat16).itemsize
-            targets[hf_name] = Target(routes=(), bits=torch.empty(0, dtype=SIGNED[width]), host=False, modules=(),
-                                      hf_shape=tuple(shapes[hf_name]))
-            continue
-        pname = pieces[0].param_name
-        mods = tuple(m for m, _ in owners.get(pname, [])) or (pname.rpartition(".")[0],)
-        reloaded = tuple(m for m in mods if m in feeds)
-        if reloaded:
-            targets[hf_name] = Target(routes=pieces, bits=int_bits(host[hf_name]), host=True, modules=reloaded)
-            held[hf_name] = host[hf_name].dtype
-            continue
-        param = params[pname]
-        refresh = tuple(m for m in mods if kinds.get(m) == "refresh")
-        targets[hf_name] = Target(routes=pieces, bits=int_bits(param.data), host=False, modules=refresh)
-        held[hf_name] = param.dtype
-    wrong = [f"{n} (checkpoint {dtypes[n]}, engine {held[n]})" for n in held if n in dtypes and dtypes[n] != held[n]]
-    if wrong:
-        raise RoutingError(f"dtypes differ, XOR patches would corrupt these tensors: {wrong[:5]}")
-    state = WorkerState(model=model, reload=reload, table=table, mode="reload" if feeds else "live",
-                        targets=targets, host=host, feeds=feeds)
-    summary = {
-        "mode": state.mode, "tp_rank": table.tp_rank, "tp_size": table.tp_size, "tensors": len(targets),
-        "in_place": sum(not t.host for t in targets.values()), "host_copies": len(host),
-        "host_bytes": sum(t.numel() * t.element_size() for t in host.values()),
-        "kernel_rebuilds": len({m for t in targets.values() if not t.host for m in t.modules}),
-        "reloaded_modules": len(feeds), "transformed": len(transformed), "tied": dict(table.tied),
-        "trace_seconds": round(trace.seconds, 4), "seconds": round(time.perf_counter() - t0, 4),
-    }
-    log.info("deltasync routing table built: %s", summary)
-    return state, summary
 
 
 def check_header(state: WorkerState, header: StepHeader, where: str) -> None:

@@ -35,6 +35,7 @@ from rollout_loader.routing import RoutingError
 
 from . import state as st
 from .layout import checkpoint_layout, parse_layout
+from .plan import build_state
 from .live_cpu import LIVE_ENV, enable_live_cpu_weights, install_dispatch_hook, live_linear
 from .state import Mode, PatchError, WorkerState
 
@@ -149,7 +150,7 @@ class DeltaWorkerExtension:
     def deltasync_init(self, layout_json: str | None = None, mode: Mode = "auto", weights_path: str | None = None,
                        ignore: list[str] | None = None) -> dict[str, Any]:
         """Build the routing table (once) for the checkpoint ``{name: shape}`` JSON (None: the engine's own
-        checkpoint). ``mode``: see :func:`rollout_loader.vllm.state.build_state`. Returns a summary."""
+        checkpoint). ``mode``: see :func:`rollout_loader.vllm.plan.build_state`. Returns a summary."""
         checkpoint = weights_path or self.vllm_config.model_config.model  # type: ignore[attr-defined]
         if layout_json in ("", "null"):  # HTTP /collective_rpc passes strings only
             layout_json = None
@@ -160,7 +161,7 @@ class DeltaWorkerExtension:
             return {"mode": shared.mode, "tensors": len(shared.targets), "tp_rank": shared.table.tp_rank,
                     "tp_size": shared.table.tp_size, "shared_with": "weight-transfer engine"}
         layout = parse_layout(layout_json) if layout_json is not None else checkpoint_layout(checkpoint)
-        self._deltasync, summary = st.build_state(
+        self._deltasync, summary = build_state(
             self.get_model(), layout=layout, checkpoint=checkpoint, mode=mode, reload=self._reload, ignore=ignore,  # type: ignore[attr-defined]
         )
         return summary

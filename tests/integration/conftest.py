@@ -240,3 +240,11 @@ def reference_tokens(scenario) -> Callable[[bool, str, bool], list[list[int]]]:
         return cache[tie, dtype, live]
 
     return get
+
+
+def update_to(llm, step: int) -> None:
+    """One weight update of an engine running the deltasync weight-transfer engine, as an RL loop drives it."""
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"step": step}})
+    llm.finish_weight_update(weight_version=str(step))
+    llm.reset_prefix_cache()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from deltasync import DeltaPublisher, replay_to_folder
-from tests.integration.conftest import generate, load_state, perturb, save_like
+from tests.integration.conftest import generate, load_state, perturb, save_like, update_to
 from tests.integration.families import FAMILIES, MOE, build_family
 from tests.integration.fp8 import fp8_stand_in
 
@@ -95,10 +95,7 @@ def _follow_and_compare(model_dir, url, live, quantization, followed, tokens, tm
     try:
         llm.init_weight_transfer_engine({"init_info": {"url": url, "verify": "all", "step": 0}})
         for step in STEPS:
-            llm.start_weight_update()
-            llm.update_weights({"update_info": {"step": step}})
-            llm.finish_weight_update(weight_version=str(step))
-            llm.reset_prefix_cache()
+            update_to(llm, step)
             if step in COMPARED:
                 followed[step], tokens[step] = _held(llm), generate(llm)
         engine = llm.collective_rpc(lambda worker: worker.weight_transfer_engine)[0]
@@ -188,17 +185,14 @@ def digest(worker):
 
 if __name__ == "__main__":
     from rollout_loader.vllm import start_engine
-    from tests.integration.conftest import generate
+    from tests.integration.conftest import generate, update_to
     model, url, steps, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
     llm = start_engine(model, weight_transfer=bool(steps), dtype="bfloat16", enforce_eager=True,
                        max_model_len=512, seed=0, tensor_parallel_size=2)
     if steps:
         llm.init_weight_transfer_engine({"init_info": {"url": url, "verify": "all", "step": 0}})
         for step in steps:
-            llm.start_weight_update()
-            llm.update_weights({"update_info": {"step": step}})
-            llm.finish_weight_update(weight_version=str(step))
-        llm.reset_prefix_cache()
+            update_to(llm, step)
     json.dump({"held": llm.collective_rpc(digest), "tokens": generate(llm)}, open(out, "w"))
 """
 
