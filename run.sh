@@ -46,7 +46,8 @@ case "$cmd" in
   demo) setup; exec "$VENV/bin/deltasync" demo "$@" ;;
   demo-s3) setup; demo_s3 "$@" ;;
   # two workers (this machine's cores): the vLLM tests one after another on one, the rest on the other
-  test) setup; exec "$VENV/bin/python" -m pytest -q -n "${DELTASYNC_TEST_WORKERS:-2}" --dist loadgroup "$@" ;;
+  # tests marked outside_ci (slow configurations) run with: ./run.sh test -m outside_ci
+  test) setup; exec "$VENV/bin/python" -m pytest -q -n "${DELTASYNC_TEST_WORKERS:-2}" --dist loadgroup -m "not outside_ci" "$@" ;;
   setup) setup ;;
   *) echo "usage: ./run.sh demo [--steps N ...] | ./run.sh demo-s3 [...] | ./run.sh test [pytest args]" >&2; exit 2 ;;
 esac

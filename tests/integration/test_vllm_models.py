@@ -197,6 +197,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.outside_ci  # two TP=2 multiprocess engines: ~2.5 min of CI's budget (./run.sh test -m outside_ci)
 def test_moe_tensor_parallel_2_bit_exact_against_a_fresh_engine(tmp_path) -> None:
     """Qwen3-MoE with tensor parallelism 2 (multiprocess engine, one core per rank): each rank holds its slices
     of q/k/v, o, the experts' intermediate dimension; after a delta and an anchor every rank's parameters and
