@@ -58,6 +58,7 @@ from deltasync import (
 from .layout import checkpoint_layout
 from .plan import build_state
 from .shadow import reload_as_loaded
+from .trace import all_gather_tp as _all_gather
 from .trace import refuse_moving_experts
 from .prefetch import Prefetcher, Prepared, prepare
 from .state import (
@@ -135,18 +136,6 @@ def _named(e: DeltaSyncError) -> DeltaSyncError:
         return type(e)(f"{name}: {e}")
     except TypeError:  # an error class with other constructor arguments
         return EngineError(f"{name}: {e}")
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    """``obj`` from every tensor-parallel rank of this engine, in rank order (one rank: no communication)."""
-    from vllm.distributed import get_tp_group
-
-    group = get_tp_group()
-    if group.world_size == 1:
-        return [obj]
-    out: list[Any] = [None] * group.world_size
-    torch.distributed.all_gather_object(out, obj, group=group.cpu_group)
-    return out
 
 
 class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInfo]):

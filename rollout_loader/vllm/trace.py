@@ -151,7 +151,7 @@ def routing_table(model: torch.nn.Module, trace: Trace, shapes: Mapping[str, lis
     group = get_tp_group()
     rank, size = group.rank_in_group, group.world_size
     copied = sorted({c.hf_name for c in trace.copies})
-    everyone = _all_gather(group, copied)
+    everyone = all_gather_tp(copied)
     elsewhere = {n for r, names in enumerate(everyone) if r != rank for n in names}
     tied = tied_aliases(model)
     table = build_routing_table(
@@ -159,16 +159,18 @@ def routing_table(model: torch.nn.Module, trace: Trace, shapes: Mapping[str, lis
         problems=trace.problems, refused=trace.refused, held_elsewhere=elsewhere, unfed_ok=tied, tied=tied,
         ignore=ignore, tp_rank=rank, tp_size=size,
     )
-    return assign_owners(table, _all_gather(group, table.boxes()))
+    return assign_owners(table, all_gather_tp(table.boxes()))
 
 
-def _all_gather(group: object, obj: object) -> list:
-    """``obj`` from every rank of the tensor-parallel ``group``, in rank order."""
-    size = group.world_size  # type: ignore[attr-defined]
-    if size == 1:
+def all_gather_tp(obj: object) -> list:
+    """``obj`` from every tensor-parallel rank of this engine, in rank order (one rank: no communication)."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
         return [obj]
-    out: list = [None] * size
-    torch.distributed.all_gather_object(out, obj, group=group.cpu_group)  # type: ignore[attr-defined]
+    out: list = [None] * group.world_size
+    torch.distributed.all_gather_object(out, obj, group=group.cpu_group)
     return out
 
 
