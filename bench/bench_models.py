@@ -69,7 +69,7 @@ def run_family(family: str, steps: int, work: Path) -> dict[str, Any]:
     model.float()
     save_tokenizer(model_dir)
     url = str(work / f"{family}-stream")
-    llm = start_engine(str(model_dir), in_process=True, weight_transfer=True, dtype="bfloat16", enforce_eager=True,
+    llm = start_engine(str(model_dir), in_process=True, dtype="bfloat16", enforce_eager=True,
                        max_model_len=256)
     rows = []
     try:

@@ -42,7 +42,7 @@ from bench._common import Training, machine, parser, write_results
 from deltasync import DeltaPublisher, StreamReader, replay_to_folder
 from deltasync_cli.demo import save_model_dir
 from rollout_loader.vllm import start_engine
-from rollout_loader.vllm.worker import engine_checksums, rpc
+from rollout_loader.vllm.worker import transfer_status
 
 PROMPTS = ["def main():\n    ", "import os\nimport sys\n\nclass "]
 
@@ -152,7 +152,7 @@ def main() -> None:
     model_dir = save_model_dir(model, work / "step0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    llm = start_engine(model_dir, in_process=True, weight_transfer=True, dtype="bfloat16", enforce_eager=True,
+    llm = start_engine(model_dir, in_process=True, dtype="bfloat16", enforce_eager=True,
                        max_model_len=256)
     url = str(work / "stream")
     rows = []
@@ -206,12 +206,11 @@ def main() -> None:
                   f"full reload {full_s * 1e3:.0f} ms ({r['paused_s'] / full_s:.1%})  scatter floor {floor_s * 1e3:.1f} ms  "
                   f"plain copy {copy_s * 1e3:.0f} ms", flush=True)
         last = step
-    # the engine's weights, checksummed from scratch (a fresh routing table over the live parameters), against
-    # the trainer's checksums of the last step: neither the updates nor the reloads left a stale or wrong bit
-    rpc(llm, "deltasync_init", None, "auto")
+    # the engine's weights, every tensor checksummed again from the bits it holds, against the trainer's
+    # checksums of the last step: neither the updates nor the reloads left a stale or wrong bit
     with StreamReader(url) as reader, reader.open(last) as obj:
         want = {n: int(t.checksum, 16) for n, t in obj.header.tensors.items()}
-    got = engine_checksums(llm)
+    got = transfer_status(llm)["checksums"]
     if got != want:
         bad = sorted(n for n in want if got.get(n) != want[n])
         raise RuntimeError(f"the engine's weights differ from the trainer's step {last}: {bad[:5]}")

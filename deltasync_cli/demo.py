@@ -184,9 +184,7 @@ def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_opt
     # the follower verified every step against the manifests (checksums after each step); here the last
     # state is compared again with the trainer's own, independently computed checksums
     if llm is not None:
-        from rollout_loader.worker import engine_checksums
-
-        held = engine_checksums(llm)
+        held = target.status()["checksums"]  # the engine's own bits, every tensor checksummed again
         final = state_checksum({n: format_checksum(held[n]) for n in held})
     else:
         final = state_checksum({n: format_checksum(c) for n, c in target.replica.checksums.items()})

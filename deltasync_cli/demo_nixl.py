@@ -126,7 +126,7 @@ class _VllmFollower:
         self.held = -1
         self.live_at: dict[int, float] = {}
         try:
-            self.llm = start_engine(model_dir, weight_transfer=True, dtype="bfloat16", enforce_eager=True,
+            self.llm = start_engine(model_dir, dtype="bfloat16", enforce_eager=True,
                                     max_model_len=256, seed=0)
             self.llm.init_weight_transfer_engine({"init_info": {
                 "url": url, "storage_options": storage_options or {}, "verify": "all",

@@ -14,19 +14,16 @@ if TYPE_CHECKING:  # imported inside the command: --help imports neither torch n
 
 @app.command()
 def follow(
-    url: Annotated[str, typer.Argument(help="Stream URL.")],
+    url: Annotated[str, typer.Argument(help="Stream URL (a local path is sent to the server as an absolute path).")],
     server: Annotated[str, typer.Option(help="Base URL of a vLLM OpenAI server started with VLLM_SERVER_DEV_MODE=1 and "
                                         "--weight-transfer-config '{\"backend\": \"deltasync\"}' (it fetches each step "
                                         "from the store itself).")],
     until: Annotated[int | None, typer.Option(help="Exit once the engine holds this step (default: follow forever).")] = None,
-    engine_step: Annotated[int | None, typer.Option(help="The step the engine's weights are at if it was never updated "
-                                                    "(started from that step's checkpoint).")] = None,
+    engine_step: Annotated[int | None, typer.Option(min=0, help="The step the engine's weights are at if it was never "
+                                                    "updated (started from that step's checkpoint).")] = None,
     verify: Annotated[Literal["incremental", "changed", "all"], typer.Option(
         help="Checksums after each delta: 'incremental' (from the patched elements), the 'changed' tensors, or 'all'.")] = "changed",
     mode: Annotated[Literal["auto", "live", "reload"], typer.Option(help="Worker mode: auto, live or reload.")] = "auto",
-    via: Annotated[Literal["weight-transfer", "collective-rpc"], typer.Option(
-        help="'weight-transfer': vLLM's weight-transfer routes (only step numbers are sent); 'collective-rpc' "
-             "(deprecated): the worker extension, objects passed by path (needs a shared filesystem).")] = "weight-transfer",
     poll_s: Annotated[float, typer.Option(min=0.0, help="Seconds between polls of the store.")] = 0.1,
     timeout_s: Annotated[float, typer.Option(min=0.0, help="With --until: give up after this long.")] = 600.0,
     metrics_port: Annotated[int | None, typer.Option(min=0, max=65535, help="Serve Prometheus metrics (held step, newest "
@@ -38,65 +35,9 @@ def follow(
     runs behind the newest committed step).
 
     Before anything is paused: the options are checked, the server is asked which step it holds (GET
-    /weight_info) and whether it is set up for deltasync, and the URL must hold a stream. Needs no vLLM
-    package here, and no access to the server's filesystem.
+    /weight_info) and pointed at the stream, and the URL must hold a stream. Only step numbers are sent: needs
+    no vLLM package here, and no access to the server's filesystem.
     """
-    if via == "collective-rpc":
-        _follow_collective_rpc(url, server, until, engine_step, verify, mode, poll_s, timeout_s, storage_option, metrics_port)
-        return
-
-    from rich.markup import escape
-
-    from rollout_loader.metrics import FollowerStats, serve
-    from rollout_loader.vllm.remote import ServerFollower
-
-    def report(step: int) -> None:
-        pause_s = follower.client.pauses_s[-1]  # the engine applies the step while generation is paused
-        stats.applied(step, nbytes=follower.reader.manifest(step).object_bytes, apply_s=pause_s, pause_s=pause_s)
-        stats.saw_newest(follower.reader.latest_step())  # one listing per step applied, for the lag
-        out.print(f"step {step} live in {server} (generation paused {pause_s * 1e3:.1f} ms, checksums match)"
-                  f"{_lag_words(stats.status(step))}")
-
-    def warn(error: BaseException) -> None:
-        stats.failed()
-        err.print(f"[yellow]retrying:[/yellow] {escape(f'{type(error).__name__}: {error}')}")
-
-    class Source:  # what the metrics endpoint reads: the step the server holds, as the follower knows it
-        def status(self) -> FollowerStatus:
-            return stats.status(follower.step)
-
-    follower = ServerFollower(url, server, storage_options=_storage_options(storage_option), verify=verify, mode=mode,
-                              engine_step=engine_step, poll_s=max(poll_s, 0.05), on_step=report, on_error=warn)
-    stats = FollowerStats(follower.reader.url)
-    metrics = None
-    try:
-        if metrics_port is not None:
-            metrics = serve(Source(), metrics_port)
-            out.print(f"metrics at {metrics.url}")
-        follower.connect()  # a missing flag, an unreachable server or a wrong URL: one line, exit 2
-        follower.follow(until=until, timeout_s=timeout_s if until is not None else None)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        try:
-            if metrics is not None:
-                metrics.close()
-        finally:
-            follower.close()
-
-
-def _lag_words(status: FollowerStatus) -> str:
-    """``", 2 steps behind step 7"`` or ``", the newest committed step"``: provenance for the rollouts that follow."""
-    lag = status.lag_steps
-    if lag is None:
-        return ""
-    return ", the newest committed step" if lag == 0 else f", {lag} step{'s' if lag != 1 else ''} behind step {status.newest_step}"
-
-
-def _follow_collective_rpc(url: str, server: str, until: int | None, engine_step: int | None, verify: str, mode: str,
-                           poll_s: float, timeout_s: float, storage_option: list[str] | None, metrics_port: int | None) -> None:
-    """The deprecated path: a server with ``--worker-extension-cls rollout_loader.worker.DeltaWorkerExtension``
-    that reads each object from this machine's download folder."""
     import time
 
     from rich.markup import escape
@@ -110,23 +51,24 @@ def _follow_collective_rpc(url: str, server: str, until: int | None, engine_step
         out.print(f"step {step} live in {server} (generation paused {target.pauses_s[-1] * 1e3:.1f} ms, checksums match)"
                   f"{_lag_words(follower.status())}")
 
-    follower = Follower(url, target, poll_s=poll_s, on_step=report, storage_options=_storage_options(storage_option),
-                        metrics_port=metrics_port)
-    try:  # close() stops the thread and removes the downloads, however the command ends (Ctrl-C too)
+    follower = Follower(url, target, poll_s=max(poll_s, 0.05), on_step=report, metrics_port=metrics_port,
+                        storage_options=_storage_options(storage_option))
+    try:  # close() stops the thread and removes the reader's downloads, however the command ends (Ctrl-C too)
         if follower.metrics_server is not None:
             out.print(f"metrics at {follower.metrics_server.url}")
-        follower.reader.store.require_stream()
+        follower.reader.store.require_stream()  # a wrong URL: one line, exit 2, before the server is touched
+        follower.connect()  # a missing flag or an unreachable server: one line, exit 2
         if until is not None:
             follower.wait_for(until, timeout_s=timeout_s)  # retries like the thread; raises what stopped it
             return
         follower.start()
         shown: str | None = None
         while follower.running:
-            time.sleep(1.0)
+            time.sleep(0.2)
             error = follower.last_error
             if error is not None and str(error) != shown:  # once per distinct error
                 shown = str(error)
-                err.print(f"[yellow]retrying:[/yellow] {escape(shown)}")
+                err.print(f"[yellow]retrying:[/yellow] {escape(f'{type(error).__name__}: {error}')}")
             elif error is None:
                 shown = None
         if follower.stopped_by is not None:  # a permanent error stopped the thread: one line, exit 2
@@ -135,6 +77,14 @@ def _follow_collective_rpc(url: str, server: str, until: int | None, engine_step
         pass
     finally:
         follower.close()
+
+
+def _lag_words(status: FollowerStatus) -> str:
+    """``", 2 steps behind step 7"`` or ``", the newest committed step"``: provenance for the rollouts that follow."""
+    lag = status.lag_steps
+    if lag is None:
+        return ""
+    return ", the newest committed step" if lag == 0 else f", {lag} step{'s' if lag != 1 else ''} behind step {status.newest_step}"
 
 
 @app.command()

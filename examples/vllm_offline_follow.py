@@ -1,8 +1,9 @@
 """A vLLM engine (offline ``LLM``, in this process, CPU or GPU) following a trainer's stream between generations.
 
 The trainer publishes each optimizer step; between two ``generate()`` calls (a safe point) ``Follower.sync()``
-fetches the new steps, checks each object's SHA-256, writes the changed elements into the engine's live
-weights in place, and compares the engine's checksums with the trainer's. At the end the engine's weights
+sends the new step numbers to the engine's deltasync weight-transfer engine, which fetches each step, checks
+its SHA-256, writes the changed elements into the live weights in place, and compares the engine's checksums
+with the trainer's. At the end the engine's weights
 are checked once more against the trainer's own bf16 weights, checksummed here independently.
 
 A tiny random Qwen3 (no download) stands in for your model: with a real one, start the engine on the
@@ -26,7 +27,6 @@ from deltasync_cli.demo import (  # a random tiny model and its checkpoint folde
 )
 from rollout_loader import Follower
 from rollout_loader.vllm import VllmTarget, start_engine
-from rollout_loader.worker import engine_checksums
 
 PROMPT = "def fibonacci(n):"
 
@@ -46,8 +46,10 @@ def main() -> int:
         llm = start_engine(model_dir, in_process=True, dtype="bfloat16", enforce_eager=True, max_model_len=256)
         url = f"{tmp}/stream"
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        with DeltaPublisher(url, model, dtype=torch.bfloat16, on_backlog="block") as pub, \
-                Follower(url, VllmTarget(llm)) as follower:
+        target = VllmTarget(llm)  # the engine's deltasync weight-transfer engine reads the store itself
+        # no background thread (no start(), no `with`): an offline LLM takes updates only between generate() calls
+        follower = Follower(url, target)
+        with DeltaPublisher(url, model, dtype=torch.bfloat16, on_backlog="block") as pub:
             pub.publish(0)  # the weights the engine started from: an anchor
             for step in range(1, args.steps + 1):
                 tokens = torch.randint(0, 512, (4, 33))
@@ -59,9 +61,10 @@ def main() -> int:
                 applied = follower.sync()  # between generate() calls: apply what is new, verified
                 out = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids
                 print(f"step {step}: engine applied {applied}, now at step {follower.target.step}; greedy tokens {list(out)}")
+        follower.close()
 
         want = {name: tensor_checksum(t.detach().to(torch.bfloat16)) for name, t in model.state_dict().items()}
-        exact = engine_checksums(llm) == want
+        exact = target.status()["checksums"] == want  # every tensor checksummed again from the engine's bits
         print(f"engine at step {args.steps} holds the trainer's bf16 weights")
         print(f"bit-exact: {'yes' if exact else 'NO'}")
         del llm

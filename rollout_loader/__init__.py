@@ -4,6 +4,6 @@
     follower.wait_for(step)
 """
 
-from .follower import Follower, StateDictTarget, Target
+from .follower import Follower, StateDictTarget, StreamTarget, Target
 
-__all__ = ["Follower", "StateDictTarget", "Target"]
+__all__ = ["Follower", "StateDictTarget", "StreamTarget", "Target"]

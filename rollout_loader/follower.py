@@ -1,7 +1,8 @@
 """Follow a deltasync stream and keep a target (a state dict, or a vLLM engine) at the newest step.
 
 The follower fetches and verifies the next object in the background, then hands it to the target, which
-applies it all-or-nothing. A failed step is retried (from the nearest anchor when the step's content was
+applies it all-or-nothing; a target that reads the store itself (a vLLM engine, :class:`StreamTarget`) is
+sent the step numbers of the chain instead. A failed step is retried (from the nearest anchor when the step's content was
 at fault) with exponential backoff; the target keeps its last consistent step meanwhile and ``step`` never
 names weights the target does not hold. A follower goes to the newest step by the shortest chain: when
 the newest step is an anchor it applies only that anchor, so ``on_step`` need not see every step.
@@ -42,13 +43,30 @@ log = logging.getLogger(__name__)
 
 
 class Target(Protocol):
-    """Something that holds weights at a step and can move them to another step."""
+    """Something that holds weights at a step and can move them to another step: the follower fetches each
+    step's object and hands it over."""
 
     @property
     def step(self) -> int | None: ...
 
     def apply(self, obj: StepObject) -> None:
         """Apply an anchor (any time) or a delta based on ``step``; all or nothing."""
+
+
+class StreamTarget(Protocol):
+    """A target that reads the store itself (a vLLM engine's weight-transfer engine,
+    :class:`~rollout_loader.vllm.VllmTarget`): the follower sends it step numbers along the chain, never objects."""
+
+    reads_store: bool  # True
+
+    @property
+    def step(self) -> int | None: ...
+
+    def connect(self, url: str, storage_options: dict[str, Any] | None) -> int | None:
+        """Learn which step the target holds and point it at the stream; returns that step."""
+
+    def advance(self, step: int) -> None:
+        """Move to ``step`` (a delta based on ``step``, or an anchor), verified; all or nothing."""
 
 
 class StateDictTarget:
@@ -120,7 +138,7 @@ class Follower:
     def __init__(
         self,
         url: str | StreamReader,
-        target: Target,
+        target: Target | StreamTarget,
         *,
         poll_s: float = 0.05,
         max_backoff_s: float = 30.0,
@@ -135,6 +153,8 @@ class Follower:
         self.reader = url if isinstance(url, StreamReader) else StreamReader(url, storage_options=storage_options)
         self.stats = FollowerStats(self.reader.url)
         self.target = target
+        self.storage_options = storage_options  # for a target that reads the store itself
+        self._connected = False  # a StreamTarget was told the stream and asked its step
         self.poll_s = poll_s
         self.max_backoff_s = max(max_backoff_s, poll_s)
         self.max_chain = max_chain
@@ -200,8 +220,18 @@ class Follower:
             self._succeeded()
             return applied
 
+    def connect(self) -> int | None:
+        """Ask a target that reads the store itself (``reads_store``) which step it holds and point it at the
+        stream; returns the target's step (for any target). The first sync does this; call it first to meet an
+        engine that cannot be reached or lacks a flag (``EngineConfigError``) before following."""
+        if getattr(self.target, "reads_store", False) and not self._connected:
+            self.target.connect(self.reader.url, self.storage_options)  # type: ignore[union-attr]
+            self._connected = True
+        return self.target.step
+
     def _sync(self, step: int | None) -> list[int]:
         self._at_step = None
+        self.connect()
         if step is None:
             step = self.reader.latest_step()
             self.stats.saw_newest(step)
@@ -222,8 +252,11 @@ class Follower:
             self._at_step = s
             t0 = time.perf_counter()
             try:
-                with self.reader.open(s) as obj:
-                    self.target.apply(obj)
+                if self._connected:  # the target fetches the step itself
+                    self.target.advance(s)  # type: ignore[union-attr]
+                else:
+                    with self.reader.open(s) as obj:
+                        self.target.apply(obj)  # type: ignore[union-attr]
             except DeltaSyncError:
                 self._from_anchor = True  # the content was at fault: the next attempt starts at an anchor
                 raise
@@ -246,6 +279,7 @@ class Follower:
     def _failed(self, e: Exception) -> None:
         """Record a failure; log it unless it is the one logged last."""
         self.last_error, self.last_error_step = e, self._at_step
+        self._connected = False  # a target that reads the store is asked again which step it holds
         self.failures += 1
         self.stats.failed()
         key = (type(e).__name__, str(e))

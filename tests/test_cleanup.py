@@ -238,20 +238,25 @@ def test_ctrl_c_leaves_nothing(args, qwen_stream, tmp_path):
 
 @pytest.fixture
 def busy_server():
-    """An HTTP server that passes ``follow``'s set-up check (a vLLM server with the deltasync extension)
-    and answers every other request with 503: the follower downloads, fails to apply, and retries."""
+    """An HTTP server that passes ``follow``'s set-up (a vLLM server with the deltasync weight-transfer engine
+    that holds no step yet) and answers every update with 503: the follower fails to apply, and retries."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-            if body.get("method") == "deltasync_checksums":
-                reply, status = json.dumps({"results": [{"ok": True, "result": {}}]}).encode(), 200
+        def _reply(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            route = self.path.split("?", 1)[0]
+            if route == "/weight_info":
+                reply, status = json.dumps({"weight_version": "default"}).encode(), 200
+            elif route in ("/init_weight_transfer_engine", "/pause", "/resume", "/reset_prefix_cache"):
+                reply, status = b"{}", 200
             else:
                 reply, status = b"busy", 503
             self.send_response(status)
             self.send_header("Content-Length", str(len(reply)))
             self.end_headers()
             self.wfile.write(reply)
+
+        do_GET = do_POST = _reply
 
         def log_message(self, *args: object) -> None:
             pass
@@ -266,9 +271,24 @@ def busy_server():
 
 
 def test_ctrl_c_stops_follow_and_leaves_nothing(qwen_stream, tmp_path, busy_server):
-    # the worker-extension path downloads on this side (the weight-transfer path has the server fetch)
-    args = ["follow", remote_url(qwen_stream.url), "--server", busy_server, "--poll-s", "0.05", "--via", "collective-rpc"]
-    code, output, during, after = interrupt_after_first_download(args, tmp_path)
-    assert any(n.startswith("deltasync-cache-") for n in during), during
-    assert after == [], output
+    """``follow`` reads only manifests here (the server's engine fetches the objects): Ctrl-C while it retries a
+    server that refuses every update ends it at once, with no traceback and nothing left in TMPDIR."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltasync_cli", "follow", qwen_stream.url, "--server", busy_server,
+         "--poll-s", "0.05"],
+        cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        time.sleep(8.0)  # started, connected, and failing: retrying with backoff
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "retrying" in output and "HTTP 503" in output, output
     assert "Traceback" not in output, output
+    assert ours(tmp) == [], output

@@ -424,65 +424,62 @@ def http_stub(replies: dict[str, tuple[int, object]]) -> Iterator[Stub]:
 
 
 # what vLLM 0.32 answers (tests/integration/test_vllm_server_errors.py checks these against real servers)
-OK = {"/collective_rpc": (200, {"results": [{"ok": False, "error": "RuntimeError",
-                                             "message": "call collective_rpc('deltasync_init', ...) first"}]}),
-      "/pause": (200, {"status": "paused"}), "/resume": (200, {"status": "resumed"}),
+OK = {"/pause": (200, {"status": "paused"}), "/resume": (200, {"status": "resumed"}),
       "/weight_info": (200, {"weight_version": "default"}),
       "/init_weight_transfer_engine": (200, {"message": "Weight transfer initialized"})}
-NO_DEV_MODE: dict = {}  # every dev route: 404 {"detail": "Not Found"}
-NO_EXTENSION = {"/collective_rpc": (500, {"error": {
-    "message": "Call to collective_rpc method failed: Worker failed with error ''CPUWorker' object has no attribute "
-    "'deltasync_checksums'', please check the stack trace above for the root cause",
+NO_DEV_MODE = {"/weight_info": (404, {"detail": "Not Found"})}  # every dev route: 404 {"detail": "Not Found"}
+NO_WEIGHT_TRANSFER = {**OK, "/init_weight_transfer_engine": (500, {"error": {
+    "message": "Call to collective_rpc method failed: Worker failed with error 'Weight transfer not configured. Please "
+    "set weight_transfer_config to enable weight transfer.', please check the stack trace above for the root cause",
     "type": "InternalServerError", "param": None, "code": 500}})}
 
 
 @pytest.mark.parametrize(
     ("replies", "error", "needles"),
     [
-        (NO_DEV_MODE, EngineConfigError, ["VLLM_SERVER_DEV_MODE=1", "/collective_rpc"]),
-        (NO_EXTENSION, EngineConfigError, ["--worker-extension-cls rollout_loader.worker.DeltaWorkerExtension",
-                                           "deltasync_checksums"]),
-        ({"/collective_rpc": (200, b"<html>not json")}, EngineError, ["not JSON"]),
-        ({"/collective_rpc": (200, {"results": "all good"})}, EngineError, ["one {'ok': ...} reply per rank"]),
-        ({"/collective_rpc": (200, [1, 2])}, EngineError, ["one {'ok': ...} reply per rank"]),
-        ({"/collective_rpc": (503, {"error": "overloaded"})}, EngineError, ["HTTP 503", "overloaded"]),
+        (NO_DEV_MODE, EngineConfigError, ["VLLM_SERVER_DEV_MODE=1", "/weight_info"]),
+        (NO_WEIGHT_TRANSFER, EngineConfigError, ["--weight-transfer-config '{\"backend\": \"deltasync\"}'"]),
+        ({"/weight_info": (200, b"<html>not json")}, EngineError, ["not JSON"]),
+        ({"/weight_info": (200, {"weight_version": 3})}, EngineError, ["expected {'weight_version': str}"]),
+        ({"/weight_info": (200, [1, 2])}, EngineError, ["expected {'weight_version': str}"]),
+        ({"/weight_info": (503, {"error": "overloaded"})}, EngineError, ["HTTP 503", "overloaded"]),
     ],
-    ids=["no-dev-mode", "no-extension", "not-json", "bad-results", "a-list", "http-503"],
+    ids=["no-dev-mode", "no-weight-transfer", "not-json", "version-not-str", "a-list", "http-503"],
 )
 def test_server_not_set_up_for_deltasync(replies, error, needles, tmp_path, monkeypatch, capsys):
+    from rollout_loader import Follower
     from rollout_loader.vllm import VllmTarget
 
+    url = str(tmp_path / "stream")
+    with Store(url) as store:
+        store.create_stream()
     with http_stub(replies) as stub:
+        follower = Follower(url, VllmTarget(stub.url))
         with pytest.raises(error) as e:
-            VllmTarget(stub.url)
+            follower.connect()
+        follower.close()
         assert not isinstance(e.value, StoreError)  # an engine failure is not a store failure
         for needle in needles:
             assert needle in str(e.value)
-        # these stubs model the worker-extension path (the weight-transfer routes' errors: tests/test_vllm_client.py)
-        code, _, err = run_main(monkeypatch, capsys, "follow", str(tmp_path / "stream"), "--server", stub.url,
-                                "--via", "collective-rpc")
+        code, _, err = run_main(monkeypatch, capsys, "follow", url, "--server", stub.url)
         assert_one_line_error(code, err, type(e.value).__name__, *needles)
         assert "/pause" not in stub.routes  # found out before anything paused
-
-
-def test_worker_failures_over_http_are_engine_errors():
-    from rollout_loader.vllm import HttpEngine
-
-    failed = {"/collective_rpc": (200, {"results": [{"ok": True, "result": {}},
-                                                    {"ok": False, "error": "PatchError", "message": "no tensor 'x'"}]})}
-    with http_stub(failed) as stub:
-        want = r"deltasync_apply failed on 1 of 2 rank\(s\); rank 1: PatchError: no tensor 'x'"
-        with pytest.raises(EngineError, match=want):
-            HttpEngine(stub.url).rpc("deltasync_apply", "/some/object")
 
 
 def test_unreachable_server(tmp_path, monkeypatch, capsys):
     from rollout_loader.vllm import VllmTarget
 
+    from rollout_loader import Follower
+
     server = f"http://127.0.0.1:{closed_port()}"
+    url = str(tmp_path / "stream")
+    with Store(url) as store:
+        store.create_stream()
+    follower = Follower(url, VllmTarget(server))
     with pytest.raises(EngineUnreachableError, match="cannot connect to the vLLM server"):
-        VllmTarget(server)
-    code, _, err = run_main(monkeypatch, capsys, "follow", str(tmp_path / "stream"), "--server", server)
+        follower.connect()
+    follower.close()
+    code, _, err = run_main(monkeypatch, capsys, "follow", url, "--server", server)
     assert_one_line_error(code, err, "EngineUnreachableError", server)
 
 
@@ -493,6 +490,8 @@ def test_follow_needs_no_vllm_package_for_a_server(tmp_path):
     """`deltasync follow --server` runs where vLLM is not installed: it gets as far as the server (none
     listens here), and says that, not ImportError."""
     server = f"http://127.0.0.1:{closed_port()}"
+    with Store(str(tmp_path / "stream")) as store:
+        store.create_stream()
     r = run_cli("follow", str(tmp_path / "stream"), "--server", server, block_vllm=True)
     assert_one_line_error(r.returncode, r.stderr, "EngineUnreachableError", server)
 
@@ -501,10 +500,9 @@ def test_an_offline_engine_without_vllm_names_the_extra(tmp_path):
     script = (
         "import sys; sys.modules['vllm'] = None\n"
         "from deltasync.errors import MissingDependencyError\n"
-        "from rollout_loader.vllm import VllmTarget, start_engine\n"
-        "class LLM:\n"
-        "    def collective_rpc(self, *a, **k): raise AssertionError('not reached')\n"
-        "for make in (lambda: start_engine('model'), lambda: VllmTarget(LLM())):\n"
+        "from rollout_loader.vllm import start_engine\n"
+
+        "for make in (lambda: start_engine('model'),):\n"
         "    try:\n"
         "        make()\n"
         "    except MissingDependencyError as e:\n"
@@ -512,7 +510,7 @@ def test_an_offline_engine_without_vllm_names_the_extra(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     lines = r.stdout.strip().splitlines()
-    assert r.returncode == 0 and len(lines) == 2, r.stderr
+    assert r.returncode == 0 and len(lines) == 1, r.stderr
     for line in lines:
         assert line.startswith("MissingDependencyError vllm ") and "pip install 'deltasync[vllm]'" in line
 

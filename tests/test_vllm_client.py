@@ -1,5 +1,6 @@
-"""The clients of the vLLM weight-transfer routes and the server follower, against a loopback HTTP stub that
-answers as vLLM 0.32 does (tests/integration/test_vllm_engine.py checks the same against real servers).
+"""The clients of the vLLM weight-transfer routes, and a ``Follower`` driving a server through ``VllmTarget``, against
+a loopback HTTP stub that answers as vLLM 0.32 does (tests/integration/test_vllm_engine.py and
+test_vllm_server*.py check the same against real servers).
 No vLLM needed; the engine's init/update info checks import vLLM and are skipped without it."""
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import pytest
 import torch
 
 from deltasync import ConfigError, DeltaPublisher, EngineConfigError, EngineError, EngineUnreachableError
-from rollout_loader.vllm import HttpWeightTransfer
-from rollout_loader.vllm.remote import ServerFollower
+from rollout_loader import Follower
+from rollout_loader.vllm import HttpWeightTransfer, LocalWeightTransfer, VllmTarget
 from tests.test_cli_errors import closed_port
 
 _WORKER_FAILED = ("Call to collective_rpc method failed: Worker failed with error '{}', please check the stack trace "
@@ -158,7 +159,7 @@ def test_a_server_not_set_up_is_named_before_anything_pauses(replies, error, nee
         pub.publish(0)
     with fake_server() as (fake, base):
         fake.replies.update(replies)
-        follower = ServerFollower(url, base)
+        follower = Follower(url, VllmTarget(base))
         with pytest.raises(error) as e:
             follower.connect()
         follower.close()
@@ -168,7 +169,7 @@ def test_a_server_not_set_up_is_named_before_anything_pauses(replies, error, nee
         assert "/pause" not in fake.routes()
 
 
-def test_server_follower_sends_the_chain_from_the_step_the_server_holds(tmp_path):
+def test_a_follower_sends_the_chain_from_the_step_the_server_holds(tmp_path, monkeypatch):
     url = str(tmp_path / "stream")
     state = {"w": torch.zeros(64), "b": torch.ones(4)}
     with DeltaPublisher(url, state, anchor_every=3, on_backlog="block") as pub:
@@ -177,35 +178,91 @@ def test_server_follower_sends_the_chain_from_the_step_the_server_holds(tmp_path
             pub.publish(step)
     with fake_server() as (fake, base):
         seen: list[int] = []
-        with ServerFollower(url, base, engine_step=None, verify="all", on_step=seen.append) as f:
-            assert f.connect() is None
-            init = dict(fake.calls)["/init_weight_transfer_engine"]
-            assert init == {"init_info": {"url": url, "storage_options": {}, "verify": "all", "mode": "auto", "step": None}}
-            assert f.sync(4) == [3, 4]  # from the nearest anchor (3): nothing the server would not need
+        target = VllmTarget(base, verify="all")
+        f = Follower(url, target, on_step=seen.append)  # driven from here: no thread
+        assert f.connect() is None
+        init = dict(fake.calls)["/init_weight_transfer_engine"]
+        assert init == {"init_info": {"url": url, "storage_options": {}, "verify": "all", "mode": "auto", "step": None}}
+        assert f.sync(4) == [3, 4]  # from the nearest anchor (3): nothing the server would not need
+        f.close()
         assert seen == [3, 4] and fake.version == "4"
+        assert "/collective_rpc" not in fake.routes()  # only step numbers: no object crosses
+
         # a restarted follower asks the server: it goes on from step 4, and the server is told nothing new
         fake.calls.clear()
-        with ServerFollower(url, base, engine_step=0) as f:
-            assert f.connect() == 4
-            assert dict(fake.calls)["/init_weight_transfer_engine"]["init_info"]["step"] == 4
-            assert f.follow(until=5, timeout_s=30) == 5
+        f = Follower(url, VllmTarget(base, step=0))
+        assert f.connect() == 4
+        assert dict(fake.calls)["/init_weight_transfer_engine"]["init_info"]["step"] == 4
+        assert f.wait_for(5, timeout_s=30) == 5
+        f.close()
         assert [b["update_info"]["step"] for r, b in fake.calls if r == "/update_weights"] == [5]
 
+    # a relative stream path reaches the server as an absolute one (the server has its own working directory)
+    monkeypatch.chdir(tmp_path)
+    with fake_server() as (fake, base):
+        f = Follower("stream", VllmTarget(base))
+        f.connect()
+        f.close()
+        assert dict(fake.calls)["/init_weight_transfer_engine"]["init_info"]["url"] == url
 
-def test_server_follower_gives_up_at_its_deadline_naming_the_last_error(tmp_path):
+
+def test_a_follower_retries_a_failed_step_and_asks_the_server_again(tmp_path):
     url = str(tmp_path / "stream")
     with DeltaPublisher(url, {"w": torch.zeros(8)}) as pub:
         pub.publish(0)
     with fake_server() as (fake, base):
         fake.replies["/update_weights"] = _vllm_500(_WORKER_FAILED.format("CorruptObjectError: step 0: SHA-256 differs"))
-        errors: list[BaseException] = []
-        with ServerFollower(url, base, poll_s=0.05, on_error=errors.append) as f:
-            f.connect()
-            with pytest.raises(Exception, match="step 0 not live within 1.0s .*CorruptObjectError") as e:
-                f.follow(until=0, timeout_s=1.0)
-        assert type(e.value).__name__ == "WaitTimeoutError"
-        assert len(errors) == 1  # reported once, retried quietly
-        assert fake.routes().count("/resume") == fake.routes().count("/pause") >= 2
+        f = Follower(url, VllmTarget(base), poll_s=0.05)
+        with pytest.raises(Exception, match="step 0 not live within 1.0s") as e:
+            f.wait_for(0, timeout_s=1.0)
+        f.close()
+        assert type(e.value).__name__ == "WaitTimeoutError" and "CorruptObjectError" in str(e.value.__cause__)
+        assert fake.routes().count("/resume") == fake.routes().count("/pause") >= 2  # never left paused
+        assert fake.routes().count("/weight_info") >= 2  # after a failure the server is asked which step it holds
+
+
+class FakeLLM:
+    """An offline ``vllm.LLM``'s weight-transfer methods, as vLLM 0.32 words their failures."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.version, self.fail, self.calls = "default", fail, []
+
+    def generate(self, *a: object) -> None: ...
+    def collective_rpc(self, *a: object, **k: object) -> list: return []
+    def get_weight_version(self) -> str: return self.version
+    def init_weight_transfer_engine(self, request: dict) -> None: self.calls.append(("init", request))
+    def start_weight_update(self) -> None: self.calls.append(("start", None))
+    def reset_prefix_cache(self) -> None: self.calls.append(("reset", None))
+
+    def update_weights(self, request: dict) -> None:
+        self.calls.append(("update", request))
+        if self.fail:
+            raise RuntimeError(self.fail)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(("finish", weight_version))
+        self.version = weight_version or self.version
+
+
+def test_an_offline_engine_is_driven_through_the_same_calls():
+    llm = FakeLLM()
+    client = LocalWeightTransfer(llm)
+    assert client.held_step() is None
+    client.init("s3://b/run", step=3)
+    client.update(4)
+    assert [c for c, _ in llm.calls] == ["init", "start", "update", "finish", "reset"]
+    assert llm.calls[2][1] == {"update_info": {"step": 4}} and client.held_step() == 4
+    # an error relayed from a worker process comes back by its class: permanent ones as EngineConfigError
+    for text, error in [(_WORKER_FAILED.format("PatchError: step 5: the step does not fit the engine"), EngineConfigError),
+                        (_WORKER_FAILED.format("ChecksumMismatchError: rolled back to step 4"), EngineError),
+                        ("Weight transfer not configured. Please set weight_transfer_config", EngineConfigError)]:
+        llm.fail = text
+        with pytest.raises(error) as e:
+            client.update(5)
+        assert type(e.value) is error and llm.calls[-1] == ("reset", None) and client.held_step() == 4
+    llm.fail = "something else"
+    with pytest.raises(RuntimeError, match="something else"):
+        client.update(5)
 
 
 def test_unreachable_server_and_bad_urls():

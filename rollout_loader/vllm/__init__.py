@@ -1,12 +1,11 @@
 """vLLM integration: keep a vLLM engine at a step of a deltasync stream.
 
-* The weight-transfer engine (:mod:`.engine`): start vLLM with ``--weight-transfer-config
-  '{"backend": "deltasync"}'`` and drive it with vLLM's own routes or ``LLM`` methods; the engine reads the
-  store itself. ``deltasync follow URL --server HOST`` (:class:`HttpWeightTransfer`) sends step numbers.
-* The worker extension (:mod:`.worker`, ``worker_extension_cls``) with :class:`VllmTarget` and a
-  ``Follower``: the follower fetches, the engine applies.
+The weight-transfer engine (:mod:`.engine`) is how deltasync enters vLLM: start vLLM with
+``--weight-transfer-config '{"backend": "deltasync"}'`` (or :func:`start_engine`) and drive it with vLLM's own
+routes or ``LLM`` methods, or with a ``Follower`` and :class:`VllmTarget` (an ``LLM`` or a server URL); the
+engine reads the store itself, only step numbers travel. ``deltasync follow URL --server HOST`` does the latter.
 
-Importing this package imports no vLLM; :func:`start_engine`, the worker and the engine do.
+Importing this package imports no vLLM; :func:`start_engine`, the worker extension and the engine do.
 """
 
 from __future__ import annotations
@@ -16,26 +15,22 @@ from typing import Any
 from .client import (
     WEIGHT_TRANSFER_CONFIG,
     WORKER_EXTENSION,
-    EngineClient,
-    HttpEngine,
     HttpWeightTransfer,
-    LocalEngine,
-    engine_client,
+    LocalWeightTransfer,
+    WeightTransfer,
 )
 from .target import Mode, Verify, VllmTarget, start_engine
 
 __all__ = [
     "WEIGHT_TRANSFER_CONFIG",
     "WORKER_EXTENSION",
-    "EngineClient",
-    "HttpEngine",
     "HttpWeightTransfer",
-    "LocalEngine",
+    "LocalWeightTransfer",
     "Mode",
     "Verify",
     "VllmTarget",
+    "WeightTransfer",
     "enable_live_cpu_weights",
-    "engine_client",
     "start_engine",
 ]
 

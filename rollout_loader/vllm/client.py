@@ -1,11 +1,12 @@
-"""Clients for a vLLM engine, in this process or over HTTP. Imports no vLLM.
+"""Clients of the deltasync weight-transfer engine inside a vLLM engine, in this process or over HTTP.
 
-* :class:`HttpWeightTransfer`: vLLM's own weight-transfer routes on a server started with
-  ``--weight-transfer-config '{"backend": "deltasync"}'`` (the engine fetches steps from the store itself;
-  only step numbers travel). What ``deltasync follow URL --server HOST`` uses.
-* :class:`HttpEngine` / :class:`LocalEngine`: the worker-extension path (``collective_rpc`` to
-  ``rollout_loader.worker.DeltaWorkerExtension``), used by :class:`~rollout_loader.vllm.VllmTarget`; over HTTP
-  the server reads objects by path, so it needs the follower's filesystem.
+Both speak vLLM's own weight-transfer API, so only step numbers travel and the engine reads the store itself:
+
+* :class:`HttpWeightTransfer`: the routes of a server started with ``--weight-transfer-config '{"backend":
+  "deltasync"}'`` and ``VLLM_SERVER_DEV_MODE=1``. What ``deltasync follow URL --server HOST`` uses.
+* :class:`LocalWeightTransfer`: the same calls on an offline ``vllm.LLM`` in this process.
+
+:class:`~rollout_loader.vllm.VllmTarget` drives either for a ``Follower``. Imports no vLLM.
 
 Replies are checked like any input: what vLLM would not send is an ``EngineError``; a server without a flag
 deltasync needs is an ``EngineConfigError`` naming the flag; no connection is ``EngineUnreachableError``.
@@ -23,7 +24,14 @@ import urllib.parse
 import urllib.request
 from typing import Any, Literal, Protocol, get_args
 
-from deltasync import ConfigError, EngineConfigError, EngineError, EngineUnreachableError, MissingDependencyError
+from deltasync import (
+    ConfigError,
+    DeltaSyncError,
+    EngineConfigError,
+    EngineError,
+    EngineUnreachableError,
+    MissingDependencyError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +39,9 @@ WORKER_EXTENSION = "rollout_loader.worker.DeltaWorkerExtension"
 WEIGHT_TRANSFER_CONFIG = '{"backend": "deltasync"}'
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 PauseMode = Literal["keep", "wait", "abort"]
-# routes a vLLM server only has with VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/launchers/api_server/routers.py)
-DEV_ROUTES = ("/collective_rpc", "/pause", "/resume", "/reset_prefix_cache")
+# routes of vLLM's weight-transfer API, some only with VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/rl/online)
 WEIGHT_ROUTES = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
-                 "/weight_info", "/pause", "/resume", "/reset_prefix_cache")
+                 "/weight_info", "/pause", "/resume", "/reset_prefix_cache", "/collective_rpc")
 # how vLLM 0.32 reports a collective_rpc method the workers do not have: the multiprocess executor relays the
 # worker's AttributeError, the in-process one raises NotImplementedError (vllm/v1/serial_utils.py run_method)
 _NO_METHOD = re.compile(r"has no attribute '(deltasync_\w+)'|Method '(deltasync_\w+)' is not implemented")
@@ -52,15 +59,33 @@ def _missing_method(text: str) -> str | None:
     return (m.group(1) or m.group(2)) if m else None
 
 
-def _no_extension(method: str, how: str) -> EngineConfigError:
-    return EngineConfigError(
-        f"the engine's workers have no method {method!r}: the deltasync worker extension is not installed; {how}"
-    )
+def combine_status(ranks: list[Any], *, where: str) -> dict[str, Any]:
+    """One status from every rank's ``deltasync_transfer_status`` reply (:mod:`rollout_loader.vllm.worker`): the
+    held step every rank agrees on, per step ``"rdma"`` only if every rank read it over NIXL (else the first
+    rank's reason), rank 0's pauses, and each tensor's checksum with the ranks' parts added up. A reply that
+    is not one is an ``EngineError`` naming ``where``."""
+    from deltasync import add_checksums
 
-
-def _is_reply(r: Any) -> bool:
-    """A deltasync worker method's reply: ``{"ok": bool, "result" | "error", "message"}``."""
-    return isinstance(r, dict) and isinstance(r.get("ok"), bool)
+    keys = {"held_step", "arrived", "pauses_s", "checksums"}
+    for rank, r in enumerate(ranks):
+        if isinstance(r, dict) and isinstance(r.get("error"), str):
+            raise EngineError(f"{where}: rank {rank}: {r['error']}")
+        if not (isinstance(r, dict) and keys <= r.keys() and isinstance(r["arrived"], dict)
+                and isinstance(r["checksums"], dict) and isinstance(r["pauses_s"], list)):
+            raise EngineError(f"{where}: rank {rank}: expected a deltasync status with {sorted(keys)}, got {str(r)[:200]}")
+    held = {r["held_step"] for r in ranks}
+    if len(held) != 1:
+        raise EngineError(f"{where}: the engine's ranks hold different steps: {[r['held_step'] for r in ranks]}")
+    arrived: dict[int, str] = {}
+    for r in ranks:
+        for step, how in r["arrived"].items():
+            if arrived.get(int(step), "rdma") == "rdma":
+                arrived[int(step)] = how
+    names = ranks[0]["checksums"]
+    if any(r["checksums"].keys() != names.keys() for r in ranks):
+        raise EngineError(f"{where}: the engine's ranks report checksums of different tensors")
+    sums = {n: add_checksums(*(int(r["checksums"][n]) for r in ranks)) for n in names}
+    return {"held_step": held.pop(), "arrived": arrived, "pauses_s": ranks[0]["pauses_s"], "checksums": sums}
 
 
 def worker_module() -> Any:
@@ -79,10 +104,17 @@ def worker_module() -> Any:
     return worker
 
 
-class _Http:
-    """JSON over HTTP to one vLLM server, every failure an ``EngineError`` subclass."""
+class HttpWeightTransfer:
+    """vLLM's weight-transfer routes on a server running the deltasync engine; only step numbers are sent.
 
-    def __init__(self, base_url: str, *, timeout_s: float, check_timeout_s: float, pause_mode: PauseMode) -> None:
+    The server needs ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config '{"backend": "deltasync"}'``
+    (plus ``DELTASYNC_CPU_LIVE_WEIGHTS=1`` on CPU for in-place writes); the stream must be readable from the
+    server (its URL and storage options are sent in ``init_info``). ``/weight_info`` tells which step the
+    server holds (:meth:`held_step`), so a restarted client goes on from there.
+    """
+
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, check_timeout_s: float = 30.0,
+                 pause_mode: PauseMode = "keep") -> None:
         parts = urllib.parse.urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"{base_url!r} is not a server URL: expected http://host:port (a vLLM OpenAI server)")
@@ -92,6 +124,7 @@ class _Http:
         self.timeout_s = timeout_s
         self.check_timeout_s = check_timeout_s
         self.pause_mode = pause_mode
+        self.pauses_s: list[float] = []
 
     def _request(self, method: str, route: str, body: dict | None = None, *, timeout_s: float | None = None,
                  **query: str) -> Any:
@@ -120,9 +153,6 @@ class _Http:
     def _post(self, route: str, body: dict | None = None, *, timeout_s: float | None = None, **query: str) -> Any:
         return self._request("POST", route, body, timeout_s=timeout_s, **query)
 
-    def _refusal(self, url: str, route: str, status: int, text: str) -> EngineError:
-        return EngineError(f"{url}: HTTP {status}: {' '.join(text[:500].split())}")
-
     def reset_prefix_cache(self) -> None:
         reply = self._post("/reset_prefix_cache")
         if isinstance(reply, dict) and reply.get("success") is False:  # blocks still held by paused requests
@@ -135,132 +165,6 @@ class _Http:
         self._post("/resume")
 
 
-class EngineClient(Protocol):
-    """The four things :class:`~rollout_loader.vllm.VllmTarget` needs from an engine (``check()``, if present,
-    is called first)."""
-
-    def rpc(self, method: str, *args: str | bytes | None) -> list[Any]: ...
-    def reset_prefix_cache(self) -> None: ...
-    def pause(self) -> None: ...
-    def resume(self) -> None: ...
-
-
-class LocalEngine:
-    """An offline ``vllm.LLM`` in this process. Calls run between engine steps: no explicit pause."""
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-        self._worker = worker_module()
-
-    def rpc(self, method: str, *args: str | bytes | None) -> list[Any]:
-        return self._worker.unwrap_replies(method, self._collective_rpc(method, *args))
-
-    def check(self) -> None:
-        """Raise ``EngineConfigError`` unless the workers have the deltasync extension (changes nothing)."""
-        self._collective_rpc("deltasync_checksums", "[]")  # any reply, initialised or not, is the extension's
-
-    def _collective_rpc(self, method: str, *args: str | bytes | None) -> list[Any]:
-        try:
-            return self.llm.collective_rpc(method, args=args)
-        except Exception as e:
-            missing = _missing_method(str(e))
-            if missing is None:
-                raise
-            raise _no_extension(missing, f"create the engine with LLM(..., worker_extension_cls={WORKER_EXTENSION!r}) "
-                                         f"or rollout_loader.vllm.start_engine") from e
-
-    def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
-
-    def pause(self) -> None:
-        pass
-
-    def resume(self) -> None:
-        pass
-
-
-class HttpEngine(_Http):
-    """A running vLLM OpenAI server started with ``--worker-extension-cls rollout_loader.worker.DeltaWorkerExtension``
-    and ``VLLM_SERVER_DEV_MODE=1`` (for ``/collective_rpc``, ``/pause``, ``/resume``, ``/reset_prefix_cache``).
-
-    Objects are passed by path: the server must be able to read the follower's files (same machine or a
-    shared filesystem); :class:`HttpWeightTransfer` needs neither. ``pause_mode`` is vLLM's: "keep" freezes
-    in-flight requests until resume. ``timeout_s`` bounds each request; ``check_timeout_s`` the first contact.
-    """
-
-    def __init__(self, base_url: str, *, timeout_s: float = 300.0, check_timeout_s: float = 30.0,
-                 pause_mode: PauseMode = "keep") -> None:
-        super().__init__(base_url, timeout_s=timeout_s, check_timeout_s=check_timeout_s, pause_mode=pause_mode)
-
-    def _refusal(self, url: str, route: str, status: int, text: str) -> EngineError:
-        """An HTTP error reply, named by what it means for the user: which server flag is missing, if any."""
-        if status == 404 and route in DEV_ROUTES:
-            return EngineConfigError(
-                f"{url}: HTTP 404, the server has no {route} endpoint: start the vLLM server with {DEV_MODE_ENV}=1 "
-                f"(it enables {', '.join(DEV_ROUTES)}); is {self.base_url} a vLLM server?"
-            )
-        missing = _missing_method(text) if route == "/collective_rpc" else None
-        if missing:
-            return _no_extension(missing, f"start the vLLM server at {self.base_url} with --worker-extension-cls {WORKER_EXTENSION}")
-        return super()._refusal(url, route, status, text)
-
-    def _results(self, method: str, reply: Any) -> list[dict[str, Any]]:
-        """The per-rank replies of a deltasync worker method, checked for shape."""
-        results = reply.get("results") if isinstance(reply, dict) else None
-        if not (isinstance(results, list) and results and all(_is_reply(r) for r in results)):
-            raise EngineError(
-                f"{self.base_url}/collective_rpc: {method}: expected one {{'ok': ...}} reply per rank, got {str(reply)[:200]}"
-            )
-        return results  # type: ignore[return-value]
-
-    def rpc(self, method: str, *args: str | bytes | None) -> list[Any]:
-        if any(isinstance(a, bytes) for a in args):
-            raise ConfigError(f"{method}: a server takes object paths, not bytes (JSON carries no bytes)")
-        reply = self._post("/collective_rpc", {"method": method, "args": ["" if a is None else a for a in args]})
-        results = self._results(method, reply)
-        failed = [(rank, r) for rank, r in enumerate(results) if not r["ok"]]
-        if failed:
-            rank, r = failed[0]
-            raise EngineError(
-                f"{self.base_url}: {method} failed on {len(failed)} of {len(results)} rank(s); rank {rank}: "
-                f"{r.get('error')}: {r.get('message')}"
-            )
-        return [r.get("result") for r in results]
-
-    def check(self) -> None:
-        """Ask the server whether it is set up for deltasync, pausing nothing: a collective RPC only the worker
-        extension answers. ``EngineConfigError`` names the missing flag; ``EngineUnreachableError``."""
-        reply = self._post("/collective_rpc", {"method": "deltasync_checksums", "args": ["[]"]},
-                           timeout_s=self.check_timeout_s)
-        self._results("deltasync_checksums", reply)  # any well-formed reply (initialised or not) is the extension's
-
-
-def engine_client(engine: Any) -> EngineClient:
-    """An ``EngineClient`` for a server URL, a ``vllm.LLM``, or an ``EngineClient`` already."""
-    if isinstance(engine, str):
-        return HttpEngine(engine)
-    if hasattr(engine, "collective_rpc"):
-        return LocalEngine(engine)
-    if all(callable(getattr(engine, m, None)) for m in ("rpc", "reset_prefix_cache", "pause", "resume")):
-        return engine
-    raise ConfigError(
-        f"VllmTarget: expected a vllm.LLM, a server URL (http://host:port) or an EngineClient, got {type(engine).__name__}"
-    )
-
-
-class HttpWeightTransfer(_Http):
-    """vLLM's weight-transfer routes on a server running the deltasync engine; only step numbers are sent.
-
-    The server needs ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config '{"backend": "deltasync"}'``
-    (plus ``DELTASYNC_CPU_LIVE_WEIGHTS=1`` on CPU for in-place writes); the stream must be readable from the
-    server (its URL and storage options are sent in ``init_info``). ``/weight_info`` tells which step the
-    server holds (:meth:`held_step`), so a restarted client goes on from there.
-    """
-
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0, check_timeout_s: float = 30.0,
-                 pause_mode: PauseMode = "keep") -> None:
-        super().__init__(base_url, timeout_s=timeout_s, check_timeout_s=check_timeout_s, pause_mode=pause_mode)
-        self.pauses_s: list[float] = []
 
     def _refusal(self, url: str, route: str, status: int, text: str) -> EngineError:
         if status == 404 and route in WEIGHT_ROUTES:
@@ -282,7 +186,11 @@ class HttpWeightTransfer(_Http):
                 f"{url}: the server has no weight-transfer engine: start it with --weight-transfer-config "
                 f"'{WEIGHT_TRANSFER_CONFIG}'"
             )
-        return super()._refusal(url, route, status, text)
+        missing = _missing_method(text) if route == "/collective_rpc" else None
+        if missing:
+            return EngineConfigError(f"{url}: the server's workers have no method {missing!r}: start the server with "
+                                     f"--worker-extension-cls {WORKER_EXTENSION} to read its status")
+        return EngineError(f"{url}: HTTP {status}: {' '.join(text[:500].split())}")
 
     def weight_version(self) -> str:
         """The server's weight version (``GET /weight_info``); changes nothing."""
@@ -332,3 +240,108 @@ class HttpWeightTransfer(_Http):
             finally:
                 self.resume()
                 self.pauses_s.append(time.perf_counter() - t0)
+
+    def status(self, *, checksums: bool = True) -> dict[str, Any]:
+        """What the server's deltasync engine holds (see :func:`rollout_loader.vllm.worker.transfer_status`),
+        through ``/collective_rpc``; needs ``--worker-extension-cls rollout_loader.worker.DeltaWorkerExtension``."""
+        reply = self._post("/collective_rpc", {"method": "deltasync_transfer_status", "args": [checksums]})
+        ranks = reply.get("results") if isinstance(reply, dict) else None
+        if not (isinstance(ranks, list) and ranks and all(isinstance(r, dict) for r in ranks)):
+            raise EngineError(f"{self.base_url}/collective_rpc: expected one status per rank, got {str(reply)[:200]}")
+        return combine_status(ranks, where=f"{self.base_url}/collective_rpc")
+
+
+class LocalWeightTransfer:
+    """The same calls as :class:`HttpWeightTransfer` on an offline ``vllm.LLM`` in this process, created with
+    ``weight_transfer_config={"backend": "deltasync"}`` (:func:`~rollout_loader.vllm.start_engine` does).
+
+    Calls run between ``generate()`` calls (a safe point): nothing is paused. Raises ``EngineConfigError``
+    when the engine has no weight-transfer engine.
+    """
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.pauses_s: list[float] = []
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``llm.<method>(...)``; an error relayed from a worker process comes back as the error it was (its class
+        named in the text: see :func:`rollout_loader.vllm.engine._named`), an in-process one as it is."""
+        try:
+            return getattr(self.llm, method)(*args, **kwargs)
+        except DeltaSyncError:
+            raise
+        except Exception as e:
+            if _NOT_CONFIGURED in str(e):
+                raise EngineConfigError(
+                    f"{method}: the vLLM engine has no weight-transfer engine: create it with "
+                    f"LLM(..., weight_transfer_config={WEIGHT_TRANSFER_CONFIG}) or rollout_loader.vllm.start_engine"
+                ) from e
+            remote = _REMOTE_ERROR.search(str(e))
+            if remote is None:
+                raise
+            kind = EngineConfigError if remote.group(1) in PERMANENT_REMOTE else EngineError
+            raise kind(f"{method}: the engine's deltasync engine failed: {remote.group(1)}: "
+                       f"{' '.join(remote.group(2)[:600].split())}") from e
+
+    def held_step(self) -> int | None:
+        """The step the engine holds, from its weight version (None: one that names no step)."""
+        version = self._call("get_weight_version")
+        return int(version) if isinstance(version, str) and version.isdigit() else None
+
+    def init(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "incremental",
+             mode: str = "auto", step: int | None = None) -> None:
+        """``init_weight_transfer_engine``: point the engine at a stream (see :meth:`HttpWeightTransfer.init`)."""
+        info = {"url": url, "storage_options": storage_options or {}, "verify": verify, "mode": mode, "step": step}
+        self._call("init_weight_transfer_engine", {"init_info": info})
+
+    def update(self, step: int) -> None:
+        """Bring the engine to ``step``, verified, with version ``str(step)``; on a failure it keeps its step."""
+        t0 = time.perf_counter()
+        try:
+            self._call("start_weight_update")
+            self._call("update_weights", {"update_info": {"step": step}})
+            self._call("finish_weight_update", weight_version=str(step))
+        finally:
+            try:
+                self.llm.reset_prefix_cache()
+            finally:
+                self.pauses_s.append(time.perf_counter() - t0)
+
+    def status(self, *, checksums: bool = True) -> dict[str, Any]:
+        """What the engine's deltasync engine holds (:func:`rollout_loader.vllm.worker.transfer_status`)."""
+        try:
+            ranks = self.llm.collective_rpc("deltasync_transfer_status", args=(checksums,))
+        except Exception as e:
+            if _missing_method(str(e)) is None:
+                raise
+            raise EngineConfigError(f"the engine's workers have no method 'deltasync_transfer_status': create it with "
+                                    f"LLM(..., worker_extension_cls={WORKER_EXTENSION!r}) or "
+                                    f"rollout_loader.vllm.start_engine") from e
+        return combine_status(ranks, where="collective_rpc")
+
+
+class WeightTransfer(Protocol):
+    """What :class:`~rollout_loader.vllm.VllmTarget` needs from an engine's weight-transfer API."""
+
+    pauses_s: list[float]
+
+    def held_step(self) -> int | None: ...
+    def init(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "incremental",
+             mode: str = "auto", step: int | None = None) -> None: ...
+    def update(self, step: int) -> None: ...
+    def status(self, *, checksums: bool = True) -> dict[str, Any]: ...
+
+
+def weight_transfer(engine: Any) -> WeightTransfer:
+    """The client for ``engine``: a server URL, a ``vllm.LLM``, or a client already."""
+    if isinstance(engine, str):
+        return HttpWeightTransfer(engine)
+    if isinstance(engine, (HttpWeightTransfer, LocalWeightTransfer)):
+        return engine
+    if hasattr(engine, "collective_rpc") and hasattr(engine, "generate"):
+        return LocalWeightTransfer(engine)
+    if all(callable(getattr(engine, m, None)) for m in ("held_step", "init", "update", "status")):
+        return engine
+    raise ConfigError(
+        f"VllmTarget: expected a vllm.LLM, a server URL (http://host:port) or a weight-transfer client, got {type(engine).__name__}"
+    )

@@ -171,13 +171,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
 
     def init_transfer_engine(self, init_info: DeltasyncInitInfo) -> None:
         old = self._info
-        same = old is not None and (old.url, old.storage_options, old.mode, old.rdma) == (
-            init_info.url, init_info.storage_options, init_info.mode, init_info.rdma)
-        if same and self._state is not None:
-            if init_info.step is not None and self._held is not None and init_info.step != self._held:
-                log.warning("deltasync: init_info says step %d, this engine holds step %d (kept)", init_info.step, self._held)
-            self._stop_prefetch()
-        else:
+        if self._state is None or old is None or old.mode != init_info.mode:
+            # routes and shadows depend on the model only: learned once, from the engine as it loaded its
+            # checkpoint, and kept when the engine is pointed at another stream (its weights may have moved since)
             self.shutdown()
             refuse_moving_experts(self.vllm_config)
             layout = checkpoint_layout(self.model_config.model)
@@ -185,9 +181,19 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                 self.model, layout=layout, checkpoint=self.model_config.model, mode=init_info.mode,  # type: ignore[arg-type]
                 reload=self._reload,
             )
+            log.info("deltasync engine routes: %s", summary)
+            old = None
+        same = old is not None and (old.url, old.storage_options, old.rdma) == (
+            init_info.url, init_info.storage_options, init_info.rdma)
+        if same:
+            if init_info.step is not None and self._held is not None and init_info.step != self._held:
+                log.warning("deltasync: init_info says step %d, this engine holds step %d (kept)", init_info.step, self._held)
+            self._stop_prefetch()
+        else:
+            self._close_stream()
             self._reader = StreamReader(init_info.url, storage_options=init_info.storage_options)
             self._held = init_info.step
-            log.info("deltasync engine following %s from step %s: %s", init_info.url, self._held, summary)
+            log.info("deltasync engine following %s from step %s", init_info.url, self._held)
         self._info = init_info
         warm_kernels()  # every kernel compiled or loaded now: nothing compiles inside a pause
         if init_info.verify == "incremental" and self._held is not None:
@@ -239,13 +245,18 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         pass  # the weights were written in place, verified, by receive_weights
 
     def shutdown(self) -> None:
+        self._close_stream()
+        self._state = self._info = None
+
+    def _close_stream(self) -> None:
+        """Stop reading the stream followed now (prefetcher, NIXL consumer, reader); the routes stay."""
         self._stop_prefetch()
         if self._rdma is not None:
             self._rdma.close()
             self._rdma = None
         if self._reader is not None:
             self._reader.close()
-        self._reader = self._state = self._info = None
+        self._reader = None
 
     # --- one step ---
 

@@ -6,7 +6,6 @@ imports no vLLM.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -42,28 +41,6 @@ def checkpoint_layout(path: str | Path) -> tuple[Shapes, Dtypes]:
     return shapes, dtypes
 
 
-def parse_layout(text: str) -> tuple[Shapes, Dtypes]:
-    """``{name: shape}`` or ``{name: {"shape": shape, "dtype": "BF16"}}`` (safetensors dtype names)."""
-    try:
-        doc = json.loads(text)
-    except ValueError as e:
-        raise RoutingError(f"layout is not JSON ({e}): expected {{name: shape}}") from None
-    if not isinstance(doc, dict):
-        raise RoutingError(f"layout must be a JSON object {{name: shape}}, got {type(doc).__name__}")
-    shapes: Shapes = {}
-    dtypes: Dtypes = {}
-    for name, v in doc.items():
-        shape = v.get("shape") if isinstance(v, dict) else v
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise RoutingError(f"layout entry {name!r}: expected a shape (list of sizes), got {shape!r}")
-        shapes[name] = shape
-        if isinstance(v, dict) and "dtype" in v:
-            if v["dtype"] not in DTYPES:
-                raise RoutingError(f"{name!r}: unknown dtype {v['dtype']!r} (known: {sorted(DTYPES)})")
-            dtypes[name] = DTYPES[v["dtype"]]
-    return shapes, dtypes
-
-
 def read_checkpoint(path: str | Path, names: list[str], shapes: Mapping[str, list[int]]) -> dict[str, torch.Tensor]:
     """Host copies of checkpoint tensors ``names`` (reload mode: the values of repacked layers)."""
     out: dict[str, torch.Tensor] = {}
@@ -93,7 +70,3 @@ def param_owners(model: torch.nn.Module) -> dict[str, list[tuple[str, str]]]:
                 if entry not in owners.setdefault(canonical[id(p)], []):
                     owners[canonical[id(p)]].append(entry)
     return owners
-
-
-def own_params(module: torch.nn.Module, mod_name: str) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(f"{mod_name}.{n}" if mod_name else n, p) for n, p in module.named_parameters(recurse=False)]

@@ -3,8 +3,8 @@
 Built once from the loaded model (:func:`rollout_loader.vllm.plan.build_state`); afterwards every step is: :func:`stage` (validate a
 decoded patch against the engine and map it to this rank's elements: before any pause), :func:`write` (the
 in-place XOR, all or nothing, with the old bits kept for :func:`rollback`), and checksums of this rank's
-parts (:func:`checksums`, or the running ones :func:`write` keeps). Shared by the worker extension
-(:mod:`rollout_loader.vllm.worker`) and the weight-transfer engine (:mod:`rollout_loader.vllm.engine`).
+parts (:func:`checksums`, or the running ones :func:`write` keeps). The weight-transfer engine
+(:mod:`rollout_loader.vllm.engine`) drives it; the status extension (:mod:`rollout_loader.vllm.worker`) only reads it.
 
 The engine also seals a staged step before the pause (:func:`seal`: each patched tensor's checksum after the
 write, computed from the bits held now and the patch), so that the pause holds only a plain XOR scatter

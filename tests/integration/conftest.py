@@ -181,7 +181,8 @@ def engine_kwargs(path: Path, dtype: str) -> dict:
         enforce_eager=True,
         max_model_len=512,
         seed=0,
-        worker_extension_cls=EXTENSION,
+        worker_extension_cls=EXTENSION,  # the read-only status of the deltasync engine
+        weight_transfer_config={"backend": "deltasync"},
     )
 
 
@@ -195,15 +196,26 @@ def engine(path: Path, dtype: str, *, live: bool) -> Iterator:
     """
     from vllm import LLM, envs
 
+    from rollout_loader.vllm.plugin import register
     from rollout_loader.worker import LIVE_ENV
+
+    register()  # the deltasync weight-transfer engine, in this process (the engine's)
 
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", LIVE_ENV: "1" if live else "0"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         llm = LLM(distributed_executor_backend="uni", **engine_kwargs(path, dtype))
-        yield llm
-        del llm
+        try:
+            yield llm
+        finally:
+            # shut the engine down now: whatever still refers to it (a target, an error kept in a follower)
+            # would otherwise let the garbage collector do it later, tearing down the distributed state of
+            # the next in-process engine (vLLM's shutdown is a weakref finalizer: it runs once)
+            finalizer = getattr(getattr(llm.llm_engine, "engine_core", None), "_finalizer", None)
+            if finalizer is not None:
+                finalizer()
+            del llm
     finally:
         for k, v in saved.items():
             if v is None:

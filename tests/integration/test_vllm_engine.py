@@ -108,7 +108,7 @@ _OFFLINE_SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         model, url, prompts, out = sys.argv[1:5]
-        llm = start_engine(model, weight_transfer=True, dtype="bfloat16", enforce_eager=True, max_model_len=512,
+        llm = start_engine(model, dtype="bfloat16", enforce_eager=True, max_model_len=512,
                            seed=0, in_process=True)
         sp = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False, ignore_eos=True)
         gen = lambda: [list(o.outputs[0].token_ids) for o in llm.generate(json.loads(prompts), sp, use_tqdm=False)]

@@ -1,16 +1,20 @@
-"""End to end: a trainer publishes, a real vLLM engine follows, and ends bit-identical to the trainer."""
+"""End to end through the one vLLM path: a ``Follower`` with a ``VllmTarget`` sends step numbers, the engine's
+deltasync weight-transfer engine fetches, writes and verifies each step, and the engine ends bit-identical to
+the trainer and to a fresh engine loaded from the same step."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from deltasync import DeltaPublisher, StreamReader
+from deltasync import tensor_checksum as checksum_tensor
+from deltasync.errors import ChecksumMismatchError, TensorMismatchError
 from deltasync.format.checksum import parse_checksum
-from deltasync.errors import BaseStepMismatchError, ChecksumMismatchError
 from rollout_loader import Follower
 from rollout_loader.vllm import VllmTarget
-from rollout_loader.worker import engine_checksums
 from tests.integration.conftest import build_checkpoint, engine, generate, save_like
 
 pytestmark = pytest.mark.vllm
@@ -36,6 +40,11 @@ def train_and_publish(model_dir, url, steps: int, *, lr: float = 3e-4) -> dict[i
     return states
 
 
+def trainer_checksums(url: str, step: int) -> dict[str, int]:
+    with StreamReader(url) as reader, reader.open(step) as obj:
+        return {n: parse_checksum(t.checksum) for n, t in obj.header.tensors.items()}
+
+
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_engine_follows_training_bit_exactly(tmp_path, tie):
     model_dir = tmp_path / "model"
@@ -43,25 +52,20 @@ def test_engine_follows_training_bit_exactly(tmp_path, tie):
     url = str(tmp_path / "stream")
     steps = 6
     states = train_and_publish(model_dir, url, steps)
-    reader = StreamReader(url)
     last = steps - 1
 
     with engine(model_dir, "bfloat16", live=True) as llm:
         target = VllmTarget(llm, verify="all")
-        follower = Follower(reader, target)
+        follower = Follower(url, target)
         before = generate(llm)
-        assert follower.sync(2) == [0, 1, 2]  # the anchor, then deltas in place
-        assert follower.sync() == [4, 5]  # the chain to 5 starts at the anchor 4: loaded through vLLM's reload path
-        assert target.step == last
-        with reader.open(last) as obj:
-            want = {n: parse_checksum(t.checksum) for n, t in obj.header.tensors.items()}
-        assert engine_checksums(llm) == want  # the engine holds exactly the trainer's bits
+        assert follower.sync(2) == [0, 1, 2]  # the anchor, then deltas in place, one verified step at a time
+        assert llm.get_weight_version() == "2"
+        assert follower.sync() == [4, 5]  # the chain to 5 starts at the anchor 4, written as a dense XOR
+        assert target.step == last and llm.get_weight_version() == str(last)
+        status = target.status()  # every tensor checksummed again from the engine's bits
+        assert status["held_step"] == last and status["checksums"] == trainer_checksums(url, last)
         followed = generate(llm)
-
-        # a delta on another base is refused, and nothing changes
-        with reader.open(3) as obj, pytest.raises(BaseStepMismatchError, match="engine holds step 5"):
-            target.apply(obj)
-        assert engine_checksums(llm) == want and target.step == last
+        follower.close()
 
     # a fresh engine loaded from the trainer's own weights at the last step gives the same greedy tokens,
     # for a prompt longer than one KV block too (proves the prefix cache was dropped after each update)
@@ -71,47 +75,92 @@ def test_engine_follows_training_bit_exactly(tmp_path, tie):
     assert followed != before
 
 
-def test_damaged_step_rolls_back_and_refuses_to_serve_a_false_step(tmp_path):
+def test_weights_that_drifted_fail_verification_and_are_restored_exactly(tmp_path):
+    """Something other than deltasync changed the engine's weights (a stray write, a bad kernel): the next step
+    does not verify, every write is undone to the exact bits held before it, and the engine keeps naming the
+    step it held."""
     model_dir = tmp_path / "model"
     build_checkpoint(model_dir, tie=False)
     url = str(tmp_path / "stream")
     train_and_publish(model_dir, url, 3)
-    reader = StreamReader(url)
     with engine(model_dir, "bfloat16", live=True) as llm:
-        target = VllmTarget(llm)  # verify="incremental"
-        Follower(reader, target).sync(1)
-        held = engine_checksums(llm)  # a full recomputation agrees with the incrementally verified step
-        with reader.open(1) as obj:
-            assert held == {n: parse_checksum(t.checksum) for n, t in obj.header.tensors.items()}
+        target = VllmTarget(llm, verify="changed")
+        follower = Follower(url, target)
+        assert follower.sync(1) == [0, 1]
+        assert target.status()["checksums"] == trainer_checksums(url, 1)
+
+        def drift(worker) -> None:
+            with torch.no_grad():
+                for p in worker.model_runner.model.parameters():
+                    p.view(-1)[:1].view(torch.int16).bitwise_xor_(1)  # one low mantissa bit per parameter
+
+        llm.collective_rpc(drift)
+        drifted = target.status()["checksums"]
         tokens = generate(llm)
-        with reader.open(2) as obj:
-            # the trainer's checksum for one changed tensor is made wrong: the apply cannot verify
-            name = next(n for n, t in obj.header.tensors.items() if t.changed)
-            t = obj.header.tensors[name]
-            obj.header.tensors[name] = type(t)(**{**t.__dict__, "checksum": "0x0123456789abcdef"})
-            with pytest.raises(ChecksumMismatchError, match="rolled back to step 1"):
-                target.apply(obj)
-        assert target.step == 1
-        assert engine_checksums(llm) == held and generate(llm) == tokens
+        with pytest.raises(ChecksumMismatchError, match="rolled back to step 1"):
+            follower.sync(2)
+        assert target.step == 1 and llm.get_weight_version() == "1"
+        assert target.status()["checksums"] == drifted and generate(llm) == tokens
+        follower.close()
 
 
-def test_deltas_fetched_into_memory_reach_the_workers(tmp_path):
-    """From a remote store small deltas come into memory, not files; the worker-extension path, which hands
-    workers a path, writes them to a temporary file for the call and removes it."""
-    import os
-    import tempfile
-    import uuid
+def _stream(folder: Path, state: dict[str, torch.Tensor]) -> str:
+    """A stream whose step 0 (an anchor) is ``state``."""
+    with DeltaPublisher(str(folder), {k: v.clone() for k, v in state.items()}, on_backlog="block") as pub:
+        pub.publish(0)
+    return str(folder)
 
-    model_dir = tmp_path / "model"
-    build_checkpoint(model_dir, tie=False)
-    url = f"memory://deltasync-vllm-{uuid.uuid4().hex[:8]}"  # not local: deltas are read into memory
-    train_and_publish(model_dir, url, 3)
-    with StreamReader(url) as reader, engine(model_dir, "bfloat16", live=True) as llm:
-        with reader.open(1) as obj:
-            assert obj.path is None and obj.buffer is not None
-        target = VllmTarget(llm)
-        assert Follower(reader, target).sync() == [0, 1, 2]
-        with reader.open(2) as obj:
-            want = {n: parse_checksum(t.checksum) for n, t in obj.header.tensors.items()}
-        assert engine_checksums(llm) == want
-    assert not [p for p in os.listdir(tempfile.gettempdir()) if p.startswith("deltasync-object-")]
+
+@pytest.mark.parametrize(
+    ("tie", "dtype", "mode"),
+    [
+        pytest.param(True, "bfloat16", "live", id="tied-bf16-live"),
+        pytest.param(False, "bfloat16", "live", id="untied-bf16-live"),
+        # the stock CPU path repacks fp32 linears for oneDNN (weights become empty): shadowed and re-processed
+        pytest.param(True, "float32", "reload", id="tied-fp32-reload"),
+        pytest.param(False, "float32", "reload", id="untied-fp32-reload"),
+        # bf16 with the stock path: whatever this CPU's GEMM dispatch chose, rebuilt or reloaded
+        pytest.param(False, "bfloat16", "reload", id="untied-bf16-reload"),
+    ],
+)
+def test_each_mode_matches_a_fresh_engine_and_refuses_streams_that_do_not_fit(
+    scenario, reference_tokens, tmp_path: Path, tie: bool, dtype: str, mode: str
+) -> None:
+    sc = scenario(tie, dtype)
+    live = mode == "live"
+    url = str(tmp_path / "stream")
+    state = {k: v.clone() for k, v in sc.base.items()}
+    with DeltaPublisher(url, state, on_backlog="block") as pub:
+        pub.publish(0)
+        for k, v in sc.new.items():
+            state[k].copy_(v)
+        pub.publish(1)
+    new_sums = {k: checksum_tensor(v) for k, v in sc.new.items()}
+    reference = reference_tokens(tie, dtype, live)  # first: in-process engines share global state, one at a time
+    with engine(sc.base_dir, dtype, live=live) as llm:
+        target = VllmTarget(llm, step=0, mode=mode, verify="changed")
+        follower = Follower(url, target)
+        before = generate(llm)  # also leaves KV of the long prompt, computed with the old weights, cached
+        assert follower.sync() == [1]
+        assert target.status()["checksums"] == new_sums
+        after = generate(llm)
+        assert after != before, "the step did not change generation at all"
+        assert after == reference
+        follower.close()
+
+        # streams that do not fit the engine are refused whole, weights untouched, step and version kept
+        q = "model.layers.0.self_attn.q_proj.weight"
+        wide = torch.float32 if dtype == "bfloat16" else torch.bfloat16
+        bad = {
+            "not a checkpoint tensor": {**sc.new, "model.layers.7.mlp.up_proj.weight": sc.new[q]},
+            "the step has": {**sc.new, "model.norm.weight": sc.new["model.norm.weight"][:64]},
+            "-bit": {k: v.to(wide) for k, v in sc.new.items()},
+        }
+        for i, (needle, state) in enumerate(bad.items()):
+            other = Follower(_stream(tmp_path / f"bad{i}", state), VllmTarget(llm, mode=mode))
+            with pytest.raises(TensorMismatchError, match=needle):
+                other.sync()
+            other.close()
+            assert llm.get_weight_version() == "1"
+        assert VllmTarget(llm).status()["checksums"] == new_sums
+        assert generate(llm) == reference

@@ -42,10 +42,10 @@ def _held(llm) -> dict[str, tuple[str, tuple[int, ...], torch.Tensor]]:
     return {n: (str(t.dtype), tuple(t.shape), _bits(t)) for n, t in tensors}
 
 
-def _start(path: Path, live: bool, *, weight_transfer: bool = False, quantization: str | None = None):
+def _start(path: Path, live: bool, *, quantization: str | None = None):
     from rollout_loader.vllm import start_engine
 
-    return start_engine(str(path), in_process=True, live_cpu_weights=live, weight_transfer=weight_transfer,
+    return start_engine(str(path), in_process=True, live_cpu_weights=live,
                         dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0, quantization=quantization)
 
 
@@ -91,7 +91,7 @@ def test_family_follows_a_stream_bit_exact_against_fresh_engines(family, kernels
 
 
 def _follow_and_compare(model_dir, url, live, quantization, followed, tokens, tmp_path) -> None:
-    llm = _start(model_dir, live, weight_transfer=True, quantization=quantization)
+    llm = _start(model_dir, live, quantization=quantization)
     try:
         llm.init_weight_transfer_engine({"init_info": {"url": url, "verify": "all", "step": 0}})
         for step in STEPS:
@@ -129,7 +129,7 @@ def test_a_parameter_with_no_exact_route_is_refused_and_the_engine_keeps_serving
     model_dir = build_family("qwen3_moe", tmp_path / "m")
     url = str(tmp_path / "stream")
     _publish(model_dir, url)
-    llm = _start(model_dir, True, weight_transfer=True)
+    llm = _start(model_dir, True)
     try:
         before, before_tokens = _held(llm), generate(llm)
         model = llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
@@ -154,7 +154,7 @@ def test_expert_load_balancing_is_refused_by_name(tmp_path, cpu_env) -> None:
     model_dir = build_family("qwen3_moe", tmp_path / "m")
     url = str(tmp_path / "stream")
     _publish(model_dir, url)
-    llm = _start(model_dir, True, weight_transfer=True)
+    llm = _start(model_dir, True)
     try:
         engine = llm.collective_rpc(lambda worker: worker.weight_transfer_engine)[0]
         parallel = engine.vllm_config.parallel_config
@@ -187,7 +187,7 @@ if __name__ == "__main__":
     from rollout_loader.vllm import start_engine
     from tests.integration.conftest import generate, update_to
     model, url, steps, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
-    llm = start_engine(model, weight_transfer=bool(steps), dtype="bfloat16", enforce_eager=True,
+    llm = start_engine(model, dtype="bfloat16", enforce_eager=True,
                        max_model_len=512, seed=0, tensor_parallel_size=2)
     if steps:
         llm.init_weight_transfer_engine({"init_info": {"url": url, "verify": "all", "step": 0}})

@@ -74,7 +74,7 @@ ENGINE = textwrap.dedent(
 
     if __name__ == "__main__":
         model, url, address, out, tp, last = sys.argv[1:7]
-        llm = start_engine(model, weight_transfer=True, dtype="bfloat16", enforce_eager=True, max_model_len=512,
+        llm = start_engine(model, dtype="bfloat16", enforce_eager=True, max_model_len=512,
                            seed=0, tensor_parallel_size=int(tp))
         try:
             llm.init_weight_transfer_engine({"init_info": {

@@ -8,12 +8,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from deltasync import StreamReader
 from deltasync.format.checksum import parse_checksum
-from rollout_loader.vllm import VllmTarget
+from rollout_loader.vllm import HttpWeightTransfer
 from tests.integration.conftest import PROMPTS, build_checkpoint, engine, save_like
 from tests.integration.seaweedfs import _free_port
 from tests.integration.test_vllm_follow import train_and_publish
@@ -77,10 +78,13 @@ def test_follow_keeps_a_running_server_in_sync(server, tmp_path):
     states = train_and_publish(model_dir, url, 6)
     before = _completions(base, PROMPTS)
 
-    # the command a user runs next to the server
+    # the command a user runs next to the server, from another working directory than the server's: the
+    # relative stream path reaches the server as an absolute one
+    repo = str(Path(__file__).resolve().parents[2])
     cli = subprocess.run(
-        [sys.executable, "-m", "deltasync_cli", "follow", url, "--server", base, "--until", "5", "--verify", "all"],
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "deltasync_cli", "follow", "stream", "--server", base, "--until", "5", "--verify", "all"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))},
     )
     assert cli.returncode == 0, cli.stdout + cli.stderr
     # from the nearest anchor (step 4, anchor_every=4), written by the server's engine, then step 5
@@ -88,7 +92,8 @@ def test_follow_keeps_a_running_server_in_sync(server, tmp_path):
 
     with StreamReader(url).open(5) as obj:
         want = {n: parse_checksum(t.checksum) for n, t in obj.header.tensors.items()}
-    assert VllmTarget(base, step=5).checksums() == want  # the server's weights are the trainer's, bit for bit
+    status = HttpWeightTransfer(base).status()  # the server's engine, every tensor checksummed again
+    assert status["held_step"] == 5 and status["checksums"] == want  # the trainer's weights, bit for bit
     served = _completions(base, PROMPTS)  # the long prompt proves the prefix cache was reset
     assert served != before
 

@@ -1,8 +1,8 @@
 """Real vLLM servers started without what deltasync needs, and a client without vLLM installed.
 
-A server without ``VLLM_SERVER_DEV_MODE=1`` answers 404 on ``/collective_rpc`` and ``/pause``; one without
-the worker extension answers 500 naming the missing worker method (an offline ``LLM`` raises). Either way
-the user is told which flag is missing, in one line, before anything is paused. ``deltasync follow
+A server without ``VLLM_SERVER_DEV_MODE=1`` answers 404 on ``/weight_info`` and ``/pause``; one without
+``--weight-transfer-config`` answers 500 saying weight transfer is not configured (an offline ``LLM`` raises).
+Either way the user is told which flag is missing, in one line, before anything is paused. ``deltasync follow
 --server`` needs no vLLM package. One server at a time (each test starts its own; ~20-60 s each on CPU).
 """
 
@@ -25,7 +25,8 @@ import pytest
 from deltasync import DeltaPublisher, StreamReader
 from deltasync.format.checksum import parse_checksum
 from deltasync.errors import EngineConfigError, StoreError
-from rollout_loader.vllm import VllmTarget
+from rollout_loader import Follower
+from rollout_loader.vllm import HttpWeightTransfer, VllmTarget
 from tests.integration.conftest import PROMPTS, build_checkpoint, load_state, perturb, perturbed_names
 from tests.integration.seaweedfs import _free_port
 from tests.test_cli_errors import assert_one_line_error, run_cli
@@ -33,7 +34,6 @@ from tests.test_cli_errors import assert_one_line_error, run_cli
 pytestmark = pytest.mark.vllm
 
 DEV_MODE_NEEDLE = "VLLM_SERVER_DEV_MODE=1"
-EXTENSION_NEEDLE = "--worker-extension-cls rollout_loader.worker.DeltaWorkerExtension"
 WEIGHT_TRANSFER_NEEDLE = "--weight-transfer-config '{\"backend\": \"deltasync\"}'"
 
 
@@ -58,8 +58,8 @@ def model_and_stream(tmp_path_factory) -> tuple[Path, str, dict[str, int]]:
 
 @contextmanager
 def vllm_server(model_dir: Path, log_dir: Path, *, dev_mode: bool, extension: bool, weight_transfer: bool = False) -> Iterator[str]:
-    """A vLLM OpenAI server process started as a user would, with or without what deltasync needs: dev mode,
-    and the worker extension (``VllmTarget``) or the weight-transfer engine (``deltasync follow --server``)."""
+    """A vLLM OpenAI server process started as a user would, with or without what deltasync needs: dev mode and
+    the weight-transfer engine (``deltasync follow --server``), and the read-only status extension."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"}
     env.update(DELTASYNC_CPU_LIVE_WEIGHTS="1", VLLM_CPU_KVCACHE_SPACE="1")
@@ -127,20 +127,19 @@ def serves(base: str) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("dev_mode", "extension", "needle", "cli_needle"),
-    [(False, True, DEV_MODE_NEEDLE, DEV_MODE_NEEDLE), (True, False, EXTENSION_NEEDLE, WEIGHT_TRANSFER_NEEDLE)],
-    ids=["without-dev-mode", "without-worker-extension-or-weight-transfer"],
+    ("dev_mode", "weight_transfer", "needle"),
+    [(False, True, DEV_MODE_NEEDLE), (True, False, WEIGHT_TRANSFER_NEEDLE)],
+    ids=["without-dev-mode", "without-weight-transfer"],
 )
-def test_server_not_set_up_for_deltasync(model_and_stream, tmp_path, dev_mode, extension, needle, cli_needle):
+def test_server_not_set_up_for_deltasync(model_and_stream, tmp_path, dev_mode, weight_transfer, needle):
     model_dir, url, _ = model_and_stream
-    with vllm_server(model_dir, tmp_path, dev_mode=dev_mode, extension=extension) as base:
+    with vllm_server(model_dir, tmp_path, dev_mode=dev_mode, extension=False, weight_transfer=weight_transfer) as base:
+        follower = Follower(url, VllmTarget(base))
         with pytest.raises(EngineConfigError, match=needle) as e:
-            VllmTarget(base)
+            follower.connect()
+        follower.close()
         assert not isinstance(e.value, StoreError)
         r = run_cli("follow", url, "--server", base, "--until", "1")
-        assert_one_line_error(r.returncode, r.stderr, "EngineConfigError", cli_needle)
-        assert r.stdout == ""
-        r = run_cli("follow", url, "--server", base, "--until", "1", "--via", "collective-rpc")  # the deprecated path
         assert_one_line_error(r.returncode, r.stderr, "EngineConfigError", needle)
         assert r.stdout == ""
         assert serves(base)  # still serving, and not left paused
@@ -161,35 +160,38 @@ def test_follow_without_vllm_installed(model_and_stream, tmp_path):
         r = run_cli("follow", url, "--server", base, "--until", "1", "--verify", "all", block_vllm=True)
         assert r.returncode == 0, r.stdout + r.stderr
         assert [line.split()[1] for line in r.stdout.splitlines() if line.startswith("step ")] == ["0", "1"]
-        assert VllmTarget(base, step=1).checksums() == want  # the server holds the trainer's step 1, bit for bit
+        status = HttpWeightTransfer(base).status()  # the server's engine, every tensor checksummed again
+        assert status["held_step"] == 1 and status["checksums"] == want  # the trainer's step 1, bit for bit
         assert serves(base)
 
 
-def test_offline_engine_without_worker_extension(model_and_stream, tmp_path):
-    """An in-process ``LLM`` created without ``worker_extension_cls``: vLLM's in-process executor words the
-    missing method differently from the server's; both are named.
-
-    Runs in its own process: vLLM mixes a worker extension into its worker class for the life of a process, so
-    an engine made after one with the extension would have it, and an in-process engine that is never used
-    leaves vLLM's distributed state half set up for the next one.
-    """
-    model_dir, _, _ = model_and_stream
+def test_offline_engine_without_weight_transfer(model_and_stream, tmp_path):
+    """An in-process ``LLM`` created without ``weight_transfer_config``: following it names the setting, and the
+    engine keeps serving its weights. Runs in its own process: an in-process engine that is never closed
+    leaves vLLM's distributed state half set up for the next one."""
+    model_dir, url, _ = model_and_stream
     script = textwrap.dedent(
         """
         import sys
         from vllm import LLM
         from deltasync.errors import EngineConfigError
+        from rollout_loader import Follower
         from rollout_loader.vllm import VllmTarget
         llm = LLM(model=sys.argv[1], dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0,
                   distributed_executor_backend="uni")
+        follower = Follower(sys.argv[2], VllmTarget(llm))
         try:
-            VllmTarget(llm)
+            follower.sync()
         except EngineConfigError as e:
             print("RAISED", e)
+        follower.close()
+        print("VERSION", llm.get_weight_version())
         """
     )
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", script, str(model_dir)], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script, str(model_dir), url], capture_output=True, text=True, env=env,
+                          timeout=300)
     raised = [line for line in proc.stdout.splitlines() if line.startswith("RAISED")]
     assert proc.returncode == 0 and raised, proc.stderr[-3000:]
-    assert "worker_extension_cls='rollout_loader.worker.DeltaWorkerExtension'" in raised[0]
+    assert "weight_transfer_config=" in raised[0] and "start_engine" in raised[0]
+    assert "VERSION default" in proc.stdout  # nothing was applied

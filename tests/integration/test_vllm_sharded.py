@@ -60,7 +60,7 @@ ENGINE = textwrap.dedent(
 
     if __name__ == "__main__":
         model, url, out = sys.argv[1:4]
-        llm = start_engine(model, weight_transfer=True, in_process=True, dtype="bfloat16", enforce_eager=True,
+        llm = start_engine(model, in_process=True, dtype="bfloat16", enforce_eager=True,
                            max_model_len=512, seed=0)
         llm.init_weight_transfer_engine({"init_info": {"url": url, "verify": "incremental"}})
         llm.start_weight_update()

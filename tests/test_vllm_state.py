@@ -1,0 +1,110 @@
+"""The engine's rank state (rollout_loader/vllm/state.py) on a hand-built state, no engine: sealed writes, rollback
+and checksum parts against the FORMAT.md reference (tests/test_reference.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # CI has no GPU; a GPU machine runs both
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> None:
+    """A sealed step (checksums computed before the pause from the bits held and the patch) writes exactly
+    ``old ^ xor`` and carries this rank's parts as the FORMAT.md reference computes them from the new bits,
+    also for the slices of a fused parameter and for a tensor-parallel shard; a seal older than the last write
+    writes nothing; a rollback restores the bits and the parts. No engine: a hand-built rank state."""
+    import numpy as np
+
+    from rollout_loader.routing import Route
+    from rollout_loader.vllm.state import (
+        Target,
+        WorkerState,
+        checksums,
+        rollback,
+        seal,
+        stage,
+        write,
+        write_sealed,
+    )
+    from tests.test_reference import ref_checksum
+
+    def route(*values: object) -> Route:
+        keys = ("hf_name", "hf_shape", "param_name", "param_shape", "hf_start", "param_start", "extent")
+        return Route(**dict(zip(keys, values, strict=True)))  # type: ignore[arg-type]
+
+    rng = np.random.default_rng(7)
+    fused = torch.from_numpy(rng.integers(-2**15, 2**15, (6, 40), dtype=np.int16)).view(torch.bfloat16).to(device)
+    shard = torch.from_numpy(rng.integers(-2**15, 2**15, (4, 40), dtype=np.int16)).view(torch.bfloat16).to(device)
+    routes = {  # "a" and "b" share one fused parameter; this rank holds rows 4..7 of "c" (it owns them)
+        "a": route("a", (4, 40), "fused", (6, 40), (0, 0), (0, 0), (4, 40)),
+        "b": route("b", (2, 40), "fused", (6, 40), (0, 0), (4, 0), (2, 40)),
+        "c": route("c", (8, 40), "shard", (4, 40), (4, 0), (0, 0), (4, 40)),
+    }
+    params = {"fused": fused, "shard": shard}
+    targets = {n: Target(routes=(r,), bits=params[r.param_name].view(torch.int16).reshape(-1), host=False, modules=())
+               for n, r in routes.items()}
+    state = WorkerState(model=torch.nn.Module(), reload=lambda w: None, table=None, mode="live", targets=targets)  # type: ignore[arg-type]
+
+    def held(name: str) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's elements of checkpoint tensor ``name`` (unsigned bits) and their global flat indices."""
+        r = routes[name]
+        rows = params[r.param_name].view(torch.int16).cpu().numpy().view(np.uint16)[r.param_start[0]:r.param_start[0] + r.extent[0]]
+        return rows.reshape(-1).copy(), np.arange(r.hf_start[0] * 40, (r.hf_start[0] + r.extent[0]) * 40)
+
+    def patch(name: str, density: float) -> tuple[str, np.ndarray, np.ndarray]:
+        n = int(np.prod(routes[name].hf_shape))
+        pos = np.flatnonzero(rng.random(n) < density).astype(np.int64)
+        return name, pos, rng.integers(1, 2**16, pos.size, dtype=np.uint16)
+
+    def reference(patches: list[tuple[str, np.ndarray, np.ndarray]]) -> dict[str, tuple[np.ndarray, int]]:
+        """The bits each tensor holds after ``patches`` (checkpoint positions, XOR) and their checksum part."""
+        out = {}
+        for name, pos, xor in patches:
+            bits, idx = held(name)
+            full = np.zeros(int(np.prod(routes[name].hf_shape)), np.uint16)
+            full[pos] = xor
+            bits ^= full[idx]
+            out[name] = (bits, ref_checksum(bits, idx))
+        return out
+
+    checksums(state)  # the running parts incremental verification starts from
+    before = {n: held(n) for n in routes}
+    step1 = [patch("a", 0.3), patch("b", 0.5), patch("c", 0.2)]  # "c": positions on both ranks' rows
+    want = reference(step1)
+    staged = stage(state, step1)
+    sealed = seal(state, staged)
+    assert {n: held(n)[0].tolist() for n in routes} == {n: b.tolist() for n, (b, _) in before.items()}  # sealing writes nothing
+    sums = write_sealed(state, staged, sealed)
+    assert sums == {n: s for n, (_, s) in want.items()}
+    assert {n: held(n)[0].tolist() for n in routes} == {n: b.tolist() for n, (b, _) in want.items()}
+
+    assert rollback(state)
+    assert {n: held(n)[0].tolist() for n in routes} == {n: b.tolist() for n, (b, _) in before.items()}
+    assert {n: state.sums[n] for n in routes} == {n: ref_checksum(b, i) for n, (b, i) in before.items()}
+    assert write_sealed(state, staged, sealed) is None  # the rollback moved the bits since the seal: stale
+    assert {n: held(n)[0].tolist() for n in routes} == {n: b.tolist() for n, (b, _) in before.items()}
+
+    # sealed again against the bits held now; another write in between makes it stale, and nothing is written
+    sealed = seal(state, staged)
+    other = [patch("a", 0.1)]
+    after_other = reference(other)
+    write(state, stage(state, other))
+    assert write_sealed(state, staged, sealed) is None
+    assert held("a")[0].tolist() == after_other["a"][0].tolist()
+    assert state.sums["a"] == after_other["a"][1]
+
+    # one patch of a sealed step fails its check (written on the pool beside the others): nothing stays written
+    import dataclasses
+
+    from deltasync import TensorMismatchError
+
+    now = {n: held(n)[0].tolist() for n in routes}
+    staged = stage(state, [patch("a", 0.3), patch("b", 0.5), patch("c", 0.2)])
+    sealed = seal(state, staged)
+    bad = dataclasses.replace(staged[1], idx=staged[1].idx + 10**6)  # past the end of its target
+    with pytest.raises(TensorMismatchError):
+        write_sealed(state, [staged[0], bad, staged[2]], sealed)
+    assert {n: held(n)[0].tolist() for n in routes} == now
