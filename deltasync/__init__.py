@@ -88,6 +88,7 @@ from deltasync.history.stats import StreamStats, layer_density, plot_stats, stre
 from deltasync.history.verify import VerifyReport, verify
 from deltasync.publish.publisher import DeltaPublisher, StepMetrics
 from deltasync.reader import StreamReader
+from deltasync.watch import PollPolicy, StepWatch
 from deltasync.stages.apply import Replica, Verify, apply_staged, xor_apply
 from deltasync.stages.staging import Layout, StagedStep, TensorSpec, layout_of, stage
 from deltasync.store import Manifest, Part, Store
@@ -114,6 +115,8 @@ __all__ = [
     "register_transport",
     # consumer
     "StreamReader",
+    "StepWatch",
+    "PollPolicy",
     "Replica",
     "Verify",
     "StepObject",

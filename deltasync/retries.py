@@ -16,7 +16,7 @@ from deltasync.errors import (
     StoreError,
     StoreUnreachableError,
 )
-from deltasync.transports import StoreFailure, classify_failure, is_transient
+from deltasync.transports import StoreFailure, classify_failure, is_throttling, is_transient, retry_after_s
 
 log = logging.getLogger("deltasync.store")
 
@@ -33,6 +33,12 @@ class Retrying:
     retry_max_s: float
     _option_names: frozenset[str]
     _answered: bool  # has the store ever answered? (then a failed connect is an outage, not a wrong URL)
+    _throttled_until: float = 0.0  # monotonic time until which the store asked to be left alone
+
+    def throttle_s(self) -> float:
+        """Seconds the store still asked callers to wait (``Retry-After``, or a throttling answer: HTTP 429 or
+        503, S3 ``SlowDown``); pollers stretch their next delay to it. 0 when it did not."""
+        return max(0.0, self._throttled_until - time.monotonic())
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
         """Run one store operation, retrying transient errors ``retries`` times and ``retry_max_s`` at most.
@@ -56,6 +62,11 @@ class Retrying:
                 if not is_transient(e):
                     raise
                 delay = self.retry_base_s * 2**attempt * (0.5 + random.random())
+                asked = retry_after_s(e)
+                if asked is not None or is_throttling(e):
+                    # the store said how long (or that it is overloaded): wait at least that, and make pollers wait too
+                    delay = max(delay, min(asked if asked is not None else 2 * delay, self.retry_max_s))
+                    self._throttled_until = time.monotonic() + delay
                 spent = time.monotonic() - started
                 if attempt == self.retries or spent + delay > self.retry_max_s:
                     raise StoreError(f"{self.url}: {what} failed after {attempt + 1} attempts in {spent:.1f}s: {e}") from e

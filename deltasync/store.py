@@ -104,6 +104,8 @@ class Store(Retrying):
         self.retry_max_s = retry_max_s
         self._cache_dir = Path(cache_dir) if cache_dir else None
         self._lease = WriterLease(self)
+        self._committed_at: float | None = None  # monotonic time of this writer's last commit
+        self._interval_s: float | None = None  # moving average of its time between commits
 
     def _open(self, url: str, options: dict[str, Any]) -> Transport:
         """The URL's transport; a storage option the backend refuses at once is a ``StoreConfigError``."""
@@ -249,13 +251,19 @@ class Store(Retrying):
                 out.append(int(m.group(1)))
         return sorted(out)
 
+    def latest_hint(self) -> LatestHint:
+        """``latest.json`` as written after the newest commit (one small read); ``FileNotFoundError`` where
+        there is none, ``FormatError`` when it is damaged. A hint: readers trust manifests."""
+        return self.read_document(LATEST, LatestHint)
+
     def latest_step(self) -> int | None:
         """The newest committed step, or None for an empty stream. Uses the hint, then checks for newer.
 
-        Writers never trust this (they list manifests): a hint can be stale or damaged.
+        Writers never trust this (they list manifests): a hint can be stale or damaged. Followers use
+        :class:`deltasync.watch.StepWatch`, which costs one request per poll.
         """
         try:
-            hint: int | None = self.read_document(LATEST, LatestHint).step
+            hint: int | None = self.latest_hint().step
         except FileNotFoundError:
             hint = None
         except FormatError as e:
@@ -415,7 +423,18 @@ class Store(Retrying):
             raise StepExistsError(
                 f"{self.url}: step {manifest.step} was committed by another writer meanwhile; a committed step is never replaced"
             ) from None
-        self.write_bytes(LATEST, encode(LatestHint(step=manifest.step)))
+        self.write_bytes(LATEST, encode(self._hint(manifest.step)))
+
+    def _hint(self, step: int) -> LatestHint:
+        """``latest.json`` for a commit now: with the moving average of this writer's time between commits,
+        which followers time their polls by (docs/FORMAT.md section 5c)."""
+        now = time.monotonic()
+        if self._committed_at is not None:
+            gap = now - self._committed_at
+            self._interval_s = gap if self._interval_s is None else 0.7 * self._interval_s + 0.3 * gap
+        self._committed_at = now
+        interval = None if self._interval_s is None else round(min(self._interval_s, 1e6), 3)
+        return LatestHint(step=step, committed_unix_s=round(time.time(), 3), interval_s=interval)
 
     # --- the stream itself ---
 

@@ -24,7 +24,9 @@ def follow(
     verify: Annotated[Literal["incremental", "changed", "all"], typer.Option(
         help="Checksums after each delta: 'incremental' (from the patched elements), the 'changed' tensors, or 'all'.")] = "changed",
     mode: Annotated[Literal["auto", "live", "reload"], typer.Option(help="Worker mode: auto, live or reload.")] = "auto",
-    poll_s: Annotated[float, typer.Option(min=0.0, help="Seconds between polls of the store.")] = 0.1,
+    poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls of the store around the moment the "
+                                          "next step is due (one small read each).")] = 0.25,
+    max_poll_s: Annotated[float, typer.Option(min=0.05, help="Longest time between polls while the stream is quiet.")] = 10.0,
     timeout_s: Annotated[float, typer.Option(min=0.0, help="With --until: give up after this long.")] = 600.0,
     metrics_port: Annotated[int | None, typer.Option(min=0, max=65535, help="Serve Prometheus metrics (held step, newest "
                                                      "committed step, lag, apply/pause seconds, bytes, errors) on "
@@ -51,7 +53,7 @@ def follow(
         out.print(f"step {step} live in {server} (generation paused {target.pauses_s[-1] * 1e3:.1f} ms, checksums match)"
                   f"{_lag_words(follower.status())}")
 
-    follower = Follower(url, target, poll_s=max(poll_s, 0.05), on_step=report, metrics_port=metrics_port,
+    follower = Follower(url, target, poll_s=poll_s, max_poll_s=max_poll_s, on_step=report, metrics_port=metrics_port,
                         storage_options=_storage_options(storage_option))
     try:  # close() stops the thread and removes the reader's downloads, however the command ends (Ctrl-C too)
         if follower.metrics_server is not None:

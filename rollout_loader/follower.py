@@ -26,6 +26,7 @@ from deltasync import (
     FollowError,
     MissingDependencyError,
     Replica,
+    StepNotFoundError,
     StepObject,
     StoreAuthError,
     StoreConfigError,
@@ -36,6 +37,8 @@ from deltasync import (
     check_consumer_id,
     write_heartbeat,
 )
+
+from deltasync.watch import PollPolicy, StepWatch
 
 from .metrics import FollowerStats, FollowerStatus, MetricsServer, serve
 
@@ -114,8 +117,10 @@ def retry_delay_s(failures: int, *, poll_s: float, max_s: float, rng: random.Ran
 class Follower:
     """Keep ``target`` at the newest committed step of the stream at ``url``.
 
-    ``start()`` runs a background thread polling every ``poll_s``; ``sync()`` catches up once in the
-    caller's thread. ``on_step(step)`` is called after each step is live in the target. If the target is
+    ``start()`` runs a background thread that polls the store; ``sync()`` catches up once in the caller's
+    thread. A poll is one small read (``latest.json``: :class:`deltasync.watch.StepWatch`), spaced by the
+    stream's cadence: every ``poll_s`` around the moment the next step is due, backing off to ``max_poll_s``
+    while the stream is quiet (``watch.policy`` holds the rest, docs/FORMAT.md section 5c). ``on_step(step)`` is called after each step is live in the target. If the target is
     more than ``max_chain`` deltas behind, it restarts from the nearest anchor instead. With ``consumer_id``
     it records its step in the store after each step (a heartbeat that garbage collection respects).
 
@@ -140,7 +145,8 @@ class Follower:
         url: str | StreamReader,
         target: Target | StreamTarget,
         *,
-        poll_s: float = 0.05,
+        poll_s: float = 0.25,
+        max_poll_s: float = 10.0,
         max_backoff_s: float = 30.0,
         max_chain: int = 50,
         on_step: Callable[[int], None] | None = None,
@@ -157,6 +163,7 @@ class Follower:
         self._connected = False  # a StreamTarget was told the stream and asked its step
         self.poll_s = poll_s
         self.max_backoff_s = max(max_backoff_s, poll_s)
+        self.watch = StepWatch(self.reader, PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s)))
         self.max_chain = max_chain
         self.on_step = on_step
         self.consumer_id = consumer_id if consumer_id is None else check_consumer_id(consumer_id)
@@ -233,7 +240,7 @@ class Follower:
         self._at_step = None
         self.connect()
         if step is None:
-            step = self.reader.latest_step()
+            step = self.watch.newest()
             self.stats.saw_newest(step)
             if step is None:
                 if not self._stream_seen:  # a wrong URL must not look like a quiet stream
@@ -280,6 +287,8 @@ class Follower:
         """Record a failure; log it unless it is the one logged last."""
         self.last_error, self.last_error_step = e, self._at_step
         self._connected = False  # a target that reads the store is asked again which step it holds
+        if isinstance(e, StepNotFoundError):
+            self.watch.distrust()  # a hinted step that is not there: list the manifests next time
         self.failures += 1
         self.stats.failed()
         key = (type(e).__name__, str(e))
@@ -325,12 +334,12 @@ class Follower:
         while not self._holds(step):
             self._raise_if_stopped(step)
             try:
-                latest = self.reader.latest_step()
+                latest = self.watch.newest()
                 self.stats.saw_newest(latest)
                 if latest is not None and latest >= step:
-                    self.sync()
+                    self.sync(latest)
                     continue
-                delay = self.poll_s
+                delay = self.watch.delay()
             except Exception as e:
                 if e is not self.last_error:  # not recorded by sync (listing the store failed)
                     self._at_step = None
@@ -338,7 +347,8 @@ class Follower:
                 if isinstance(e, PERMANENT_ERRORS):
                     self.stopped_by = e
                     self._raise_if_stopped(step)
-                delay = retry_delay_s(self.failures, poll_s=self.poll_s, max_s=self.max_backoff_s)
+                delay = max(retry_delay_s(self.failures, poll_s=self.poll_s, max_s=self.max_backoff_s),
+                            self.reader.store.throttle_s())
             left = deadline - time.monotonic()
             if left <= 0:
                 self._timed_out(step, timeout_s)
@@ -415,14 +425,15 @@ class Follower:
         while not self._stop.is_set():
             try:
                 self.sync()
-                delay = self.poll_s
+                delay = self.watch.delay()
             except Exception as e:  # recorded and logged by sync
                 if isinstance(e, PERMANENT_ERRORS):
                     self.stopped_by = e
                     with self._changed:
                         self._changed.notify_all()
                     return
-                delay = retry_delay_s(self.failures, poll_s=self.poll_s, max_s=self.max_backoff_s)
+                delay = max(retry_delay_s(self.failures, poll_s=self.poll_s, max_s=self.max_backoff_s),
+                            self.reader.store.throttle_s())
             except BaseException as e:  # SystemExit and the like end the thread: say why first
                 self.stopped_by = self.last_error = e
                 log.error("follower: stopped by %s", type(e).__name__)

@@ -350,9 +350,12 @@ class Manifest:
 
 @dataclass(frozen=True, kw_only=True)
 class LatestHint:
-    """``latest.json``: the newest committed step when it was written (a hint: readers trust manifests)."""
+    """``latest.json``: the newest committed step when it was written (a hint: readers trust manifests), with
+    when it was written and the writer's average time between commits (docs/FORMAT.md sections 5, 5c)."""
 
     step: Step
+    committed_unix_s: UnixTime | None = None
+    interval_s: Seconds | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

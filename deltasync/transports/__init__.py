@@ -30,7 +30,9 @@ from deltasync.transports.failures import (
     FailureKind,
     StoreFailure,
     classify_failure,
+    is_throttling,
     is_transient,
+    retry_after_s,
     transient_errors,
 )
 
@@ -45,7 +47,9 @@ __all__ = [
     "Transport",
     "TransportFactory",
     "classify_failure",
+    "is_throttling",
     "is_transient",
+    "retry_after_s",
     "open_transport",
     "register_transport",
     "scheme_of",

@@ -168,3 +168,50 @@ def _http_status(e: BaseException) -> tuple[int | None, str | None, str]:
     if isinstance(status, int):
         return status, None, str(e).splitlines()[0] if str(e) else ""
     return None, None, ""
+
+
+_THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+                             "RequestThrottled", "ServiceUnavailable"})
+
+
+def is_throttling(error: BaseException) -> bool:
+    """Whether the store answered that it is overloaded (HTTP 429 or 503, S3 ``SlowDown`` and kin), in the
+    error or what caused it: a poller should slow down, not only retry."""
+    for e in _causes(error):
+        status, code, _ = _http_status(e)
+        if status in (429, 503) or code in _THROTTLE_CODES or any(c in str(e) for c in ("SlowDown", "reduce your request rate")):
+            return True
+    return False
+
+
+MAX_RETRY_AFTER_S = 3600.0
+
+
+def retry_after_s(error: BaseException) -> float | None:
+    """The seconds a ``Retry-After`` header of the store's answer asks for (delta-seconds; an HTTP date is
+    read as its distance from now), bounded to an hour; None without one. Looks through the error's causes
+    and both response kinds (botocore's dict, an httpx/requests response)."""
+    import email.utils
+    import time
+
+    for e in _causes(error):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            headers = (response.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
+        else:
+            headers = getattr(response, "headers", None) or {}
+        try:
+            value = headers.get("retry-after") or headers.get("Retry-After")
+        except Exception:  # noqa: BLE001 - a header mapping of unknown make
+            continue
+        if not isinstance(value, str) or len(value) > 64:
+            continue
+        value = value.strip()
+        if value.isdigit():
+            return min(float(value), MAX_RETRY_AFTER_S)
+        try:
+            when = email.utils.parsedate_to_datetime(value).timestamp()
+        except (TypeError, ValueError, IndexError, OverflowError):
+            continue
+        return min(max(0.0, when - time.time()), MAX_RETRY_AFTER_S)
+    return None

@@ -82,4 +82,7 @@ def s3_options(storage_options: dict[str, Any]) -> dict[str, Any]:
 def open_s3(url: str, storage_options: dict[str, Any]) -> S3Transport:
     """``s3://bucket/prefix`` (``s3a://`` too); storage options go to s3fs (key, secret, endpoint_url, ...)."""
     fs, root = fsspec.core.url_to_fs(url, **s3_options(storage_options))
+    # s3fs retries a throttled request 5 times on its own, unjittered: one logical read could become 25
+    # requests with botocore's. Store.call is the one retry policy (jittered, honouring Retry-After).
+    fs.retries = 1
     return S3Transport(fs, root)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from deltasync import StepHeader, StreamReader
+from deltasync.watch import PollPolicy, StepWatch
 
 from .state import Seal, Staged, WorkerState, check_header, seal, stage
 
@@ -64,12 +65,12 @@ class Prefetcher:
     ``take(step)`` hands over a prepared step (or None). ``stop()`` ends the thread and drops what it holds.
     """
 
-    def __init__(self, reader: StreamReader, state: WorkerState, held: Callable[[], int | None], *, poll_s: float = 0.2,
-                 ahead: int = 2) -> None:
+    def __init__(self, reader: StreamReader, state: WorkerState, held: Callable[[], int | None], *,
+                 policy: PollPolicy | None = None, ahead: int = 2) -> None:
         self.reader = reader
         self.state = state
         self.held = held
-        self.poll_s = poll_s
+        self.watch = StepWatch(reader, policy)  # one small read per poll, timed by the stream's cadence
         self.ahead = ahead
         self._ready: dict[int, Prepared] = {}
         self._lock = threading.Lock()
@@ -113,11 +114,11 @@ class Prefetcher:
                 if str(e) != self._logged:
                     self._logged = str(e)
                     log.info("deltasync prefetch: %s: %s (the update will fetch the step itself)", type(e).__name__, e)
-            self._wake.wait(self.poll_s)
+            self._wake.wait(self.watch.delay())
             self._wake.clear()
 
     def _prefetch_once(self) -> None:
-        latest = self.reader.latest_step()
+        latest = self.watch.newest()
         held = self.held()
         if latest is None or latest == held:
             return

@@ -1,0 +1,181 @@
+"""Finding a stream's newest committed step for one small request per poll, polls timed by the stream's cadence.
+
+Object stores bill and throttle per request, so what an idle follower costs is its polls. A
+:class:`StepWatch` reads one document per poll, ``latest.json``, and nothing else while the stream is
+quiet; it lists the manifests only on its first poll, when the hint is missing, damaged or names a step
+that is not committed, and every ``audit_s`` (a writer that died between a manifest and the hint leaves
+it stale). :meth:`StepWatch.delay` says when to poll next: fast around the moment the next step is due
+(the writer records its cadence in ``latest.json``), backing off geometrically to ``idle_max_s`` when
+the stream is quiet, with jitter, and wider while the store throttles. docs/FORMAT.md section 5c.
+
+    watch = StepWatch(reader)
+    while True:
+        newest = watch.newest()          # usually one GET of latest.json
+        ...
+        time.sleep(watch.delay())
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from deltasync.errors import ConfigError, FormatError, StepNotFoundError
+from deltasync.format.documents import LatestHint
+
+if TYPE_CHECKING:
+    from deltasync.reader import StreamReader
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PollPolicy", "StepWatch"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PollPolicy:
+    """How a follower spaces its polls (seconds).
+
+    ``fast_s``: the period around the moment the next step is due (and right after a step arrived, while
+    the cadence is unknown). ``idle_max_s``: the longest period, reached by growing ``backoff``-fold per
+    poll once no step is due. ``window_s``: fast polling starts this long before the next step is due and
+    lasts until it is overdue by ``window_s`` plus a quarter of the interval. ``audit_s``: the longest time
+    between listings that catch a stale hint. ``jitter``: each delay is scaled by a uniform factor in
+    ``1 ± jitter``, so that followers started together spread out.
+    """
+
+    fast_s: float = 0.25
+    idle_max_s: float = 10.0
+    backoff: float = 1.5
+    window_s: float = 1.0
+    audit_s: float = 600.0
+    jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        for name in ("fast_s", "idle_max_s", "window_s", "audit_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < 1e7):
+                raise ConfigError(f"PollPolicy: {name} must be a positive number of seconds, not {value!r}")
+        if self.idle_max_s < self.fast_s:
+            raise ConfigError(f"PollPolicy: idle_max_s ({self.idle_max_s}) must be at least fast_s ({self.fast_s})")
+        if not 1.0 <= self.backoff <= 10.0:
+            raise ConfigError(f"PollPolicy: backoff must be between 1 and 10, not {self.backoff!r}")
+        if not 0.0 <= self.jitter < 1.0:
+            raise ConfigError(f"PollPolicy: jitter must be in [0, 1), not {self.jitter!r}")
+
+
+class StepWatch:
+    """The newest committed step of ``reader``'s stream, found for O(1) store requests per poll.
+
+    Args:
+        reader: the stream (its manifests are cached there, so checking a hinted step costs nothing extra
+            when the follower goes on to read that manifest).
+        policy: poll spacing (:class:`PollPolicy`).
+        clock, rng: for tests.
+
+    ``newest()`` raises what the store raises (``StoreError`` and subclasses); a damaged or lying hint is
+    never an error (the manifests decide). Not thread-safe: one watch per polling thread.
+    """
+
+    def __init__(self, reader: StreamReader, policy: PollPolicy | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
+        self.reader = reader
+        self.policy = policy or PollPolicy()
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._known: int | None = None  # newest step whose manifest was seen
+        self._listed_at: float | None = None  # when the manifests were last listed
+        self._must_list = True  # the first poll lists
+        self._due: float | None = None  # when the next step is expected (clock time)
+        self._interval: float | None = None  # expected time between steps
+        self._seen_at: float | None = None  # when the newest step was first seen
+        self._period = self.policy.fast_s  # the current back-off period
+        self._refused: int | None = None  # a hinted step found not committed
+        self.polls = 0  # newest() calls
+        self.listings = 0  # of which listed the manifests
+
+    @property
+    def known(self) -> int | None:
+        """The newest committed step seen so far (None before the first)."""
+        return self._known
+
+    def newest(self) -> int | None:
+        """The newest committed step (None while the stream has none): one read of ``latest.json``, plus the
+        newer step's manifest when the hint moved, plus a listing when the hint cannot be used or an audit
+        is due."""
+        self.polls += 1
+        now = self._clock()
+        hint = self._read_hint()
+        if hint is not None and hint.step == self._refused:
+            hint = None  # it named a step that is not committed: unusable until it changes
+        listed: int | None = None
+        list_now = self._must_list or (self._listed_at is not None and now - self._listed_at >= self.policy.audit_s)
+        if hint is None and self._listed_at is not None and now - self._listed_at >= 3 * self.policy.idle_max_s:
+            list_now = True  # no usable hint: list, but not on every poll
+        if hint is not None and not list_now and (self._known is None or hint.step > self._known):
+            try:
+                self.reader.manifest(hint.step)  # committed? (the follower reads it next anyway)
+            except StepNotFoundError:
+                log.info("%s: latest.json names step %d, which is not committed: listing", self.reader.url, hint.step)
+                self._refused, hint, list_now = hint.step, None, True
+        if list_now:
+            steps = self.reader.store.steps()
+            self.listings += 1
+            self._listed_at, self._must_list = now, False
+            listed = steps[-1] if steps else None
+            if hint is not None and listed is not None and hint.step > listed:
+                hint = None  # a hint ahead of every manifest is not believed
+        newest = max((s for s in (self._known, listed, hint.step if hint else None) if s is not None), default=None)
+        if newest is not None and newest != self._known:
+            self._arrived(newest, now, hint)
+        return newest
+
+    def distrust(self) -> None:
+        """The step :meth:`newest` named turned out not to be readable: list the manifests at the next poll."""
+        self._must_list = True
+
+    def delay(self) -> float:
+        """Seconds until the next poll, by the stream's cadence, with jitter; longer while the store throttles."""
+        p = self.policy
+        now = self._clock()
+        if self._due is not None and now < self._due - p.window_s:
+            d = min(self._due - p.window_s - now, p.idle_max_s)  # sleep until the window opens
+        elif self._due is not None and now <= self._due + p.window_s + 0.25 * (self._interval or 0.0):
+            d = p.fast_s  # the next step is due: poll fast
+        else:
+            d, self._period = self._period, min(p.idle_max_s, self._period * p.backoff)
+        throttled = getattr(self.reader.store, "throttle_s", None)
+        wait = throttled() if callable(throttled) else 0.0
+        d = max(d, wait)
+        return max(0.001, d * (1.0 + self._rng.uniform(-p.jitter, p.jitter)))
+
+    # --- internals ---
+
+    def _read_hint(self) -> LatestHint | None:
+        try:
+            return self.reader.store.latest_hint()
+        except FileNotFoundError:
+            return None
+        except FormatError as e:
+            log.warning("%s: ignoring the latest hint: %s", self.reader.url, str(e))
+            return None
+
+    def _arrived(self, step: int, now: float, hint: LatestHint | None) -> None:
+        """A newer step was seen: learn the cadence and when the next one is due."""
+        if self._known is not None and self._seen_at is not None:
+            seen_gap = now - self._seen_at
+            self._interval = seen_gap if self._interval is None else 0.7 * self._interval + 0.3 * seen_gap
+        interval = hint.interval_s if hint is not None and hint.interval_s else self._interval
+        # seen up to one poll period after it was committed: the writer's clock says how much (when plausible:
+        # clocks of two machines may disagree, so a lag outside [0, interval) is not believed)
+        lag = 0.0
+        if hint is not None and hint.step == step and hint.committed_unix_s is not None and interval:
+            lag = time.time() - hint.committed_unix_s
+            lag = lag if 0.0 <= lag < interval else 0.0
+        self._known, self._seen_at, self._period = step, now - lag, self.policy.fast_s
+        self._due = now - lag + interval if interval else None
+        if interval:
+            self._interval = interval

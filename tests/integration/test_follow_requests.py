@@ -1,0 +1,107 @@
+"""What a follower costs a real S3 server (SeaweedFS on loopback), counted request by request at a proxy in
+front of it: an idle poll is one GET of ``latest.json`` and nothing else; a new step adds only what applying
+it needs; a throttling store (503 SlowDown) slows the poller down instead of being hammered, and the follower
+still ends bit-exact."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from deltasync import DeltaPublisher, StreamReader
+from rollout_loader import Follower, StateDictTarget
+from tests.conftest import states_equal
+from tests.integration.counting_proxy import Request, counting_proxy
+from tests.integration.seaweedfs import s3_server  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.s3
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(50_000, generator=g).bfloat16(), "b": torch.randn(64, generator=g).bfloat16()}
+
+
+def _through(options: dict, proxy_url: str) -> dict:
+    return {**options, "client_kwargs": {**options["client_kwargs"], "endpoint_url": proxy_url}}
+
+
+def test_an_idle_follower_makes_one_request_per_poll(s3_server):  # noqa: F811
+    url = s3_server.new_url()
+    opts = s3_server.storage_options
+    with DeltaPublisher(url, _state(0), on_backlog="block", storage_options=opts) as pub:
+        for s in range(3):
+            pub.source = _state(s)
+            pub.publish(s)
+    with counting_proxy(opts["client_kwargs"]["endpoint_url"]) as proxy:
+        target = StateDictTarget()
+        follower = Follower(url, target, poll_s=0.05, max_poll_s=0.4, storage_options=_through(opts, proxy.url))
+        follower.start()
+        follower.wait_for(2, timeout_s=60)
+        time.sleep(0.5)  # the first poll's listing and the chain are done
+        proxy.take()
+        polls = follower.watch.polls
+        time.sleep(4.0)  # idle
+        idle = proxy.take()
+        idle_polls = follower.watch.polls - polls
+        assert idle_polls >= 5  # it did poll, backing off from 0.05 s towards 0.4 s
+        counts = proxy.count(idle)
+        # every request of the idle path is one GET of latest.json: no HEAD, no LIST, no manifest
+        assert set(counts) == {("GET", "latest.json")}, counts
+        assert len(idle) == idle_polls
+
+        # a new step: noticed with one read of latest.json, then only its manifest and its object
+        with DeltaPublisher(url, _state(2), on_backlog="block", storage_options=opts) as pub:  # a restarted trainer
+            pub.source = _state(3)
+            pub.publish(3)
+        proxy.take()
+        follower.wait_for(3, timeout_s=60)
+        applied = proxy.count(proxy.take())
+        assert ("GET", "LIST") not in applied and ("HEAD", "LIST") not in applied, applied
+        assert applied[("GET", "manifest.json")] == 1, applied
+        assert states_equal(target.state_dict(), _state(3))
+        follower.close()
+
+
+def test_a_throttling_store_is_not_hammered_and_the_follower_ends_exact(s3_server):  # noqa: F811
+    url = s3_server.new_url()
+    opts = s3_server.storage_options
+    with DeltaPublisher(url, _state(0), on_backlog="block", storage_options=opts) as pub:
+        pub.publish(0)
+    slow_down = (503, {"Content-Type": "application/xml", "Retry-After": "1"},
+                 b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+                 b"<Message>Please reduce your request rate.</Message></Error>")
+    with counting_proxy(opts["client_kwargs"]["endpoint_url"]) as proxy:
+        target = StateDictTarget()
+        follower = Follower(url, target, poll_s=0.05, max_poll_s=0.2, storage_options=_through(opts, proxy.url))
+        follower.sync()
+        proxy.take()
+        throttled = {"on": True}
+        proxy.fail = lambda r: slow_down if throttled["on"] and r.path.endswith("latest.json") else None
+        follower.start()
+        time.sleep(4.0)
+        during = proxy.take()
+        # with Retry-After: 1 the poller waits about a second between tries (polling at 0.05-0.2 s it
+        # would have made 20 or more), each try one request (botocore's and s3fs's own retries are off)
+        assert 1 <= len(during) <= 8, proxy.count(during)
+        assert follower.last_error is not None and "SlowDown" in str(follower.last_error)
+        throttled["on"] = False
+        with DeltaPublisher(url, _state(0), on_backlog="block", storage_options=opts) as pub:
+            pub.source = _state(1)
+            pub.publish(1)
+        follower.wait_for(1, timeout_s=60)
+        assert states_equal(target.state_dict(), _state(1))
+        follower.close()
+    assert StreamReader(url, storage_options=opts).latest_step() == 1
+
+
+def test_requests_are_counted_by_kind() -> None:
+    """The proxy's own bookkeeping, so the counts above mean what they say."""
+    from tests.integration.counting_proxy import CountingProxy
+
+    p = CountingProxy(url="")
+    reqs = [Request("GET", "/bucket", "list-type=2&prefix=run/steps/"), Request("GET", "/bucket/run/latest.json", ""),
+            Request("HEAD", "/bucket/run/steps/000000000001/manifest.json", "")]
+    assert p.count(reqs) == {("GET", "LIST"): 1, ("GET", "latest.json"): 1, ("HEAD", "manifest.json"): 1}
