@@ -1,4 +1,4 @@
-"""Commands on single objects and streams: diff, patch, ls, show."""
+"""Commands on single objects and streams: diff, patch, ls, show, status."""
 
 from __future__ import annotations
 
@@ -99,6 +99,47 @@ def ls_(
             ",".join(map(str, m.stats.coalesced_steps)) or "-",
         )
     out.print(table)
+
+
+@app.command()
+def status(
+    url: Annotated[str, typer.Argument(help="Stream URL.")],
+    stale_after_s: Annotated[float, typer.Option(min=1.0, help="Flag consumers whose last heartbeat is older than this.")] = 900.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    prometheus: Annotated[bool, typer.Option("--prometheus", help="Print Prometheus text exposition (for a textfile "
+                                             "collector or a scrape script).")] = False,
+    storage_option: StorageOpt = None,
+) -> None:
+    """Where every consumer of a stream stands, from the heartbeats followers started with a consumer id write:
+    the step each holds, how many committed steps it is behind, when it last reported (stale ones flagged),
+    its engine's weight version and error count."""
+    import time
+
+    from deltasync.history.fleet import fleet_status, prometheus_text
+    from deltasync.store import Store
+
+    with Store(url, storage_options=_storage_options(storage_option)) as store:
+        store.require_stream()
+        fleet = fleet_status(store, stale_after_s=stale_after_s)
+    if as_json:
+        print(json.dumps(fleet.to_dict(), indent=1))
+        return
+    if prometheus:
+        print(prometheus_text(fleet), end="")
+        return
+    newest = "no committed step" if fleet.newest_step is None else f"newest committed step {fleet.newest_step}"
+    table = Table(title=f"{url}: {len(fleet.consumers)} consumer(s), {newest}")
+    for col in ("consumer", "step", "behind", "last report", "weight version", "errors", "state"):
+        table.add_column(col, justify="left" if col in ("consumer", "state") else "right")
+    for c in fleet.consumers:
+        table.add_row(c.consumer_id, str(c.step), "-" if c.lag_steps is None else str(c.lag_steps),
+                      time.strftime("%H:%M:%S", time.localtime(time.time() - c.age_s)) + f" ({c.age_s:.0f} s ago)",
+                      c.weight_version or "-", "-" if c.errors is None else str(c.errors),
+                      "[red]stale[/red]" if c.stale else "live")
+    out.print(table)
+    if fleet.stale:
+        out.print(f"{len(fleet.stale)} stale: no heartbeat within {stale_after_s:g} s "
+                  f"({', '.join(c.consumer_id for c in fleet.stale[:10])})")
 
 
 @app.command()

@@ -122,7 +122,8 @@ class Follower:
     stream's cadence: every ``poll_s`` around the moment the next step is due, backing off to ``max_poll_s``
     while the stream is quiet (``watch.policy`` holds the rest, docs/FORMAT.md section 5c). ``on_step(step)`` is called after each step is live in the target. If the target is
     more than ``max_chain`` deltas behind, it restarts from the nearest anchor instead. With ``consumer_id``
-    it records its step in the store after each step (a heartbeat that garbage collection respects).
+    it records its step in the store (a heartbeat that garbage collection respects and ``deltasync status``
+    shows): after a step at most every ``heartbeat_s / 10``, and every ``heartbeat_s`` while idle.
 
     Failures: every exception is recorded in ``last_error``, with the step it happened at in
     ``last_error_step`` (None when no step was being applied, e.g. listing the store failed); both are
@@ -152,6 +153,7 @@ class Follower:
         on_step: Callable[[int], None] | None = None,
         storage_options: dict[str, Any] | None = None,
         consumer_id: str | None = None,
+        heartbeat_s: float = 300.0,
         metrics_port: int | None = None,
         metrics_addr: str = "127.0.0.1",
     ) -> None:
@@ -167,6 +169,11 @@ class Follower:
         self.max_chain = max_chain
         self.on_step = on_step
         self.consumer_id = consumer_id if consumer_id is None else check_consumer_id(consumer_id)
+        if not (isinstance(heartbeat_s, (int, float)) and 0 < heartbeat_s < 1e7):
+            raise ConfigError(f"Follower: heartbeat_s must be a positive number of seconds, not {heartbeat_s!r}")
+        self.heartbeat_s = float(heartbeat_s)
+        self._beat_at: float | None = None  # monotonic time of the last heartbeat written
+        self._beat_due = False  # a step was applied since
         self.last_error: BaseException | None = None
         self.last_error_step: int | None = None
         self.failures = 0  # failed attempts since the last success
@@ -273,15 +280,35 @@ class Follower:
                                pause_s=_last_pause_s(self.target))
             with self._changed:
                 self._changed.notify_all()
+            self._beat_due = True
             if self.on_step:
                 self.on_step(s)
-            if self.consumer_id is not None:
-                try:
-                    write_heartbeat(self.reader.store, self.consumer_id, s)
-                except Exception as e:  # noqa: BLE001 - a missed heartbeat must not stop the follower
-                    log.warning("follower: heartbeat for step %d failed: %s", s, str(e))
         self._at_step = None
+        self.heartbeat()
         return applied
+
+    def heartbeat(self, *, force: bool = False) -> bool:
+        """Write this consumer's heartbeat (``consumers/<consumer_id>.json``: held step, newest seen, weight
+        version, errors) when one is due: after a step, at most every ``heartbeat_s / 10``; otherwise every
+        ``heartbeat_s``, so that ``deltasync status`` and garbage collection see a live consumer. Returns
+        whether it wrote; a failed write is logged, never raised. The thread calls it after every poll."""
+        held = self.target.step
+        if self.consumer_id is None or held is None:
+            return False
+        now = time.monotonic()
+        since = None if self._beat_at is None else now - self._beat_at
+        if not (force or since is None or since >= self.heartbeat_s
+                or self._beat_due and since >= self.heartbeat_s / 10):
+            return False
+        try:
+            seen = self.stats.status(held)
+            write_heartbeat(self.reader.store, self.consumer_id, held, newest_step=seen.newest_step,
+                            weight_version=getattr(self.target, "weight_version", None), errors=seen.errors)
+        except Exception as e:  # noqa: BLE001 - a missed heartbeat must not stop the follower
+            log.warning("follower: heartbeat for step %d failed: %s", held, str(e))
+            return False
+        self._beat_at, self._beat_due = now, False
+        return True
 
     def _failed(self, e: Exception) -> None:
         """Record a failure; log it unless it is the one logged last."""
@@ -400,6 +427,8 @@ class Follower:
         after an error)."""
         try:
             self.stop()
+            if self._beat_due:
+                self.heartbeat(force=True)  # the step it holds now, for garbage collection and status
         finally:
             try:
                 server, self.metrics_server = self.metrics_server, None
@@ -425,6 +454,7 @@ class Follower:
         while not self._stop.is_set():
             try:
                 self.sync()
+                self.heartbeat()
                 delay = self.watch.delay()
             except Exception as e:  # recorded and logged by sync
                 if isinstance(e, PERMANENT_ERRORS):

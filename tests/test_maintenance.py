@@ -165,7 +165,8 @@ def test_heartbeats(tmp_path, small_state):
     write_heartbeat(store, "b.1", 5)
     beats = {c.consumer_id: c for c in read_heartbeats(store)}
     assert beats.keys() == {"a", "b.1"} and beats["b.1"].step == 5
-    assert json.loads(store.read_bytes("consumers/a.json")).keys() == {"consumer_id", "step", "updated_unix_s"}
+    assert json.loads(store.read_bytes("consumers/a.json")).keys() == {
+        "consumer_id", "step", "updated_unix_s", "newest_step", "weight_version", "errors"}  # docs/FORMAT.md section 5
     # an unreadable heartbeat is an error, not skipped: gc must not delete what an unknown consumer needs
     store.write_bytes("consumers/broken.json", b"{")
     with pytest.raises(FormatError, match="consumers/broken.json: not valid JSON"):

@@ -381,6 +381,9 @@ class ConsumerPosition:
     consumer_id: ConsumerId
     step: Step
     updated_unix_s: UnixTime
+    newest_step: Step | None = None  # the newest committed step the consumer had seen
+    weight_version: Annotated[str, msgspec.Meta(max_length=64)] | None = None  # what its engine reports
+    errors: Count | None = None  # failed attempts since it started
 
 
 @dataclass(frozen=True, kw_only=True)

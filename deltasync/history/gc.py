@@ -27,10 +27,13 @@ CONSUMERS_DIR = "consumers"
 _CONSUMER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-def write_heartbeat(store: Store, consumer_id: str, step: int) -> None:
-    """Record that ``consumer_id`` holds ``step`` (``consumers/<consumer_id>.json``); garbage collection
-    keeps what it needs while the heartbeat is recent."""
-    position = ConsumerPosition(consumer_id=check_consumer_id(consumer_id), step=check_step(step), updated_unix_s=time.time())
+def write_heartbeat(store: Store, consumer_id: str, step: int, *, newest_step: int | None = None,
+                    weight_version: str | None = None, errors: int | None = None) -> None:
+    """Record that ``consumer_id`` holds ``step`` (``consumers/<consumer_id>.json``), with what it saw; garbage
+    collection keeps what it needs while the heartbeat is recent, ``deltasync status`` shows it."""
+    position = ConsumerPosition(consumer_id=check_consumer_id(consumer_id), step=check_step(step), updated_unix_s=time.time(),
+                                newest_step=None if newest_step is None else check_step(newest_step),
+                                weight_version=None if weight_version is None else str(weight_version)[:64], errors=errors)
     store.write_bytes(f"{CONSUMERS_DIR}/{consumer_id}.json", encode(position))
 
 

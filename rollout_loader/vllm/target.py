@@ -82,6 +82,11 @@ class VllmTarget:
         return self._step
 
     @property
+    def weight_version(self) -> str | None:
+        """The engine's weight version as this target set it (each update finishes with ``str(step)``)."""
+        return None if self._step is None else str(self._step)
+
+    @property
     def pauses_s(self) -> list[float]:
         return self.client.pauses_s
 

@@ -188,6 +188,11 @@ def _normalise(stream: Path) -> None:
         d = json.loads(path.read_bytes())
         d["updated_unix_s"] = FAR_FUTURE_UNIX_S
         path.write_text(json.dumps(d))
+    latest = stream / "latest.json"
+    if latest.exists():  # when it was written, and the writer's cadence (docs/FORMAT.md section 5c)
+        d = json.loads(latest.read_bytes())
+        d.update(committed_unix_s=CREATED_UNIX_S + d["step"], interval_s=1.0)
+        latest.write_text(json.dumps(d))
     info = stream / "stream.json"
     if info.exists():
         d = json.loads(info.read_bytes())

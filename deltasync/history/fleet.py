@@ -1,0 +1,113 @@
+"""Where every consumer of a stream stands, from their heartbeats: the fleet status ``deltasync status`` prints.
+
+Each ``Follower(consumer_id=...)`` writes ``consumers/<id>.json`` (docs/FORMAT.md section 5): the step it
+holds, the newest it had seen, its engine's weight version, its error count, and when. :func:`fleet_status`
+reads them (one listing plus one read per consumer, and one listing of the manifests), counts how many
+committed steps each consumer is behind, and flags those that have not reported within ``stale_after_s``.
+:func:`prometheus_text` renders the same as Prometheus' text exposition format.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from deltasync.errors import ConfigError
+from deltasync.history.gc import read_heartbeats
+from deltasync.store import Store
+
+__all__ = ["ConsumerStatus", "FleetStatus", "fleet_status", "prometheus_text"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerStatus:
+    """One consumer as its last heartbeat tells: ``lag_steps`` counts committed steps after the one it holds."""
+
+    consumer_id: str
+    step: int
+    lag_steps: int | None  # None: the stream's newest step is unknown (no committed step)
+    age_s: float  # since its last heartbeat
+    stale: bool  # no heartbeat within stale_after_s: stopped, cut off, or its heartbeats fail
+    newest_seen: int | None
+    weight_version: str | None
+    errors: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FleetStatus:
+    """Every consumer of the stream at ``url``, oldest held step first."""
+
+    url: str
+    newest_step: int | None
+    stale_after_s: float
+    consumers: tuple[ConsumerStatus, ...]
+
+    @property
+    def stale(self) -> tuple[ConsumerStatus, ...]:
+        return tuple(c for c in self.consumers if c.stale)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "newest_step": self.newest_step, "stale_after_s": self.stale_after_s,
+                "consumers": [asdict(c) for c in self.consumers]}
+
+
+def fleet_status(store: Store, *, stale_after_s: float = 900.0, now_unix_s: float | None = None) -> FleetStatus:
+    """Read every heartbeat of ``store``'s stream and say where each consumer stands.
+
+    Args:
+        store: the stream's store.
+        stale_after_s: a consumer whose last heartbeat is older is flagged stale (followers report every
+            5 minutes while idle by default, so 15 minutes means three missed reports).
+        now_unix_s: the time to measure ages from (tests).
+
+    Raises ``ConfigError`` for a bad ``stale_after_s``; ``FormatError`` for a heartbeat that cannot be read
+    (named); store errors as the store raises them.
+
+    Example: ``[c.consumer_id for c in fleet_status(Store(url)).stale]``
+    """
+    if not (isinstance(stale_after_s, (int, float)) and 0 < stale_after_s < 1e9):
+        raise ConfigError(f"stale_after_s must be a positive number of seconds, not {stale_after_s!r}")
+    now = time.time() if now_unix_s is None else now_unix_s
+    steps = store.steps()
+    newest = steps[-1] if steps else None
+    consumers = []
+    for p in read_heartbeats(store):
+        lag = None if newest is None else len(steps) - bisect.bisect_right(steps, p.step)
+        age = max(0.0, now - p.updated_unix_s)
+        consumers.append(ConsumerStatus(consumer_id=p.consumer_id, step=p.step, lag_steps=lag, age_s=round(age, 3),
+                                        stale=age > stale_after_s, newest_seen=p.newest_step,
+                                        weight_version=p.weight_version, errors=p.errors))
+    consumers.sort(key=lambda c: (c.step, c.consumer_id))
+    return FleetStatus(url=store.url, newest_step=newest, stale_after_s=float(stale_after_s), consumers=tuple(consumers))
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(status: FleetStatus) -> str:
+    """The fleet as Prometheus text exposition: per consumer its held step, lag, heartbeat age and staleness,
+    and the stream's newest committed step (``deltasync_fleet_*``)."""
+    lines = []
+
+    def family(name: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP deltasync_fleet_{name} {help_text}")
+        lines.append(f"# TYPE deltasync_fleet_{name} gauge")
+        lines.extend(f"deltasync_fleet_{name}{labels} {value:g}" for labels, value in samples)
+
+    stream = f'stream="{_label(status.url)}"'
+    family("newest_step", "Newest committed step of the stream.",
+           [("{" + stream + "}", status.newest_step)] if status.newest_step is not None else [])
+    family("consumers", "Consumers with a heartbeat.", [("{" + stream + "}", len(status.consumers))])
+    family("stale_consumers", "Consumers whose last heartbeat is older than stale_after_s.",
+           [("{" + stream + "}", len(status.stale))])
+    per = [(c, "{" + f'{stream},consumer="{_label(c.consumer_id)}"' + "}") for c in status.consumers]
+    family("consumer_step", "Step the consumer holds.", [(lab, c.step) for c, lab in per])
+    family("consumer_lag_steps", "Committed steps after the one the consumer holds.",
+           [(lab, c.lag_steps) for c, lab in per if c.lag_steps is not None])
+    family("consumer_heartbeat_age_seconds", "Seconds since the consumer's last heartbeat.", [(lab, c.age_s) for c, lab in per])
+    family("consumer_stale", "1 if the consumer's last heartbeat is older than stale_after_s.",
+           [(lab, float(c.stale)) for c, lab in per])
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,105 @@
+"""Fleet status (deltasync/history/fleet.py, `deltasync status`) from real followers' heartbeats, and the
+heartbeat's bounded cadence."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from deltasync import DeltaPublisher, FormatError
+from deltasync.format.documents import ConsumerPosition, encode
+from deltasync.history.fleet import fleet_status, prometheus_text
+from deltasync.history.gc import read_heartbeats
+from deltasync.store import Store
+from rollout_loader import Follower, StateDictTarget
+from tests.test_cli_errors import assert_one_line_error, run_main
+
+
+def _stream(url: str, steps: range) -> None:
+    state = {"w": torch.zeros(32)}
+    with DeltaPublisher(url, state, on_backlog="block") as pub:
+        for s in steps:
+            state["w"][s % 32] += 1.0
+            pub.publish(s)
+
+
+def test_status_shows_each_consumer_its_lag_and_the_stale_ones(tmp_path, monkeypatch, capsys):
+    url = str(tmp_path / "stream")
+    _stream(url, range(6))
+    a = Follower(url, StateDictTarget(), consumer_id="rollout-a")
+    a.sync()  # the newest: 5
+    a.close()
+    b = Follower(url, StateDictTarget(), consumer_id="rollout-b")
+    b.sync(2)
+    b.close()
+    store = Store(url)
+    old = ConsumerPosition(consumer_id="rollout-gone", step=1, updated_unix_s=time.time() - 7200)
+    store.write_bytes("consumers/rollout-gone.json", encode(old))
+
+    fleet = fleet_status(store, stale_after_s=900)
+    assert fleet.newest_step == 5
+    rows = {c.consumer_id: c for c in fleet.consumers}
+    assert [c.consumer_id for c in fleet.consumers] == ["rollout-gone", "rollout-b", "rollout-a"]  # oldest step first
+    assert (rows["rollout-a"].step, rows["rollout-a"].lag_steps, rows["rollout-a"].stale) == (5, 0, False)
+    assert rows["rollout-a"].newest_seen == 5
+    assert (rows["rollout-b"].step, rows["rollout-b"].lag_steps, rows["rollout-b"].newest_seen) == (2, 3, 2)
+    assert rows["rollout-b"].errors == 0
+    assert rows["rollout-gone"].stale and rows["rollout-gone"].lag_steps == 4 and rows["rollout-gone"].age_s > 7000
+    assert [c.consumer_id for c in fleet.stale] == ["rollout-gone"]
+
+    code, out, _ = run_main(monkeypatch, capsys, "status", url, "--json")
+    assert code == 0 and json.loads(out)["consumers"][0]["consumer_id"] == "rollout-gone"
+    code, out, _ = run_main(monkeypatch, capsys, "status", url)
+    assert code == 0 and "rollout-a" in out and "1 stale" in out and "newest committed step 5" in out
+    code, out, _ = run_main(monkeypatch, capsys, "status", url, "--prometheus")
+    assert code == 0
+    assert f'deltasync_fleet_consumer_lag_steps{{stream="{url}",consumer="rollout-b"}} 3' in out
+    assert f'deltasync_fleet_stale_consumers{{stream="{url}"}} 1' in out
+    def steady(text: str) -> list[str]:  # the heartbeat ages move on between two reads
+        return [line for line in text.splitlines() if "age_seconds{" not in line]
+
+    assert steady(out) == steady(prometheus_text(fleet_status(store)))  # the same text as the library's
+
+
+def test_a_damaged_heartbeat_is_named_and_a_missing_stream_is_one_line(tmp_path, monkeypatch, capsys):
+    url = str(tmp_path / "stream")
+    _stream(url, range(2))
+    Store(url).write_bytes("consumers/x.json", b'{"consumer_id": "y", "step": 1, "updated_unix_s": 1.0}')
+    with pytest.raises(FormatError, match="consumers/x.json: heartbeat names consumer 'y'"):
+        fleet_status(Store(url))
+    code, _, err = run_main(monkeypatch, capsys, "status", url)
+    assert_one_line_error(code, err, "FormatError", "consumers/x.json")
+    code, _, err = run_main(monkeypatch, capsys, "status", str(tmp_path / "nothing"))
+    assert_one_line_error(code, err, "StreamNotFoundError")
+
+
+def test_heartbeats_are_bounded_and_the_last_step_is_recorded(tmp_path):
+    """After steps a follower reports at most every heartbeat_s / 10; closing it records the step it holds."""
+    url = str(tmp_path / "stream")
+    _stream(url, range(1))
+    store = Store(url)
+    writes: list[str] = []
+    follower = Follower(url, StateDictTarget(), consumer_id="r0", heartbeat_s=600.0)
+    put = follower.reader.store.transport.put
+
+    def counted(key, data, **kw):
+        if key.startswith("consumers/"):
+            writes.append(key)
+        return put(key, data, **kw)
+
+    follower.reader.store.transport.put = counted  # type: ignore[method-assign]
+    follower.sync()
+    assert len(writes) == 1 and read_heartbeats(store)[0].step == 0
+    with DeltaPublisher(url, {"w": torch.ones(32)}, on_backlog="block") as pub:
+        for s in range(1, 6):
+            pub.publish(s)
+            pub.flush()
+            follower.sync()
+    assert len(writes) == 1 and read_heartbeats(store)[0].step == 0  # within 60 s of the last: not written
+    follower.close()
+    assert len(writes) == 2 and read_heartbeats(store)[0].step == 5  # the step it holds, on close
+    with pytest.raises(Exception, match="heartbeat_s must be a positive number"):
+        Follower(url, StateDictTarget(), consumer_id="r1", heartbeat_s=0)
