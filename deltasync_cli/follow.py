@@ -1,4 +1,4 @@
-"""Commands that run things: follow a stream into an engine, the demo."""
+"""Commands that run things: follow a stream into an engine, mirror a stream into another store, the demo."""
 
 from __future__ import annotations
 
@@ -87,6 +87,54 @@ def _lag_words(status: FollowerStatus) -> str:
     if lag is None:
         return ""
     return ", the newest committed step" if lag == 0 else f", {lag} step{'s' if lag != 1 else ''} behind step {status.newest_step}"
+
+
+@app.command()
+def mirror(
+    src: Annotated[str, typer.Argument(help="The stream to copy (URL).")],
+    dst: Annotated[str, typer.Argument(help="Where to keep the copy (URL; an empty location or an earlier copy).")],
+    once: Annotated[bool, typer.Option("--once", help="Copy what is committed now and exit (default: keep following).")] = False,
+    until: Annotated[int | None, typer.Option(min=0, help="Exit once this step is copied.")] = None,
+    poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls of the source when a step is due.")] = 0.25,
+    max_poll_s: Annotated[float, typer.Option(min=0.05, help="Longest time between polls while the source is quiet.")] = 10.0,
+    storage_option: StorageOpt = None,
+    dst_option: Annotated[list[str] | None, typer.Option("--dst-option", "-D", help="Storage option KEY=VALUE of the "
+                                                         "destination (-S: of the source); repeatable.")] = None,
+) -> None:
+    """Replicate a stream into another store (a bucket in another cloud, a region's disk), verified and in commit
+    order: followers there read the copy, so egress from the source is paid once. Safe to kill at any point and to
+    run several at once; the copy keeps its own retention (deltasync gc on it)."""
+    import threading
+
+    from rich.markup import escape
+
+    from deltasync.history.mirror import mirror as mirror_once
+    from deltasync.history.mirror import mirror_follow
+    from deltasync.store import Store
+    from deltasync.watch import PollPolicy
+
+    src_options, dst_options = _storage_options(storage_option), _storage_options(dst_option)
+
+    def report(step: int, nbytes: int) -> None:
+        out.print(f"step {step} copied ({nbytes / 1e6:,.2f} MB)", markup=False)
+
+    with Store(src, storage_options=src_options) as source:
+        source.require_stream()  # a wrong URL: one line, exit 2, before anything is written
+    if once:
+        r = mirror_once(src, dst, src_options=src_options, dst_options=dst_options, on_step=report)
+        out.print(f"{dst}: {len(r.copied)} step(s) copied ({r.bytes_copied / 1e6:,.2f} MB), {r.present} already there"
+                  f"{', model files copied' if r.files_copied else ''} in {r.seconds:.1f}s", markup=False, soft_wrap=True)
+        return
+
+    def warn(error: BaseException) -> None:
+        err.print(f"[yellow]retrying:[/yellow] {escape(f'{type(error).__name__}: {error}')}")
+
+    stop = threading.Event()
+    try:
+        mirror_follow(src, dst, src_options=src_options, dst_options=dst_options, until=until, stop=stop,
+                      policy=PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s)), on_step=report, on_error=warn)
+    except KeyboardInterrupt:
+        stop.set()
 
 
 @app.command()

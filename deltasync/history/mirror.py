@@ -1,0 +1,211 @@
+"""Replicate a stream from one store to another (the trainer's bucket in one cloud to a bucket or disk in
+another), so that a region's followers read their own copy and egress is paid once per region.
+
+Every object is checked against its manifest's size and SHA-256 as it is read from the source; each step is
+written the way a publisher writes one: objects first, then the manifest, create-only, then the hint; steps go
+in the source's commit order. So a mirror killed at any point leaves nothing half-visible (an uncommitted step
+folder at most, which the next run or ``gc`` replaces), a restarted one goes on where the destination stands,
+and several mirrors of one pair commit each step once: a step another mirror committed first is compared with
+the source's manifest and, if equal, counted as present (a different one is an error: two streams under one
+name). Model files (``files/``, ``files.json``) and ``stream.json`` are copied too. The destination keeps its
+own retention (``deltasync gc`` there, which respects its own consumers' heartbeats).
+
+    report = mirror("s3://trainer/run-7", "gs://region-b/run-7")           # what is committed now
+    mirror_follow(src, dst, until=1000)                                     # and what comes, as it comes
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from deltasync.errors import (
+    ConfigError,
+    CorruptObjectError,
+    MissingDependencyError,
+    StepExistsError,
+    StepNotFoundError,
+    StoreAuthError,
+    StoreConfigError,
+)
+from deltasync.history.checkpoints import read_model_file_index, read_model_files, write_model_files
+from deltasync.reader import StreamReader
+from deltasync.scratch import ScratchFolder
+from deltasync.store import Store
+from deltasync.watch import PollPolicy, StepWatch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MirrorReport", "mirror", "mirror_follow"]
+
+# what retrying cannot mend: credentials, settings, a source object that does not match its manifest (a
+# committed step is never rewritten), two different streams under one name
+_PERMANENT = (StoreAuthError, StoreConfigError, ConfigError, MissingDependencyError, CorruptObjectError, StepExistsError)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MirrorReport:
+    """What one pass copied: steps committed at the destination, steps it held already, object bytes moved."""
+
+    copied: tuple[int, ...]
+    present: int
+    bytes_copied: int
+    files_copied: bool
+    seconds: float
+
+
+def _store(where: str | Store, options: dict[str, Any] | None) -> tuple[Store, bool]:
+    return (where, False) if isinstance(where, Store) else (Store(where, storage_options=options), True)
+
+
+def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | None = None,
+           dst_options: dict[str, Any] | None = None, after: int | None = None,
+           on_step: Callable[[int, int], None] | None = None) -> MirrorReport:
+    """Copy every committed step of ``src`` that ``dst`` lacks (those after ``after`` only, if given), in order.
+
+    Args:
+        src, dst: stream URLs (or ``Store``s); ``src_options``/``dst_options``: their storage options.
+        after: skip the source's steps up to and including this one (a follower of the source knows them copied).
+        on_step: called with (step, object bytes) after each step is committed at the destination.
+
+    Raises ``StreamNotFoundError`` (no stream at ``src``), ``CorruptObjectError`` (a source object that does not
+    match its manifest: nothing of that step is committed), ``StepExistsError`` (the destination holds a
+    different step under the same number), store errors. A failure leaves every step before it committed.
+
+    Example: ``mirror("s3://trainer/run-7", "/mnt/region-b/run-7").copied``
+    """
+    t0 = time.perf_counter()
+    source, own_src = _store(src, src_options)
+    target, own_dst = _store(dst, dst_options)
+    scratch = ScratchFolder("mirror")
+    copied: list[int] = []
+    nbytes = 0
+    try:
+        source.require_stream()
+        target.create_stream()
+        files = _copy_files(source, target)
+        steps = [s for s in source.steps() if after is None or s > after]
+        held = set(target.steps())
+        common = sorted(held.intersection(steps))
+        if after is None and common:  # one comparison per pass: the same stream, not another under its name
+            _same_step(source, target, common[-1])
+        present = sum(1 for s in steps if s in held)
+        for step in steps:
+            if step in held:
+                continue
+            try:
+                size = _copy_step(source, target, step, scratch)
+            except StepNotFoundError:
+                if step in source.steps():
+                    raise
+                log.info("%s: step %d was collected at the source before it was copied", source.url, step)
+                continue
+            if size is None:
+                present += 1  # another mirror committed the same step first
+                continue
+            copied.append(step)
+            nbytes += size
+            if on_step is not None:
+                on_step(step, size)
+    finally:
+        scratch.remove()
+        if own_src:
+            source.close()
+        if own_dst:
+            target.close()
+    return MirrorReport(copied=tuple(copied), present=present, bytes_copied=nbytes, files_copied=files,
+                        seconds=round(time.perf_counter() - t0, 3))
+
+
+def _copy_files(source: Store, target: Store) -> bool:
+    """The model files, each checked against the source's index; written only where the destination differs."""
+    if read_model_file_index(source) is None:
+        return False
+    return write_model_files(target, read_model_files(source))
+
+
+def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder) -> int | None:
+    """Commit ``step`` at the destination: its objects (checked against the manifest), then the manifest.
+    Returns the bytes copied, or None when the destination already holds exactly this step."""
+    m = source.manifest(step)
+    parts = list(m.objects)
+    nbytes = 0
+    local = []
+    for part in parts:
+        path = source.fetch_object(m, part=part)  # checked: size and SHA-256
+        copy = scratch.path / f"{step}-{part.object}"
+        shutil.copyfile(path, copy)  # a local destination takes files over (moves them): never the source's own
+        local.append((part, copy))
+        nbytes += part.object_bytes
+        source.release_object(m, part)
+    try:
+        if m.is_multipart:
+            for part, copy in local:
+                target.put_part(step, part, copy)
+            target.commit(m, None)
+        else:
+            target.commit(m, local[0][1])
+    except StepExistsError:
+        _same_step(source, target, step, m)
+        return None
+    finally:
+        for _, copy in local:
+            copy.unlink(missing_ok=True)
+    return nbytes
+
+
+def _same_step(source: Store, target: Store, step: int, manifest: Any = None) -> None:
+    """``StepExistsError`` unless the destination's step ``step`` is the source's (same manifest)."""
+    ours = manifest if manifest is not None else source.manifest(step)
+    if target.manifest(step).to_json() != ours.to_json():
+        raise StepExistsError(
+            f"{target.url}: step {step} is committed there with another manifest than at {source.url}: two "
+            "different streams under one name (mirror into an empty location, or an earlier copy of this stream)")
+
+
+def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = None,
+                  dst_options: dict[str, Any] | None = None, policy: PollPolicy | None = None,
+                  until: int | None = None, stop: threading.Event | None = None,
+                  on_step: Callable[[int, int], None] | None = None,
+                  on_error: Callable[[BaseException], None] | None = None) -> int | None:
+    """Keep ``dst`` a copy of ``src``: copy what is committed, then each new step as the source commits it,
+    polling the source with one small read per poll (:class:`~deltasync.watch.StepWatch`). Returns the newest
+    step copied once ``until`` is copied or ``stop`` is set. Transient failures are retried with the
+    watch's back-off (``on_error`` hears each); permanent ones (a source that does not match, credentials)
+    are raised."""
+    stop = stop or threading.Event()
+    reader = StreamReader(src, storage_options=src_options)
+    watch = StepWatch(reader, policy)
+    target = Store(dst, storage_options=dst_options)
+    done: int | None = None
+    failures = 0
+    try:
+        while not stop.is_set():
+            try:
+                newest = watch.newest()
+                if newest is not None and (done is None or newest > done):
+                    mirror(reader.store, target, after=done, on_step=on_step)
+                    done = newest
+                failures = 0
+                delay = watch.delay()
+            except _PERMANENT:
+                raise
+            except Exception as e:  # noqa: BLE001 - the source or the destination may come back
+                failures += 1
+                if on_error is not None:
+                    on_error(e)
+                ceiling = min(60.0, watch.policy.fast_s * 2.0 ** min(failures, 16))
+                delay = max(random.uniform(ceiling / 2, ceiling), reader.store.throttle_s())
+            if until is not None and done is not None and done >= until:
+                break
+            stop.wait(delay)
+    finally:
+        target.close()
+        reader.close()
+    return done
