@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any, TypeVar, Union
@@ -105,7 +106,7 @@ class Store(Retrying):
         self._cache_dir = Path(cache_dir) if cache_dir else None
         self._lease = WriterLease(self)
         self._committed_at: float | None = None  # monotonic time of this writer's last commit
-        self._interval_s: float | None = None  # moving average of its time between commits
+        self._gaps: list[float] = []  # its last few times between commits (seconds)
 
     def _open(self, url: str, options: dict[str, Any]) -> Transport:
         """The URL's transport; a storage option the backend refuses at once is a ``StoreConfigError``."""
@@ -278,13 +279,15 @@ class Store(Retrying):
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def manifest(self, step: int) -> Manifest:
+    def manifest(self, step: int, *, nearby: bool = True) -> Manifest:
+        """Step ``step``'s manifest (one read). ``StepNotFoundError`` if it is not committed, naming the nearest
+        committed steps (a listing) unless ``nearby`` is False (a caller that probes step numbers)."""
         rel = f"{step_dir(step)}/{MANIFEST}"
         try:
             m = decode(self.read_bytes(rel, max_bytes=MAX_MANIFEST_BYTES), Manifest, where=f"{self.url}/{rel}",
                        max_bytes=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
-            raise StepNotFoundError(f"{self.url}: step {step} is not committed{self._nearby(step)}") from None
+            raise StepNotFoundError(f"{self.url}: step {step} is not committed{self._nearby(step) if nearby else ''}") from None
         if m.step != step:
             raise FormatError(f"{self.url}: manifest in folder of step {step} describes step {m.step}")
         return m
@@ -426,14 +429,14 @@ class Store(Retrying):
         self.write_bytes(LATEST, encode(self._hint(manifest.step)))
 
     def _hint(self, step: int) -> LatestHint:
-        """``latest.json`` for a commit now: with the moving average of this writer's time between commits,
-        which followers time their polls by (docs/FORMAT.md section 5c)."""
+        """``latest.json`` for a commit now, with this writer's time between commits: the median of its last
+        five gaps, which followers time their polls by (docs/FORMAT.md section 5c); a median, so that one
+        pause of the trainer (an evaluation, a restart) does not move it."""
         now = time.monotonic()
         if self._committed_at is not None:
-            gap = now - self._committed_at
-            self._interval_s = gap if self._interval_s is None else 0.7 * self._interval_s + 0.3 * gap
+            self._gaps = [*self._gaps[-4:], now - self._committed_at]
         self._committed_at = now
-        interval = None if self._interval_s is None else round(min(self._interval_s, 1e6), 3)
+        interval = round(min(statistics.median(self._gaps), 1e6), 3) if self._gaps else None
         return LatestHint(step=step, committed_unix_s=round(time.time(), 3), interval_s=interval)
 
     # --- the stream itself ---

@@ -49,7 +49,7 @@ class PollPolicy:
 
     fast_s: float = 0.25
     idle_max_s: float = 10.0
-    backoff: float = 1.5
+    backoff: float = 2.0
     window_s: float = 1.0
     audit_s: float = 600.0
     jitter: float = 0.2
@@ -90,8 +90,7 @@ class StepWatch:
         self._listed_at: float | None = None  # when the manifests were last listed
         self._must_list = True  # the first poll lists
         self._due: float | None = None  # when the next step is expected (clock time)
-        self._interval: float | None = None  # expected time between steps
-        self._seen_at: float | None = None  # when the newest step was first seen
+        self._interval: float | None = None  # the writer's time between steps
         self._period = self.policy.fast_s  # the current back-off period
         self._refused: int | None = None  # a hinted step found not committed
         self.polls = 0  # newest() calls
@@ -164,18 +163,18 @@ class StepWatch:
             return None
 
     def _arrived(self, step: int, now: float, hint: LatestHint | None) -> None:
-        """A newer step was seen: learn the cadence and when the next one is due."""
-        if self._known is not None and self._seen_at is not None:
-            seen_gap = now - self._seen_at
-            self._interval = seen_gap if self._interval is None else 0.7 * self._interval + 0.3 * seen_gap
-        interval = hint.interval_s if hint is not None and hint.interval_s else self._interval
+        """A newer step was seen: when the next one is due, from the writer's cadence in ``latest.json``.
+
+        Only the writer's own figure is used: the gaps a follower sees include the stream's quiet spells
+        (a trainer that paused, a follower that started late), which would put the next step far off. Without
+        one (an older writer, its first commits), polls back off from ``fast_s`` after each step."""
+        interval = hint.interval_s if hint is not None and hint.step == step and hint.interval_s else None
         # seen up to one poll period after it was committed: the writer's clock says how much (when plausible:
         # clocks of two machines may disagree, so a lag outside [0, interval) is not believed)
         lag = 0.0
-        if hint is not None and hint.step == step and hint.committed_unix_s is not None and interval:
+        if interval and hint is not None and hint.committed_unix_s is not None:
             lag = time.time() - hint.committed_unix_s
             lag = lag if 0.0 <= lag < interval else 0.0
-        self._known, self._seen_at, self._period = step, now - lag, self.policy.fast_s
+        self._known, self._period = step, self.policy.fast_s
+        self._interval = interval
         self._due = now - lag + interval if interval else None
-        if interval:
-            self._interval = interval

@@ -65,13 +65,16 @@ def _store(where: str | Store, options: dict[str, Any] | None) -> tuple[Store, b
 
 
 def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | None = None,
-           dst_options: dict[str, Any] | None = None, after: int | None = None,
+           dst_options: dict[str, Any] | None = None, after: int | None = None, newest: int | None = None,
            on_step: Callable[[int, int], None] | None = None) -> MirrorReport:
     """Copy every committed step of ``src`` that ``dst`` lacks (those after ``after`` only, if given), in order.
 
     Args:
         src, dst: stream URLs (or ``Store``s); ``src_options``/``dst_options``: their storage options.
         after: skip the source's steps up to and including this one (a follower of the source knows them copied).
+        newest: with ``after``, the source's newest step as its hint says: a few steps past ``after`` are then
+            looked up by their manifests (one read each, which copying needs anyway), not by listing the source,
+            and the stream and model files are not checked again.
         on_step: called with (step, object bytes) after each step is committed at the destination.
 
     Raises ``StreamNotFoundError`` (no stream at ``src``), ``CorruptObjectError`` (a source object that does not
@@ -87,14 +90,19 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
     copied: list[int] = []
     nbytes = 0
     try:
-        source.require_stream()
-        target.create_stream()
-        files = _copy_files(source, target)
-        steps = [s for s in source.steps() if after is None or s > after]
-        held = set(target.steps())
-        common = sorted(held.intersection(steps))
-        if after is None and common:  # one comparison per pass: the same stream, not another under its name
-            _same_step(source, target, common[-1])
+        incremental = after is not None and newest is not None and 0 < newest - after <= 16
+        if incremental:  # following: the next few step numbers, by their manifests (a gap in numbering costs one read)
+            assert after is not None and newest is not None
+            steps, held, files = list(range(after + 1, newest + 1)), set(), False
+        else:
+            source.require_stream()
+            target.create_stream()
+            files = _copy_files(source, target)
+            steps = [s for s in source.steps() if after is None or s > after]
+            held = set(target.steps())
+            common = sorted(held.intersection(steps))
+            if after is None and common:  # one comparison per pass: the same stream, not another under its name
+                _same_step(source, target, common[-1])
         present = sum(1 for s in steps if s in held)
         for step in steps:
             if step in held:
@@ -102,9 +110,9 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
             try:
                 size = _copy_step(source, target, step, scratch)
             except StepNotFoundError:
-                if step in source.steps():
+                if not incremental and step in source.steps():
                     raise
-                log.info("%s: step %d was collected at the source before it was copied", source.url, step)
+                log.debug("%s: no step %d (not committed, or collected before it was copied)", source.url, step)
                 continue
             if size is None:
                 present += 1  # another mirror committed the same step first
@@ -133,7 +141,7 @@ def _copy_files(source: Store, target: Store) -> bool:
 def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder) -> int | None:
     """Commit ``step`` at the destination: its objects (checked against the manifest), then the manifest.
     Returns the bytes copied, or None when the destination already holds exactly this step."""
-    m = source.manifest(step)
+    m = source.manifest(step, nearby=False)
     parts = list(m.objects)
     nbytes = 0
     local = []
@@ -190,7 +198,7 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
             try:
                 newest = watch.newest()
                 if newest is not None and (done is None or newest > done):
-                    mirror(reader.store, target, after=done, on_step=on_step)
+                    mirror(reader.store, target, after=done, newest=newest, on_step=on_step)
                     done = newest
                 failures = 0
                 delay = watch.delay()

@@ -23,6 +23,7 @@ class Request:
     method: str
     path: str  # without the query
     query: str
+    nbytes: int = 0  # of the answer's body
 
 
 @dataclass
@@ -85,6 +86,7 @@ def counting_proxy(endpoint: str) -> Iterator[CountingProxy]:
                         self.send_header(k, v)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
+                req.nbytes = len(data)
                 if self.command != "HEAD":
                     self.wfile.write(data)
             finally:
