@@ -138,14 +138,18 @@ class StreamReader:
                 )
             time.sleep(poll_s)
 
-    def open(self, step: int, *, names: Collection[str] | None = None) -> StepObject:
+    def open(self, step: int, *, names: Collection[str] | None = None, base: int | None = None) -> StepObject:
         """Fetch, verify and open one step's object. Close it when done (a ``with`` block): a downloaded
         object is deleted once nobody has it open.
 
         A multi-part step (docs/FORMAT.md section 5b) opens as one ``PartedObject`` over its parts. With
         ``names``, only the parts that hold those tensors are fetched, and the object holds only them.
+        ``base``: the step the consumer holds; an anchor step that carries its delta from ``base`` opens as
+        that delta (a few bytes instead of the dense anchor).
         """
         m = self.manifest(step)
+        if base is not None and m.delta is not None and m.delta.base_step == base:
+            m = m.as_delta()
         where = f"{self.url} step {step}"
         if m.is_multipart:
             parts = [p for p in m.objects if names is None or not set(names).isdisjoint(p.tensors or ())]
@@ -195,22 +199,40 @@ class StreamReader:
         """A single-object step's object fetched into memory, checked against its manifest's size and SHA-256."""
         return self.store.read_object(m)
 
-    def chain(self, step: int, *, start: int | None = None) -> list[int]:
-        """Steps to open, in order, to reach ``step``: from the nearest anchor, or from ``start`` if the
-        chain passes through it (then ``start`` itself is not included).
+    def chain(self, step: int, *, start: int | None = None, max_walk: int = 64) -> list[int]:
+        """Steps to open, in order, to reach ``step``: from the nearest anchor, or from ``start`` (the step a
+        consumer holds; not included) where a path of deltas leads from it, crossing anchors by their own
+        deltas (docs/FORMAT.md section 6; open each step with ``open(s, base=<the step before it>)``) and
+        costing fewer bytes than the way from the anchor. At most ``max_walk`` manifests below the nearest
+        anchor are read looking for such a path.
         """
-        out = []
+        out: list[int] = []
+        cost = 0  # bytes to fetch along ``out``, anchors by their own delta
+        plain: tuple[list[int], int] | None = None  # the chain from the nearest anchor and its bytes
         s: int | None = step
         while s is not None and s != start:
+            if start is not None and s < start or plain is not None and len(out) - len(plain[0]) >= max_walk:
+                break  # went past the step held, or too far: no (short) path from it
             try:
                 m = self.manifest(s)
             except StepNotFoundError as e:
+                if plain is not None:
+                    break  # a step below the nearest anchor is gone: the anchor still serves
                 raise StepNotFoundError(f"{self.url}: the chain to step {step} is broken at step {s}: {e}") from None
             out.append(s)
             if m.kind == "anchor":
-                break
-            s = m.base_step
-        return out[::-1]
+                if plain is None:
+                    plain = (list(out), cost + m.object_bytes)
+                if start is None or m.delta is None:
+                    break
+                cost += m.delta.object_bytes
+                s = m.delta.base_step
+            else:
+                cost += m.object_bytes
+                s = m.base_step
+        if start is not None and s == start and (plain is None or cost <= plain[1]):
+            return out[::-1]
+        return (plain[0] if plain is not None else out)[::-1]
 
     def replica(self, step: int | None = None, *, verify: Verify = "incremental", device: str = "cpu") -> Replica:
         """The exact weights of ``step`` (default: latest), from its nearest anchor plus deltas."""
@@ -234,7 +256,7 @@ class StreamReader:
             return []
         chain = self.chain(step, start=replica.step)
         for s in chain:
-            with self.open(s) as obj:
+            with self.open(s, base=replica.step) as obj:
                 replica.apply(obj, verify=verify)
         return chain
 

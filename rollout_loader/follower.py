@@ -268,8 +268,8 @@ class Follower:
             try:
                 if self._connected:  # the target fetches the step itself
                     self.target.advance(s)  # type: ignore[union-attr]
-                else:
-                    with self.reader.open(s) as obj:
+                else:  # an anchor that carries its delta from the step held opens as that delta
+                    with self.reader.open(s, base=self.target.step) as obj:
                         self.target.apply(obj)  # type: ignore[union-attr]
             except DeltaSyncError:
                 self._from_anchor = True  # the content was at fault: the next attempt starts at an anchor

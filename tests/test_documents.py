@@ -91,6 +91,18 @@ def test_good_documents_round_trip():
         (_edit(MANIFEST, "kind", _DELETE), "missing required field `kind`"),
         (_edit(MANIFEST, "format_version", 2), r"\$.format_version"),
         (b"x" * (MAX_DOCUMENT_BYTES + 1), "expected a document of at most"),
+        # an anchor's own delta (docs/FORMAT.md section 5): only on an anchor, from a step below it, its own name
+        (_edit(MANIFEST, "delta", {"base_step": 11, "object": "delta-a.safetensors", "object_bytes": 9,
+                                   "object_sha256": "a" * 64}), "only an anchor step of one object carries its delta"),
+        (json.dumps({**MANIFEST, "kind": "anchor", "base_step": None, "delta": {
+            "base_step": 12, "object": "delta-a.safetensors", "object_bytes": 9, "object_sha256": "a" * 64}}).encode(),
+         "delta.base_step 12 is not below the step 12"),
+        (json.dumps({**MANIFEST, "kind": "anchor", "base_step": None, "delta": {
+            "base_step": 3, "object": MANIFEST["object"], "object_bytes": 9, "object_sha256": "a" * 64}}).encode(),
+         "names the anchor's own object"),
+        (json.dumps({**MANIFEST, "kind": "anchor", "base_step": None, "delta": {
+            "base_step": 3, "object": "../x.safetensors", "object_bytes": 9, "object_sha256": "a" * 64}}).encode(),
+         r"\$.delta.object"),
     ],
 )
 def test_bad_manifests_are_format_errors(data, message):

@@ -40,11 +40,19 @@ def test_chain_starts_at_nearest_anchor(stream):
 
 
 def test_catch_up_from_an_older_replica(stream):
+    """The cheaper way in bytes: the deltas from the step held (crossing the anchor at 8 by its own delta), or
+    the anchor at 8 and what follows it; both end at the same weights."""
     url, truth = stream
     r = StreamReader(url)
+    m = {s: r.manifest(s) for s in r.steps()}
+    by_deltas = sum(m[s].delta.object_bytes if m[s].kind == "anchor" else m[s].object_bytes for s in range(2, 10))
+    from_anchor = m[8].object_bytes + m[9].object_bytes
     rep = r.replica(1)
-    assert r.catch_up(rep) == [8, 9]  # shorter from the anchor at 8
+    assert r.catch_up(rep) == (list(range(2, 10)) if by_deltas <= from_anchor else [8, 9])
     assert states_equal(rep.state_dict(), truth[9])
+    rep = r.replica(1)
+    assert r.chain(9, start=1, max_walk=3) == [8, 9]  # no path within reach: from the anchor
+    assert r.catch_up(rep, 3) == [2, 3]
     rep = r.replica(5)
     assert r.catch_up(rep, 7) == [6, 7]
     assert states_equal(rep.state_dict(), truth[7])
@@ -159,8 +167,9 @@ def test_a_follower_keeps_only_the_object_it_is_applying(remote):
 
     follower = Follower(url, Recording(), on_step=lambda s: seen.append(cached(follower.reader.store)))
     assert follower.sync(4) == [3, 4]
-    assert follower.sync() == [6]  # 6 is an anchor: a follower goes straight to it
-    assert seen == [[3], [], [4], [], [6], []]  # in the cache while applied, gone once it is live
+    # 6 is an anchor that carries its delta from 5: holding 4, the follower reads two small deltas, not the anchor
+    assert follower.sync() == [5, 6]
+    assert seen == [[3], [], [4], [], [5], [], [6], []]  # in the cache while applied, gone once it is live
     assert states_equal(follower.target.state_dict(), truth[6])
     cache = follower.reader.store.cache_dir
     follower.close()
@@ -231,3 +240,72 @@ def test_an_object_name_cannot_leave_the_cache(remote):
             with pytest.raises(FormatError, match="not a plain file name"):
                 store.fetch_object(replace(m, object=name))
         assert cached(store) == [] and not (store.cache_dir.parent / "escaped.safetensors").exists()
+
+
+def test_a_caught_up_follower_never_downloads_an_anchor(tmp_path):
+    """An anchor carries its delta from the step published before it (docs/FORMAT.md section 5): a follower
+    holding that step fetches only that delta; a joiner fetches the anchor; both end exact; verify checks
+    the delta's bits, and ``anchor_deltas=False`` writes none."""
+    import torch
+
+    from deltasync import verify
+    from deltasync.store import Store, step_dir
+    from rollout_loader import Follower, StateDictTarget
+
+    url = str(tmp_path / "s")
+    g = torch.Generator().manual_seed(0)
+    states = [torch.randn(20_000, generator=g).bfloat16()]
+    for _ in range(5):
+        w = states[-1].clone()
+        w[torch.randint(0, w.numel(), (200,), generator=g)] += 1.0
+        states.append(w)
+    follower = Follower(url, StateDictTarget())
+    got: list[str] = []
+    transport = follower.reader.store.transport
+    get, local_path = transport.get, transport.local_path
+
+    def seen(key, **kw):  # every object the follower reads (a local store reads in place)
+        got.append(key.rsplit("/", 1)[-1])
+        return local_path(key)
+
+    transport.local_path = seen  # type: ignore[method-assign]
+    with DeltaPublisher(url, {"w": states[0].clone()}, anchor_every=3, on_backlog="block") as pub:
+        for s, w in enumerate(states):
+            pub.source = {"w": w}
+            pub.publish(s)
+            pub.flush()
+            follower.sync()
+    m = Store(url).manifest(3)
+    assert m.kind == "anchor" and m.delta is not None and m.delta.base_step == 2
+    assert m.delta.object_bytes * 20 < m.object_bytes  # a few bytes instead of the dense anchor
+    assert [n.split("-")[0] for n in got if n.endswith(".safetensors")] == ["anchor", "delta", "delta", "delta", "delta", "delta"]
+    assert torch.equal(follower.target.state_dict()["w"].view(torch.int16), states[-1].view(torch.int16))
+    follower.close()
+    joiner = StateDictTarget()
+    Follower(url, joiner).sync(4)  # holds nothing: from the anchor at 3
+    assert torch.equal(joiner.state_dict()["w"].view(torch.int16), states[4].view(torch.int16))
+    assert verify(url).ok
+
+    # a forged delta (valid digest, other bits) is caught by verify's replay, not only by the digest
+    forged_url = str(tmp_path / "forged")
+    with DeltaPublisher(forged_url, {"w": states[0].clone()}, anchor_every=3, on_backlog="block") as pub:
+        for s, w in enumerate([states[0], states[1], states[1], states[3]]):  # its step 2 differs from the other's
+            pub.source = {"w": w}
+            pub.publish(s)
+    store = Store(forged_url)
+    wrong = Store(url).manifest(3).delta  # the other stream's 2 -> 3: wrong bits from this stream's step 2
+    m3 = store.manifest(3)
+    (tmp_path / "forged" / step_dir(3) / m3.delta.object).unlink()
+    import shutil
+    shutil.copy(tmp_path / "s" / step_dir(3) / wrong.object, tmp_path / "forged" / step_dir(3) / wrong.object)
+    from dataclasses import replace
+    store.write_bytes(f"{step_dir(3)}/manifest.json", replace(m3, delta=wrong).to_json().encode())
+    report = verify(forged_url, all_problems=True)
+    assert [(p.step, p.kind) for p in report.problems] == [(3, "checksum")]
+
+    plain = str(tmp_path / "plain")
+    with DeltaPublisher(plain, {"w": states[0].clone()}, anchor_every=3, anchor_deltas=False, on_backlog="block") as pub:
+        for s, w in enumerate(states):
+            pub.source = {"w": w}
+            pub.publish(s)
+    assert Store(plain).manifest(3).delta is None

@@ -279,6 +279,17 @@ class Part:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AnchorDelta:
+    """An anchor step's second object: the delta from ``base_step`` (the step its writer published before it),
+    for followers that hold ``base_step`` (docs/FORMAT.md section 5)."""
+
+    base_step: Step
+    object: ObjectName
+    object_bytes: Annotated[int, msgspec.Meta(ge=8, le=MAX_OBJECT_BYTES)]
+    object_sha256: Sha256
+
+
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
     """The commit marker of one step: what object(s) hold it and how to check them.
 
@@ -299,9 +310,17 @@ class Manifest:
     aliases: dict[TensorName, TensorName] | None = None
     stats: ManifestStats = field(default_factory=ManifestStats)
     format_version: PartVersion = FORMAT_VERSION
+    delta: AnchorDelta | None = None
 
     def __post_init__(self) -> None:
         _check_base(self.kind, self.step, self.base_step)
+        if self.delta is not None:
+            if self.kind != "anchor" or self.parts is not None:
+                raise ValueError("$.delta: only an anchor step of one object carries its delta")
+            if self.delta.base_step >= self.step:
+                raise ValueError(f"$.delta.base_step {self.delta.base_step} is not below the step {self.step}")
+            if self.delta.object == self.object:
+                raise ValueError("$.delta.object names the anchor's own object")
         if self.format_version == 1:
             if self.object is None or self.object_sha256 is None or self.parts is not None or self.aliases is not None:
                 raise ValueError("$.format_version is 1: a version-1 manifest names one object (object, object_sha256) and no parts")
@@ -320,6 +339,16 @@ class Manifest:
     def is_multipart(self) -> bool:
         return self.parts is not None
 
+    def as_delta(self) -> Manifest:
+        """An anchor step's own delta (``delta``) as the manifest of a delta step: what a follower holding
+        ``delta.base_step`` opens instead of the anchor."""
+        d = self.delta
+        if d is None:
+            raise ValueError(f"step {self.step} carries no delta")
+        return Manifest(step=self.step, base_step=d.base_step, kind="delta", object=d.object, object_bytes=d.object_bytes,
+                        object_sha256=d.object_sha256, state_checksum=self.state_checksum,
+                        created_unix_s=self.created_unix_s, stats=self.stats)
+
     @property
     def objects(self) -> tuple[Part, ...]:
         """Every object of the step (one for a version-1 manifest)."""
@@ -333,7 +362,10 @@ class Manifest:
         if self.parts is None:
             order = ("step", "base_step", "kind", "object", "object_bytes", "object_sha256", "state_checksum",
                      "created_unix_s", "stats", "format_version")
-            return {k: d[k] for k in order}
+            out = {k: d[k] for k in order}
+            if self.delta is not None:
+                out["delta"] = asdict(self.delta)
+            return out
         else:
             for key in ("object", "object_sha256"):
                 d.pop(key)

@@ -142,19 +142,24 @@ def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder) 
     """Commit ``step`` at the destination: its objects (checked against the manifest), then the manifest.
     Returns the bytes copied, or None when the destination already holds exactly this step."""
     m = source.manifest(step, nearby=False)
-    parts = list(m.objects)
+    objects = [(m, part) for part in m.objects]
+    if m.delta is not None:  # an anchor's own delta: a second object of the step (docs/FORMAT.md section 5)
+        objects.append((m.as_delta(), m.as_delta().objects[0]))
     nbytes = 0
     local = []
-    for part in parts:
-        path = source.fetch_object(m, part=part)  # checked: size and SHA-256
+    for manifest, part in objects:
+        path = source.fetch_object(manifest, part=part)  # checked: size and SHA-256
         copy = scratch.path / f"{step}-{part.object}"
         shutil.copyfile(path, copy)  # a local destination takes files over (moves them): never the source's own
         local.append((part, copy))
         nbytes += part.object_bytes
-        source.release_object(m, part)
+        source.release_object(manifest, part)
     try:
+        extra = local[len(m.objects):]
+        for part, copy in extra:  # before the manifest, like the step's own objects
+            target.put_part(step, part, copy)
         if m.is_multipart:
-            for part, copy in local:
+            for part, copy in local[: len(m.objects)]:
                 target.put_part(step, part, copy)
             target.commit(m, None)
         else:

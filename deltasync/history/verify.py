@@ -93,6 +93,9 @@ def verify(
         run.replay(segment, progress)
         if progress:
             progress("verify", k + 1, len(segments))
+    for s in targets:  # an anchor's own delta must lead from its base to exactly the anchor's weights
+        if not run.done(s) and s in run.replayed:
+            run.anchor_delta(s)
     problems = sorted(run.problems, key=lambda p: p.step)
     if not all_problems:
         problems = problems[:1]
@@ -138,6 +141,28 @@ class _Verification:
                 except (StepNotFoundError, FormatError) as e:
                     self.report(s, "chain", str(e))
         return out
+
+    def anchor_delta(self, step: int) -> None:
+        """An anchor step's own delta (docs/FORMAT.md section 5): its object (size, SHA-256, header), and, where
+        its base step is committed, applied to that step's weights it gives every checksum of the anchor."""
+        m = self.reader.manifest(step)
+        if m.delta is None:
+            return
+        base = m.delta.base_step
+        sound = base in self.replayed and all(p.step != base for p in self.problems)  # else only the object is checked
+        try:
+            with self.reader.open(step, base=base) as obj:
+                if sound:
+                    replica = self.reader.replica(base, verify="full")
+                    replica.apply(obj, verify="full")
+        except CorruptObjectError as e:
+            self.report(step, "object", f"{step}'s own delta: {e}")
+        except ChecksumMismatchError as e:
+            self.report(step, "checksum", f"{step}'s own delta from step {base}: {e}")
+        except (FormatError, TensorMismatchError, StepNotFoundError) as e:
+            self.report(step, "header", f"{step}'s own delta: {e}")
+        except DeltaSyncError as e:
+            self.report(step, "chain", f"{step}'s own delta from step {base}: {e}")
 
     def _leftover(self, step: int | None) -> str:
         if self._folders is None:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 
 from deltasync.errors import DeltaSyncError, PublishError, StepOrderError
-from deltasync.format.documents import check_step
+from deltasync.format.documents import Part, check_step
 from deltasync.format.objects import Kind, TensorHeader
 from deltasync.format.patch import Patch
 from deltasync.history.checkpoints import (
@@ -33,6 +33,7 @@ from deltasync.history.checkpoints import (
 from deltasync.publish.names import NameMap, source_state
 from deltasync.publish.sharded import ShardedWriter, ShardGroup, is_sharded
 from deltasync.publish.steps import (
+    anchor_delta,
     snapshot_headers,
     step_manifest,
     write_step,
@@ -89,6 +90,7 @@ class _Job:
     aliases: dict[str, str]
     changes: list[Patch] = field(default_factory=list)
     anchor_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    delta_base: int | None = None  # an anchor that also carries its delta from this step (``changes``)
     capture_s: float = 0.0
 
 
@@ -119,7 +121,9 @@ class DeltaPublisher:
 
     ``source`` is a module, a state dict (whose tensors the trainer updates in place) or a function
     returning one. ``anchor_every`` writes a full snapshot every N published steps (also the first step,
-    after a restart, after a failed upload, and on ``publish(step, anchor=True)``). ``snapshot_device``
+    after a restart, after a failed upload, and on ``publish(step, anchor=True)``); with ``anchor_deltas`` an
+    anchor also carries its delta from the step published before it, so that followers that hold that step
+    never download the anchor's dense bytes (docs/FORMAT.md section 5). ``snapshot_device``
     says where the last-published copy lives: ``"same"`` (the weights' device) or ``"cpu"``; either way it
     costs one copy of the model. ``dtype`` publishes floating tensors in that dtype (e.g. fp32 master
     weights as the bf16 weights the engine serves). ``max_pending`` bounds captured steps waiting for upload;
@@ -162,6 +166,7 @@ class DeltaPublisher:
         files: str | Path | ModelFiles | None = None,
         names: NameMap | None = None,
         sharded: bool | None = None,
+        anchor_deltas: bool = True,
     ) -> None:
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
@@ -169,6 +174,7 @@ class DeltaPublisher:
         self.source = source
         self.names = names
         self.anchor_every = anchor_every
+        self.anchor_deltas = anchor_deltas
         self.snapshot_device = snapshot_device
         self.on_backlog = on_backlog
         self.zstd_level = zstd_level
@@ -335,6 +341,8 @@ class DeltaPublisher:
         if kind == "anchor":
             job.anchor_tensors = {n: t.to("cpu", copy=True) for n, t in self._snapshot.tensors.items()}
             self._since_anchor = 0
+            if self._last_captured is not None and self.anchor_deltas:  # the diff ran: ship it beside the anchor
+                job.changes, job.delta_base = [c for c in changes if c.changed], self._last_captured
         else:
             job.changes = [c for c in changes if c.changed]
             self._since_anchor += 1
@@ -365,6 +373,8 @@ class DeltaPublisher:
                     # its base was never committed: the next capture is forced to be an anchor
                     log.warning("dropping step %d: its base step %s was not committed", job.step, job.base_step)
                     continue
+                if failed_since is not None:
+                    job.delta_base = None  # nobody can hold the step its delta would start from
                 failed_since = None
                 self._write(job)
             except BaseException as e:
@@ -400,9 +410,17 @@ class DeltaPublisher:
             aliases=job.aliases,
             zstd_level=self.zstd_level,
         )
+        delta, delta_local = None, None
+        if job.kind == "anchor" and job.delta_base is not None:  # the anchor's own delta (docs/FORMAT.md section 5)
+            delta_local = self._spool / f"{job.step:012d}-anchor-delta.safetensors"
+            _, dwritten = write_step_object(delta_local, kind="delta", step=job.step, base_step=job.delta_base,
+                                            headers=job.headers, changes=job.changes, aliases=job.aliases,
+                                            zstd_level=self.zstd_level)
+            delta = anchor_delta(dwritten, job.delta_base)
         t1 = time.perf_counter()
         headers = header.tensors
-        manifest = step_manifest(written, header, coalesced=job.coalesced, capture_s=job.capture_s, encode_s=t1 - t0)
+        manifest = step_manifest(written, header, coalesced=job.coalesced, capture_s=job.capture_s, encode_s=t1 - t0,
+                                 delta=delta)
         size = manifest.object_bytes
         t2 = time.perf_counter()
         try:
@@ -410,10 +428,15 @@ class DeltaPublisher:
                 self.store.check_lease(self.writer_id)
                 write_model_files(self.store, self._model_files)
                 self._model_files = None
+            if delta is not None and delta_local is not None:  # uploaded before the manifest, like the anchor itself
+                self.store.put_part(job.step, Part(object=delta.object, object_bytes=delta.object_bytes,
+                                                   object_sha256=delta.object_sha256), delta_local)
             # never commit after losing the stream: the lease is proven right before the manifest is written
             self.store.commit(manifest, local, owner=self.writer_id)
         finally:
             local.unlink(missing_ok=True)
+            if delta_local is not None:
+                delta_local.unlink(missing_ok=True)
         t3 = time.perf_counter()
         self.last_committed_step = job.step
         full_bytes = sum(h.numel * h.torch_dtype.itemsize for h in headers.values())

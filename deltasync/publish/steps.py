@@ -16,7 +16,7 @@ import torch
 from deltasync.format._bits import dtype_name
 from deltasync.format.checksum import format_checksum, state_checksum
 from deltasync.format.codecs import EncodedTensor, encode_patch, parallel_map
-from deltasync.format.documents import ManifestStats
+from deltasync.format.documents import AnchorDelta, ManifestStats
 from deltasync.format.objects import (
     Destination,
     Kind,
@@ -30,7 +30,7 @@ from deltasync.format.patch import Patch
 from deltasync.stages.diff import Snapshot
 from deltasync.store import Manifest, sha256_file
 
-__all__ = ["snapshot_headers", "step_manifest", "write_step", "write_step_object"]
+__all__ = ["anchor_delta", "snapshot_headers", "step_manifest", "write_step", "write_step_object"]
 
 
 def write_step(
@@ -99,9 +99,11 @@ def step_manifest(
     coalesced: Sequence[int] = (),
     capture_s: float = 0.0,
     encode_s: float = 0.0,
+    delta: AnchorDelta | None = None,
 ) -> Manifest:
     """The manifest that commits an object (docs/FORMAT.md section 5): ``source`` is what its writer
-    reported (size and SHA-256 taken while writing), or a path, hashed here."""
+    reported (size and SHA-256 taken while writing), or a path, hashed here. ``delta``: an anchor's own
+    delta object (:func:`anchor_delta`)."""
     if isinstance(source, WrittenObject):
         digest, nbytes = source.sha256, source.nbytes
     else:
@@ -124,7 +126,14 @@ def step_manifest(
             capture_s=round(capture_s, 6),
             encode_s=round(encode_s, 6),
         ),
+        delta=delta,
     )
+
+
+def anchor_delta(written: WrittenObject, base_step: int) -> AnchorDelta:
+    """The manifest entry of an anchor's own delta object, written as ``written`` (docs/FORMAT.md section 5)."""
+    return AnchorDelta(base_step=base_step, object=f"delta-{written.sha256[:16]}.safetensors",
+                       object_bytes=written.nbytes, object_sha256=written.sha256)
 
 
 def snapshot_headers(snapshot: Snapshot) -> dict[str, TensorHeader]:

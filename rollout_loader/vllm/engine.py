@@ -207,7 +207,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                 init_info.url, storage_options=init_info.storage_options)
             # over NIXL the store is the fallback and steps are announced: poll it at the fast period throughout
             policy = PollPolicy(fast_s=0.2, idle_max_s=0.2) if self._rdma is not None else None
-            self._prefetcher = Prefetcher(reader, self._state, lambda: self._held, policy=policy)
+            self._prefetcher = Prefetcher(reader, self._state, lambda: self._held, policy=policy,
+                                          anchor_deltas=self._rdma is None)
 
     def start_weight_update(self) -> None:
         try:
@@ -269,7 +270,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         t_stage = time.perf_counter()
         ready = self._prefetcher.take(step) if self._prefetcher is not None else None
         # not staged yet: read it now, over NIXL first when the engine has a ring (self._reader has none)
-        prepared = ready or prepare(self._rdma.reader if self._rdma is not None else reader, state, step)
+        # over NIXL the ring carries anchors whole: there an anchor is read as itself, elsewhere by its own delta
+        prepared = ready or (prepare(self._rdma.reader, state, step) if self._rdma is not None
+                             else prepare(reader, state, step, base=self._held))
         h = prepared.header
         if h.kind == "delta" and h.base_step != self._held:
             raise BaseStepMismatchError(

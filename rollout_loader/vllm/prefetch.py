@@ -47,9 +47,10 @@ class Prepared:
         return self.seal is not None or self.anchor is not None
 
 
-def prepare(reader: StreamReader, state: WorkerState, step: int) -> Prepared:
-    """Fetch, verify, decode and stage ``step`` against ``state`` (writes nothing)."""
-    with reader.open(step) as obj:
+def prepare(reader: StreamReader, state: WorkerState, step: int, *, base: int | None = None) -> Prepared:
+    """Fetch, verify, decode and stage ``step`` against ``state`` (writes nothing). ``base``: the step the engine
+    will hold before it (an anchor that carries its delta from there is prepared as that delta)."""
+    with reader.open(step, base=base) as obj:
         h = obj.header
         check_header(state, h, obj.where)
         if h.kind == "anchor":
@@ -66,8 +67,9 @@ class Prefetcher:
     """
 
     def __init__(self, reader: StreamReader, state: WorkerState, held: Callable[[], int | None], *,
-                 policy: PollPolicy | None = None, ahead: int = 2) -> None:
+                 policy: PollPolicy | None = None, ahead: int = 2, anchor_deltas: bool = True) -> None:
         self.reader = reader
+        self.anchor_deltas = anchor_deltas  # open anchors by their own delta where the engine holds its base
         self.state = state
         self.held = held
         self.watch = StepWatch(reader, policy)  # one small read per poll, timed by the stream's cadence
@@ -128,13 +130,13 @@ class Prefetcher:
             for s in list(self._ready):
                 if s not in wanted:  # the engine moved past it, or the chain changed
                     del self._ready[s]
-        for s in wanted:
+        for before, s in zip([held, *wanted], wanted):
             if self._stop.is_set():
                 return
             with self._lock:
                 if s in self._ready:
                     continue
-            prepared = prepare(self.reader, self.state, s)
+            prepared = prepare(self.reader, self.state, s, base=before if self.anchor_deltas else None)
             with self._lock:
                 if self.held() != held:  # the engine moved meanwhile: stage against what it holds now
                     return

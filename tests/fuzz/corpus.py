@@ -179,6 +179,14 @@ def _normalise(stream: Path) -> None:
         obj.unlink()
         (path.parent / name).write_bytes(data)
         d.update(object=name, object_bytes=len(data), object_sha256=digest)
+        if d.get("delta"):  # an anchor's own delta object (docs/FORMAT.md section 5)
+            dobj = path.parent / d["delta"]["object"]
+            ddata = _canonical_object(dobj.read_bytes())
+            ddigest = hashlib.sha256(ddata).hexdigest()
+            dobj.unlink()
+            dname = f"delta-{ddigest[:16]}.safetensors"
+            (path.parent / dname).write_bytes(ddata)
+            d["delta"].update(object=dname, object_bytes=len(ddata), object_sha256=ddigest)
         d["created_unix_s"] = CREATED_UNIX_S + step
         for key in ("capture_s", "encode_s", "upload_s", "diff_s"):
             if key in d.get("stats", {}):
