@@ -50,6 +50,19 @@ def _followers(url: str, options: dict, n: int, run_s: float, legacy: bool, out:
     from rollout_loader import Follower, StateDictTarget
 
     torch.set_num_threads(1)
+    try:
+        _run_followers(url, options, n, run_s, legacy, out)
+    except BaseException as e:  # the parent reports it: a process that died says why
+        Path(out).write_text(json.dumps({"error": f"{type(e).__name__}: {e}", "applied": [], "exact": [False] * n}))
+        raise
+
+
+def _run_followers(url: str, options: dict, n: int, run_s: float, legacy: bool, out: str) -> None:
+    import torch
+
+    from deltasync import StreamReader
+    from rollout_loader import Follower, StateDictTarget
+
     stop = threading.Event()
     applied: list[list[tuple[int, float]]] = [[] for _ in range(n)]
     followers = []
@@ -148,7 +161,10 @@ def run(server, n: int, mode: str, args: argparse.Namespace, work: Path) -> dict
             mirror_thread.join(timeout=60)
     src_only = lambda reqs: [r for r in reqs if r.path.startswith(bucket_prefix) or "prefix=" + src.split("/", 3)[3] in r.query]  # noqa: E731
     idle = src_only(idle_requests)
-    results = [json.loads(Path(o).read_text()) for o in outs]
+    results = [json.loads(Path(o).read_text()) if Path(o).exists() else
+               {"error": f"follower process {i} wrote nothing (exit code {p.exitcode})", "applied": [], "exact": [False]}
+               for i, (o, p) in enumerate(zip(outs, procs))]
+    errors = [r["error"] for r in results if "error" in r]
     latencies = [t - committed[s] for r in results for f in r["applied"] for s, t in f if s in committed]
     exact = [e for r in results for e in r["exact"]]
     steps = src_only(step_requests)
@@ -162,6 +178,7 @@ def run(server, n: int, mode: str, args: argparse.Namespace, work: Path) -> dict
         "latency_p99_s": round(float(np.percentile(latencies, 99)), 3) if latencies else None,
         "applied": len(latencies), "expected_applied": n * args.steps if mode != "baseline" else 0,
         "all_exact": all(exact) if mode != "baseline" else None,
+        "errors": errors,
     }
     print(json.dumps(row), flush=True)
     return row

@@ -318,6 +318,7 @@ class DeltaPublisher:
         tensors, aliases = named_tensors(self.source, self.names)
         coalesced = tuple(s for s in self._skipped if s < step)
         self._skipped = []
+        diffed = self._snapshot is not None  # against the bits of this publisher's last captured step
         if self._snapshot is None:
             self._snapshot = Snapshot(
                 tensors, device=self.snapshot_device, max_chunk_bytes=self.max_chunk_bytes, dtype=self.dtype
@@ -341,7 +342,9 @@ class DeltaPublisher:
         if kind == "anchor":
             job.anchor_tensors = {n: t.to("cpu", copy=True) for n, t in self._snapshot.tensors.items()}
             self._since_anchor = 0
-            if self._last_captured is not None and self.anchor_deltas:  # the diff ran: ship it beside the anchor
+            # the diff ran against what this publisher captured last: ship it beside the anchor (a resumed or
+            # new publisher's first anchor has nothing to diff against: the stream's last step is another's bits)
+            if diffed and self._last_captured is not None and self.anchor_deltas:
                 job.changes, job.delta_base = [c for c in changes if c.changed], self._last_captured
         else:
             job.changes = [c for c in changes if c.changed]
