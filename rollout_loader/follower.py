@@ -184,6 +184,8 @@ class Follower:
         self._stream_seen = False  # stream.json (or a step) was seen: an empty listing is a quiet stream
         self._sync_lock = threading.Lock()  # one sync at a time (thread and caller)
         self._stop = threading.Event()
+        self._poke = threading.Event()  # wakes the thread: stop(), or a caller began to wait for a step
+        self._waiters = 0  # callers in wait_for (under _changed)
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
         self.metrics_server: MetricsServer | None = None
@@ -341,20 +343,25 @@ class Follower:
     def wait_for(self, step: int, *, timeout_s: float = 60.0) -> int:
         """Block until the target holds ``step`` or later; returns the step it holds.
 
-        With ``start()`` the thread does the work; without, this syncs in the caller's thread, retrying
-        failures like the thread does. Raises ``FollowError`` (from the error) once the follower stopped on
+        With ``start()`` the thread does the work, polling every ``poll_s`` while anyone waits; without, this
+        syncs in the caller's thread, retrying failures like the thread does. Raises ``FollowError`` (from the error) once the follower stopped on
         a permanent error, ``WaitTimeoutError`` (from the last error, if any) at the deadline.
         """
         deadline = time.monotonic() + timeout_s
         if self._thread is None:
             return self._wait_here(step, deadline, timeout_s)
         with self._changed:
-            while not self._holds(step):
-                self._raise_if_stopped(step)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._timed_out(step, timeout_s)
-                self._changed.wait(min(left, 0.05))
+            self._waiters += 1  # someone waits for a step: the thread polls every poll_s meanwhile
+            self._poke.set()
+            try:
+                while not self._holds(step):
+                    self._raise_if_stopped(step)
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self._timed_out(step, timeout_s)
+                    self._changed.wait(min(left, 0.05))
+            finally:
+                self._waiters -= 1
         return self.target.step  # type: ignore[return-value]
 
     def _wait_here(self, step: int, deadline: float, timeout_s: float) -> int:
@@ -366,7 +373,7 @@ class Follower:
                 if latest is not None and latest >= step:
                     self.sync(latest)
                     continue
-                delay = self.watch.delay()
+                delay = min(self.poll_s, self.watch.delay())  # the caller waits: poll at the fast period
             except Exception as e:
                 if e is not self.last_error:  # not recorded by sync (listing the store failed)
                     self._at_step = None
@@ -406,6 +413,7 @@ class Follower:
         """Follow in a background thread (again after ``stop()`` or a permanent error)."""
         if not self.running:
             self._stop.clear()
+            self._poke.clear()
             self.stopped_by = None
             self._thread = threading.Thread(target=self._run, name="deltasync-follower", daemon=True)
             self._thread.start()
@@ -416,6 +424,7 @@ class Follower:
     def stop(self) -> None:
         """Stop the background thread (waits for the step in progress)."""
         self._stop.set()
+        self._poke.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             atexit.unregister(self._halt)
@@ -446,6 +455,7 @@ class Follower:
 
     def _halt(self) -> None:
         self._stop.set()
+        self._poke.set()
         thread = self._thread
         if thread is not None:
             thread.join(timeout=max(10.0, 2 * self.poll_s))
@@ -455,7 +465,8 @@ class Follower:
             try:
                 self.sync()
                 self.heartbeat()
-                delay = self.watch.delay()
+                # while a caller waits for a step, poll at the fast period; otherwise by the stream's cadence
+                delay = min(self.poll_s, self.watch.delay()) if self._waiters else self.watch.delay()
             except Exception as e:  # recorded and logged by sync
                 if isinstance(e, PERMANENT_ERRORS):
                     self.stopped_by = e
@@ -470,7 +481,8 @@ class Follower:
                 with self._changed:
                     self._changed.notify_all()
                 raise
-            self._stop.wait(delay)
+            self._poke.wait(delay)  # a stop or a new waiter ends the wait early
+            self._poke.clear()
 
 
 def _last_pause_s(target: Target) -> float | None:
