@@ -211,8 +211,8 @@ class StreamReader:
         plain: tuple[list[int], int] | None = None  # the chain from the nearest anchor and its bytes
         s: int | None = step
         while s is not None and s != start:
-            if start is not None and s < start or plain is not None and len(out) - len(plain[0]) >= max_walk:
-                break  # went past the step held, or too far: no (short) path from it
+            if plain is not None and (start is not None and s < start or len(out) - len(plain[0]) >= max_walk):
+                break  # past the step held, or too far: no (short) path from it; the nearest anchor serves
             try:
                 m = self.manifest(s)
             except StepNotFoundError as e:

@@ -22,7 +22,7 @@ def _doc_json_blocks() -> list[dict]:
 
 
 def test_format_doc_examples_parse():
-    header, manifest, manifest_v2 = _doc_json_blocks()
+    header, manifest, anchor, manifest_v2 = _doc_json_blocks()
     header["state_checksum"] = "0" * 64
     for t in header["tensors"].values():
         t["checksum"] = t["checksum"] if len(t["checksum"]) == 18 else "0x" + "0" * 16
@@ -33,6 +33,11 @@ def test_format_doc_examples_parse():
 
     manifest["object_sha256"] = manifest["state_checksum"] = "0" * 64
     assert Manifest.from_json(json.dumps(manifest), where="FORMAT.md").step == 12
+    # section 5: an anchor step that carries its own delta from the step before it
+    anchor["object_sha256"] = anchor["state_checksum"] = "0" * 64
+    anchor["delta"]["object_sha256"] = anchor["delta"]["object_sha256"].rstrip("…").ljust(64, "0")
+    a = Manifest.from_json(json.dumps(anchor), where="FORMAT.md")
+    assert a.kind == "anchor" and a.delta is not None and a.as_delta().base_step == 19 and a.as_delta().kind == "delta"
     # section 5b: a multi-part step's manifest (version 2) lists its parts and their element ranges
     manifest_v2["state_checksum"] = "0" * 64
     for p in manifest_v2["parts"]:
