@@ -46,9 +46,6 @@ def _followers(url: str, options: dict, n: int, run_s: float, legacy: bool, out:
     "exact": [...]} to ``out``."""
     import torch
 
-    from deltasync import StreamReader
-    from rollout_loader import Follower, StateDictTarget
-
     torch.set_num_threads(1)
     try:
         _run_followers(url, options, n, run_s, legacy, out)
@@ -212,8 +209,8 @@ def main() -> None:
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\n| followers | mode | idle requests / follower-minute | source requests / step | source MB / step | "
-          f"publish->applied p50 / p99 | applied | exact |")
+    print("\n| followers | mode | idle requests / follower-minute | source requests / step | source MB / step | "
+          "publish->applied p50 / p99 | applied | exact |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         mb = "-" if r["source_bytes_per_step"] is None else f"{r['source_bytes_per_step'] / 1e6:.2f}"

@@ -262,7 +262,7 @@ def test_a_caught_up_follower_never_downloads_an_anchor(tmp_path):
     follower = Follower(url, StateDictTarget())
     got: list[str] = []
     transport = follower.reader.store.transport
-    get, local_path = transport.get, transport.local_path
+    local_path = transport.local_path
 
     def seen(key, **kw):  # every object the follower reads (a local store reads in place)
         got.append(key.rsplit("/", 1)[-1])
