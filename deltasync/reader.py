@@ -115,10 +115,11 @@ class StreamReader:
     def latest_step(self) -> int | None:
         return self.store.latest_step()
 
-    def manifest(self, step: int) -> Manifest:
+    def manifest(self, step: int, *, nearby: bool = True) -> Manifest:
+        """Step ``step``'s manifest, read once and kept (see ``Store.manifest`` for ``nearby``)."""
         m = self._manifests.get(step)
         if m is None:
-            m = self.store.manifest(step)
+            m = self.store.manifest(step, nearby=nearby)
             if len(self._manifests) >= 4096:
                 self._manifests.pop(next(iter(self._manifests)))
             self._manifests[step] = m

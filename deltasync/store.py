@@ -252,10 +252,16 @@ class Store(Retrying):
                 out.append(int(m.group(1)))
         return sorted(out)
 
-    def latest_hint(self) -> LatestHint:
-        """``latest.json`` as written after the newest commit (one small read); ``FileNotFoundError`` where
-        there is none, ``FormatError`` when it is damaged. A hint: readers trust manifests."""
-        return self.read_document(LATEST, LatestHint)
+    def latest_hint(self) -> LatestHint | None:
+        """``latest.json`` as written after the newest commit (one small read); None where there is none or it
+        is damaged (logged): a hint, readers trust manifests."""
+        try:
+            return self.read_document(LATEST, LatestHint)
+        except FileNotFoundError:
+            return None
+        except FormatError as e:
+            log.warning("%s: ignoring the latest hint: %s", self.url, str(e))
+            return None
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None for an empty stream. Uses the hint, then checks for newer.
@@ -263,13 +269,8 @@ class Store(Retrying):
         Writers never trust this (they list manifests): a hint can be stale or damaged. Followers use
         :class:`deltasync.watch.StepWatch`, which costs one request per poll.
         """
-        try:
-            hint: int | None = self.latest_hint().step
-        except FileNotFoundError:
-            hint = None
-        except FormatError as e:
-            log.warning("%s: ignoring the latest hint: %s", self.url, str(e))
-            hint = None
+        latest = self.latest_hint()
+        hint = None if latest is None else latest.step
         if hint is not None and hint < MAX_STEP and self.exists(f"{step_dir(hint)}/{MANIFEST}") and not self.exists(
             f"{step_dir(hint + 1)}/{MANIFEST}"
         ):

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from deltasync.errors import ConfigError, FormatError, StepNotFoundError
+from deltasync.errors import ConfigError, StepNotFoundError
 from deltasync.format.documents import LatestHint
 
 if TYPE_CHECKING:
@@ -32,7 +32,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PollPolicy", "StepWatch"]
+__all__ = ["PollPolicy", "StepWatch", "retry_delay_s"]
+
+
+def retry_delay_s(failures: int, *, poll_s: float, max_s: float, rng: random.Random | None = None) -> float:
+    """Seconds to wait after ``failures`` failed attempts in a row: doubling from ``poll_s``, capped at
+    ``max_s``, with jitter (uniform in the upper half) so that many followers of one stream spread out."""
+    ceiling = min(max_s, poll_s * 2.0 ** min(max(failures - 1, 0), 64))
+    return max(poll_s, min(ceiling, (rng or random).uniform(ceiling / 2, ceiling)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +114,7 @@ class StepWatch:
         is due."""
         self.polls += 1
         now = self._clock()
-        hint = self._read_hint()
+        hint = self.reader.store.latest_hint()
         if hint is not None and hint.step == self._refused:
             hint = None  # it named a step that is not committed: unusable until it changes
         listed: int | None = None
@@ -116,7 +123,7 @@ class StepWatch:
             list_now = True  # no usable hint: list, but not on every poll
         if hint is not None and not list_now and (self._known is None or hint.step > self._known):
             try:
-                self.reader.manifest(hint.step)  # committed? (the follower reads it next anyway)
+                self.reader.manifest(hint.step, nearby=False)  # committed? (the follower reads it next anyway)
             except StepNotFoundError:
                 log.info("%s: latest.json names step %d, which is not committed: listing", self.reader.url, hint.step)
                 self._refused, hint, list_now = hint.step, None, True
@@ -146,21 +153,16 @@ class StepWatch:
             d = p.fast_s  # the next step is due: poll fast
         else:
             d, self._period = self._period, min(p.idle_max_s, self._period * p.backoff)
-        throttled = getattr(self.reader.store, "throttle_s", None)
-        wait = throttled() if callable(throttled) else 0.0
-        d = max(d, wait)
+        d = max(d, self.reader.store.throttle_s())
         return max(0.001, d * (1.0 + self._rng.uniform(-p.jitter, p.jitter)))
 
-    # --- internals ---
+    def retry_delay(self, failures: int, *, max_s: float) -> float:
+        """Seconds to wait after ``failures`` failed polls in a row (:func:`retry_delay_s` from ``fast_s`` up to
+        ``max_s``), at least as long as the store asked to be left alone."""
+        wait = retry_delay_s(failures, poll_s=self.policy.fast_s, max_s=max_s, rng=self._rng)
+        return max(wait, self.reader.store.throttle_s())
 
-    def _read_hint(self) -> LatestHint | None:
-        try:
-            return self.reader.store.latest_hint()
-        except FileNotFoundError:
-            return None
-        except FormatError as e:
-            log.warning("%s: ignoring the latest hint: %s", self.reader.url, str(e))
-            return None
+    # --- internals ---
 
     def _arrived(self, step: int, now: float, hint: LatestHint | None) -> None:
         """A newer step was seen: when the next one is due, from the writer's cadence in ``latest.json``.

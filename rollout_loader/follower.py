@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import random
 import threading
 import time
 import traceback
@@ -107,13 +106,6 @@ stream yet (``StreamNotFoundError``: the publisher may not have started), a dama
 crashed, a bug in ``on_step``."""
 
 
-def retry_delay_s(failures: int, *, poll_s: float, max_s: float, rng: random.Random | None = None) -> float:
-    """Seconds to wait after ``failures`` failed attempts in a row: doubling from ``poll_s``, capped at
-    ``max_s``, with jitter (uniform in the upper half) so that many followers of one stream spread out."""
-    ceiling = min(max_s, poll_s * 2.0 ** min(max(failures - 1, 0), 64))
-    return max(poll_s, min(ceiling, (rng or random).uniform(ceiling / 2, ceiling)))
-
-
 class Follower:
     """Keep ``target`` at the newest committed step of the stream at ``url``.
 
@@ -128,7 +120,7 @@ class Follower:
     Failures: every exception is recorded in ``last_error``, with the step it happened at in
     ``last_error_step`` (None when no step was being applied, e.g. listing the store failed); both are
     cleared by the next success. The thread never dies from one failure: it retries after
-    ``retry_delay_s`` (``poll_s`` doubling up to ``max_backoff_s``), logging each distinct error once. An
+    ``deltasync.watch.retry_delay_s`` (``poll_s`` doubling up to ``max_backoff_s``), logging each distinct error once. An
     error in ``PERMANENT_ERRORS`` stops it; ``wait_for`` then raises ``FollowError`` from that error, and
     on its deadline ``WaitTimeoutError`` from the last error. ``sync()`` raises the error itself.
 
@@ -381,8 +373,7 @@ class Follower:
                 if isinstance(e, PERMANENT_ERRORS):
                     self.stopped_by = e
                     self._raise_if_stopped(step)
-                delay = max(retry_delay_s(self.failures, poll_s=self.poll_s, max_s=self.max_backoff_s),
-                            self.reader.store.throttle_s())
+                delay = self.watch.retry_delay(self.failures, max_s=self.max_backoff_s)
             left = deadline - time.monotonic()
             if left <= 0:
                 self._timed_out(step, timeout_s)
@@ -473,8 +464,7 @@ class Follower:
                     with self._changed:
                         self._changed.notify_all()
                     return
-                delay = max(retry_delay_s(self.failures, poll_s=self.poll_s, max_s=self.max_backoff_s),
-                            self.reader.store.throttle_s())
+                delay = self.watch.retry_delay(self.failures, max_s=self.max_backoff_s)
             except BaseException as e:  # SystemExit and the like end the thread: say why first
                 self.stopped_by = self.last_error = e
                 log.error("follower: stopped by %s", type(e).__name__)

@@ -9,7 +9,8 @@ from deltasync import DeltaPublisher
 from deltasync.errors import CorruptObjectError, DeltaSyncError, TensorMismatchError, WaitTimeoutError
 from deltasync.store import step_dir
 from rollout_loader import Follower, StateDictTarget
-from rollout_loader.follower import FollowError, retry_delay_s
+from deltasync.watch import retry_delay_s
+from rollout_loader.follower import FollowError
 from tests.conftest import states_equal
 from tests.test_publisher import train
 

@@ -17,11 +17,11 @@ own retention (``deltasync gc`` there, which respects its own consumers' heartbe
 from __future__ import annotations
 
 import logging
-import random
 import shutil
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,7 @@ from deltasync.errors import (
 from deltasync.history.checkpoints import read_model_file_index, read_model_files, write_model_files
 from deltasync.reader import StreamReader
 from deltasync.scratch import ScratchFolder
-from deltasync.store import Store
+from deltasync.store import Manifest, Part, Store
 from deltasync.watch import PollPolicy, StepWatch
 
 log = logging.getLogger(__name__)
@@ -144,33 +144,33 @@ def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder) 
     m = source.manifest(step, nearby=False)
     objects = [(m, part) for part in m.objects]
     if m.delta is not None:  # an anchor's own delta: a second object of the step (docs/FORMAT.md section 5)
-        objects.append((m.as_delta(), m.as_delta().objects[0]))
-    nbytes = 0
-    local = []
-    for manifest, part in objects:
-        path = source.fetch_object(manifest, part=part)  # checked: size and SHA-256
-        copy = scratch.path / f"{step}-{part.object}"
-        shutil.copyfile(path, copy)  # a local destination takes files over (moves them): never the source's own
-        local.append((part, copy))
-        nbytes += part.object_bytes
-        source.release_object(manifest, part)
+        own = m.as_delta()
+        objects.append((own, own.objects[0]))
+    held: list[tuple[Manifest, Part]] = []
+    local: list[tuple[Part, Path]] = []
+    made: list[Path] = []
     try:
-        extra = local[len(m.objects):]
-        for part, copy in extra:  # before the manifest, like the step's own objects
-            target.put_part(step, part, copy)
-        if m.is_multipart:
-            for part, copy in local[: len(m.objects)]:
-                target.put_part(step, part, copy)
-            target.commit(m, None)
-        else:
-            target.commit(m, local[0][1])
+        for manifest, part in objects:
+            path = source.fetch_object(manifest, part=part, hold=True)  # checked: size and SHA-256
+            held.append((manifest, part))
+            if target.is_local:  # a local destination takes files over (moves them): hand it a copy of its own
+                made.append(scratch.path / f"{step}-{part.object}")
+                shutil.copyfile(path, made[-1])
+                path = made[-1]
+            local.append((part, path))
+        # every object before the manifest: the step's parts, or the anchor's own delta beside its object
+        for part, path in local if m.is_multipart else local[1:]:
+            target.put_part(step, part, path)
+        target.commit(m, None if m.is_multipart else local[0][1])
     except StepExistsError:
         _same_step(source, target, step, m)
         return None
     finally:
-        for _, copy in local:
-            copy.unlink(missing_ok=True)
-    return nbytes
+        for manifest, part in held:
+            source.release_object(manifest, part)
+        for path in made:
+            path.unlink(missing_ok=True)
+    return sum(part.object_bytes for part, _ in local)
 
 
 def _same_step(source: Store, target: Store, step: int, manifest: Any = None) -> None:
@@ -213,8 +213,7 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
                 failures += 1
                 if on_error is not None:
                     on_error(e)
-                ceiling = min(60.0, watch.policy.fast_s * 2.0 ** min(failures, 16))
-                delay = max(random.uniform(ceiling / 2, ceiling), reader.store.throttle_s())
+                delay = watch.retry_delay(failures, max_s=60.0)
             if until is not None and done is not None and done >= until:
                 break
             stop.wait(delay)

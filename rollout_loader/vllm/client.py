@@ -59,6 +59,31 @@ def _missing_method(text: str) -> str | None:
     return (m.group(1) or m.group(2)) if m else None
 
 
+def _relayed(where: str, text: str, *, engine: str, setup: str) -> EngineError | None:
+    """What a worker's error means, from the text vLLM relays (``None``: not one of these): a vLLM engine
+    without a weight-transfer engine (``setup`` says how to give it one), or the deltasync engine's own
+    error, named by its class (:func:`rollout_loader.vllm.engine._named`): permanent ones an
+    ``EngineConfigError``, the others an ``EngineError``. ``engine`` names the engine in the message."""
+    if _NOT_CONFIGURED in text:
+        return EngineConfigError(f"{where}: {engine} has no weight-transfer engine: {setup}")
+    remote = _REMOTE_ERROR.search(text)
+    if remote is None:
+        return None
+    kind, verb = (EngineConfigError, "refused") if remote.group(1) in PERMANENT_REMOTE else (EngineError, "failed")
+    return kind(f"{where}: {engine}'s deltasync engine {verb}: {remote.group(1)}: {' '.join(remote.group(2)[:600].split())}")
+
+
+def _step_of(version: Any) -> int | None:
+    """The step a weight version names (None: one that names none, such as vLLM's ``"default"``)."""
+    return int(version) if isinstance(version, str) and version.isdigit() else None
+
+
+def _init_info(url: str, storage_options: dict[str, Any] | None, verify: str, mode: str, step: int | None) -> dict:
+    """``init_weight_transfer_engine``'s request for the deltasync engine (rollout_loader/vllm/engine.py)."""
+    return {"init_info": {"url": url, "storage_options": storage_options or {}, "verify": verify, "mode": mode,
+                          "step": step}}
+
+
 def combine_status(ranks: list[Any], *, where: str) -> dict[str, Any]:
     """One status from every rank's ``deltasync_transfer_status`` reply (:mod:`rollout_loader.vllm.worker`): the
     held step every rank agrees on, per step ``"rdma"`` only if every rank read it over NIXL (else the first
@@ -164,28 +189,18 @@ class HttpWeightTransfer:
     def resume(self) -> None:
         self._post("/resume")
 
-
-
     def _refusal(self, url: str, route: str, status: int, text: str) -> EngineError:
         if status == 404 and route in WEIGHT_ROUTES:
             return EngineConfigError(
                 f"{url}: HTTP 404, the server has no {route} endpoint: start the vLLM server with {DEV_MODE_ENV}=1 "
                 f"(it enables vLLM's weight-transfer routes); is {self.base_url} a vLLM server?"
             )
-        remote = _REMOTE_ERROR.search(text)
         if "Invalid init_info" in text or "Invalid update_info" in text:  # vLLM's words for unknown keys
             return EngineConfigError(f"{url}: HTTP {status}: {' '.join(text[:600].split())}")
-        if remote and remote.group(1) in PERMANENT_REMOTE:
-            return EngineConfigError(f"{url}: the server's deltasync engine refused: {remote.group(1)}: "
-                                     f"{' '.join(remote.group(2)[:600].split())}")
-        if remote:
-            return EngineError(f"{url}: the server's deltasync engine failed: {remote.group(1)}: "
-                               f"{' '.join(remote.group(2)[:600].split())}")
-        if _NOT_CONFIGURED in text:
-            return EngineConfigError(
-                f"{url}: the server has no weight-transfer engine: start it with --weight-transfer-config "
-                f"'{WEIGHT_TRANSFER_CONFIG}'"
-            )
+        relayed = _relayed(url, text, engine="the server",
+                           setup=f"start it with --weight-transfer-config '{WEIGHT_TRANSFER_CONFIG}'")
+        if relayed is not None:
+            return relayed
         missing = _missing_method(text) if route == "/collective_rpc" else None
         if missing:
             return EngineConfigError(f"{url}: the server's workers have no method {missing!r}: start the server with "
@@ -203,15 +218,13 @@ class HttpWeightTransfer:
     def held_step(self) -> int | None:
         """The step the server holds, from its weight version (None: a version that names no step, such as
         vLLM's ``"default"`` of a server that was never updated)."""
-        version = self.weight_version()
-        return int(version) if version.isdigit() else None
+        return _step_of(self.weight_version())
 
     def init(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "incremental",
              mode: str = "auto", step: int | None = None) -> None:
         """``/init_weight_transfer_engine``: point the server's deltasync engine at a stream (again: a no-op
         that keeps the step it holds). ``step``: what the server's weights are, if it holds no step yet."""
-        info = {"url": url, "storage_options": storage_options or {}, "verify": verify, "mode": mode, "step": step}
-        self._post("/init_weight_transfer_engine", {"init_info": info})
+        self._post("/init_weight_transfer_engine", _init_info(url, storage_options, verify, mode, step))
 
     def _start(self) -> None:
         """``/start_weight_update``; a session left open by a client that died mid-update is closed first."""
@@ -271,28 +284,21 @@ class LocalWeightTransfer:
         except DeltaSyncError:
             raise
         except Exception as e:
-            if _NOT_CONFIGURED in str(e):
-                raise EngineConfigError(
-                    f"{method}: the vLLM engine has no weight-transfer engine: create it with "
-                    f"LLM(..., weight_transfer_config={WEIGHT_TRANSFER_CONFIG}) or rollout_loader.vllm.start_engine"
-                ) from e
-            remote = _REMOTE_ERROR.search(str(e))
-            if remote is None:
+            relayed = _relayed(method, str(e), engine="the vLLM engine", setup=(
+                f"create it with LLM(..., weight_transfer_config={WEIGHT_TRANSFER_CONFIG}) or "
+                "rollout_loader.vllm.start_engine"))
+            if relayed is None:
                 raise
-            kind = EngineConfigError if remote.group(1) in PERMANENT_REMOTE else EngineError
-            raise kind(f"{method}: the engine's deltasync engine failed: {remote.group(1)}: "
-                       f"{' '.join(remote.group(2)[:600].split())}") from e
+            raise relayed from e
 
     def held_step(self) -> int | None:
         """The step the engine holds, from its weight version (None: one that names no step)."""
-        version = self._call("get_weight_version")
-        return int(version) if isinstance(version, str) and version.isdigit() else None
+        return _step_of(self._call("get_weight_version"))
 
     def init(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "incremental",
              mode: str = "auto", step: int | None = None) -> None:
         """``init_weight_transfer_engine``: point the engine at a stream (see :meth:`HttpWeightTransfer.init`)."""
-        info = {"url": url, "storage_options": storage_options or {}, "verify": verify, "mode": mode, "step": step}
-        self._call("init_weight_transfer_engine", {"init_info": info})
+        self._call("init_weight_transfer_engine", _init_info(url, storage_options, verify, mode, step))
 
     def update(self, step: int) -> None:
         """Bring the engine to ``step``, verified, with version ``str(step)``; on a failure it keeps its step."""
