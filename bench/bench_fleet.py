@@ -196,18 +196,20 @@ def main() -> None:
     from tests.integration.seaweedfs import SeaweedFS
 
     work = Path(tempfile.mkdtemp(prefix="deltasync-bench-fleet-"))
-    (work / "weed").mkdir()
-    server = SeaweedFS(work / "weed")
-    server.start()
+    server = None
     rows = []
-    try:
+    try:  # the work folder goes however the run ends, a server that failed to start too
+        (work / "weed").mkdir()
+        server = SeaweedFS(work / "weed")
+        server.start()
         for n in args.baseline_fleet:
             rows.append(run(server, n, "baseline", args, work))
         for n in args.fleet:
             rows.append(run(server, n, "direct", args, work))
             rows.append(run(server, n, "mirrored", args, work))
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
         shutil.rmtree(work, ignore_errors=True)
     print("\n| followers | mode | idle requests / follower-minute | source requests / step | source MB / step | "
           "publish->applied p50 / p99 | applied | exact |")

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from deltasync_cli import app
 from deltasync.errors import PublishError, WriterConflictError
 from deltasync.scratch import ScratchFolder
 from tests.conftest import LEAK_PREFIX, leftovers
+from tests.http_server import serving
 from tests.remote_cli import register, remote_url
 from tests.test_publisher import train
 
@@ -261,13 +261,8 @@ def busy_server():
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-    thread.join()
+    with serving(Handler) as url:
+        yield url
 
 
 def test_ctrl_c_stops_follow_and_leaves_nothing(qwen_stream, tmp_path, busy_server):

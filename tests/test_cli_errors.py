@@ -15,10 +15,9 @@ import logging
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -36,6 +35,7 @@ from deltasync.errors import (
     StoreUnreachableError,
 )
 from deltasync.store import Store
+from tests.http_server import serving
 
 
 def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
@@ -411,16 +411,9 @@ def http_stub(replies: dict[str, tuple[int, object]]) -> Iterator[Stub]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    stub = Stub(f"http://127.0.0.1:{server.server_port}")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    stub = Stub("")
+    with serving(Handler) as stub.url:
         yield stub
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 # what vLLM 0.32 answers (tests/integration/test_vllm_server_errors.py checks these against real servers)

@@ -6,10 +6,9 @@ No vLLM needed; the engine's init/update info checks import vLLM and are skipped
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import torch
 from deltasync import ConfigError, DeltaPublisher, EngineConfigError, EngineError, EngineUnreachableError
 from rollout_loader import Follower
 from rollout_loader.vllm import HttpWeightTransfer, LocalWeightTransfer, VllmTarget
+from tests.http_server import serving
 from tests.test_cli_errors import closed_port
 
 _WORKER_FAILED = ("Call to collective_rpc method failed: Worker failed with error '{}', please check the stack trace "
@@ -76,15 +76,8 @@ def fake_server() -> Iterator[tuple[FakeServer, str]]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield fake, f"http://127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with serving(Handler) as url:
+        yield fake, url
 
 
 def test_an_update_is_pause_start_update_finish_reset_resume():
