@@ -288,6 +288,11 @@ class AnchorDelta:
     object_bytes: Annotated[int, msgspec.Meta(ge=8, le=MAX_OBJECT_BYTES)]
     object_sha256: Sha256
 
+    @property
+    def part(self) -> Part:
+        """The delta object as an object of its step (what uploads and reads take)."""
+        return Part(object=self.object, object_bytes=self.object_bytes, object_sha256=self.object_sha256)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Manifest:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 
 from deltasync.errors import DeltaSyncError, PublishError, StepOrderError
-from deltasync.format.documents import Part, check_step
+from deltasync.format.documents import check_step
 from deltasync.format.objects import Kind, TensorHeader
 from deltasync.format.patch import Patch
 from deltasync.history.checkpoints import (
@@ -432,8 +432,7 @@ class DeltaPublisher:
                 write_model_files(self.store, self._model_files)
                 self._model_files = None
             if delta is not None and delta_local is not None:  # uploaded before the manifest, like the anchor itself
-                self.store.put_part(job.step, Part(object=delta.object, object_bytes=delta.object_bytes,
-                                                   object_sha256=delta.object_sha256), delta_local)
+                self.store.put_part(job.step, delta.part, delta_local)
             # never commit after losing the stream: the lease is proven right before the manifest is written
             self.store.commit(manifest, local, owner=self.writer_id)
         finally:
