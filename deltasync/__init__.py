@@ -87,6 +87,7 @@ from deltasync.history.rebuild import (
 from deltasync.history.stats import StreamStats, layer_density, plot_stats, stream_stats
 from deltasync.history.verify import VerifyReport, verify
 from deltasync.publish.publisher import DeltaPublisher, StepMetrics
+from deltasync.node_cache import NodeCache
 from deltasync.reader import StreamReader
 from deltasync.watch import PollPolicy, StepWatch
 from deltasync.stages.apply import Replica, Verify, apply_staged, xor_apply
@@ -115,6 +116,7 @@ __all__ = [
     "register_transport",
     # consumer
     "StreamReader",
+    "NodeCache",
     "StepWatch",
     "PollPolicy",
     "Replica",

@@ -19,6 +19,7 @@ from deltasync.errors import (
 from deltasync.format.objects import StepObject
 from deltasync.format.parts import PartedObject
 from deltasync.stages.apply import Replica, Verify
+from deltasync.node_cache import NodeCache
 from deltasync.store import Manifest, Part, Store
 
 # deltas up to this size are fetched from a remote store into memory and opened from there (no cache file);
@@ -74,7 +75,9 @@ class StreamReader:
 
     From a remote store, a delta of at most ``memory_object_bytes`` (default 64 MiB) is fetched into memory
     and opened from there; anchors and larger deltas are downloaded into a cache (``cache_dir``, else a
-    temporary folder) and read from the file, which is deleted again when the object is closed. ``close()``
+    temporary folder) and read from the file, which is deleted again when the object is closed. ``node_cache``
+    (a folder or ``deltasync.NodeCache``; default ``DELTASYNC_NODE_CACHE``) shares downloads with the host's
+    other processes (deltasync/node_cache.py). ``close()``
     (or a ``with`` block) removes the cache; a reader that is dropped or still open at interpreter exit is
     cleaned up too. A reader made from a ``Store`` leaves closing that store to its owner.
     """
@@ -85,12 +88,14 @@ class StreamReader:
         *,
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | Path | None = None,
+        node_cache: NodeCache | str | Path | None = None,
         memory_object_bytes: int | None = None,
     ) -> None:
         # read when a reader is made (not when this module is imported): tests lower it to cover the cache path
         self.memory_object_bytes = MEMORY_OBJECT_BYTES if memory_object_bytes is None else memory_object_bytes
         self._owns_store = not isinstance(url, Store)
-        self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options, cache_dir=cache_dir)
+        self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options, cache_dir=cache_dir,
+                                                                 node_cache=node_cache)
         self._manifests: dict[int, Manifest] = {}  # committed manifests never change: saves a GET each
 
     @property

@@ -10,9 +10,7 @@ the URL's scheme; this module knows keys, never a backend.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import re
 import statistics
 import time
@@ -37,13 +35,14 @@ from deltasync.format.documents import (
     Manifest,
     Part,
     StreamInfo,
-    check_step,
     decode,
     encode,
 )
 from deltasync.lease import WRITER, WriterLease  # noqa: F401 - WRITER: the lease's name in the layout
+from deltasync.node_cache import NodeCache, node_cache_from_env
 from deltasync.retries import Retrying
-from deltasync.scratch import ObjectCache, plain_name
+from deltasync.scratch import plain_name
+from deltasync.store_objects import MANIFEST, StoreObjects, sha256_file, step_dir  # noqa: F401 - re-exported
 from deltasync.transports import Transport, classify_failure, open_transport, scheme_of
 from deltasync.transports.base import Entry
 
@@ -53,24 +52,13 @@ __all__ = ["Lease", "Manifest", "Part", "Store", "StreamInfo", "step_dir"]
 
 T = TypeVar("T")
 _STEP_DIR = re.compile(r"^(\d{12})$")
-MANIFEST = "manifest.json"
 LATEST = "latest.json"
 STREAM = "stream.json"
 ObjectData = Union[bytes, bytearray, memoryview, str, Path]
 """A step's object: its bytes in memory, or a local file (``str``/``Path``) that is streamed."""
 
 
-def step_dir(step: int) -> str:
-    """The folder of ``step`` (12 digits: steps 0..10**12-1; anything else is refused)."""
-    return f"steps/{check_step(step):012d}"
-
-
-def sha256_file(path: str | Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-class Store(Retrying):
+class Store(StoreObjects, Retrying):
     """A stream of steps under one URL: a local path or ``file://``, ``s3://``, ``hf://buckets/…``,
     ``memory://``, any fsspec URL, or a scheme a registered transport takes (deltasync.transports).
 
@@ -87,6 +75,7 @@ class Store(Retrying):
         *,
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | Path | None = None,
+        node_cache: NodeCache | str | Path | None = None,
         retries: int = 4,
         retry_base_s: float = 0.2,
         retry_max_s: float = 60.0,
@@ -104,6 +93,10 @@ class Store(Retrying):
         self.retry_base_s = retry_base_s
         self.retry_max_s = retry_max_s
         self._cache_dir = Path(cache_dir) if cache_dir else None
+        # shared with the host's other processes (node_cache.py): given, else DELTASYNC_NODE_CACHE; never for a
+        # local store, whose objects are read in place
+        node = NodeCache(node_cache) if isinstance(node_cache, (str, Path)) else node_cache
+        self.node_cache = None if self.is_local else node if node is not None else node_cache_from_env()
         self._lease = WriterLease(self)
         self._committed_at: float | None = None  # monotonic time of this writer's last commit
         self._gaps: list[float] = []  # its last few times between commits (seconds)
@@ -130,46 +123,6 @@ class Store(Retrying):
     def path(self, *parts: str) -> str:
         """Where ``parts`` are, in the backend's words (a file path for a local store): for messages."""
         return "/".join([self.root.rstrip("/"), *parts])
-
-    @property
-    def cache_dir(self) -> Path:
-        """Where remote objects are downloaded: ``cache_dir`` if given, else a ``deltasync-cache-*`` temp folder."""
-        return self.object_cache.folder
-
-    @property
-    def object_cache(self) -> ObjectCache:
-        """The download cache (scratch.py): objects kept while held open, the others bounded by a byte cap."""
-        cache = self.__dict__.get("_object_cache")
-        if cache is None:  # setdefault is atomic: threads fetching a chain in parallel share one cache
-            cache = self.__dict__.setdefault("_object_cache", ObjectCache(self._cache_dir))
-        return cache
-
-    @property
-    def cache_max_bytes(self) -> int:
-        """At most this many bytes of downloaded objects that nobody holds open are kept (held ones always)."""
-        return self.object_cache.max_bytes
-
-    @cache_max_bytes.setter
-    def cache_max_bytes(self, max_bytes: int) -> None:
-        self.object_cache.max_bytes = max_bytes
-
-    def release_object(self, manifest: Manifest, part: Part | None = None) -> None:
-        """A holder (``fetch_object(hold=True)``) is done with the object: deleted once nobody holds it."""
-        if not self.is_local and "_object_cache" in self.__dict__:
-            self.object_cache.release(self._cache_name(manifest, self._part(manifest, part)))
-
-    def _cache_name(self, manifest: Manifest, part: Part) -> str:
-        return f"{manifest.step:012d}-{plain_name(part.object, where=f'{self.url} step {manifest.step}')}"
-
-    @staticmethod
-    def _part(manifest: Manifest, part: Part | None) -> Part:
-        """The object meant: ``part``, or a version-1 step's only object."""
-        if part is not None:
-            return part
-        objects = manifest.objects
-        if len(objects) != 1:
-            raise ValueError(f"step {manifest.step} has {len(objects)} parts: name the one to read")
-        return objects[0]
 
     def close(self) -> None:
         """Delete every downloaded object and the cache folder this store made; also right after an error
@@ -301,88 +254,6 @@ class Store(Retrying):
         above = [s for s in steps if s > step]
         near = ", ".join(str(s) for s in ([below[-1]] if below else []) + ([above[0]] if above else []))
         return f" (nearest committed: {near}; stream holds {steps[0]}..{steps[-1]})"
-
-    def _object_key(self, manifest: Manifest, part: Part) -> str:
-        """The key of a step's object; its name comes from a store, so it must be a plain file name."""
-        return f"{step_dir(manifest.step)}/{plain_name(part.object, where=f'{self.url} step {manifest.step}')}"
-
-    def fetch_object(self, manifest: Manifest, *, part: Part | None = None, hold: bool = False) -> Path:
-        """A local path to the step's object, checked against the manifest's size and SHA-256.
-
-        Local objects are read in place. Remote ones are downloaded into the cache: with ``hold`` the
-        object stays there until ``release_object`` (``StreamReader.open`` holds it while it is open);
-        without, until the cache's byte cap or ``close()`` removes it. ``part``: which object of a multi-part
-        step (docs/FORMAT.md section 5b); a version-1 step has one.
-        """
-        part = self._part(manifest, part)
-        rel = self._object_key(manifest, part)
-        where = f"{self.url} step {manifest.step} object {part.object}"
-        local = self.transport.local_path(rel) if self.is_local else None
-        if local is not None:
-            if not local.exists():
-                raise self._missing(manifest, where)
-            self._check_object(local, part, where)
-            return local
-        name = self._cache_name(manifest, part)
-        cache = self.object_cache
-        with cache.filling(name) as path:
-            if not (path.exists() and path.stat().st_size == part.object_bytes):
-                partial = path.with_name(f"{name}.part")
-                try:
-                    self.call(f"download {rel}", lambda: self.transport.get_file(rel, partial))
-                    os.replace(partial, path)
-                except FileNotFoundError:
-                    partial.unlink(missing_ok=True)
-                    raise self._missing(manifest, where) from None
-                except BaseException:
-                    partial.unlink(missing_ok=True)  # failed or interrupted (Ctrl-C): no half file stays
-                    raise
-            try:
-                self._check_object(path, part, where)
-            except BaseException:
-                cache.discard(name)
-                raise
-            cache.add(name, hold=hold)
-        return path
-
-    def read_object(self, manifest: Manifest, *, part: Part | None = None) -> bytes:
-        """A step's object (``part`` of a multi-part step) in memory, checked against the manifest's size and
-        SHA-256 (no cache, no file). At most ``object_bytes + 1`` bytes are fetched: an oversized object
-        costs no more than that.
-        """
-        part = self._part(manifest, part)
-        rel = self._object_key(manifest, part)
-        where = f"{self.url} step {manifest.step} object {part.object}"
-        try:
-            data = self.call(f"read {rel}", lambda: self.transport.get(rel, end=part.object_bytes + 1))
-        except FileNotFoundError:
-            raise self._missing(manifest, where) from None
-        if len(data) != part.object_bytes:
-            longer = len(data) > part.object_bytes
-            raise CorruptObjectError(
-                f"{where}: {len(data)}{'+' if longer else ''} bytes, manifest says {part.object_bytes} "
-                f"({'more than it says: replaced' if longer else 'truncated or replaced'})"
-            )
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != part.object_sha256:
-            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {part.object_sha256[:16]}…")
-        return data
-
-    def _missing(self, manifest: Manifest, where: str) -> StepNotFoundError | CorruptObjectError:
-        """The error for an object that is not there: its step was collected meanwhile (no manifest either),
-        or the store lost it (the manifest is still there)."""
-        if not self.exists(f"{step_dir(manifest.step)}/{MANIFEST}"):
-            return StepNotFoundError(f"{self.url}: step {manifest.step} was collected (deleted by gc) while it was being read")
-        return CorruptObjectError(f"{where}: missing, though the step is committed")
-
-    def _check_object(self, path: Path, part: Part, where: str) -> None:
-        """The object at ``path`` has the manifest's size and SHA-256, or ``CorruptObjectError``."""
-        size = path.stat().st_size
-        if size != part.object_bytes:
-            raise CorruptObjectError(f"{where}: {size} bytes, manifest says {part.object_bytes} (truncated or replaced)")
-        digest = sha256_file(path)
-        if digest != part.object_sha256:
-            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {part.object_sha256[:16]}…")
 
     def put_object(self, manifest: Manifest, data: ObjectData, *, part: Part | None = None) -> None:
         """Upload a step's object (not a commit: ``commit`` writes the manifest after it).

@@ -198,8 +198,12 @@ class Run:
         self.procs.append(p)
         return p
 
-    def wait(self, who: str, what: Any = None, timeout_s: float = 30.0) -> Any:
-        """The next report from ``who`` (matching ``what`` when given), collecting others meanwhile."""
+    def wait(self, who: str, what: Any = None, timeout_s: float = 120.0) -> Any:
+        """The next report from ``who`` (matching ``what`` when given), collecting others meanwhile.
+
+        The timeout only guards against a hang: it includes spawning the peers (each imports torch and NIXL),
+        which on a loaded CI machine beside vLLM tests has taken over 20 s.
+        """
         deadline = time.monotonic() + timeout_s
         while True:
             for i, item in enumerate(self.got.get(who, [])):

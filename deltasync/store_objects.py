@@ -1,0 +1,192 @@
+"""Reading a step's objects out of a store: the per-process download cache, the host's node cache, and the
+size and SHA-256 checks every object passes before anyone parses it (docs/FORMAT.md section 5).
+
+A mixin of :class:`deltasync.store.Store` (split out so that the store module stays about layout and commits):
+it uses the store's ``transport``, ``call`` (retries), ``url``, ``is_local``, ``exists``, ``_cache_dir`` and
+``node_cache``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from deltasync.errors import CorruptObjectError, StepNotFoundError
+from deltasync.format.documents import Manifest, Part, check_step
+from deltasync.scratch import ObjectCache, plain_name
+
+if TYPE_CHECKING:
+    from deltasync.node_cache import NodeCache
+
+
+MANIFEST = "manifest.json"
+
+
+def step_dir(step: int) -> str:
+    """The folder of ``step`` (12 digits: steps 0..10**12-1; anything else is refused)."""
+    return f"steps/{check_step(step):012d}"
+
+
+def sha256_file(path: str | Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+class StoreObjects:
+    """Object reads of a :class:`~deltasync.store.Store`: ``fetch_object``, ``read_object``, ``release_object``."""
+
+    url: str
+    is_local: bool
+    transport: Any
+    node_cache: NodeCache | None
+    _cache_dir: Path | None
+    if TYPE_CHECKING:  # the store's, typed here for readers of this module
+
+        def call(self, what: str, fn: Any) -> Any: ...
+
+        def exists(self, rel: str) -> bool: ...
+
+    @property
+    def cache_dir(self) -> Path:
+        """Where remote objects are downloaded: ``cache_dir`` if given, else a ``deltasync-cache-*`` temp folder."""
+        return self.object_cache.folder
+
+    @property
+    def object_cache(self) -> ObjectCache:
+        """The download cache (scratch.py): objects kept while held open, the others bounded by a byte cap."""
+        cache = self.__dict__.get("_object_cache")
+        if cache is None:  # setdefault is atomic: threads fetching a chain in parallel share one cache
+            cache = self.__dict__.setdefault("_object_cache", ObjectCache(self._cache_dir))
+        return cache
+
+    @property
+    def cache_max_bytes(self) -> int:
+        """At most this many bytes of downloaded objects that nobody holds open are kept (held ones always)."""
+        return self.object_cache.max_bytes
+
+    @cache_max_bytes.setter
+    def cache_max_bytes(self, max_bytes: int) -> None:
+        self.object_cache.max_bytes = max_bytes
+
+    def release_object(self, manifest: Manifest, part: Part | None = None) -> None:
+        """A holder (``fetch_object(hold=True)``) is done with the object: deleted once nobody holds it."""
+        if not self.is_local and "_object_cache" in self.__dict__:
+            self.object_cache.release(self._cache_name(manifest, self._part(manifest, part)))
+
+    def _cache_name(self, manifest: Manifest, part: Part) -> str:
+        return f"{manifest.step:012d}-{plain_name(part.object, where=f'{self.url} step {manifest.step}')}"
+
+    @staticmethod
+    def _part(manifest: Manifest, part: Part | None) -> Part:
+        """The object meant: ``part``, or a version-1 step's only object."""
+        if part is not None:
+            return part
+        objects = manifest.objects
+        if len(objects) != 1:
+            raise ValueError(f"step {manifest.step} has {len(objects)} parts: name the one to read")
+        return objects[0]
+
+    def _object_key(self, manifest: Manifest, part: Part) -> str:
+        """The key of a step's object; its name comes from a store, so it must be a plain file name."""
+        return f"{step_dir(manifest.step)}/{plain_name(part.object, where=f'{self.url} step {manifest.step}')}"
+
+    def fetch_object(self, manifest: Manifest, *, part: Part | None = None, hold: bool = False) -> Path:
+        """A local path to the step's object, checked against the manifest's size and SHA-256.
+
+        Local objects are read in place. Remote ones are downloaded into the cache: with ``hold`` the
+        object stays there until ``release_object`` (``StreamReader.open`` holds it while it is open);
+        without, until the cache's byte cap or ``close()`` removes it. ``part``: which object of a multi-part
+        step (docs/FORMAT.md section 5b); a version-1 step has one.
+        """
+        part = self._part(manifest, part)
+        rel = self._object_key(manifest, part)
+        where = f"{self.url} step {manifest.step} object {part.object}"
+        local = self.transport.local_path(rel) if self.is_local else None
+        if local is not None:
+            if not local.exists():
+                raise self._missing(manifest, where)
+            self._check_object(local, part, where)
+            return local
+        name = self._cache_name(manifest, part)
+        cache = self.object_cache
+        with cache.filling(name) as path:
+            try:
+                if path.exists() and path.stat().st_size == part.object_bytes:
+                    self._check_object(path, part, where)
+                elif self.node_cache is not None:  # linked from the host's cache, or downloaded once for the host
+                    self.node_cache.fetch(part.object_sha256, part.object_bytes, path,
+                                          lambda dest: self._download(rel, dest, manifest, where),
+                                          lambda dest: self._check_object(dest, part, where))
+                else:
+                    self._download(rel, path, manifest, where)
+                    self._check_object(path, part, where)
+            except BaseException:
+                cache.discard(name)
+                raise
+            cache.add(name, hold=hold)
+        return path
+
+    def _download(self, rel: str, path: Path, manifest: Manifest, where: str) -> None:
+        """``rel`` into ``path``, whole or not at all (a failed or interrupted download leaves no half file)."""
+        partial = path.with_name(f"{path.name}.part")
+        try:
+            self.call(f"download {rel}", lambda: self.transport.get_file(rel, partial))
+            os.replace(partial, path)
+        except FileNotFoundError:
+            partial.unlink(missing_ok=True)
+            raise self._missing(manifest, where) from None
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+
+    def read_object(self, manifest: Manifest, *, part: Part | None = None) -> bytes:
+        """A step's object (``part`` of a multi-part step) in memory, checked against the manifest's size and
+        SHA-256 (no cache, no file). At most ``object_bytes + 1`` bytes are fetched: an oversized object
+        costs no more than that.
+        """
+        part = self._part(manifest, part)
+        rel = self._object_key(manifest, part)
+        where = f"{self.url} step {manifest.step} object {part.object}"
+
+        def download() -> bytes:
+            try:
+                return self.call(f"read {rel}", lambda: self.transport.get(rel, end=part.object_bytes + 1))
+            except FileNotFoundError:
+                raise self._missing(manifest, where) from None
+
+        if self.node_cache is not None:
+            return self.node_cache.read(part.object_sha256, part.object_bytes, download,
+                                        lambda data: self._check_bytes(data, part, where))
+        data = download()
+        self._check_bytes(data, part, where)
+        return data
+
+    def _check_bytes(self, data: bytes, part: Part, where: str) -> None:
+        """``data`` has the manifest's size and SHA-256, or ``CorruptObjectError``."""
+        if len(data) != part.object_bytes:
+            longer = len(data) > part.object_bytes
+            raise CorruptObjectError(
+                f"{where}: {len(data)}{'+' if longer else ''} bytes, manifest says {part.object_bytes} "
+                f"({'more than it says: replaced' if longer else 'truncated or replaced'})"
+            )
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != part.object_sha256:
+            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {part.object_sha256[:16]}…")
+
+    def _missing(self, manifest: Manifest, where: str) -> StepNotFoundError | CorruptObjectError:
+        """The error for an object that is not there: its step was collected meanwhile (no manifest either),
+        or the store lost it (the manifest is still there)."""
+        if not self.exists(f"{step_dir(manifest.step)}/{MANIFEST}"):
+            return StepNotFoundError(f"{self.url}: step {manifest.step} was collected (deleted by gc) while it was being read")
+        return CorruptObjectError(f"{where}: missing, though the step is committed")
+
+    def _check_object(self, path: Path, part: Part, where: str) -> None:
+        """The object at ``path`` has the manifest's size and SHA-256, or ``CorruptObjectError``."""
+        size = path.stat().st_size
+        if size != part.object_bytes:
+            raise CorruptObjectError(f"{where}: {size} bytes, manifest says {part.object_bytes} (truncated or replaced)")
+        digest = sha256_file(path)
+        if digest != part.object_sha256:
+            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {part.object_sha256[:16]}…")

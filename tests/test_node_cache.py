@@ -1,0 +1,182 @@
+"""The host's shared download cache (deltasync/node_cache.py): each object fetched once per host, by real
+processes at once; bounded in bytes; nothing found there is trusted; a bad configuration is refused.
+
+The multi-reader S3 case (object GETs counted at a proxy in front of SeaweedFS) is in
+tests/integration/test_follow_requests.py."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+
+import deltasync.reader
+from deltasync import ConfigError, CorruptObjectError, DeltaPublisher, NodeCache, StreamReader
+from deltasync.node_cache import node_cache_from_env
+from deltasync.store import step_dir
+from tests.conftest import states_equal
+from tests.test_publisher import train
+
+CTX = mp.get_context("spawn")
+
+
+def _fetch_in_process(folder: str, digest: str, payload: bytes, dest: str, log: str, go) -> None:
+    """One process of the host: wait for the others, then fetch the object (slowly), recording each download."""
+    cache = NodeCache(folder, max_bytes=1 << 20)
+
+    def download(path: Path) -> None:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        import time
+
+        time.sleep(0.3)  # long enough for every other process to arrive meanwhile
+        path.write_bytes(payload)
+
+    def check(path: Path) -> None:
+        if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+            raise CorruptObjectError("bad bytes")
+
+    go.wait(60)
+    cache.fetch(digest, len(payload), Path(dest), download, check)
+
+
+def test_processes_of_one_host_download_an_object_once(tmp_path):
+    payload = os.urandom(100_000)
+    digest = hashlib.sha256(payload).hexdigest()
+    log = tmp_path / "downloads.log"
+    go = CTX.Event()
+    procs = [CTX.Process(target=_fetch_in_process,
+                         args=(str(tmp_path / "node"), digest, payload, str(tmp_path / f"dest{i}"), str(log), go))
+             for i in range(4)]
+    for p in procs:
+        p.start()
+    go.set()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    assert len(log.read_text().split()) == 1  # one process downloaded; the three others found it
+    for i in range(4):
+        assert (tmp_path / f"dest{i}").read_bytes() == payload
+    assert sorted(os.listdir(tmp_path / "node" / "tmp")) == []  # no half file left
+
+
+@pytest.fixture
+def remote(small_state, gen, monkeypatch):
+    """A stream on a remote store (fsspec memory), anchors every 3 steps; deltas go through files too."""
+    monkeypatch.setattr(deltasync.reader, "MEMORY_OBJECT_BYTES", 0)
+    url = f"memory://node-{uuid.uuid4().hex}"
+    truth = {}
+    with DeltaPublisher(url, small_state, anchor_every=3, on_backlog="block") as pub:
+        for s in range(7):
+            truth[s] = train(small_state, gen)
+            pub.publish(s)
+    yield url, truth
+    fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+
+def _objects(reader: StreamReader) -> int:
+    return len(reader.store.steps())
+
+
+def test_two_readers_share_downloads_and_end_exact(remote, tmp_path):
+    url, truth = remote
+    node = NodeCache(tmp_path / "node")
+    with StreamReader(url, node_cache=node) as a, StreamReader(url, node_cache=node) as b:
+        assert states_equal(a.state_dict(6), truth[6])
+        first = node.downloads
+        assert first == len(a.chain(6)) and node.hits == 0
+        assert states_equal(b.state_dict(6), truth[6])
+        assert node.downloads == first and node.hits == first  # the second reader downloaded nothing
+    assert len(os.listdir(tmp_path / "node" / "objects")) == first  # kept for the host's next reader
+
+
+def test_small_objects_read_into_memory_are_shared_too(remote, tmp_path, monkeypatch):
+    monkeypatch.undo()  # default: small deltas are read into memory, not through a file
+    url, truth = remote
+    node = NodeCache(tmp_path / "node")
+    for _ in range(2):
+        with StreamReader(url, node_cache=node) as reader:
+            assert states_equal(reader.state_dict(5), truth[5])
+    assert node.hits == node.downloads == len(StreamReader(url).chain(5))
+
+
+def test_a_damaged_cached_object_is_dropped_and_downloaded_again(remote, tmp_path):
+    url, truth = remote
+    node = NodeCache(tmp_path / "node")
+    with StreamReader(url, node_cache=node) as reader:
+        reader.state_dict(6)
+    for path in (tmp_path / "node" / "objects").iterdir():  # flip a bit in every cached object
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 1
+        path.write_bytes(bytes(data))
+    before = node.downloads
+    with StreamReader(url, node_cache=node) as reader:
+        assert states_equal(reader.state_dict(6), truth[6])
+    assert node.downloads == 2 * before and node.hits == 0
+
+
+def test_the_cache_stays_within_its_byte_bound(remote, tmp_path):
+    url, truth = remote
+    with StreamReader(url) as plain:
+        sizes = [plain.manifest(s).object_bytes for s in range(7)]
+    bound = max(sizes) + min(sizes)
+    node = NodeCache(tmp_path / "node", max_bytes=bound)
+    with StreamReader(url, node_cache=node) as reader:
+        for s in range(7):
+            assert states_equal(reader.state_dict(s), truth[s])
+            assert node.size_bytes() <= bound
+
+
+def test_a_digest_from_a_manifest_must_be_a_digest(tmp_path):
+    node = NodeCache(tmp_path / "node")
+    for bad in ("../../etc/passwd", "A" * 64, "a" * 63, "a" * 64 + "\n"):
+        with pytest.raises(CorruptObjectError, match="expected a SHA-256"):
+            node.read(bad, 1, lambda: b"x", lambda data: None)
+    assert os.listdir(tmp_path / "node" / "objects") == []
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "lots"])
+def test_a_bad_byte_bound_is_refused(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("DELTASYNC_NODE_CACHE", str(tmp_path / "node"))
+    monkeypatch.setenv("DELTASYNC_NODE_CACHE_BYTES", value)
+    with pytest.raises(ConfigError, match=f"DELTASYNC_NODE_CACHE_BYTES: expected a positive number of bytes, got '{value}'"):
+        node_cache_from_env()
+
+
+def test_the_environment_names_the_cache_of_remote_stores_only(remote, tmp_path, monkeypatch):
+    url, _ = remote
+    monkeypatch.setenv("DELTASYNC_NODE_CACHE", str(tmp_path / "node"))
+    monkeypatch.setenv("DELTASYNC_NODE_CACHE_BYTES", "1e9")
+    with StreamReader(url) as reader:
+        assert reader.store.node_cache is not None and reader.store.node_cache.max_bytes == 10**9
+    with StreamReader(str(tmp_path / "local")) as reader:
+        assert reader.store.node_cache is None  # a local store is read in place
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("DELTASYNC_NODE_CACHE", str(blocker))
+    with pytest.raises(ConfigError, match="cannot use .* as the node cache"):
+        StreamReader(url)
+
+
+def test_step_objects_are_keyed_by_content_not_name(remote, tmp_path):
+    """Two streams holding the same bytes share them; the file name in the cache is the digest alone."""
+    url, _ = remote
+    node = NodeCache(tmp_path / "node")
+    with StreamReader(url, node_cache=node) as reader:
+        reader.state_dict(0)
+        digest = reader.manifest(0).object_sha256
+    fs = fsspec.filesystem("memory")
+    copy = f"memory://node-copy-{uuid.uuid4().hex}"
+    fs.cp(url.removeprefix("memory://"), copy.removeprefix("memory://"), recursive=True)
+    try:
+        with StreamReader(copy, node_cache=node) as reader:
+            reader.state_dict(0)
+        assert os.listdir(tmp_path / "node" / "objects") == [digest] and node.hits == 1
+        assert fs.exists(f"{copy.removeprefix('memory://')}/{step_dir(0)}")
+    finally:
+        fs.rm(copy.removeprefix("memory://"), recursive=True)
