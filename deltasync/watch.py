@@ -8,17 +8,23 @@ it stale). :meth:`StepWatch.delay` says when to poll next: fast around the momen
 (the writer records its cadence in ``latest.json``), backing off geometrically to ``idle_max_s`` when
 the stream is quiet, with jitter, and wider while the store throttles. docs/FORMAT.md section 5c.
 
+With a :class:`~deltasync.notify.Notifier` (a mirror's event feed, the trainer's RDMA announcements) a
+pushed step wakes :meth:`StepWatch.wait` at once and :meth:`StepWatch.newest` checks that step's manifest
+instead of reading ``latest.json``; a pushed step that is not committed is ignored (logged). While the
+notifier is connected, polls slow to ``push_poll_s``: a safety net for a lost notification.
+
     watch = StepWatch(reader)
     while True:
         newest = watch.newest()          # usually one GET of latest.json
         ...
-        time.sleep(watch.delay())
+        watch.wait(watch.delay())        # or less, when a step is pushed or watch.wake is set
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +34,7 @@ from deltasync.errors import ConfigError, StepNotFoundError
 from deltasync.format.documents import LatestHint
 
 if TYPE_CHECKING:
+    from deltasync.notify import Notifier
     from deltasync.reader import StreamReader
 
 log = logging.getLogger(__name__)
@@ -51,7 +58,8 @@ class PollPolicy:
     poll once no step is due. ``window_s``: fast polling starts this long before the next step is due and
     lasts until it is overdue by ``window_s`` plus a quarter of the interval. ``audit_s``: the longest time
     between listings that catch a stale hint. ``jitter``: each delay is scaled by a uniform factor in
-    ``1 ± jitter``, so that followers started together spread out.
+    ``1 ± jitter``, so that followers started together spread out. ``push_poll_s``: the period while a
+    notifier is connected (steps are pushed; polls only catch a lost notification).
     """
 
     fast_s: float = 0.25
@@ -60,9 +68,10 @@ class PollPolicy:
     window_s: float = 1.0
     audit_s: float = 600.0
     jitter: float = 0.2
+    push_poll_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("fast_s", "idle_max_s", "window_s", "audit_s"):
+        for name in ("fast_s", "idle_max_s", "window_s", "audit_s", "push_poll_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value < 1e7):
                 raise ConfigError(f"PollPolicy: {name} must be a positive number of seconds, not {value!r}")
@@ -81,16 +90,21 @@ class StepWatch:
         reader: the stream (its manifests are cached there, so checking a hinted step costs nothing extra
             when the follower goes on to read that manifest).
         policy: poll spacing (:class:`PollPolicy`).
+        notifier: pushes committed steps (:mod:`deltasync.notify`); None: polling alone.
         clock, rng: for tests.
 
-    ``newest()`` raises what the store raises (``StoreError`` and subclasses); a damaged or lying hint is
-    never an error (the manifests decide). Not thread-safe: one watch per polling thread.
+    ``newest()`` raises what the store raises (``StoreError`` and subclasses); a damaged or lying hint or
+    pushed step is never an error (the manifests decide). Not thread-safe: one watch per polling thread;
+    ``wake`` (an event a pushed step sets) may be set from any thread to end a :meth:`wait` early.
     """
 
-    def __init__(self, reader: StreamReader, policy: PollPolicy | None = None, *,
+    def __init__(self, reader: StreamReader, policy: PollPolicy | None = None, *, notifier: Notifier | None = None,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
         self.reader = reader
         self.policy = policy or PollPolicy()
+        self.notifier = notifier
+        self.wake = threading.Event()  # set by a pushed step (or the owner): ends wait() early
+        self._pushed: int | None = None  # the newest step pushed and not yet checked
         self._clock = clock
         self._rng = rng or random.Random()
         self._known: int | None = None  # newest step whose manifest was seen
@@ -102,6 +116,8 @@ class StepWatch:
         self._refused: int | None = None  # a hinted step found not committed
         self.polls = 0  # newest() calls
         self.listings = 0  # of which listed the manifests
+        if notifier is not None:
+            notifier.subscribe(self._heard)
 
     @property
     def known(self) -> int | None:
@@ -114,6 +130,15 @@ class StepWatch:
         is due."""
         self.polls += 1
         now = self._clock()
+        pushed, self._pushed = self._pushed, None
+        if pushed is not None and not self._must_list and (self._known is None or pushed > self._known):
+            try:
+                self.reader.manifest(pushed, nearby=False)  # a pushed step is a hint: committed?
+            except StepNotFoundError:
+                log.info("%s: step %d was announced but is not committed: ignored", self.reader.url, pushed)
+            else:
+                self._arrived(pushed, now, None)
+                return pushed
         hint = self.reader.store.latest_hint()
         if hint is not None and hint.step == self._refused:
             hint = None  # it named a step that is not committed: unusable until it changes
@@ -147,7 +172,9 @@ class StepWatch:
         """Seconds until the next poll, by the stream's cadence, with jitter; longer while the store throttles."""
         p = self.policy
         now = self._clock()
-        if self._due is not None and now < self._due - p.window_s:
+        if self.notifier is not None and self.notifier.alive:
+            d = p.push_poll_s  # steps are pushed: a poll only catches a lost notification
+        elif self._due is not None and now < self._due - p.window_s:
             d = min(self._due - p.window_s - now, p.idle_max_s)  # sleep until the window opens
         elif self._due is not None and now <= self._due + p.window_s + 0.25 * (self._interval or 0.0):
             d = p.fast_s  # the next step is due: poll fast
@@ -156,6 +183,11 @@ class StepWatch:
         d = max(d, self.reader.store.throttle_s())
         return max(0.001, d * (1.0 + self._rng.uniform(-p.jitter, p.jitter)))
 
+    def wait(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, less when a step is pushed or ``wake`` is set (then cleared)."""
+        self.wake.wait(seconds)
+        self.wake.clear()
+
     def retry_delay(self, failures: int, *, max_s: float) -> float:
         """Seconds to wait after ``failures`` failed polls in a row (:func:`retry_delay_s` from ``fast_s`` up to
         ``max_s``), at least as long as the store asked to be left alone."""
@@ -163,6 +195,12 @@ class StepWatch:
         return max(wait, self.reader.store.throttle_s())
 
     # --- internals ---
+
+    def _heard(self, step: int) -> None:
+        """A notifier's callback (its thread): remember the step and wake the poller."""
+        if self._pushed is None or step > self._pushed:
+            self._pushed = step
+        self.wake.set()
 
     def _arrived(self, step: int, now: float, hint: LatestHint | None) -> None:
         """A newer step was seen: when the next one is due, from the writer's cadence in ``latest.json``.

@@ -31,6 +31,9 @@ def follow(
     metrics_port: Annotated[int | None, typer.Option(min=0, max=65535, help="Serve Prometheus metrics (held step, newest "
                                                      "committed step, lag, apply/pause seconds, bytes, errors) on "
                                                      "this port of 127.0.0.1 (0: any free port). Needs deltasync[metrics].")] = None,
+    notify: Annotated[str | None, typer.Option(help="A mirror's event feed (http://HOST:PORT/events, from deltasync "
+                                               "mirror --events): steps are fetched as soon as they are announced, "
+                                               "and the store is polled only as a safety net.")] = None,
     storage_option: StorageOpt = None,
 ) -> None:
     """Keep a running vLLM server at the newest step of a stream (prints one line per step, with how many steps it
@@ -44,17 +47,24 @@ def follow(
 
     from rich.markup import escape
 
+    from deltasync.notify import EventFeed
     from rollout_loader import Follower
     from rollout_loader.vllm import VllmTarget
 
     target = VllmTarget(server, step=engine_step, mode=mode, verify=verify)  # type: ignore[arg-type]
+    feed = EventFeed(notify) if notify is not None else None  # a bad URL: one line, exit 2
 
     def report(step: int) -> None:
         out.print(f"step {step} live in {server} (generation paused {target.pauses_s[-1] * 1e3:.1f} ms, checksums match)"
                   f"{_lag_words(follower.status())}")
 
-    follower = Follower(url, target, poll_s=poll_s, max_poll_s=max_poll_s, on_step=report, metrics_port=metrics_port,
-                        storage_options=_storage_options(storage_option))
+    try:
+        follower = Follower(url, target, poll_s=poll_s, max_poll_s=max_poll_s, on_step=report,
+                            metrics_port=metrics_port, storage_options=_storage_options(storage_option), notifier=feed)
+    except BaseException:
+        if feed is not None:
+            feed.close()
+        raise
     try:  # close() stops the thread and removes the reader's downloads, however the command ends (Ctrl-C too)
         if follower.metrics_server is not None:
             out.print(f"metrics at {follower.metrics_server.url}")
@@ -79,6 +89,8 @@ def follow(
         pass
     finally:
         follower.close()
+        if feed is not None:
+            feed.close()
 
 
 def _lag_words(status: FollowerStatus) -> str:
@@ -97,6 +109,11 @@ def mirror(
     until: Annotated[int | None, typer.Option(min=0, help="Exit once this step is copied.")] = None,
     poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls of the source when a step is due.")] = 0.25,
     max_poll_s: Annotated[float, typer.Option(min=0.05, help="Longest time between polls while the source is quiet.")] = 10.0,
+    events: Annotated[str | None, typer.Option(help="Serve the copy's new steps as server-sent events on HOST:PORT "
+                                               "(GET /events), for this region's followers (deltasync follow "
+                                               "--notify, Follower(notifier=EventFeed(url))): they stop polling.")] = None,
+    notify: Annotated[str | None, typer.Option(help="The source's event feed (an upstream mirror's "
+                                               "http://HOST:PORT/events): copy each step as it is announced.")] = None,
     storage_option: StorageOpt = None,
     dst_option: Annotated[list[str] | None, typer.Option("--dst-option", "-D", help="Storage option KEY=VALUE of the "
                                                          "destination (-S: of the source); repeatable.")] = None,
@@ -110,6 +127,7 @@ def mirror(
 
     from deltasync.history.mirror import mirror as mirror_once
     from deltasync.history.mirror import mirror_follow
+    from deltasync.notify import EventFeed, EventServer
     from deltasync.store import Store
     from deltasync.watch import PollPolicy
 
@@ -130,11 +148,31 @@ def mirror(
         err.print(f"[yellow]retrying:[/yellow] {escape(f'{type(error).__name__}: {error}')}")
 
     stop = threading.Event()
+    server = feed = None
     try:
+        if events is not None:
+            server = EventServer(*_host_port(events))
+            out.print(f"events at {server.url}", markup=False)
+        feed = EventFeed(notify) if notify is not None else None
         mirror_follow(src, dst, src_options=src_options, dst_options=dst_options, until=until, stop=stop,
-                      policy=PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s)), on_step=report, on_error=warn)
+                      policy=PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s)), on_step=report,
+                      on_error=warn, notifier=feed, events=server)
     except KeyboardInterrupt:
         stop.set()
+    finally:
+        for thing in (feed, server):
+            if thing is not None:
+                thing.close()
+
+
+def _host_port(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (port 0: any free port), or a ``ConfigError`` naming what was expected."""
+    from deltasync.errors import ConfigError
+
+    host, sep, port = value.rpartition(":")
+    if not (sep and host and port.isdigit() and port.isascii() and int(port) <= 65535):
+        raise ConfigError(f"--events: expected HOST:PORT (e.g. 0.0.0.0:8901), got {value!r}")
+    return host.strip("[]"), int(port)
 
 
 @app.command()

@@ -37,6 +37,7 @@ from deltasync import (
     write_heartbeat,
 )
 
+from deltasync.notify import Notifier
 from deltasync.watch import PollPolicy, StepWatch
 
 from .metrics import FollowerStats, FollowerStatus, MetricsServer, serve
@@ -112,7 +113,9 @@ class Follower:
     ``start()`` runs a background thread that polls the store; ``sync()`` catches up once in the caller's
     thread. A poll is one small read (``latest.json``: :class:`deltasync.watch.StepWatch`), spaced by the
     stream's cadence: every ``poll_s`` around the moment the next step is due, backing off to ``max_poll_s``
-    while the stream is quiet (``watch.policy`` holds the rest, docs/FORMAT.md section 5c). ``on_step(step)`` is called after each step is live in the target. If the target is
+    while the stream is quiet (``watch.policy`` holds the rest, docs/FORMAT.md section 5c). With a
+    ``notifier`` (:mod:`deltasync.notify`: a mirror's ``EventFeed``, an ``RdmaConsumer``) a pushed step is
+    fetched at once and polls slow to a safety net. ``on_step(step)`` is called after each step is live in the target. If the target is
     more than ``max_chain`` deltas behind, it restarts from the nearest anchor instead. With ``consumer_id``
     it records its step in the store (a heartbeat that garbage collection respects and ``deltasync status``
     shows): after a step at most every ``heartbeat_s / 10``, and every ``heartbeat_s`` while idle.
@@ -148,6 +151,7 @@ class Follower:
         heartbeat_s: float = 300.0,
         metrics_port: int | None = None,
         metrics_addr: str = "127.0.0.1",
+        notifier: Notifier | None = None,
     ) -> None:
         self._owns_reader = not isinstance(url, StreamReader)
         self.reader = url if isinstance(url, StreamReader) else StreamReader(url, storage_options=storage_options)
@@ -157,7 +161,8 @@ class Follower:
         self._connected = False  # a StreamTarget was told the stream and asked its step
         self.poll_s = poll_s
         self.max_backoff_s = max(max_backoff_s, poll_s)
-        self.watch = StepWatch(self.reader, PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s)))
+        self.watch = StepWatch(self.reader, PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s)),
+                               notifier=notifier)
         self.max_chain = max_chain
         self.on_step = on_step
         self.consumer_id = consumer_id if consumer_id is None else check_consumer_id(consumer_id)
@@ -176,7 +181,7 @@ class Follower:
         self._stream_seen = False  # stream.json (or a step) was seen: an empty listing is a quiet stream
         self._sync_lock = threading.Lock()  # one sync at a time (thread and caller)
         self._stop = threading.Event()
-        self._poke = threading.Event()  # wakes the thread: stop(), or a caller began to wait for a step
+        self._poke = self.watch.wake  # wakes the thread: a pushed step, stop(), or a caller began to wait
         self._waiters = 0  # callers in wait_for (under _changed)
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -377,7 +382,7 @@ class Follower:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._timed_out(step, timeout_s)
-            time.sleep(min(left, delay))
+            self.watch.wait(min(left, delay))  # sooner when a step is pushed
         return self.target.step  # type: ignore[return-value]
 
     def _holds(self, step: int) -> bool:
@@ -471,8 +476,7 @@ class Follower:
                 with self._changed:
                     self._changed.notify_all()
                 raise
-            self._poke.wait(delay)  # a stop or a new waiter ends the wait early
-            self._poke.clear()
+            self.watch.wait(delay)  # a pushed step, a stop or a new waiter ends the wait early
 
 
 def _last_pause_s(target: Target) -> float | None:

@@ -87,7 +87,6 @@ def trainer_peer(address: str, url: str, opts: dict[str, Any], stop: Any, out: A
 
 def consumer_peer(address: str, url: str, out: Any) -> None:
     from deltasync.rdma.consumer import RdmaConsumer
-    from deltasync.stages.apply import Replica
     from deltasync.store import Store
 
     from_store: list[int] = []  # steps whose object the store fetched (a second SHA-256 of those bytes)
@@ -100,27 +99,20 @@ def consumer_peer(address: str, url: str, out: Any) -> None:
 
         setattr(Store, method, counted)
 
-    class Target:  # the smallest target: a Replica, as rollout_loader's StateDictTarget holds
-        def __init__(self) -> None:
-            self.replica: Replica | None = None
+    from rollout_loader import Follower, StateDictTarget
 
-        @property
-        def step(self) -> int | None:
-            return self.replica.step if self.replica else None
-
-        def apply(self, obj: Any) -> None:
-            if self.replica is None:
-                self.replica = Replica.from_anchor(obj)
-            else:
-                self.replica.apply(obj, verify="full")
-
-    target = Target()
+    target = StateDictTarget(verify="full")
     rdma = {"controller": address, "capacity_bytes": 1 << 20, "announce_wait_s": 2.0}
     with RdmaConsumer(url, rdma=rdma, consumer_id="c0", plan_wait_s=30.0) as consumer:
         out.put(("c0", "ready"))
         held = {}
-        for step in consumer.follow(target, until=STEPS[-1], timeout_s=30.0):
+
+        def on_step(step: int) -> None:  # the one follow loop; the consumer pushes each announced step to it
+            consumer.applied(step)
             held[step] = _digests({n: target.replica.tensors[n] for n in target.replica.checksums})
+
+        with Follower(consumer.reader, target, notifier=consumer, on_step=on_step) as follower:
+            follower.wait_for(STEPS[-1], timeout_s=30.0)
         out.put(("c0", {"held": held, "arrived": dict(consumer.arrived), "from_store": from_store}))
 
 

@@ -35,6 +35,7 @@ from deltasync.errors import (
     StoreConfigError,
 )
 from deltasync.history.checkpoints import read_model_file_index, read_model_files, write_model_files
+from deltasync.notify import EventServer, Notifier
 from deltasync.reader import StreamReader
 from deltasync.scratch import ScratchFolder
 from deltasync.store import Manifest, Part, Store
@@ -186,25 +187,39 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
                   dst_options: dict[str, Any] | None = None, policy: PollPolicy | None = None,
                   until: int | None = None, stop: threading.Event | None = None,
                   on_step: Callable[[int, int], None] | None = None,
-                  on_error: Callable[[BaseException], None] | None = None) -> int | None:
+                  on_error: Callable[[BaseException], None] | None = None,
+                  notifier: Notifier | None = None, events: EventServer | None = None) -> int | None:
     """Keep ``dst`` a copy of ``src``: copy what is committed, then each new step as the source commits it,
     polling the source with one small read per poll (:class:`~deltasync.watch.StepWatch`). Returns the newest
     step copied once ``until`` is copied or ``stop`` is set. Transient failures are retried with the
     watch's back-off (``on_error`` hears each); permanent ones (a source that does not match, credentials)
-    are raised."""
+    are raised.
+
+    ``notifier`` pushes the source's new steps (an upstream mirror's ``EventFeed``): polls slow to a safety
+    net. ``events`` (an :class:`~deltasync.notify.EventServer`) is told of every step committed at the
+    destination, so the region's followers hear of it at once instead of polling (deltasync/notify.py)."""
     stop = stop or threading.Event()
     reader = StreamReader(src, storage_options=src_options)
-    watch = StepWatch(reader, policy)
+    watch = StepWatch(reader, policy, notifier=notifier)
     target = Store(dst, storage_options=dst_options)
     done: int | None = None
     failures = 0
+
+    def copied(step: int, nbytes: int) -> None:
+        if events is not None:
+            events.announce(step)
+        if on_step is not None:
+            on_step(step, nbytes)
+
     try:
         while not stop.is_set():
             try:
                 newest = watch.newest()
                 if newest is not None and (done is None or newest > done):
-                    mirror(reader.store, target, after=done, newest=newest, on_step=on_step)
+                    mirror(reader.store, target, after=done, newest=newest, on_step=copied)
                     done = newest
+                    if events is not None:
+                        events.announce(done)  # steps the destination held already count too
                 failures = 0
                 delay = watch.delay()
             except _PERMANENT:
@@ -216,8 +231,18 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
                 delay = watch.retry_delay(failures, max_s=60.0)
             if until is not None and done is not None and done >= until:
                 break
-            stop.wait(delay)
+            _wait(watch, stop, delay)
     finally:
         target.close()
         reader.close()
     return done
+
+
+def _wait(watch: StepWatch, stop: threading.Event, seconds: float) -> None:
+    """Sleep up to ``seconds``: less when a step is pushed, or (within half a second) when ``stop`` is set."""
+    deadline = time.monotonic() + seconds
+    while not stop.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0 or watch.wake.wait(min(left, 0.5)):
+            watch.wake.clear()
+            return

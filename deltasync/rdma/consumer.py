@@ -3,18 +3,15 @@
 ``RdmaConsumer(url, rdma=...)`` registers with the controller (one NIXL agent, one registered inbox) and
 gives a ``StreamReader`` (``.reader``) whose store reads step objects from the announced ring slot first
 (hashed once, as they land in the inbox, against the manifest's SHA-256; opened in place, no copy) and from
-the store on any ``RdmaError``. So a target applies with the existing code::
+the store on any ``RdmaError``. It is also a :class:`~deltasync.notify.Notifier`: the trainer's
+announcements are pushed to whoever follows, so a step is fetched as soon as it is announced (after its
+manifest is found committed: an announcement is only a hint). One follow loop serves every path::
 
     with RdmaConsumer(url, rdma="tcp://controller:5555", consumer_id="rollout-0") as consumer:
-        target = StateDictTarget()
-        for step in consumer.follow(target, until=100):
-            ...                       # the step is applied, verified and acknowledged
+        follower = Follower(consumer.reader, StateDictTarget(), notifier=consumer, on_step=consumer.applied)
+        follower.wait_for(100)        # each step applied, verified and acknowledged
 
-or hand ``consumer.reader`` to ``rollout_loader.Follower`` with ``on_step=consumer.applied``. Manifests
-always come from the store (small; the commit marker); the ring carries the objects.
-
-``follow`` learns of new steps from announcements (no store polling on the hot path) and also polls the
-store every ``poll_s``, so a lost announcement or a trainer without RDMA only costs latency.
+Manifests always come from the store (small; the commit marker); the ring carries the objects.
 """
 
 from __future__ import annotations
@@ -23,13 +20,12 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from typing_extensions import Self
 
-from deltasync.errors import RdmaError, StaleMetadataError, WaitTimeoutError
-from deltasync.format.objects import StepObject
+from deltasync.errors import RdmaError, StaleMetadataError
+from deltasync.notify import Announcements
 from deltasync.rdma.agent import Agent
 from deltasync.rdma.controller import ConsumerHello, ConsumerLink
 from deltasync.rdma.inbox import Inbox, Lease
@@ -38,13 +34,6 @@ from deltasync.reader import StreamReader
 from deltasync.store import Store
 
 log = logging.getLogger(__name__)
-
-
-class Target(Protocol):
-    @property
-    def step(self) -> int | None: ...
-
-    def apply(self, obj: StepObject) -> None: ...
 
 
 class RingReader:
@@ -152,8 +141,8 @@ class RingReader:
                 self.agent.close()
 
 
-class RdmaConsumer:
-    """Follow ``url`` with reads over NIXL where announced (see the module docstring).
+class RdmaConsumer(Announcements):
+    """Read ``url`` over NIXL where announced, and push announced steps to subscribers (module docstring).
 
     ``rdma``: the controller's address or ``RdmaOptions``. ``consumer_id`` names this reader to the
     controller; ``engine`` groups the consumers whose acknowledgements advance one engine's version (default:
@@ -167,9 +156,11 @@ class RdmaConsumer:
         from deltasync.transports import open_transport
         from deltasync.transports.nixl import NixlTransport
 
+        super().__init__()
         options = rdma_options(rdma)
         consumer_id = consumer_id or f"consumer-{uuid.uuid4().hex[:8]}"
         self.ring = RingReader(options, consumer_id=consumer_id, engine=engine or consumer_id, needs=needs)
+        self._stop = threading.Event()
         try:
             backing = open_transport(url, storage_options)
             self.store = Store(url, transport=NixlTransport(backing, consumer=self.ring), storage_options=storage_options)
@@ -179,44 +170,40 @@ class RdmaConsumer:
         except BaseException:
             self.ring.close()
             raise
+        self._listener = threading.Thread(target=self._listen, name="deltasync-rdma-announcements", daemon=True)
+        self._listener.start()
 
     @property
     def arrived(self) -> dict[int, str]:
         """How each step's object came: ``"rdma"``, or ``"store: <why>"``."""
         return self.ring.arrived
 
+    @property
+    def alive(self) -> bool:
+        """Whether the controller's plan is here (announcements then come; polling slows to a safety net)."""
+        return self.ring.link.plan is not None
+
     def applied(self, step: int) -> None:
+        """Acknowledge ``step`` as applied and verified here (a ``Follower``'s ``on_step``)."""
         self.ring.applied(step)
 
-    def follow(self, target: Target, *, until: int | None = None, timeout_s: float = 60.0, poll_s: float = 0.05,
-               on_step: Callable[[int], None] | None = None) -> Iterator[int]:
-        """Apply each new step to ``target`` (the chain from the step it holds), acknowledge it, yield it;
-        stop after ``until``. ``WaitTimeoutError`` when no new step comes for ``timeout_s``."""
-        last_poll = 0.0
-        quiet_since = time.monotonic()
-        while until is None or target.step is None or target.step < until:
-            self.ring.poll()
-            newest = self.ring.newest()
-            now = time.monotonic()
-            if (newest is None or target.step is not None and newest <= target.step) and now - last_poll >= poll_s:
-                last_poll = now
-                latest = self.reader.latest_step()
-                newest = max(newest if newest is not None else -1, latest if latest is not None else -1)
-            if newest is None or newest < 0 or target.step is not None and newest <= target.step:
-                if now - quiet_since > timeout_s:
-                    raise WaitTimeoutError(f"{self.reader.url}: no step after {target.step} within {timeout_s:g} s")
-                self.ring.wait_message(min(poll_s, 0.01))
-                continue
-            for s in self.reader.chain(newest, start=target.step):
-                with self.reader.open(s) as obj:
-                    target.apply(obj)
-                self.applied(s)
-                if on_step is not None:
-                    on_step(s)
-                yield s
-            quiet_since = time.monotonic()
+    def _listen(self) -> None:
+        """Take control messages as they come and push each newly announced step to the subscribers."""
+        while not self._stop.is_set():
+            try:
+                self.ring.wait_message(0.05)
+                self.ring.poll()
+                newest = self.ring.newest()
+            except Exception as e:  # noqa: BLE001 - the store path goes on; say why announcements stopped
+                log.warning("%s: announcements stopped: %s: %s (following the store alone)", self.ring.id,
+                            type(e).__name__, e)
+                return
+            if newest is not None:
+                self._announce(newest)
 
     def close(self) -> None:
+        self._stop.set()
+        self._listener.join(timeout=5)
         try:
             self.reader.close()
             self.store.close()

@@ -55,7 +55,6 @@ from deltasync import (
     warm_kernels,
 )
 
-from deltasync.watch import PollPolicy
 
 from .layout import checkpoint_layout
 from .plan import build_state
@@ -205,9 +204,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         if init_info.prefetch:
             reader = self._rdma.reader if self._rdma is not None else StreamReader(
                 init_info.url, storage_options=init_info.storage_options)
-            # over NIXL the store is the fallback and steps are announced: poll it at the fast period throughout
-            policy = PollPolicy(fast_s=0.2, idle_max_s=0.2) if self._rdma is not None else None
-            self._prefetcher = Prefetcher(reader, self._state, lambda: self._held, policy=policy,
+            # over NIXL the trainer announces each step: the prefetcher hears of it at once (a hint it checks)
+            self._prefetcher = Prefetcher(reader, self._state, lambda: self._held, notifier=self._rdma,
                                           anchor_deltas=self._rdma is None)
 
     def start_weight_update(self) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from deltasync import StepHeader, StreamReader
+from deltasync.notify import Notifier
 from deltasync.watch import PollPolicy, StepWatch
 
 from .state import Seal, Staged, WorkerState, check_header, seal, stage
@@ -67,17 +68,19 @@ class Prefetcher:
     """
 
     def __init__(self, reader: StreamReader, state: WorkerState, held: Callable[[], int | None], *,
-                 policy: PollPolicy | None = None, ahead: int = 2, anchor_deltas: bool = True) -> None:
+                 policy: PollPolicy | None = None, notifier: Notifier | None = None, ahead: int = 2,
+                 anchor_deltas: bool = True) -> None:
         self.reader = reader
         self.anchor_deltas = anchor_deltas  # open anchors by their own delta where the engine holds its base
         self.state = state
         self.held = held
-        self.watch = StepWatch(reader, policy)  # one small read per poll, timed by the stream's cadence
+        # one small read per poll, timed by the stream's cadence; at once when a step is pushed (RDMA announcements)
+        self.watch = StepWatch(reader, policy, notifier=notifier)
         self.ahead = ahead
         self._ready: dict[int, Prepared] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._wake = threading.Event()
+        self._wake = self.watch.wake
         self._logged: str | None = None
         self._thread = threading.Thread(target=self._run, name="deltasync-prefetch", daemon=True)
         self._thread.start()
@@ -116,8 +119,7 @@ class Prefetcher:
                 if str(e) != self._logged:
                     self._logged = str(e)
                     log.info("deltasync prefetch: %s: %s (the update will fetch the step itself)", type(e).__name__, e)
-            self._wake.wait(self.watch.delay())
-            self._wake.clear()
+            self.watch.wait(self.watch.delay())
 
     def _prefetch_once(self) -> None:
         latest = self.watch.newest()

@@ -1,0 +1,212 @@
+"""Push (deltasync/notify.py): a mirror serves its new steps as server-sent events and followers hear of each
+step at once instead of polling; a pushed step is a hint, checked against the store's commit; a hostile
+event server costs nothing but a reconnect."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler
+
+import pytest
+import torch
+
+from deltasync import DeltaPublisher, StreamReader
+from deltasync.errors import ConfigError
+from deltasync.history.mirror import mirror_follow
+from deltasync.notify import EventFeed, EventServer
+from deltasync.store import Store
+from deltasync.watch import PollPolicy, StepWatch
+from rollout_loader import Follower, StateDictTarget
+from tests.conftest import states_equal
+from tests.http_server import serving
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(20_000, generator=g).bfloat16(), "b": torch.randn(16, generator=g).bfloat16()}
+
+
+def _heard(feed: EventFeed) -> list[int]:
+    got: list[int] = []
+    feed.subscribe(got.append)
+    return got
+
+
+def _until(condition, timeout_s: float = 30.0) -> None:
+    """Wait for ``condition()`` (a hang guard, not a timing check)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_followers_hear_each_announced_step_and_newcomers_the_newest():
+    with EventServer() as server:
+        early = EventFeed(server.url)
+        try:
+            got = _heard(early)
+            _until(lambda: early.alive)
+            for step in (3, 4, 4, 2, 7):  # repeats and older steps are not announced again
+                server.announce(step)
+            _until(lambda: got and got[-1] == 7)
+            assert got == [3, 4, 7] or got == [4, 7] or got == [3, 7] or got == [7]  # coalesced, never backwards
+            late = EventFeed(server.url)
+            try:
+                later = _heard(late)
+                _until(lambda: later == [7])  # the newest step, at once
+            finally:
+                late.close()
+        finally:
+            early.close()
+        assert not early.alive
+
+
+class Hostile(BaseHTTPRequestHandler):
+    """An event server that lies: malformed, oversized, out-of-range and wrongly typed events, then one good one."""
+
+    protocol_version = "HTTP/1.1"
+    sent = 0
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        Hostile.sent += 1
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        if Hostile.sent == 1:  # first connection: an endless line, which must not be read whole
+            self.wfile.write(b"data: " + b"9" * 100_000 + b"\n\n")
+            self.wfile.flush()
+            return
+        for bad in (b'event: step\ndata: {"step": -1}\n\n', b'event: step\ndata: {"step": true}\n\n',
+                    b'event: step\ndata: {"step": 1e3}\n\n', b'event: step\ndata: [5]\n\n',
+                    b'event: step\ndata: {"step": 10000000000000}\n\n', b'event: other\ndata: {"step": 8}\n\n',
+                    b"event: step\ndata: not json\n\n", b'data: {"step": 9}\n\n'):
+            self.wfile.write(bad)
+        self.wfile.write(b': comment\n\nevent: step\ndata: {"step": 5}\n\n')
+        self.wfile.flush()
+        time.sleep(0.5)
+
+
+def test_a_hostile_event_server_costs_a_reconnect_and_nothing_else():
+    Hostile.sent = 0
+    with serving(Hostile) as base:
+        feed = EventFeed(f"{base}/events", max_backoff_s=0.2)
+        try:
+            got = _heard(feed)
+            _until(lambda: got == [5])
+        finally:
+            feed.close()
+    assert Hostile.sent >= 2
+
+
+@pytest.mark.parametrize("url", ["ftp://x/events", "mirror:8901", "", "http:///events"])
+def test_a_feed_url_must_be_http(url):
+    with pytest.raises(ConfigError, match="expected an http\\(s\\) URL"):
+        EventFeed(url)
+
+
+def test_the_event_server_bounds_its_followers_and_serves_only_events():
+    import urllib.error
+    import urllib.request
+
+    with EventServer(max_clients=1) as server:
+        feed = EventFeed(server.url)
+        try:
+            _until(lambda: feed.alive)
+            with pytest.raises(urllib.error.HTTPError, match="503"):
+                urllib.request.urlopen(server.url, timeout=10)
+            with pytest.raises(urllib.error.HTTPError, match="404"):
+                urllib.request.urlopen(server.url.replace("/events", "/other"), timeout=10)
+        finally:
+            feed.close()
+
+
+def test_a_pushed_step_is_checked_against_the_commit(tmp_path, caplog):
+    """The watch reads no latest.json for a pushed step, only its manifest; an uncommitted one is ignored."""
+    url = str(tmp_path / "s")
+    with DeltaPublisher(url, _state(0), on_backlog="block") as pub:
+        pub.publish(0)
+        pub.source = _state(1)
+        pub.publish(1)
+    with EventServer() as server, StreamReader(url) as reader:
+        feed = EventFeed(server.url)
+        try:
+            watch = StepWatch(reader, PollPolicy(fast_s=1.0, idle_max_s=2.0, push_poll_s=600.0), notifier=feed)
+            assert watch.newest() == 1  # the first poll lists
+            hints = []
+            original = reader.store.latest_hint
+            reader.store.latest_hint = lambda: hints.append(1) or original()  # type: ignore[method-assign]
+            _until(lambda: feed.alive)
+            server.announce(1)
+            watch.wait(30)
+            assert watch.newest() == 1 and hints == [1]  # nothing new: polled as usual
+            with caplog.at_level(logging.INFO, logger="deltasync.watch"):
+                server.announce(40)  # never committed
+                watch.wait(30)
+                assert watch.newest() == 1
+            assert "step 40 was announced but is not committed: ignored" in caplog.text
+            assert watch.delay() > 100  # connected: polls are a safety net
+        finally:
+            feed.close()
+        assert watch.delay() < 100  # the feed is gone: the usual cadence again
+
+
+def test_a_region_follows_a_mirror_by_its_events_bit_exactly(tmp_path):
+    """Trainer → source store → mirror (serving events) → a follower that would poll once in ten minutes: it
+    applies every step as the mirror commits it, reading latest.json once at most (its thread's first poll)."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    truth = {}
+    pub = DeltaPublisher(src, _state(0), anchor_every=3, on_backlog="block")
+    pub.publish(0)
+    truth[0] = _state(0)
+    stop = threading.Event()
+    with EventServer() as server:
+        mirror = threading.Thread(target=mirror_follow, args=(src, dst), daemon=True,
+                                  kwargs={"events": server, "stop": stop,
+                                          "policy": PollPolicy(fast_s=0.05, idle_max_s=0.05)})
+        mirror.start()
+        feed = EventFeed(server.url)
+        target = StateDictTarget(verify="all")
+        follower = Follower(dst, target, poll_s=600.0, max_poll_s=600.0, notifier=feed)
+        try:
+            follower.wait_for(0, timeout_s=60)  # the first poll (the mirror may not have copied it yet)
+            hints = []
+            original = follower.reader.store.latest_hint
+            follower.reader.store.latest_hint = lambda: hints.append(1) or original()  # type: ignore[method-assign]
+            follower.start()
+            for step in range(1, 7):
+                pub.source = truth[step] = _state(step)
+                pub.publish(step)
+                pub.flush()
+                _until(lambda: follower.step == step, timeout_s=60)  # no wait_for: it would poke a poll
+                assert states_equal(target.state_dict(), truth[follower.step])
+            assert len(hints) <= 1  # the thread's first poll at most: every step came by push
+            assert follower.last_error is None
+        finally:
+            follower.close()
+            feed.close()
+            stop.set()
+            mirror.join(30)
+            pub.close()
+    assert Store(dst).steps() == list(range(7))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["mirror", "SRC", "DST", "--events", "8901"], "--events: expected HOST:PORT (e.g. 0.0.0.0:8901), got '8901'"),
+    (["mirror", "SRC", "DST", "--events", "host:99999"], "got 'host:99999'"),
+    (["mirror", "SRC", "DST", "--notify", "mirror:8901"], "expected an http(s) URL of a mirror's /events, got 'mirror:8901'"),
+    (["follow", "SRC", "--server", "http://127.0.0.1:9", "--notify", "ftp://m/events"], "got 'ftp://m/events'"),
+])
+def test_event_options_of_the_cli_are_checked_before_anything_runs(tmp_path, monkeypatch, capsys, args, needle):
+    from tests.test_cli_errors import assert_one_line_error, run_main
+
+    src, dst = str(tmp_path / "src"), tmp_path / "dst"
+    with DeltaPublisher(src, _state(0), on_backlog="block") as pub:
+        pub.publish(0)
+    args = [src if a == "SRC" else str(dst) if a == "DST" else a for a in args]
+    code, _, err = run_main(monkeypatch, capsys, *args)
+    assert_one_line_error(code, err, "ConfigError", needle)
+    assert not dst.exists()
