@@ -90,7 +90,8 @@ class StepWatch:
         reader: the stream (its manifests are cached there, so checking a hinted step costs nothing extra
             when the follower goes on to read that manifest).
         policy: poll spacing (:class:`PollPolicy`).
-        notifier: pushes committed steps (:mod:`deltasync.notify`); None: polling alone.
+        notifier: pushes committed steps (:mod:`deltasync.notify`); None: the store's own feed where it has
+            one (``Transport.step_events``: a Hugging Face bucket), which :meth:`close` closes; else polling alone.
         clock, rng: for tests.
 
     ``newest()`` raises what the store raises (``StoreError`` and subclasses); a damaged or lying hint or
@@ -102,7 +103,8 @@ class StepWatch:
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
         self.reader = reader
         self.policy = policy or PollPolicy()
-        self.notifier = notifier
+        self._owns_notifier = notifier is None
+        self.notifier = reader.store.transport.step_events() if notifier is None else notifier
         self.wake = threading.Event()  # set by a pushed step (or the owner): ends wait() early
         self._pushed: int | None = None  # the newest step pushed and not yet checked
         self._clock = clock
@@ -116,8 +118,8 @@ class StepWatch:
         self._refused: int | None = None  # a hinted step found not committed
         self.polls = 0  # newest() calls
         self.listings = 0  # of which listed the manifests
-        if notifier is not None:
-            notifier.subscribe(self._heard)
+        if self.notifier is not None:
+            self.notifier.subscribe(self._heard)
 
     @property
     def known(self) -> int | None:
@@ -187,6 +189,12 @@ class StepWatch:
         """Sleep up to ``seconds``, less when a step is pushed or ``wake`` is set (then cleared)."""
         self.wake.wait(seconds)
         self.wake.clear()
+
+    def close(self) -> None:
+        """Close the store's feed this watch opened (a notifier given to it is its owner's to close)."""
+        notifier, self.notifier = self.notifier, None
+        if notifier is not None and self._owns_notifier:
+            notifier.close()
 
     def retry_delay(self, failures: int, *, max_s: float) -> float:
         """Seconds to wait after ``failures`` failed polls in a row (:func:`retry_delay_s` from ``fast_s`` up to

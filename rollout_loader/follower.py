@@ -190,6 +190,7 @@ class Follower:
             try:
                 self.metrics_server = serve(self, metrics_port, addr=metrics_addr)
             except BaseException:
+                self.watch.close()
                 if self._owns_reader:
                     self.reader.close()
                 raise
@@ -432,6 +433,7 @@ class Follower:
         after an error)."""
         try:
             self.stop()
+            self.watch.close()  # the store's own event feed, if it opened one
             if self._beat_due:
                 self.heartbeat(force=True)  # the step it holds now, for garbage collection and status
         finally:

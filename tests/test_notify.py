@@ -210,3 +210,43 @@ def test_event_options_of_the_cli_are_checked_before_anything_runs(tmp_path, mon
     code, _, err = run_main(monkeypatch, capsys, *args)
     assert_one_line_error(code, err, "ConfigError", needle)
     assert not dst.exists()
+
+
+def test_a_store_that_pushes_its_changes_is_followed_by_its_feed_and_the_feed_closed(tmp_path):
+    """A transport with ``step_events`` (as a Hugging Face bucket has) gives every watch its own feed, without
+    the follower asking; closing the follower closes that feed."""
+    from deltasync.transports import register_transport, unregister_transport
+    from deltasync.transports.local import LocalTransport, open_local
+
+    feeds: list[EventFeed] = []
+    with EventServer() as server:
+
+        class Pushing(LocalTransport):
+            def step_events(self) -> EventFeed:
+                feeds.append(EventFeed(server.url))
+                return feeds[-1]
+
+        def open_pushing(url: str, options: dict) -> Pushing:
+            local = open_local(url.removeprefix("pushing://"), options)
+            return Pushing(local.root)
+
+        register_transport("pushing", open_pushing)
+        try:
+            url = str(tmp_path / "s")
+            with DeltaPublisher(url, _state(0), on_backlog="block") as pub:
+                pub.publish(0)
+                pub.flush()
+                target = StateDictTarget()
+                with Follower(f"pushing://{url}", target, poll_s=600.0, max_poll_s=600.0) as follower:
+                    follower.wait_for(0, timeout_s=60)
+                    assert len(feeds) == 1 and follower.watch.notifier is feeds[0]
+                    _until(lambda: feeds[0].alive)
+                    pub.source = _state(1)
+                    pub.publish(1)
+                    pub.flush()
+                    server.announce(1)
+                    _until(lambda: follower.step == 1, timeout_s=60)
+                    assert states_equal(target.state_dict(), _state(1))
+                assert not feeds[0].alive and not feeds[0]._thread.is_alive()
+        finally:
+            unregister_transport("pushing")

@@ -39,7 +39,7 @@ def test_backends_are_chosen_by_scheme(tmp_path):
     register()
     assert type(Store(remote_url(tmp_path)).transport) is FsspecTransport  # a protocol only fsspec knows
     local = Store(str(tmp_path)).transport.capabilities
-    assert local.create_only and local.compare_and_swap and local.local_files and not local.notify
+    assert local.create_only and local.compare_and_swap and local.local_files
 
 
 def test_s3_urls_get_the_s3_transport():
@@ -124,26 +124,6 @@ def test_a_missing_package_names_the_extra(package, url, extra):
     line = r.stdout.strip()
     assert line.startswith(f"MissingDependencyError cannot open store {url!r}: the package {package!r} is not installed")
     assert f"pip install 'deltasync[{extra}]'" in line
-
-
-def test_memory_transport_notifies_subscribers():
-    name = f"notify-{uuid.uuid4().hex}"
-    writer, reader = open_transport(f"memory://{name}"), open_transport(f"memory://{name}/steps")
-    assert reader.capabilities.notify
-    heard: list[str] = []
-    stop = reader.subscribe("", heard.append)
-    writer.put("steps/000000000001/manifest.json", b"{}")
-    writer.put("latest.json", b"{}")  # not under the subscriber's folder
-    open_transport(f"memory://{name}-other").put("steps/x", b"{}")  # another stream with a longer name
-    stop()
-    writer.put("steps/000000000002/manifest.json", b"{}")
-    assert heard == ["000000000001/manifest.json"]
-    writer.delete_tree("")
-
-
-def test_transports_without_notification_say_so(tmp_path):
-    with pytest.raises(NotImplementedError, match="poll"):
-        open_transport(str(tmp_path)).subscribe("", print)
 
 
 def test_transient_errors_include_http_clients():

@@ -3,6 +3,9 @@ tests/integration/test_hf_bucket.py runs the full store contract on the real Hub
 
 from __future__ import annotations
 
+import json
+import time
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -91,3 +94,67 @@ def test_hf_bucket_urls_get_the_bucket_transport():
     store = Store("hf://buckets/team/runs/run-7")
     assert isinstance(store.transport, HfBucketTransport) and store.transport.bucket_id == "team/runs"
     assert not store.transport.capabilities.create_only and not store.transport.capabilities.compare_and_swap
+
+
+class HubEvents(BaseHTTPRequestHandler):
+    """The Hub's bucket event feed as huggingface_hub documents it (``GET /api/buckets/{id}/events``, server-sent
+    events: ``ready``, ``changes``), for one bucket; and ``GET /api/buckets/{id}`` (``updatedAt``)."""
+
+    protocol_version = "HTTP/1.1"
+    changes: list[dict] = []
+    paths: list[str] = []
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        HubEvents.paths.append(self.path.split("?")[0])
+        if self.path.split("?")[0] == "/api/buckets/ns/bkt":
+            body = json.dumps({"updatedAt": "2026-11-26T00:00:00Z"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        if self.path.split("?")[0] != "/api/buckets/ns/bkt/events":
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(b'event: ready\ndata: {"cursor": "c0"}\n\n')
+        batch = {"cursor": "c1", "changes": HubEvents.changes}
+        self.wfile.write(f"event: changes\ndata: {json.dumps(batch)}\n\n".encode())
+        self.wfile.flush()
+        time.sleep(2)
+
+
+def test_a_buckets_event_feed_pushes_the_streams_new_manifests_only():
+    """Only a manifest added or updated under this stream's steps/<12 digits>/ is a step; the feed is the Hub's own
+    client (huggingface_hub's BucketFollower) against a loopback stand-in for the Hub's endpoint."""
+    from deltasync.transports.hf_bucket import BucketEvents
+    from tests.http_server import serving
+
+    HubEvents.paths = []
+    HubEvents.changes = [
+        {"path": "run/steps/000000000003/manifest.json", "op": "add"},
+        {"path": "run/steps/000000000007/delta.dsd", "op": "add"},  # an object: not a commit
+        {"path": "other/steps/000000000009/manifest.json", "op": "add"},  # another stream of the bucket
+        {"path": "run/steps/12/manifest.json", "op": "add"},  # not a step folder
+        {"path": "run/steps/000000000005/manifest.json", "op": "delete"},  # gc
+        {"path": "run/steps/000000000002/manifest.json\n", "op": "add"},  # names match whole
+        {"path": "run/latest.json", "op": "update"},
+    ]
+    with serving(HubEvents) as endpoint:
+        events = BucketEvents(endpoint, "ns/bkt", "run", token=False)
+        try:
+            got: list[int] = []
+            events.subscribe(got.append)
+            deadline = time.monotonic() + 30
+            while got != [3] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert got == [3] and events.alive
+        finally:
+            events.close()
+    assert "/api/buckets/ns/bkt/events" in HubEvents.paths

@@ -233,6 +233,7 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
                 break
             _wait(watch, stop, delay)
     finally:
+        watch.close()
         target.close()
         reader.close()
     return done

@@ -22,10 +22,12 @@ import os
 import shutil
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:
+    from deltasync.notify import Notifier
 
 Data = Union[bytes, bytearray, memoryview, Path]
 """What ``put`` takes: bytes-like objects are written as they are; a ``Path`` is a local file, streamed
@@ -39,13 +41,13 @@ class Capabilities:
     """What a backend guarantees, for callers that choose a protocol by it (and for the docs' table).
 
     ``create_only``: ``put(if_absent=True)`` is atomic (two writers: exactly one succeeds).
-    ``compare_and_swap``: ``put(if_version=v)`` is atomic. ``notify``: ``subscribe`` reports new objects.
+    ``compare_and_swap``: ``put(if_version=v)`` is atomic. (New steps are pushed by step, not by object:
+    deltasync/notify.py.)
     ``local_files``: objects are files on this machine (``local_path``), read in place, never downloaded.
     """
 
     create_only: bool
     compare_and_swap: bool
-    notify: bool = False
     local_files: bool = False
 
 
@@ -140,11 +142,10 @@ class Transport(ABC):
         """The object's file on this machine, for transports with ``capabilities.local_files``; else None."""
         return None
 
-    def subscribe(self, prefix: str, callback: Callable[[str], None]) -> Callable[[], None]:
-        """Call ``callback(key)`` after each object written under ``prefix`` (``capabilities.notify``);
-        returns the function that unsubscribes. Transports without notification raise ``NotImplementedError``:
-        callers poll ``list`` instead."""
-        raise NotImplementedError(f"{type(self).__name__} does not notify; poll list() instead")
+    def step_events(self) -> Notifier | None:
+        """A new :class:`deltasync.notify.Notifier` of steps committed here (the caller closes it), where the
+        backend pushes its changes (a Hugging Face bucket's event feed); None (the default): followers poll."""
+        return None
 
     def close(self) -> None:
         """Release connections and clients (the default holds none)."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,8 +60,8 @@ class NixlTransport(Transport):
         self.trainer = trainer
         self.consumer = consumer
         self.root = backing.root
-        # a consumer must read objects through get (never in place), and hears of steps from the controller
-        self.capabilities = replace(backing.capabilities, notify=False,
+        # a consumer must read objects through get (never in place); it hears of steps from the controller
+        self.capabilities = replace(backing.capabilities,
                                     local_files=backing.capabilities.local_files and trainer is not None)
         self._pending: dict[int, tuple[str, bytes]] = {}
         self._missed: dict[int, None] = {}  # insertion-ordered set of steps read from the store instead
@@ -211,9 +210,6 @@ class NixlTransport(Transport):
 
     def local_path(self, key: str) -> Path | None:
         return self.backing.local_path(key) if self.capabilities.local_files else None
-
-    def subscribe(self, prefix: str, callback: Callable[[str], None]) -> Callable[[], None]:
-        raise NotImplementedError("NixlTransport: consumers hear of steps from the controller (RdmaConsumer.follow)")
 
     def close(self) -> None:
         """Close the trainer's fast path (waiting for reads in flight, at most the ack deadline) and the store."""

@@ -107,6 +107,7 @@ class Prefetcher:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=60)
+        self.watch.close()
         with self._lock:
             self._ready.clear()
 
