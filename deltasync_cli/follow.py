@@ -51,7 +51,8 @@ def follow(
     from rollout_loader import Follower
     from rollout_loader.vllm import VllmTarget
 
-    target = VllmTarget(server, step=engine_step, mode=mode, verify=verify)  # type: ignore[arg-type]
+    # the engine's prefetchers listen to the feed too: every rank hears of a step before the update asks for it
+    target = VllmTarget(server, step=engine_step, mode=mode, verify=verify, notify=notify)  # type: ignore[arg-type]
     feed = EventFeed(notify) if notify is not None else None  # a bad URL: one line, exit 2
 
     def report(step: int) -> None:

@@ -54,6 +54,7 @@ from deltasync import (
     add_checksums,
     warm_kernels,
 )
+from deltasync.notify import EventFeed
 
 
 from .layout import checkpoint_layout
@@ -99,6 +100,8 @@ class DeltasyncInitInfo(WeightTransferInitInfo):
     mode: str = "auto"
     prefetch: bool = True
     rdma: dict[str, Any] | None = None  # {"controller": "tcp://host:port", ...}: read steps over NIXL first
+    notify: str | None = None  # a mirror's event feed (http://host:port/events): every rank's prefetcher hears of
+    # each step from it and polls the store only as a safety net (deltasync/notify.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
@@ -113,6 +116,9 @@ class DeltasyncInitInfo(WeightTransferInitInfo):
             raise _refuse(f"deltasync init_info: step must be a step number or null, got {self.step!r}")
         if self.rdma is not None and not (isinstance(self.rdma, dict) and isinstance(self.rdma.get("controller"), str)):
             raise _refuse(f"deltasync init_info: rdma must be an object naming a 'controller' address, got {self.rdma!r}")
+        if self.notify is not None and not (isinstance(self.notify, str) and self.notify.startswith(("http://", "https://"))):
+            raise _refuse(f"deltasync init_info: notify must be a mirror's event feed URL (http://HOST:PORT/events), "
+                          f"got {self.notify!r}")
 
 
 @dataclass
@@ -154,6 +160,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         self._held: int | None = None
         self._prefetcher: Prefetcher | None = None
         self._rdma: Any = None  # deltasync.RdmaConsumer when init_info names a controller
+        self._feed: EventFeed | None = None  # init_info.notify's event feed
         self.pauses_s: list[float] = []  # write + verify time of each applied step
         # where the time of each update_weights call that moved the engine went (seconds, see PAUSE_PARTS)
         self.pause_parts: list[dict[str, float]] = []
@@ -204,8 +211,11 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         if init_info.prefetch:
             reader = self._rdma.reader if self._rdma is not None else StreamReader(
                 init_info.url, storage_options=init_info.storage_options)
-            # over NIXL the trainer announces each step: the prefetcher hears of it at once (a hint it checks)
-            self._prefetcher = Prefetcher(reader, self._state, lambda: self._held, notifier=self._rdma,
+            # over NIXL the trainer announces each step, or a mirror does: the prefetcher hears of it at once (a
+            # hint it checks); otherwise the store's own feed where it has one, else polls by the stream's cadence
+            if init_info.notify is not None and self._rdma is None:
+                self._feed = EventFeed(init_info.notify)
+            self._prefetcher = Prefetcher(reader, self._state, lambda: self._held, notifier=self._rdma or self._feed,
                                           anchor_deltas=self._rdma is None)
 
     def start_weight_update(self) -> None:
@@ -364,6 +374,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             if self._rdma is None or self._prefetcher.reader is not self._rdma.reader:
                 self._prefetcher.reader.close()
             self._prefetcher = None
+        feed, self._feed = self._feed, None
+        if feed is not None:
+            feed.close()
 
     def _rdma_consumer(self, info: DeltasyncInitInfo) -> Any:
         """This rank's NIXL consumer: step objects read from the trainer's ring when announced, from the store

@@ -53,6 +53,9 @@ class VllmTarget:
         verify: checksums after each delta: ``"incremental"`` (each changed tensor's from the patched
             elements, O(changed)), ``"changed"`` (recomputed for the changed tensors) or ``"all"``.
         mode: the engine's ("auto", "live", "reload"; see :func:`rollout_loader.vllm.plan.build_state`).
+        notify: a mirror's event feed (``http://HOST:PORT/events``, ``deltasync mirror --events``) the
+            engine's prefetchers listen to, so that every rank stages a step as soon as it is committed and
+            polls the store only as a safety net (deltasync/notify.py).
 
     Raises ``ConfigError`` for a bad argument; the follower's first contact raises ``EngineConfigError``
     (a flag missing), ``EngineUnreachableError``. ``pauses_s`` records how long each update held generation.
@@ -65,7 +68,8 @@ class VllmTarget:
 
     reads_store = True  # the Follower sends step numbers, not objects
 
-    def __init__(self, engine: Any, *, step: int | None = None, verify: Verify = "incremental", mode: Mode = "auto") -> None:
+    def __init__(self, engine: Any, *, step: int | None = None, verify: Verify = "incremental", mode: Mode = "auto",
+                 notify: str | None = None) -> None:
         _choice("mode", mode, Mode)
         _choice("verify", verify, Verify)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
@@ -73,6 +77,7 @@ class VllmTarget:
         self.client: WeightTransfer = weight_transfer(engine)
         self.verify = verify
         self.mode = mode
+        self.notify = notify
         self._declared = step
         self._step: int | None = None
 
@@ -96,7 +101,7 @@ class VllmTarget:
         held = self.client.held_step()
         self._step = held if held is not None else self._declared
         self.client.init(_absolute(url), storage_options=storage_options, verify=self.verify, mode=self.mode,
-                         step=self._step)
+                         step=self._step, notify=self.notify)
         log.info("vLLM engine holds step %s", self._step)
         return self._step
 

@@ -113,8 +113,16 @@ _OFFLINE_SCRIPT = textwrap.dedent(
         sp = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False, ignore_eos=True)
         gen = lambda: [list(o.outputs[0].token_ids) for o in llm.generate(json.loads(prompts), sp, use_tqdm=False)]
         res = {"before": gen()}
-        llm.init_weight_transfer_engine({"init_info": {"url": url, "verify": "incremental"}})
+        from deltasync.notify import EventServer
+        events = EventServer()  # a mirror's feed: the prefetcher hears of steps from it
+        llm.init_weight_transfer_engine({"init_info": {"url": url, "verify": "incremental", "notify": events.url}})
         engine = llm.collective_rpc(lambda worker: worker.weight_transfer_engine)[0]  # in-process: the object
+        events.announce(5)
+        feed = engine._prefetcher.watch.notifier
+        deadline = time.monotonic() + 60
+        while not (feed.alive and feed.newest == 5) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        res["feed"] = [type(feed).__name__, feed.alive, feed.newest]
         for step in (2, 4, "latest"):
             if step == "latest":  # the prefetcher seals step 5 against step 4's bits: the pause only scatters
                 deadline = time.monotonic() + 60
@@ -133,6 +141,10 @@ _OFFLINE_SCRIPT = textwrap.dedent(
                 llm.update_weights({"update_info": info})
             except Exception as e:
                 errors.append(str(e))
+        try:
+            llm.init_weight_transfer_engine({"init_info": {"url": url, "notify": "ftp://mirror/events"}})
+        except Exception as e:
+            errors.append(str(e))
         res["errors"] = errors
         res["after_errors"] = gen()
         res["sealed"] = engine.sealed_steps
@@ -171,6 +183,8 @@ def test_offline_llm_follows_through_weight_transfer_methods(tmp_path):
     assert res["errors"][0].startswith("StepNotFoundError") or "step 99" in res["errors"][0]
     assert "step must be a step number" in res["errors"][1]
     assert "Invalid update_info" in res["errors"][2]
+    assert "notify must be a mirror's event feed URL (http://HOST:PORT/events), got 'ftp://mirror/events'" in res["errors"][3]
+    assert res["feed"] == ["EventFeed", True, 5]  # init_info's notify: the prefetcher listens to the mirror's feed
     assert res["after_errors"] == res["tokens"][2]
     assert res["tokens"][0] != res["tokens"][1] != res["tokens"][2]
     assert 5 in res["sealed"]
