@@ -8,7 +8,9 @@ the library's defaults with a state-dict target) follow them, then the stream st
 Measured at the proxy, for the source bucket only: requests per idle follower-minute, requests and bytes out
 of the source per step, and publish->applied latency p50/p99 (the writer's commit time in latest.json to each
 follower's apply). "mirrored": one ``mirror_follow`` reads the source through the proxy and the followers
-read the copy. Baseline in the same run: followers polling the way the library did before (``latest_step()``
+read the copy (through the proxy too: the copy's requests are counted apart). "pushed": as mirrored, and the
+mirror serves its steps as events (``EventServer``); each follower listens (``EventFeed``) and polls the copy
+only as a safety net. "node-cache": direct, all followers of this host sharing one ``NodeCache``. Baseline in the same run: followers polling the way the library did before (``latest_step()``
 every 50 ms: the hint, two existence checks, a listing where s3fs falls back), idle only. Every follower's
 final weights are compared with the publisher's. Prints a table and writes bench/results/fleet-<date>.json.
 """
@@ -41,23 +43,26 @@ def _state(step: int):
     return {"w": torch.randn(200_000, generator=g).bfloat16(), "b": torch.randn(256, generator=g).bfloat16()}
 
 
-def _followers(url: str, options: dict, n: int, run_s: float, legacy: bool, out: str) -> None:
+def _followers(url: str, options: dict, n: int, run_s: float, legacy: bool, out: str, notify: str | None = None,
+               node_cache: str | None = None) -> None:
     """A process of ``n`` followers for ``run_s`` seconds; writes {"applied": [[step, unix time]...] per follower,
     "exact": [...]} to ``out``."""
     import torch
 
     torch.set_num_threads(1)
     try:
-        _run_followers(url, options, n, run_s, legacy, out)
+        _run_followers(url, options, n, run_s, legacy, out, notify, node_cache)
     except BaseException as e:  # the parent reports it: a process that died says why
         Path(out).write_text(json.dumps({"error": f"{type(e).__name__}: {e}", "applied": [], "exact": [False] * n}))
         raise
 
 
-def _run_followers(url: str, options: dict, n: int, run_s: float, legacy: bool, out: str) -> None:
+def _run_followers(url: str, options: dict, n: int, run_s: float, legacy: bool, out: str, notify: str | None,
+                   node_cache: str | None) -> None:
     import torch
 
-    from deltasync import StreamReader
+    from deltasync import NodeCache, StreamReader
+    from deltasync.notify import EventFeed
     from rollout_loader import Follower, StateDictTarget
 
     stop = threading.Event()
@@ -83,14 +88,20 @@ def _run_followers(url: str, options: dict, n: int, run_s: float, legacy: bool, 
             t.join()
         Path(out).write_text(json.dumps({"applied": [], "exact": []}))
         return
+    feeds = [EventFeed(notify) for _ in range(n)] if notify else [None] * n
+    node = NodeCache(node_cache) if node_cache else None
     for i in range(n):
-        f = Follower(url, StateDictTarget(), storage_options=options,
-                     on_step=lambda s, i=i: applied[i].append((s, time.time())))
+        reader = StreamReader(url, storage_options=options, node_cache=node)
+        f = Follower(reader, StateDictTarget(), on_step=lambda s, i=i: applied[i].append((s, time.time())),
+                     notifier=feeds[i])
         followers.append(f.start())
     time.sleep(run_s)
     exact = []
-    for f in followers:
+    for f, feed in zip(followers, feeds):
         f.close()
+        f.reader.close()
+        if feed is not None:
+            feed.close()
         held = f.target.state_dict() if f.target.step is not None else None
         want = _state(f.target.step) if f.target.step is not None else None
         exact.append(held is not None and all(torch.equal(held[k].view(torch.int16), want[k].view(torch.int16)) for k in want))
@@ -102,35 +113,41 @@ def _through(options: dict, endpoint: str) -> dict:
 
 
 def run(server, n: int, mode: str, args: argparse.Namespace, work: Path) -> dict:
-    """One measurement: ``mode`` is "direct", "mirrored" or "baseline" (idle only)."""
+    """One measurement: ``mode`` is "direct", "node-cache", "mirrored", "pushed" or "baseline" (idle only)."""
     from deltasync import DeltaPublisher
     from deltasync.history.mirror import mirror_follow
+    from deltasync.notify import EventServer
     from deltasync.store import Store
     from tests.integration.counting_proxy import counting_proxy
 
     opts = server.storage_options
     src = server.new_url()
-    bucket_prefix = "/" + src.removeprefix("s3://")
     with DeltaPublisher(src, _state(0), on_backlog="block", storage_options=opts) as pub:
         pub.publish(0)
     with counting_proxy(opts["client_kwargs"]["endpoint_url"]) as proxy:
         via_proxy = _through(opts, proxy.url)
         stop_mirror = threading.Event()
-        mirror_thread = None
+        mirror_thread = events = None
         follow_url, follow_opts = src, via_proxy
-        if mode == "mirrored":
+        dst = None
+        if mode in ("mirrored", "pushed"):
             dst = server.new_url()
-            follow_url, follow_opts = dst, opts  # the region's followers read the copy, not through the proxy
+            follow_url = dst  # the region's followers read the copy (through the proxy: counted apart)
+            events = EventServer() if mode == "pushed" else None
             mirror_thread = threading.Thread(target=mirror_follow, args=(src, dst), daemon=True,
-                                             kwargs=dict(src_options=via_proxy, dst_options=opts, stop=stop_mirror))
+                                             kwargs=dict(src_options=via_proxy, dst_options=opts, stop=stop_mirror,
+                                                         events=events))
             mirror_thread.start()
+        notify = events.url if events is not None else None
+        node_cache = str(work / f"node-{n}") if mode == "node-cache" else None
         run_s = args.warmup_s + (0 if mode == "baseline" else args.steps * args.cadence_s + args.settle_s) + args.idle_s + 2
         procs, outs = [], []
         per = [n // PROCESSES + (1 if i < n % PROCESSES else 0) for i in range(min(PROCESSES, n))]
         ctx = mp.get_context("spawn")
         for i, k in enumerate(per):
             outs.append(str(work / f"{mode}-{n}-{i}.json"))
-            procs.append(ctx.Process(target=_followers, args=(follow_url, follow_opts, k, run_s, mode == "baseline", outs[-1])))
+            procs.append(ctx.Process(target=_followers, args=(follow_url, follow_opts, k, run_s, mode == "baseline",
+                                                              outs[-1], notify, node_cache)))
         for p in procs:
             p.start()
         time.sleep(args.warmup_s)  # started, caught up on step 0
@@ -156,8 +173,15 @@ def run(server, n: int, mode: str, args: argparse.Namespace, work: Path) -> dict
         stop_mirror.set()
         if mirror_thread is not None:
             mirror_thread.join(timeout=60)
-    src_only = lambda reqs: [r for r in reqs if r.path.startswith(bucket_prefix) or "prefix=" + src.split("/", 3)[3] in r.query]  # noqa: E731
+        if events is not None:
+            events.close()
+
+    def under(url: str, reqs: list) -> list:
+        return [r for r in reqs if r.path.startswith("/" + url.removeprefix("s3://")) or "prefix=" + url.split("/", 3)[3] in r.query]
+
+    src_only = lambda reqs: under(src, reqs)  # noqa: E731
     idle = src_only(idle_requests)
+    copy_idle = under(dst, idle_requests) if dst is not None else []
     results = [json.loads(Path(o).read_text()) if Path(o).exists() else
                {"error": f"follower process {i} wrote nothing (exit code {p.exitcode})", "applied": [], "exact": [False]}
                for i, (o, p) in enumerate(zip(outs, procs))]
@@ -169,6 +193,7 @@ def run(server, n: int, mode: str, args: argparse.Namespace, work: Path) -> dict
         "followers": n, "mode": mode,
         "idle_requests_per_follower_minute": round(len(idle) / n / (idle_s / 60), 2),
         "idle_requests_by_kind": {f"{m} {k}": c for (m, k), c in sorted(proxy.count(idle).items())},
+        "copy_idle_requests_per_follower_minute": round(len(copy_idle) / n / (idle_s / 60), 2) if dst else None,
         "source_requests_per_step": round(len(steps) / args.steps, 1) if mode != "baseline" else None,
         "source_bytes_per_step": round(sum(r.nbytes for r in steps) / args.steps) if mode != "baseline" else None,
         "latency_p50_s": round(float(np.percentile(latencies, 50)), 3) if latencies else None,
@@ -190,6 +215,8 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=float, default=20.0)
     ap.add_argument("--settle-s", type=float, default=8.0)
     ap.add_argument("--baseline-fleet", type=int, nargs="*", default=[1, 8])
+    ap.add_argument("--modes", nargs="+", default=["direct", "node-cache", "mirrored", "pushed"],
+                    choices=["direct", "node-cache", "mirrored", "pushed"])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
 
@@ -205,19 +232,20 @@ def main() -> None:
         for n in args.baseline_fleet:
             rows.append(run(server, n, "baseline", args, work))
         for n in args.fleet:
-            rows.append(run(server, n, "direct", args, work))
-            rows.append(run(server, n, "mirrored", args, work))
+            for mode in args.modes:
+                rows.append(run(server, n, mode, args, work))
     finally:
         if server is not None:
             server.stop()
         shutil.rmtree(work, ignore_errors=True)
-    print("\n| followers | mode | idle requests / follower-minute | source requests / step | source MB / step | "
-          "publish->applied p50 / p99 | applied | exact |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| followers | mode | idle requests / follower-minute (source) | (copy) | source requests / step | "
+          "source MB / step | publish->applied p50 / p99 | applied | exact |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mb = "-" if r["source_bytes_per_step"] is None else f"{r['source_bytes_per_step'] / 1e6:.2f}"
         lat = "-" if r["latency_p50_s"] is None else f"{r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f} s"
-        print(f"| {r['followers']} | {r['mode']} | {r['idle_requests_per_follower_minute']} | "
+        copy = "-" if r["copy_idle_requests_per_follower_minute"] is None else r["copy_idle_requests_per_follower_minute"]
+        print(f"| {r['followers']} | {r['mode']} | {r['idle_requests_per_follower_minute']} | {copy} | "
               f"{r['source_requests_per_step'] if r['source_requests_per_step'] is not None else '-'} | {mb} | {lat} | "
               f"{r['applied']}/{r['expected_applied']} | {r['all_exact'] if r['all_exact'] is not None else '-'} |")
     out = Path(args.out)

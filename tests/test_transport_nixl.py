@@ -249,3 +249,29 @@ def test_every_step_commits_without_a_controller(tmp_path):
         stats = transport.trainer.stats
     assert stats.announced == [] and [s for s, _ in stats.store_only] == STEPS
     _store_holds_truth(url, truth)
+
+
+def test_only_a_reader_holding_the_manifest_asks_the_ring(tmp_path):
+    """``get`` of a step object is the store's: a sharded step's part (never offered over RDMA) or a reader
+    without the manifest never waits for an announcement (issue 19, item 4)."""
+    from deltasync.transports import open_transport
+    from deltasync.transports.nixl import NixlTransport
+
+    class Ring:  # stands beside the real ring of the tests above: records whether it was asked at all
+        id, arrived, asked = "c0", {}, []
+
+        def read(self, step: int) -> bytes:
+            self.asked.append(step)
+            time.sleep(30)  # what an announcement that never comes costs
+            raise AssertionError("unreachable")
+
+        lease = read
+
+    ring = Ring()
+    transport = NixlTransport(open_transport(str(tmp_path)), consumer=ring)
+    for key in ("steps/000000000003/rank-00001-of-00004.safetensors", "steps/000000000004/delta.safetensors"):
+        transport.backing.put(key, b"part bytes")
+        assert transport.get(key) == b"part bytes"
+        transport.get_file(key, tmp_path / "copy")
+        assert (tmp_path / "copy").read_bytes() == b"part bytes"
+    assert ring.asked == [] and ring.arrived == {}

@@ -10,8 +10,9 @@ store is the history and the safety net) and adds the hot path on one side:
 - **consumer** (``deltasync.rdma.consumer.RdmaConsumer`` builds it): ``StreamReader`` asks
   ``read_verified`` first, with the manifest's size and SHA-256: the announced slot is read, hashed once as
   it lands and held in the inbox, and the step object opens on it in place (no copy, no second hash). On any
-  ``RdmaError`` the step comes from the backing store (``get`` then skips the ring for it). ``get`` of a
-  step object alone (other readers) reads the slot too, and returns a copy the store checks as any object.
+  ``RdmaError`` the step comes from the backing store. Only a reader holding the step's manifest asks the
+  ring, and only for a single-object step (a sharded step's parts go by the store without waiting for an
+  announcement that never comes); ``get`` is the store's.
 
 Trainer side, with the publisher unchanged::
 
@@ -46,7 +47,6 @@ log = logging.getLogger(__name__)
 OBJECT_KEY = re.compile(r"^steps/(\d{12})/([A-Za-z0-9][A-Za-z0-9._-]*\.safetensors)$")
 MANIFEST_KEY = re.compile(r"^steps/(\d{12})/manifest\.json$")
 MAX_PENDING = 4  # objects put but not yet committed (a failed commit leaves one behind; the oldest go)
-MAX_MISSED = 64  # steps the ring failed to serve, remembered so that the store's own read skips the ring
 
 
 class NixlTransport(Transport):
@@ -64,7 +64,6 @@ class NixlTransport(Transport):
         self.capabilities = replace(backing.capabilities,
                                     local_files=backing.capabilities.local_files and trainer is not None)
         self._pending: dict[int, tuple[str, bytes]] = {}
-        self._missed: dict[int, None] = {}  # insertion-ordered set of steps read from the store instead
 
     @classmethod
     def trainer(cls, url: str, *, rdma: str | RdmaOptions | dict,
@@ -129,21 +128,13 @@ class NixlTransport(Transport):
             return
         self.trainer.offer(step, payload, sha256=manifest.objects[0].object_sha256)  # hashed once, by the writer
 
-    # --- the consumer's hook: objects from the ring first ---
+    # --- the consumer's hook: a step's object from the ring, asked for by a reader that holds its manifest ---
 
     def get(self, key: str, *, start: int = 0, end: int | None = None) -> bytes:
-        data = self._from_ring(key) if start == 0 else None
-        if data is not None:
-            return data if end is None else data[:end]
         return self.backing.get(key, start=start, end=end)
 
     def get_file(self, key: str, local: Path) -> None:
-        data = self._from_ring(key)
-        if data is None:
-            self.backing.get_file(key, local)
-            return
-        with open(local, "wb") as f:
-            f.write(data)
+        self.backing.get_file(key, local)
 
     def read_verified(self, step: int, name: str, nbytes: int, sha256: str) -> Lease | None:
         """Step ``step``'s object ``name`` held in the inbox, checked against the manifest's ``nbytes`` and
@@ -167,26 +158,6 @@ class NixlTransport(Transport):
         assert self.consumer is not None
         self.consumer.arrived[step] = f"store: {type(e).__name__}"
         log.info("%s: step %d from the store: %s", self.consumer.id, step, e)
-        self._missed[step] = None
-        while len(self._missed) > MAX_MISSED:
-            del self._missed[next(iter(self._missed))]
-
-    def _from_ring(self, key: str) -> bytes | None:
-        """The object's bytes from its announced slot, or None (why recorded) where the store must serve it."""
-        m = OBJECT_KEY.match(key) if self.consumer is not None else None
-        if m is None:
-            return None
-        assert self.consumer is not None
-        step = int(m.group(1))
-        if step in self._missed:  # read_verified failed just now: straight to the store, no second wait
-            return None
-        try:
-            data = self.consumer.read(step)
-        except (RdmaError, DeltaSyncError) as e:
-            self._missed_ring(step, e)
-            return None
-        self.consumer.arrived[step] = "rdma"
-        return data
 
     # --- everything else is the backing store's ---
 
