@@ -104,6 +104,7 @@ def test_vllm_offline_follow():
 
 
 @pytest.mark.vllm
+@pytest.mark.outside_ci  # a server start (~1.5 min): CI follows a real server in test_vllm_engine.py instead
 def test_vllm_server_sync():
     """A real vLLM server kept in sync by ``deltasync follow --server``; every rollout names its step."""
     lines = run_example("vllm_server_sync.py", "--steps", "2", timeout_s=900)

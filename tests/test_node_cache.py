@@ -22,7 +22,7 @@ from deltasync.store import step_dir
 from tests.conftest import states_equal
 from tests.test_publisher import train
 
-CTX = mp.get_context("spawn")
+CTX = mp.get_context("fork")  # the peers need no fresh interpreter: forked, they start at once (POSIX, as flock)
 
 
 def _fetch_in_process(folder: str, digest: str, payload: bytes, dest: str, log: str, go) -> None:

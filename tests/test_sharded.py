@@ -141,7 +141,7 @@ def _assert_bit_exact(reader: StreamReader, out: Path, steps: list[int]) -> None
         assert not bad, f"step {s}: tensors differ from the gathered reference: {bad}"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.outside_ci)])  # 4 ranks: outside CI's budget
 def test_fsdp2_ranks_publish_their_own_shards_bit_exact(tmp_path, world):
     stream = tmp_path / "stream"
     _, out = _run(tmp_path, stream, "train", world, 1, 5, "run")

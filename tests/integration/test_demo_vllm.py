@@ -48,6 +48,7 @@ DEMO = textwrap.dedent(
 
 
 @pytest.mark.skipif(not nixl_available(), reason="needs NIXL: pip install 'deltasync[rdma]'")
+@pytest.mark.outside_ci  # ~2 min; CI runs a multiprocess engine over NIXL in test_vllm_rdma, the NIXL demo in test_demo
 def test_nixl_demo_with_a_multiprocess_vllm_engine_is_bit_exact(tmp_path):
     url, result = str(tmp_path / "s"), tmp_path / "demo.json"
     tmp = Path(tempfile.mkdtemp(prefix="demo-"))  # short: vLLM binds Unix sockets in it (107 bytes at most)

@@ -66,6 +66,12 @@ def test_server_follows_a_stream_on_s3_through_vllm_routes(s3_server, tmp_path):
     with DeltaPublisher(url, state, storage_options=opts, anchor_every=100, on_backlog="block") as pub, \
             vllm_server(model_dir, tmp_path, dev_mode=True, extension=False, weight_transfer=True) as base:
         assert _weight_version(base) == "default"
+        # a client without vLLM installed: mistakes are one line each, the server untouched
+        r = run_cli("follow", str(tmp_path / "no-stream-here"), "--server", base, block_vllm=True)
+        assert_one_line_error(r.returncode, r.stderr, "StreamNotFoundError", "no deltasync stream at")
+        r = run_cli("follow", url, "--server", base, "--verify", "everything", block_vllm=True)
+        assert_one_line_error(r.returncode, r.stderr, "--verify", "'everything'")
+        assert _weight_version(base) == "default"
         _publish(pub, state, range(0, 3))
         follow = ["follow", url, "--server", base, "--verify", "all", *_s3_options(s3_server)]
         r = run_cli(*follow, "--until", "2", block_vllm=True)

@@ -45,7 +45,8 @@ def trainer_checksums(url: str, step: int) -> dict[str, int]:
         return {n: parse_checksum(t.checksum) for n, t in obj.header.tensors.items()}
 
 
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+# tied: outside CI's budget (test_each_mode... covers a tied head against a fresh engine in CI)
+@pytest.mark.parametrize("tie", [False, pytest.param(True, marks=pytest.mark.outside_ci)], ids=["untied", "tied"])
 def test_engine_follows_training_bit_exactly(tmp_path, tie):
     model_dir = tmp_path / "model"
     build_checkpoint(model_dir, tie=tie)
@@ -122,7 +123,8 @@ def _stream(folder: Path, state: dict[str, torch.Tensor]) -> str:
         pytest.param(False, "bfloat16", "live", id="untied-bf16-live"),
         # the stock CPU path repacks fp32 linears for oneDNN (weights become empty): shadowed and re-processed
         pytest.param(True, "float32", "reload", id="tied-fp32-reload"),
-        pytest.param(False, "float32", "reload", id="untied-fp32-reload"),
+        pytest.param(False, "float32", "reload", id="untied-fp32-reload",
+                     marks=pytest.mark.outside_ci),  # tied-fp32-reload covers the path in CI's budget
         # bf16 with the stock path: whatever this CPU's GEMM dispatch chose, rebuilt or reloaded
         pytest.param(False, "bfloat16", "reload", id="untied-bf16-reload"),
     ],

@@ -20,7 +20,7 @@ import torch
 
 from deltasync import DeltaPublisher, replay_to_folder
 from tests.integration.conftest import generate, load_state, perturb, save_like, update_to
-from tests.integration.families import FAMILIES, MOE, build_family
+from tests.integration.families import FAMILIES, MOE, OUTSIDE_CI, build_family
 from tests.integration.fp8 import fp8_stand_in
 
 pytest.importorskip("vllm")
@@ -28,7 +28,8 @@ pytestmark = pytest.mark.vllm
 
 STEPS = (1, 2, 3)  # 1, 2: deltas; 3: an anchor (anchor_every=3)
 COMPARED = (2, 3)  # a delta on a delta, and an anchor: each against a fresh engine
-CASES = [(f, "live", "bf16") for f in FAMILIES] + [(f, "stock", "bf16") for f in MOE] + [("llama", "live", "fp8")]
+CASES = [pytest.param(*case, marks=pytest.mark.outside_ci) if case in OUTSIDE_CI else case
+         for case in [(f, "live", "bf16") for f in FAMILIES] + [(f, "stock", "bf16") for f in MOE] + [("llama", "live", "fp8")]]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,9 @@
-"""Server mode against a real `vllm` OpenAI server process (default multiprocess engine)."""
+"""Server mode against a real `vllm` OpenAI server process (default multiprocess engine), following a local
+stream by a relative path from another working directory.
+
+Outside CI's budget (``./run.sh test -m outside_ci``): CI follows a server from a client without vLLM over S3
+in tests/integration/test_vllm_engine.py, and the relative path's resolution is tested in tests/test_vllm_client.py.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from tests.integration.conftest import PROMPTS, build_checkpoint, engine, save_l
 from tests.integration.seaweedfs import _free_port
 from tests.integration.test_vllm_follow import train_and_publish
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.outside_ci]
 
 
 def _get(url: str, timeout: float = 5) -> bytes:
