@@ -26,6 +26,8 @@ Engine integrations (decode ahead, then only write and prove inside the engine's
 from deltasync.errors import (
     BaseStepMismatchError,
     ChecksumMismatchError,
+    HeldStepError,
+    ResourceLimitError,
     ConfigError,
     CorruptObjectError,
     DeltaSyncError,
@@ -175,6 +177,8 @@ __all__ = [
     "TensorMismatchError",
     "BaseStepMismatchError",
     "ChecksumMismatchError",
+    "HeldStepError",
+    "ResourceLimitError",
     "StepNotFoundError",
     "StreamNotFoundError",
     "StepOrderError",

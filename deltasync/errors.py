@@ -31,6 +31,11 @@ class ChecksumMismatchError(DeltaSyncError, ValueError):
     """After applying a step the weights do not match the trainer's checksums."""
 
 
+class HeldStepError(ChecksumMismatchError):
+    """The step a consumer is said to hold (``init_info.step``, ``--engine-step``) is not the step its weights
+    are: some tensor's checksum differs from that step's. Retrying cannot help: name the right step, or none."""
+
+
 class StepNotFoundError(DeltaSyncError, FileNotFoundError):
     """A step was never published, is not committed yet, or has been collected."""
 
@@ -77,6 +82,11 @@ class MissingDependencyError(DeltaSyncError, ImportError):
 
 class StreamNotFoundError(StepNotFoundError):
     """There is no deltasync stream at a URL (no ``stream.json``, no step): a wrong bucket, prefix or path."""
+
+
+class ResourceLimitError(DeltaSyncError, OSError):
+    """The machine ran out of something a read needs (open files, memory for a mapping): says which, and how to
+    raise the limit. Not the store's fault, and not the data's."""
 
 
 class StoreAuthError(StoreError, PermissionError):

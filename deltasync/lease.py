@@ -55,8 +55,11 @@ class WriterLease:
         store = self.store
         data = encode(lease)
         try:
+            # a write whose reply was lost may have happened: the lease then holds these very bytes (owner and
+            # expiry, this attempt's), which is this writer's success, not another writer's lease
             store.call(f"write {WRITER}", lambda: store.transport.put(
-                WRITER, data, if_absent=version is None, if_version=version))
+                WRITER, data, if_absent=version is None, if_version=version),
+                landed=lambda: store.transport.get(WRITER) == bytes(data))
         except FileExistsError:
             held = self.current()
             raise WriterConflictError(

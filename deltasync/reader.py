@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,14 @@ class _HeldObject(StepObject):
         self._release()
 
 
+MANIFEST_CACHE_BYTES = 64 << 20  # what a reader keeps of parsed manifests (their JSON size, x2 for Python)
+
+
+def _manifest_cost(m: Manifest) -> int:
+    """About what a parsed manifest costs in memory: twice its JSON (Python objects outweigh their text)."""
+    return 2 * len(m.to_json())
+
+
 class StreamReader:
     """Read a deltasync stream from any fsspec URL. Objects are verified (size, SHA-256) before use.
 
@@ -96,7 +105,10 @@ class StreamReader:
         self._owns_store = not isinstance(url, Store)
         self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options, cache_dir=cache_dir,
                                                                  node_cache=node_cache)
-        self._manifests: dict[int, Manifest] = {}  # committed manifests never change: saves a GET each
+        # committed manifests never change: kept to save a GET each, least recently used first out, bounded in
+        # bytes (a version-2 manifest of 64 ranks x 300 tensors is megabytes: a count would not bound memory)
+        self._manifests: OrderedDict[int, tuple[Manifest, int]] = OrderedDict()
+        self._manifest_bytes = 0
 
     @property
     def url(self) -> str:
@@ -105,6 +117,7 @@ class StreamReader:
     def close(self) -> None:
         """Remove the downloaded objects and the cache folder (of the store this reader made)."""
         self._manifests.clear()
+        self._manifest_bytes = 0
         if self._owns_store:
             self.store.close()
 
@@ -122,27 +135,40 @@ class StreamReader:
 
     def manifest(self, step: int, *, nearby: bool = True) -> Manifest:
         """Step ``step``'s manifest, read once and kept (see ``Store.manifest`` for ``nearby``)."""
-        m = self._manifests.get(step)
-        if m is None:
-            m = self.store.manifest(step, nearby=nearby)
-            if len(self._manifests) >= 4096:
-                self._manifests.pop(next(iter(self._manifests)))
-            self._manifests[step] = m
+        hit = self._manifests.get(step)
+        if hit is not None:
+            self._manifests.move_to_end(step)
+            return hit[0]
+        m = self.store.manifest(step, nearby=nearby)
+        cost = _manifest_cost(m)
+        if cost <= MANIFEST_CACHE_BYTES:
+            self._manifests[step] = (m, cost)
+            self._manifest_bytes += cost
+            while self._manifest_bytes > MANIFEST_CACHE_BYTES:
+                _, (_, freed) = self._manifests.popitem(last=False)
+                self._manifest_bytes -= freed
         return m
 
     def wait_for(self, step: int | None = None, *, timeout_s: float = 60.0, poll_s: float = 0.05) -> int:
         """Block until ``step`` (or, with None, any step) is committed; returns the latest committed step."""
+        from deltasync.watch import PollPolicy, StepWatch
+
         deadline = time.monotonic() + timeout_s
-        while True:
-            latest = self.latest_step()
-            if latest is not None and (step is None or latest >= step):
-                return latest
-            if time.monotonic() >= deadline:
-                raise WaitTimeoutError(
-                    f"{self.url}: step {step if step is not None else '(any)'} not committed within {timeout_s}s "
-                    f"(latest: {latest})"
-                )
-            time.sleep(poll_s)
+        watch = StepWatch(self, PollPolicy(fast_s=poll_s, idle_max_s=max(poll_s, 1.0)))  # one small read a poll
+        try:
+            while True:
+                latest = watch.newest()
+                if latest is not None and (step is None or latest >= step):
+                    return latest
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WaitTimeoutError(
+                        f"{self.url}: step {step if step is not None else '(any)'} not committed within {timeout_s}s "
+                        f"(latest: {latest})"
+                    )
+                watch.wait(min(left, poll_s))
+        finally:
+            watch.close()
 
     def open(self, step: int, *, names: Collection[str] | None = None, base: int | None = None) -> StepObject:
         """Fetch, verify and open one step's object. Close it when done (a ``with`` block): a downloaded

@@ -40,19 +40,31 @@ class Retrying:
         503, S3 ``SlowDown``); pollers stretch their next delay to it. 0 when it did not."""
         return max(0.0, self._throttled_until - time.monotonic())
 
-    def call(self, what: str, fn: Callable[[], T]) -> T:
+    def call(self, what: str, fn: Callable[[], T], *, landed: Callable[[], bool] | None = None) -> T:
         """Run one store operation, retrying transient errors ``retries`` times and ``retry_max_s`` at most.
 
         Never retried: a definite answer (``FileNotFoundError``, ``FileExistsError``); missing or refused
         credentials (``StoreAuthError``); a storage option the backend does not take (``StoreConfigError``);
         an endpoint that cannot be connected to while the store has never answered (``StoreUnreachableError``:
         a wrong endpoint fails in seconds, while an outage of a store that did answer is retried).
+
+        ``landed`` (for a conditional write) says whether the store holds what ``fn`` writes: a write whose
+        reply was lost may have happened (a timeout or a 503 after the commit is routine on object stores),
+        so when ``FileExistsError`` comes and ``landed()`` finds this caller's own bytes, the write succeeded;
+        anything else stays a conflict. Asked on every ``FileExistsError``, not only after a failed attempt
+        here: the backend's client may have retried on its own (botocore retries a 503 before s3fs sees it).
         """
         started = time.monotonic()
         for attempt in range(self.retries + 1):
             try:
                 result = fn()
-            except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError):
+            except FileExistsError:
+                self._answered = True
+                if landed is not None and self._landed(what, landed):
+                    log.info("%s: %s had landed (its reply was lost): done", self.url, what)
+                    return None  # type: ignore[return-value]
+                raise
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
                 self._answered = True
                 raise
             except Exception as e:
@@ -76,6 +88,14 @@ class Retrying:
                 self._answered = True
                 return result
         raise AssertionError("unreachable")
+
+    def _landed(self, what: str, landed: Callable[[], bool]) -> bool:
+        """``landed()``, read with the same retries; a store that cannot tell counts as "not ours"."""
+        try:
+            return bool(self.call(f"read back {what}", landed))
+        except Exception as e:  # noqa: BLE001 - the conflict is reported, with this reason logged
+            log.warning("%s: could not read back %s to tell a lost reply from a conflict: %s", self.url, what, e)
+            return False
 
     def _refusal(self, failure: StoreFailure, what: str) -> Exception:
         """The error a user sees for a failure that retrying cannot mend: what, why, and what to check."""

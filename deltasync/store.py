@@ -29,7 +29,6 @@ from deltasync.errors import (
 from deltasync.format.documents import (
     MAX_DOCUMENT_BYTES,
     MAX_MANIFEST_BYTES,
-    MAX_STEP,
     LatestHint,
     Lease,
     Manifest,
@@ -51,7 +50,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Lease", "Manifest", "Part", "Store", "StreamInfo", "step_dir"]
 
 T = TypeVar("T")
-_STEP_DIR = re.compile(r"^(\d{12})$")
+_STEP_DIR = re.compile(r"\A(\d{12})\Z")
 LATEST = "latest.json"
 STREAM = "stream.json"
 ObjectData = Union[bytes, bytearray, memoryview, str, Path]
@@ -155,7 +154,16 @@ class Store(StoreObjects, Retrying):
         ``if_absent``: never replace an existing object (``FileExistsError``; atomic where the backend
         allows, ``transport.capabilities.create_only``).
         """
-        self.call(f"write {rel}", lambda: self.transport.put(rel, data, if_absent=if_absent))
+        self.call(f"write {rel}", lambda: self.transport.put(rel, data, if_absent=if_absent),
+                  landed=(lambda: self._holds(rel, data)) if if_absent else None)
+
+    def _holds(self, rel: str, data: bytes | bytearray | memoryview) -> bool:
+        """Whether the object at ``rel`` is exactly ``data`` (a create-only write whose reply was lost landed)."""
+        want = memoryview(data).cast("B")
+        try:
+            return self.transport.get(rel, end=want.nbytes + 1) == want
+        except FileNotFoundError:
+            return False
 
     def write_many(self, items: list[tuple[bytes, str]]) -> None:
         """Write small objects in order (the order is what makes a commit)."""
@@ -217,19 +225,15 @@ class Store(StoreObjects, Retrying):
             return None
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None for an empty stream. Uses the hint, then checks for newer.
+        """The newest committed step, or None for an empty stream: from a listing of the manifests (one LIST
+        request per 1,000 steps), whatever ``latest.json`` says.
 
-        Writers never trust this (they list manifests): a hint can be stale or damaged. Followers use
-        :class:`deltasync.watch.StepWatch`, which costs one request per poll.
+        The hint cannot decide it: step numbers may have gaps (every 10th step published, or coalesced
+        steps), so a writer that died between step 20's manifest and the hint leaves a hint of 10 with no
+        step 11, which a probe of "the next step" takes for the newest for ever. Followers poll with
+        :class:`deltasync.watch.StepWatch` instead: one read of the hint per poll, checked by its manifest,
+        and a listing every ``audit_s`` that catches such a stale hint.
         """
-        latest = self.latest_hint()
-        hint = None if latest is None else latest.step
-        if hint is not None and hint < MAX_STEP and self.exists(f"{step_dir(hint)}/{MANIFEST}") and not self.exists(
-            f"{step_dir(hint + 1)}/{MANIFEST}"
-        ):
-            # a newer step may still exist with a gap in numbering; the hint is updated after each commit,
-            # so only a writer that died between manifest and hint leaves it stale: then list
-            return hint
         steps = self.steps()
         return steps[-1] if steps else None
 

@@ -61,12 +61,18 @@ def patch(
             tensors.setdefault(alias, tensors[name])
     rep = Replica.from_tensors(tensors, step=obj.header.base_step)
     rep.apply(obj, verify="full")
+    from deltasync.transports.local import share
+
     with tempfile.NamedTemporaryFile(dir=output.parent or ".", suffix=".tmp", delete=False) as tmp:
         pass
-    safetensors.torch.save_file(
-        {n: t for n, t in tensors.items() if n not in obj.header.aliases}, tmp.name, metadata={"format": "pt"}
-    )
-    Path(tmp.name).replace(output)
+    try:
+        safetensors.torch.save_file(
+            {n: t for n, t in tensors.items() if n not in obj.header.aliases}, tmp.name, metadata={"format": "pt"}
+        )
+        share(tmp.name)  # the umask's mode, as any file the user writes (a temporary file is 0600)
+        Path(tmp.name).replace(output)
+    finally:
+        Path(tmp.name).unlink(missing_ok=True)  # a failed save leaves no temporary file behind
     out.print(f"{output}: step {obj.header.step}, {obj.header.changed} elements patched, checksums verified")
 
 

@@ -23,6 +23,7 @@ from deltasync import (
     DeltaSyncError,
     EngineConfigError,
     FollowError,
+    HeldStepError,
     MissingDependencyError,
     Replica,
     StepNotFoundError,
@@ -98,9 +99,10 @@ class StateDictTarget:
 
 PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
     TensorMismatchError, StoreAuthError, StoreConfigError, EngineConfigError, ConfigError, MissingDependencyError,
+    HeldStepError,
 )
 """Errors a follower does not retry, because retrying cannot help: the stream's model changed names, shapes
-or dtypes (``TensorMismatchError``); credentials, storage options, the engine's flags or an argument are
+or dtypes (``TensorMismatchError``); a target said to hold a step its weights are not (``HeldStepError``); credentials, storage options, the engine's flags or an argument are
 wrong, or a package is missing. Everything else is retried: store and network errors, a URL with no
 stream yet (``StreamNotFoundError``: the publisher may not have started), a damaged or missing object
 (retried from the next anchor), a checksum mismatch (the target rolled back), an engine that refused or

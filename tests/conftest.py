@@ -35,10 +35,12 @@ def pytest_configure(config: pytest.Config) -> None:
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist with ``--dist loadgroup`` (``./run.sh test`` runs two workers), the tests that start
     a vLLM engine run one after another on one worker, while the other worker takes the rest: an engine uses
-    every core, and two at once would only slow each other down."""
+    every core, and two at once would only slow each other down. First among the hooks: xdist's own reads the
+    groups in its hook (it names each grouped test ``<id>@<group>``), so the marker must be there before."""
     for item in items:
         if item.get_closest_marker("vllm"):
             item.add_marker(pytest.mark.xdist_group("vllm"))

@@ -75,3 +75,30 @@ def test_help_explains_every_command():
     r = runner.invoke(app, ["--help"])
     for cmd in ("diff", "patch", "ls", "show", "demo"):
         assert cmd in r.output
+
+
+def test_patch_writes_its_output_with_the_umask_s_mode(tmp_path):
+    """(issue 19, item 12) The output was made as a temporary file (0600) and kept that mode."""
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    import safetensors.torch
+    import torch
+
+    base, target = tmp_path / "base.safetensors", tmp_path / "target.safetensors"
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 64, generator=g).bfloat16()
+    safetensors.torch.save_file({"w": w}, base)
+    w2 = w.clone()
+    w2.view(-1)[:7] += 1
+    safetensors.torch.save_file({"w": w2}, target)
+    code = ("import os, sys; os.umask(0o022); from deltasync_cli import main; "
+            "sys.argv = ['deltasync'] + sys.argv[1:]; main()")
+    for args in (["diff", str(base), str(target), "-o", str(tmp_path / "d")],
+                 ["patch", str(base), str(tmp_path / "d"), "-o", str(tmp_path / "out.safetensors")]):
+        r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    assert stat.S_IMODE(os.stat(tmp_path / "out.safetensors").st_mode) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.safetensors", "d", "out.safetensors", "target.safetensors"]

@@ -6,11 +6,12 @@ import pytest
 import safetensors.torch
 from typer.testing import CliRunner
 
-from deltasync import StreamReader
+from deltasync import StreamReader, write_heartbeat
 from deltasync_cli import app, main
 from deltasync.store import Store
 from tests.conftest import states_equal
 from tests.damage import object_path
+from tests.test_cli_errors import assert_one_line_error
 
 runner = CliRunner()
 
@@ -125,3 +126,18 @@ def test_help_lists_the_history_commands():
     r = runner.invoke(app, ["--help"])
     for cmd in ("replay", "push", "compare", "stats", "verify", "gc"):
         assert cmd in r.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--keep-last", "3", "--consumer-max-age-s", "nan"], "consumer_max_age_s must be a number of seconds, 0 or more, got nan"),
+    (["--keep-last", "3", "--consumer-max-age-s", "-5"], "got -5.0"),
+    (["--keep-last", "0"], "keep_last must be a whole number of steps, at least 1, got 0"),
+    (["--keep-last", "-2"], "got -2"),
+    (["--keep-last", "3", "--keep-anchor-every", "0"], "keep_anchor_every must be a whole number of steps, at least 1, got 0"),
+])
+def test_gc_numbers_that_make_no_sense_are_one_line_and_delete_nothing(stream_copy, monkeypatch, capsys, args, needle):
+    """(issue 19, item 8) NaN compares false with every age: every live consumer would look stale."""
+    write_heartbeat(Store(stream_copy), "live", 2)
+    code, _, err = run_main(monkeypatch, capsys, "gc", stream_copy, *args)
+    assert_one_line_error(code, err, "ConfigError", needle)
+    assert StreamReader(stream_copy).steps() == list(range(10))

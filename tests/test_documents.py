@@ -217,3 +217,27 @@ def test_stream_json_tells_no_stream_from_no_steps(tmp_path, small_state):
     assert json.loads((tmp_path / "s" / "stream.json").read_text())["format_version"] == 1
     with pytest.raises(StepNotFoundError):
         StreamReader(str(tmp_path / "s")).state_dict()
+
+
+@pytest.mark.parametrize("kind, doc", [
+    (ConsumerPosition, {"consumer_id": "c1\n", "step": 4, "updated_unix_s": 2.0}),
+    (FilesIndex, {"format_version": 1, "files": {"config.json\n": {"bytes": 3, "sha256": "d" * 64}}}),
+    (FilesIndex, {"format_version": 1, "files": {"config.json": {"bytes": 3, "sha256": "d" * 64 + "\n"}}}),
+    (Manifest, {**MANIFEST, "object": "delta.safetensors\n"}),
+    (Manifest, {**MANIFEST, "object_sha256": "a" * 64 + "\n"}),
+])
+def test_names_match_whole_not_up_to_a_trailing_newline(kind, doc):
+    """(issue 19, item 11) "$" alone matches before a trailing newline: every name from outside matches whole."""
+    with pytest.raises(FormatError):
+        decode(json.dumps(doc), kind, where="x")
+
+
+def test_one_validator_for_names_from_outside():
+    from deltasync.format.names import CONSUMER_ID, PEER_NAME, check
+    from deltasync.history.gc import check_consumer_id
+
+    assert check(CONSUMER_ID, "rollout-0") and check(PEER_NAME, "trainer-0:a")
+    for bad in ("c1\n", "\nc1", "c1 ", "", ".hidden", "a/b", None, 3):
+        assert not check(CONSUMER_ID, bad)
+        with pytest.raises(FormatError, match="consumer id"):
+            check_consumer_id(bad)  # type: ignore[arg-type]

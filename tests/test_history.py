@@ -312,3 +312,37 @@ def test_push_takes_the_writer_lease(qwen_stream, tmp_path, small_state):
     assert Store(url).steps() == [1] and Store(url).lease() is None
     with pytest.raises(StepOrderError, match="0..999999999999"):
         push_checkpoint(url, 10**12, ckpt)
+
+
+_LOW_FD_SCRIPT = """
+import resource, sys
+from deltasync import replay_to_folder, verify
+url, out, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))  # fewer than the chain's objects
+report = verify(url)
+print("VERIFIED", report.ok, list(report.verified)[-1], len(report.problems))
+replay_to_folder(url, 59, out)
+print("REPLAYED")
+"""
+
+
+def test_a_chain_longer_than_the_open_file_limit_verifies_and_replays(tmp_path):
+    """(issue 19, item 5) verify and replay held every object of a chain open at once: a chain of 60 objects under
+    a limit of 48 descriptors failed with a raw OSError. Objects are mapped and their descriptors closed."""
+    import subprocess
+    import sys
+
+    url = str(tmp_path / "s")
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(4096, generator=g).bfloat16(), "b": torch.randn(64, generator=g)}
+    with DeltaPublisher(url, state, anchor_every=1000, on_backlog="block") as pub:
+        for step in range(60):
+            if step:
+                state["w"].view(-1)[step * 7 : step * 7 + 5] += 1
+            pub.publish(step)
+    r = subprocess.run([sys.executable, "-c", _LOW_FD_SCRIPT, url, str(tmp_path / "out"), "48"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "VERIFIED True 59 0" in r.stdout and "REPLAYED" in r.stdout
+    replayed = safetensors.torch.load_file(next((tmp_path / "out").glob("*.safetensors")))
+    assert bits_equal(replayed["w"], state["w"]) and bits_equal(replayed["b"], state["b"])

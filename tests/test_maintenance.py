@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from deltasync.errors import FormatError
+from deltasync.errors import ConfigError, FormatError
 
 from deltasync import StepNotFoundError, StreamReader, collect_garbage, plan_gc, read_heartbeats, verify, write_heartbeat
 from deltasync.format.documents import ConsumerPosition
@@ -128,7 +128,7 @@ def test_plan_keeps_sparse_anchors_and_live_consumers():
     assert plan_gc(manifests, keep_last=1, folders=[3, 20, 99], now_unix_s=0).leftovers == ()
     assert plan_gc(manifests[:10], keep_last=1, folders=[11, 10, 99], now_unix_s=0).leftovers == ()
     assert plan_gc(manifests[:3] + manifests[4:], keep_last=1, folders=[3], now_unix_s=0).leftovers == (3,)
-    with pytest.raises(ValueError, match="keep_last must be at least 1"):
+    with pytest.raises(ConfigError, match="keep_last must be a whole number of steps, at least 1, got 0"):
         plan_gc(manifests, keep_last=0, now_unix_s=0)
 
 

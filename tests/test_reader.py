@@ -309,3 +309,20 @@ def test_a_caught_up_follower_never_downloads_an_anchor(tmp_path):
             pub.source = {"w": w}
             pub.publish(s)
     assert Store(plain).manifest(3).delta is None
+
+
+def test_the_manifest_cache_is_bounded_in_bytes(tmp_path, small_state, gen, monkeypatch):
+    """(issue 19, item 6) A count did not bound memory (a sharded step's manifest is megabytes): bytes do."""
+    url = str(tmp_path / "s")
+    with DeltaPublisher(url, small_state, anchor_every=5, on_backlog="block") as pub:
+        for s in range(40):
+            train(small_state, gen)
+            pub.publish(s)
+    with StreamReader(url) as reader:
+        one = deltasync.reader._manifest_cost(reader.store.manifest(3))
+        monkeypatch.setattr(deltasync.reader, "MANIFEST_CACHE_BYTES", 10 * one)
+        for s in range(40):
+            assert reader.manifest(s).step == s
+            assert reader._manifest_bytes <= 10 * one
+        assert 5 <= len(reader._manifests) <= 12 and max(reader._manifests) == 39  # the most recent are kept
+        assert reader.manifest(39) is reader.manifest(39)  # a hit costs no read

@@ -86,7 +86,7 @@ def test_an_update_is_pause_start_update_finish_reset_resume():
         assert client.held_step() is None  # vLLM's "default": never updated
         client.update(7)
         assert fake.routes()[1:] == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
-                                     "/reset_prefix_cache", "/resume"]
+                                     "/weight_info", "/reset_prefix_cache", "/resume"]  # the version read back
         assert fake.calls[3][1] == {"update_info": {"step": 7}}
         assert fake.calls[4][1] == {"weight_version": "7"}
         assert client.held_step() == 7 and len(client.pauses_s) == 1
@@ -272,10 +272,108 @@ def test_engine_info_is_checked():
     assert DeltasyncInitInfo(url="s3://b/run").verify == "incremental"
     for bad, needle in [(dict(url=""), "url must be"), (dict(url="x", verify="some"), "verify must be one of"),
                         (dict(url="x", mode="fast"), "mode must be one of"), (dict(url="x", step=-1), "step must be"),
-                        (dict(url="x", step=True), "step must be"), (dict(url="x", storage_options=[]), "storage_options")]:
+                        (dict(url="x", step=True), "step must be"), (dict(url="x", storage_options=[]), "storage_options"),
+                        # issue 19, item 12: every value typed and bounded here, not later in a thread
+                        (dict(url="x", step=10**12), "step must be a step number"),
+                        (dict(url="x", prefetch="yes"), "prefetch must be true or false"),
+                        (dict(url="x", rdma={"controller": "tcp://h:1", "slots": "4"}), "slots must be a whole number"),
+                        (dict(url="x", rdma={"controller": "tcp://h:1", "announce_wait_s": float("nan")}),
+                         "announce_wait_s must be a number of seconds"),
+                        (dict(url="x", rdma={"controller": "h:1"}), "controller must be a ZMQ address"),
+                        (dict(url="x", rdma={"controller": "tcp://h:1", "colour": 1}), "fields:"),
+                        (dict(url="x", notify="mirror:8901"), "notify must be")]:
         with pytest.raises(ConfigError, match=needle):
             DeltasyncInitInfo(**bad)
     assert DeltasyncUpdateInfo(step=3).step == 3 and DeltasyncUpdateInfo().step == "latest"
-    for bad in (-1, "newest", 2.0, None, True):
+    for bad in (-1, "newest", 2.0, None, True, 10**12):
         with pytest.raises(ConfigError, match="step must be a step number or 'latest'"):
             DeltasyncUpdateInfo(step=bad)
+
+
+# --- issue 19, item 7: the client of a server trusts nothing it is sent ---
+
+
+class Hostile(BaseHTTPRequestHandler):
+    """What a wrong or hostile server sends, chosen by ``Hostile.mode``."""
+
+    protocol_version = "HTTP/1.1"
+    mode = ""
+    other = ""  # another server's base URL, for the redirect
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        mode = Hostile.mode
+        if mode == "redirect":
+            self.send_response(307)
+            self.send_header("Location", Hostile.other + self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif mode == "no-content":
+            self.send_response(204)
+            self.end_headers()
+        elif mode == "huge":
+            self.send_response(200)
+            self.send_header("Content-Length", str(400 << 20))
+            self.end_headers()
+            try:
+                for _ in range(400):
+                    self.wfile.write(b" " * (1 << 20))
+            except OSError:
+                pass
+        elif mode == "drip":
+            body = json.dumps({"weight_version": "3"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            try:
+                for byte in body:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    import time
+
+                    time.sleep(0.4)
+            except OSError:
+                pass
+        else:
+            body = json.dumps({"weight_version": mode}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    do_POST = do_GET
+
+
+@pytest.mark.parametrize(("mode", "needle"), [
+    ("redirect", "HTTP 307"),
+    ("no-content", "expected HTTP 200, got 204"),
+    ("huge", "the reply is over"),
+    ("drip", "did not arrive whole within 2s"),
+])
+def test_the_client_refuses_what_a_server_should_not_send(mode, needle):
+    with fake_server() as (other, other_url), serving(Hostile) as url:
+        Hostile.mode, Hostile.other = mode, other_url
+        client = HttpWeightTransfer(url, timeout_s=2.0, check_timeout_s=2.0)
+        with pytest.raises(EngineError, match=needle):
+            client.weight_version()
+        assert other.calls == []  # the redirect's target heard nothing
+
+
+def test_a_weight_version_of_other_digits_names_no_step():
+    with serving(Hostile) as url:
+        for version, step in (("²", None), ("٣", None), ("12", 12), ("1e3", None), (" 7", None), ("7\n", None)):
+            Hostile.mode = version
+            assert HttpWeightTransfer(url).held_step() == step
+
+
+def test_an_update_the_server_does_not_name_afterwards_is_an_error():
+    """A server (or something in front of it) that answers every route 200 and changes nothing is caught by
+    reading the version back."""
+    with fake_server() as (fake, url):
+        fake.replies["/finish_weight_update"] = (200, {"message": "ok"})  # the version is never set
+        with pytest.raises(EngineError, match="says it holds step None after an update to step 3"):
+            HttpWeightTransfer(url).update(3)
+        assert fake.routes()[-2:] == ["/reset_prefix_cache", "/resume"]

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 
 from deltasync.errors import DeltaSyncError, FormatError
+from deltasync.format import names
+from deltasync.format.names import whole
 
 T = TypeVar("T")
 
@@ -39,12 +41,12 @@ Step = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEP)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_NUMEL)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
 UnixTime = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
-Sha256 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
-Checksum = Annotated[str, msgspec.Meta(pattern=r"^0x[0-9a-f]{16}$")]
-# a plain file name: no separators, no leading dot (so neither "." nor ".."), bounded length
-FileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,254}$")]
-ObjectName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.safetensors$")]
-ConsumerId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+# names match whole (format/names.py): "$" alone would accept a trailing newline
+Sha256 = Annotated[str, msgspec.Meta(pattern=whole(names.SHA256))]
+Checksum = Annotated[str, msgspec.Meta(pattern=whole(names.CHECKSUM))]
+FileName = Annotated[str, msgspec.Meta(pattern=whole(names.FILE_NAME))]
+ObjectName = Annotated[str, msgspec.Meta(pattern=whole(names.OBJECT_NAME))]
+ConsumerId = Annotated[str, msgspec.Meta(pattern=whole(names.CONSUMER_ID))]
 WriterId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 Version = Literal[1]

@@ -9,14 +9,15 @@ consumer with a recent heartbeat holds or may still need to catch up.
 from __future__ import annotations
 
 import logging
-import re
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deltasync.errors import FormatError
+from deltasync.errors import ConfigError, FormatError
 from deltasync.format.documents import ConsumerPosition, check_step, encode
+from deltasync.format.names import CONSUMER_ID, check
 from deltasync.history.replay import ProgressFn, require_steps
 from deltasync.reader import StreamReader
 from deltasync.store import MANIFEST, Manifest, Store, step_dir
@@ -24,7 +25,6 @@ from deltasync.store import MANIFEST, Manifest, Store, step_dir
 log = logging.getLogger(__name__)
 
 CONSUMERS_DIR = "consumers"
-_CONSUMER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def write_heartbeat(store: Store, consumer_id: str, step: int, *, newest_step: int | None = None,
@@ -39,7 +39,7 @@ def write_heartbeat(store: Store, consumer_id: str, step: int, *, newest_step: i
 
 def check_consumer_id(consumer_id: str) -> str:
     """``consumer_id`` if it can name a heartbeat object, else ``FormatError`` (a ``ValueError``)."""
-    if not isinstance(consumer_id, str) or not _CONSUMER_ID.match(consumer_id):
+    if not check(CONSUMER_ID, consumer_id):
         raise FormatError(f"consumer id {consumer_id!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
     return consumer_id
 
@@ -83,6 +83,22 @@ class GcPlan:
         return d
 
 
+def check_gc_options(keep_last: Any, keep_anchor_every: Any, consumer_max_age_s: Any) -> None:
+    """``ConfigError`` naming the first option that makes no sense: a count below 1, an age that is NaN or
+    negative (NaN compares false with every age: every live consumer would look stale and the steps it needs
+    would go). An age of 0 disregards every heartbeat; infinity respects every one."""
+    def count(name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"gc: {name} must be a whole number of steps, at least 1, got {value!r}")
+
+    count("keep_last", keep_last)
+    if keep_anchor_every is not None:
+        count("keep_anchor_every", keep_anchor_every)
+    age = consumer_max_age_s
+    if isinstance(age, bool) or not isinstance(age, (int, float)) or math.isnan(age) or age < 0:
+        raise ConfigError(f"gc: consumer_max_age_s must be a number of seconds, 0 or more, got {age!r}")
+
+
 def plan_gc(
     manifests: Sequence[Manifest],
     *,
@@ -101,10 +117,7 @@ def plan_gc(
     Every retained step keeps its whole chain (its anchor and the deltas in between). ``folders`` are
     the stream's step folders: those without a manifest and older than the latest step are leftovers.
     """
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-    if keep_anchor_every is not None and keep_anchor_every < 1:
-        raise ValueError(f"keep_anchor_every must be at least 1, got {keep_anchor_every}")
+    check_gc_options(keep_last, keep_anchor_every, consumer_max_age_s)
     by_step = {m.step: m for m in manifests}
     steps = sorted(by_step)
     live = tuple(c for c in consumers if now_unix_s - c.updated_unix_s <= consumer_max_age_s)
@@ -171,6 +184,7 @@ def collect_garbage(
 
     Fails, deleting nothing, when a manifest cannot be read.
     """
+    check_gc_options(keep_last, keep_anchor_every, consumer_max_age_s)  # before the store is touched
     store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
     manifests = [store.manifest(s) for s in require_steps(StreamReader(store))]
     plan = plan_gc(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -12,6 +11,7 @@ from deltasync.errors import (
     CorruptObjectError,
     DeltaSyncError,
     FormatError,
+    ResourceLimitError,
     StepNotFoundError,
     TensorMismatchError,
 )
@@ -29,10 +29,9 @@ from deltasync.store import MANIFEST
 
 log = logging.getLogger(__name__)
 
-CONSUMERS_DIR = "consumers"
-_CONSUMER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
-ProblemKind = Literal["manifest", "object", "header", "chain", "checksum"]
+# "resource": this machine could not read the step (open files, memory), which says nothing of the stream
+ProblemKind = Literal["manifest", "object", "header", "chain", "checksum", "resource"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,6 +200,8 @@ class _Verification:
                 self.report(s, "header", str(e))
             except StepNotFoundError as e:
                 self.report(s, "manifest", str(e))
+            except ResourceLimitError as e:
+                self.report(s, "resource", str(e))
             else:
                 continue
             return i

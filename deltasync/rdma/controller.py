@@ -34,6 +34,7 @@ from deltasync.errors import (
     RdmaTimeoutError,
     ScheduleError,
 )
+from deltasync.format.names import PEER_NAME, whole
 from deltasync.rdma.outbox import AgentName, RingLayout, SlotInfo, Step
 from deltasync.rdma.schedule import (
     Consumer,
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 16 << 20  # a hello carries NIXL metadata (KBs) and a tensor list (~100 B per tensor)
 MAX_TENSORS = 100_000
-Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
+Name = Annotated[str, msgspec.Meta(pattern=whole(PEER_NAME))]
 TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 42)]

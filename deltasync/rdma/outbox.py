@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from deltasync.errors import RdmaError, RingFullError
+from deltasync.format.names import PEER_NAME, SHA256, whole
 from deltasync.rdma.agent import Agent, MemType
 
 log = logging.getLogger(__name__)
@@ -38,11 +39,11 @@ MAX_SLOTS = 1024
 ACK = re.compile(rb"ds-ack (\d{1,19}) (\d{1,4}) (\d{1,19})")
 
 # fields come from peers (hostile): the controller decodes them with these bounds
-AgentName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
+AgentName = Annotated[str, msgspec.Meta(pattern=whole(PEER_NAME))]
 U64 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # msgspec bounds fit an int64
 Step = Annotated[int, msgspec.Meta(ge=0, le=10**12 - 1)]
 SlotIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
-Sha256 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+Sha256 = Annotated[str, msgspec.Meta(pattern=whole(SHA256))]
 
 
 class RingLayout(msgspec.Struct, frozen=True, kw_only=True):

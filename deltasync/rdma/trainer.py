@@ -15,50 +15,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from deltasync.errors import DeltaSyncError, RdmaError
+from deltasync.errors import DeltaSyncError
 from deltasync.format.objects import StepObject
 from deltasync.rdma.agent import Agent
 from deltasync.rdma.controller import PartMeta, TensorMeta, TrainerHello, TrainerLink
+from deltasync.rdma.options import RdmaOptions, rdma_options  # noqa: F401 - re-exported
 from deltasync.rdma.outbox import Outbox, SlotInfo
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RdmaOptions:
-    """How a process joins the fast path: the controller's ZMQ address and the sizes of its buffers.
-
-    ``slots`` x ``slot_bytes`` is the trainer's registered ring (a larger object goes through the store
-    only); ``capacity_bytes`` is a consumer's registered inbox. ``plan_wait_s``: how long the trainer's
-    first offer waits for the controller's plan (0: steps before the plan go through the store only).
-    """
-
-    controller: str
-    rank: int = 0
-    slots: int = 4
-    slot_bytes: int = 64 << 20
-    chunk_bytes: int = 1 << 20
-    ack_deadline_s: float = 10.0
-    max_inflight_bytes: int | None = None
-    capacity_bytes: int = 64 << 20
-    read_timeout_s: float = 10.0
-    announce_wait_s: float = 1.0
-    plan_wait_s: float = 0.0
-    device: str = "cpu"
-
-
-def rdma_options(rdma: str | RdmaOptions | dict) -> RdmaOptions:
-    """``rdma`` as options: a controller address (``tcp://host:port``), a dict of fields, or options."""
-    if isinstance(rdma, RdmaOptions):
-        return rdma
-    if isinstance(rdma, str):
-        return RdmaOptions(controller=rdma)
-    if isinstance(rdma, dict):
-        try:
-            return RdmaOptions(**rdma)
-        except TypeError as e:
-            raise RdmaError(f"rdma options {sorted(rdma)}: {e} (fields: {sorted(RdmaOptions.__dataclass_fields__)})") from None
-    raise RdmaError(f"rdma: expected a controller address, a dict or RdmaOptions, got {type(rdma).__name__}")
 
 
 @dataclass

@@ -79,7 +79,7 @@ _ENTRY_POINTS_LOADED = [False]
 _LAZY = {
     "LocalTransport": "deltasync.transports.local",
     "UMASK": "deltasync.transports.local",
-    "_share": "deltasync.transports.local",
+    "share": "deltasync.transports.local",
     "FsspecTransport": "deltasync.transports.fsspec",
     "MemoryTransport": "deltasync.transports.memory",
     "S3Transport": "deltasync.transports.s3",

@@ -10,11 +10,13 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+from deltasync.errors import FormatError
 from deltasync.transports.base import (
     Capabilities,
     Data,
@@ -42,10 +44,27 @@ def _umask() -> int:
 UMASK = _umask()
 
 
-def _share(path: str | Path) -> None:
+def share(path: str | Path) -> None:
     """Give a file made under a private temporary name the permissions the umask asks for (temporary files
     are 0600: an inference server running as another user could not read the store)."""
     os.chmod(path, 0o666 & ~UMASK)
+
+
+def _open_regular(path: str) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file. Opened without blocking and checked on the open
+    descriptor (no race with a swap): a FIFO where a document belongs would block every reader for ever, a
+    folder would raise a builtin error; either is a ``FormatError`` naming what was found."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a folder", stat.S_IFSOCK: "a socket",
+                    stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}.get(stat.S_IFMT(mode), "not a file")
+            raise FormatError(f"{path}: expected a regular file, found {kind}")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 @contextmanager
@@ -79,7 +98,7 @@ class LocalTransport(Transport):
             self._move_in(data, path)
             return
         tmp = copy_to_temporary(data, folder, name)
-        _share(tmp)
+        share(tmp)
         try:
             if if_absent:
                 os.link(tmp, path)  # atomic, and fails if the name exists: never replaces a file
@@ -102,22 +121,23 @@ class LocalTransport(Transport):
         """Publish a whole local file: renamed into place (consumed), copied where it lies on another filesystem."""
         with open(local, "rb+") as f:
             os.fsync(f.fileno())
-        _share(local)
+        share(local)
         try:
             os.replace(local, path)
         except OSError:  # another filesystem: copy under a temporary name, then rename
             folder, name = os.path.split(path)
             tmp = copy_to_temporary(local, folder, name)
-            _share(tmp)
+            share(tmp)
             os.replace(tmp, path)
 
     def get(self, key: str, *, start: int = 0, end: int | None = None) -> bytes:
-        with open(self._path(key), "rb") as f:
+        with _open_regular(self._path(key)) as f:
             f.seek(start)
             return f.read() if end is None else f.read(max(0, end - start))
 
     def get_file(self, key: str, local: Path) -> None:
-        shutil.copyfile(self._path(key), local)
+        with _open_regular(self._path(key)) as src, open(local, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
 
     def list(self, prefix: str = "") -> list[Entry]:
         base = self._path(prefix.rstrip("/"))

@@ -44,8 +44,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-OBJECT_KEY = re.compile(r"^steps/(\d{12})/([A-Za-z0-9][A-Za-z0-9._-]*\.safetensors)$")
-MANIFEST_KEY = re.compile(r"^steps/(\d{12})/manifest\.json$")
+OBJECT_KEY = re.compile(r"\Asteps/(\d{12})/([A-Za-z0-9][A-Za-z0-9._-]*\.safetensors)\Z")
+MANIFEST_KEY = re.compile(r"\Asteps/(\d{12})/manifest\.json\Z")
 MAX_PENDING = 4  # objects put but not yet committed (a failed commit leaves one behind; the oldest go)
 
 

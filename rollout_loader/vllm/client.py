@@ -50,7 +50,8 @@ _NOT_CONFIGURED = "Weight transfer not configured"
 _REMOTE_ERROR = re.compile(r"Worker failed with error '(\w+Error): (.*?)'(?:, please check|$)", re.S)
 # errors of the server's engine that retrying cannot fix: the stream does not fit the model, or a setting is wrong
 PERMANENT_REMOTE = frozenset({"TensorMismatchError", "PatchError", "RoutingError", "ConfigError", "StoreAuthError",
-                              "StoreConfigError", "MissingDependencyError", "EngineConfigError"})  # vllm/v1/worker/gpu_worker.py _check_weight_transfer_engine
+                              "StoreConfigError", "MissingDependencyError", "EngineConfigError",
+                              "HeldStepError"})  # vllm/v1/worker/gpu_worker.py _check_weight_transfer_engine
 
 
 def _missing_method(text: str) -> str | None:
@@ -74,8 +75,23 @@ def _relayed(where: str, text: str, *, engine: str, setup: str) -> EngineError |
 
 
 def _step_of(version: Any) -> int | None:
-    """The step a weight version names (None: one that names none, such as vLLM's ``"default"``)."""
-    return int(version) if isinstance(version, str) and version.isdigit() else None
+    """The step a weight version names (None: one that names none, such as vLLM's ``"default"``). ASCII digits
+    only, whole: ``str.isdigit`` also takes "²", which ``int`` then refuses."""
+    return int(version) if isinstance(version, str) and re.fullmatch(r"[0-9]{1,12}", version) else None
+
+
+MAX_REPLY_BYTES = 64 << 20  # a status of every tensor's checksum on a large model is megabytes; nothing is more
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Redirects are refused: a server that sends the client elsewhere (another host) would otherwise receive
+    nothing while the client reported each step live."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
+        raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl!r} refused", headers, fp)
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
 
 
 def _init_info(url: str, storage_options: dict[str, Any] | None, verify: str, mode: str, step: int | None,
@@ -131,6 +147,21 @@ def worker_module() -> Any:
     return worker
 
 
+def _read_bounded(reply: Any, url: str, deadline: float, timeout_s: float) -> bytes:
+    """The reply's body, at most ``MAX_REPLY_BYTES``, read before ``deadline``; else an ``EngineError``."""
+    chunks, total = [], 0
+    while True:
+        if time.monotonic() > deadline:
+            raise EngineError(f"{url}: the reply did not arrive whole within {timeout_s:g}s")
+        chunk = reply.read1(1 << 16) if hasattr(reply, "read1") else reply.read(1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        total += len(chunk)
+        if total > MAX_REPLY_BYTES:
+            raise EngineError(f"{url}: the reply is over {MAX_REPLY_BYTES} bytes: not a vLLM server's answer")
+        chunks.append(chunk)
+
+
 class HttpWeightTransfer:
     """vLLM's weight-transfer routes on a server running the deltasync engine; only step numbers are sent.
 
@@ -159,11 +190,17 @@ class HttpWeightTransfer:
         data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
         req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s  # for the whole call: a reply dripping a byte at a time ends too
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                text = r.read()
+            with _OPENER.open(req, timeout=timeout_s) as r:
+                if r.status != 200:  # 201, 204, ...: not what these routes answer
+                    raise EngineError(f"{url}: expected HTTP 200, got {r.status} {r.reason}")
+                text = _read_bounded(r, url, deadline, timeout_s)
         except urllib.error.HTTPError as e:
-            raise self._refusal(url, route, e.code, e.read()[:4000].decode(errors="replace")) from None
+            if 300 <= e.code < 400:
+                raise EngineError(f"{url}: HTTP {e.code}: {e.reason} (the client follows no redirect: give the "
+                                  f"server's own address)") from None
+            raise self._refusal(url, route, e.code, (e.read(4000) or b"").decode(errors="replace")) from None
         except urllib.error.URLError as e:  # no connection was made
             raise EngineUnreachableError(
                 f"{url}: cannot connect to the vLLM server ({e.reason}); is it running at {self.base_url}?"
@@ -250,6 +287,10 @@ class HttpWeightTransfer:
             self._start()
             self._post("/update_weights", {"update_info": {"step": step}})
             self._post("/finish_weight_update", {"weight_version": str(step)})
+            held = self.held_step()  # read back: the server itself must name the step, not only answer 200
+            if held != step:
+                raise EngineError(f"{self.base_url}/weight_info: the server says it holds step {held} after an update "
+                                  f"to step {step} answered as done")
         finally:
             try:
                 self.reset_prefix_cache()

@@ -47,6 +47,7 @@ from deltasync import (
     BaseStepMismatchError,
     ChecksumMismatchError,
     ConfigError,
+    HeldStepError,
     DeltaSyncError,
     EngineError,
     StepNotFoundError,
@@ -54,7 +55,9 @@ from deltasync import (
     add_checksums,
     warm_kernels,
 )
+from deltasync.format.documents import MAX_STEP
 from deltasync.notify import EventFeed
+from deltasync.rdma.options import rdma_options
 
 
 from .layout import checkpoint_layout
@@ -65,8 +68,10 @@ from .trace import refuse_moving_experts
 from .prefetch import Prefetcher, Prepared, prepare
 from .state import (
     Mode,
+    Staged,
     WorkerState,
     anchor_patches,
+    check_header,
     checksums,
     rollback,
     stage,
@@ -112,10 +117,18 @@ class DeltasyncInitInfo(WeightTransferInitInfo):
             raise _refuse(f"deltasync init_info: verify must be one of {get_args(Verify)}, not {self.verify!r}")
         if self.mode not in get_args(Mode):
             raise _refuse(f"deltasync init_info: mode must be one of {get_args(Mode)}, not {self.mode!r}")
-        if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0):
-            raise _refuse(f"deltasync init_info: step must be a step number or null, got {self.step!r}")
-        if self.rdma is not None and not (isinstance(self.rdma, dict) and isinstance(self.rdma.get("controller"), str)):
-            raise _refuse(f"deltasync init_info: rdma must be an object naming a 'controller' address, got {self.rdma!r}")
+        if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int)
+                                      or not 0 <= self.step <= MAX_STEP):
+            raise _refuse(f"deltasync init_info: step must be a step number (0..{MAX_STEP}) or null, got {self.step!r}")
+        if not isinstance(self.prefetch, bool):
+            raise _refuse(f"deltasync init_info: prefetch must be true or false, got {self.prefetch!r}")
+        if self.rdma is not None:
+            if not (isinstance(self.rdma, dict) and isinstance(self.rdma.get("controller"), str)):
+                raise _refuse(f"deltasync init_info: rdma must be an object naming a 'controller' address, got {self.rdma!r}")
+            try:
+                rdma_options(self.rdma)  # every field's type and range, now rather than in a thread later
+            except ConfigError as e:
+                raise _refuse(f"deltasync init_info: {e}") from None
         if self.notify is not None and not (isinstance(self.notify, str) and self.notify.startswith(("http://", "https://"))):
             raise _refuse(f"deltasync init_info: notify must be a mirror's event feed URL (http://HOST:PORT/events), "
                           f"got {self.notify!r}")
@@ -128,7 +141,8 @@ class DeltasyncUpdateInfo(WeightTransferUpdateInfo):
     step: int | str = "latest"
 
     def __post_init__(self) -> None:
-        ok = self.step == "latest" or (isinstance(self.step, int) and not isinstance(self.step, bool) and self.step >= 0)
+        ok = self.step == "latest" or (isinstance(self.step, int) and not isinstance(self.step, bool)
+                                       and 0 <= self.step <= MAX_STEP)
         if not ok:
             raise _refuse(f"deltasync update_info: step must be a step number or 'latest', got {self.step!r}")
 
@@ -178,6 +192,12 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
     # --- vLLM's interface ---
 
     def init_transfer_engine(self, init_info: DeltasyncInitInfo) -> None:
+        try:
+            self._init(init_info)
+        except DeltaSyncError as e:
+            raise _named(e) from e
+
+    def _init(self, init_info: DeltasyncInitInfo) -> None:
         old = self._info
         if self._state is None or old is None or old.mode != init_info.mode:
             # routes and shadows depend on the model only: learned once, from the engine as it loaded its
@@ -200,7 +220,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         else:
             self._close_stream()
             self._reader = StreamReader(init_info.url, storage_options=init_info.storage_options)
-            self._held = init_info.step
+            self._held = None
+            if init_info.step is not None:  # asserted, not reached through verified steps: proved before believed
+                self._prove_held(init_info.step)
             log.info("deltasync engine following %s from step %s", init_info.url, self._held)
         self._info = init_info
         warm_kernels()  # every kernel compiled or loaded now: nothing compiles inside a pause
@@ -245,14 +267,38 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             return
         chain = self._staged_chain(want) or reader.chain(want, start=self._held)
         parts["resolve"] = time.perf_counter() - t0
+        start, done = self._held, []  # the steps written so far, with their patches: undone if a later one fails
         try:
             for step in chain:
-                self._advance(step, parts)
+                done.append((step, self._advance(step, parts)))
+        except Exception as e:
+            if done:  # all or nothing: back to the step held before the update (the failed step undid itself)
+                e.args = (f"{e}; {self._undo(done, start, want)}",)
+            raise
         finally:
             if self._prefetcher is not None:  # seal the next step against the bits held now, not at the next poll
                 self._prefetcher.wake()  # (once the whole chain is written: a seal holds the state's lock)
         parts["total"] = time.perf_counter() - t0
         self.pause_parts.append(parts)
+
+    def _undo(self, done: list[tuple[int, list[Staged]]], start: int | None, want: int) -> str:
+        """Undo the steps of a failed update, newest first, and say where the engine is.
+
+        Every step was written as XOR patches against the bits held before it (an anchor too: its dense XOR), so
+        writing the same patches again restores those bits exactly; every rank undoes its own, since every rank
+        learned of the failure before any raised. Should an undo write fail, the engine's weights are no longer
+        known: it holds no step, and the next update starts from an anchor."""
+        _, state = self._require()
+        try:
+            for _, staged in reversed(done):
+                write(state, staged)
+        except Exception as e:  # noqa: BLE001 - reported in the error being raised
+            self._held = None
+            return (f"undoing steps {[s for s, _ in done]} failed too ({type(e).__name__}: {e}): the engine's weights "
+                    f"are unknown, the next update starts from an anchor")
+        self._held = start
+        return (f"the update to step {want} was undone whole (steps {[s for s, _ in done]} written before it): the "
+                f"engine holds step {start} again, bit for bit")
 
     def finish_weight_update(self) -> None:
         pass  # the weights were written in place, verified, by receive_weights
@@ -273,7 +319,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
 
     # --- one step ---
 
-    def _advance(self, step: int, parts: dict[str, float]) -> None:
+    def _advance(self, step: int, parts: dict[str, float]) -> list[Staged]:
+        """Write and verify one step (all or nothing on every rank); returns the patches written (XOR: writing
+        them again undoes the step)."""
         reader, state = self._require()
         t_stage = time.perf_counter()
         ready = self._prefetcher.take(step) if self._prefetcher is not None else None
@@ -318,6 +366,33 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         if self._rdma is not None:
             self._rdma.applied(step)  # the controller advances this engine's version once every rank did
         log.info("deltasync: engine at step %d (%s, written and verified in %.1f ms)", step, h.kind, 1e3 * self.pauses_s[-1])
+        return list(staged)
+
+    def _prove_held(self, step: int) -> None:
+        """Hold ``step`` only if every tensor's checksum, summed over the ranks, is that step's: an engine started
+        from another step's checkpoint (an off-by-one ``--engine-step``) would otherwise be wrong for ever in
+        every tensor no later step changes, while each update reported a match. ``HeldStepError`` names the
+        first tensor that differs; the engine then holds no step (and is not pointed at the stream)."""
+        reader, state = self._require()
+        try:
+            with reader.open(step) as obj:
+                check_header(state, obj.header, obj.where)
+                want, where = {n: int(t.checksum, 16) for n, t in obj.header.tensors.items()}, obj.where
+            parts = checksums(state, list(want))
+            gathered = _all_gather(parts)
+            bad = [n for n in want if add_checksums(*(g[n] for g in gathered)) != want[n]]
+        except BaseException:
+            self._close_stream()
+            raise
+        if bad:
+            self._close_stream()
+            n = bad[0]
+            raise HeldStepError(
+                f"{where}: init_info says the engine holds step {step}, but its weights are not that step's: "
+                f"{len(bad)} of {len(want)} tensor(s) differ, first {n!r} (step {step} has 0x{want[n]:016x}, the "
+                f"engine 0x{add_checksums(*(g[n] for g in gathered)):016x}); start it from step {step}'s checkpoint "
+                f"(deltasync replay), or name no step: the first update then writes an anchor")
+        self._held = step
 
     def _staged_chain(self, want: int) -> list[int] | None:
         """``[want]`` when the prefetcher holds it and it applies to the step held (a delta based on it, or an

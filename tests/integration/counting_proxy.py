@@ -3,7 +3,8 @@ S3 server: what an object store bills and throttles is requests, so tests count 
 
 The client signs its requests for the proxy's address; the proxy forwards them unchanged (``Host`` header
 included), so the server checks the same signature. ``fail`` injects answers (e.g. 503 SlowDown) for the
-requests a predicate picks.
+requests a predicate picks; ``lose`` forwards a request and then answers 503 instead of the server's reply
+(a write that happened but whose reply was lost).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class CountingProxy:
     requests: list[Request] = field(default_factory=list)
     # (method, path, query) -> (status, headers, body) to answer instead of forwarding, or None to forward
     fail: Callable[[Request], tuple[int, dict[str, str], bytes] | None] | None = None
+    # requests to forward whose reply is then lost: the client gets 503 SlowDown though the server acted
+    lose: Callable[[Request], bool] | None = None
+    lost: list[Request] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self) -> list[Request]:
@@ -82,6 +86,15 @@ def counting_proxy(endpoint: str) -> Iterator[CountingProxy]:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 reply = conn.getresponse()
                 data = reply.read()
+                if state.lose is not None and state.lose(req):
+                    with state.lock:
+                        state.lost.append(req)
+                    gone = b"<Error><Code>SlowDown</Code><Message>reply lost</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(gone)))
+                    self.end_headers()
+                    self.wfile.write(gone)
+                    return
                 self.send_response(reply.status, reply.reason)
                 for k, v in reply.getheaders():
                     if k.lower() not in ("connection", "keep-alive", "transfer-encoding", "content-length"):

@@ -191,3 +191,37 @@ def test_mirror_from_s3_to_a_folder_and_back_to_s3(s3_server, tmp_path):  # noqa
         assert verify(url, storage_options=o).ok
         assert states_equal(StreamReader(url, storage_options=o).state_dict(4), _state(4))
     assert verify(local).ok  # the folder's objects were not moved away by the second mirror
+
+
+def test_writes_whose_reply_was_lost_are_not_conflicts(s3_server):  # noqa: F811
+    """(issue 19, item 13) A proxy forwards the first write of the lease, of every manifest and of the hint, then
+    answers 503 as if the reply were lost: the store retries, finds its own bytes there (412 on the create-only
+    write), and counts the write done. The publisher finishes every step; a follower ends bit-exact."""
+    from tests.integration.counting_proxy import counting_proxy
+
+    url, opts = s3_server.new_url(), s3_server.storage_options
+    seen: set[str] = set()
+
+    def lose(req) -> bool:
+        if req.method != "PUT" or not req.path.endswith(("writer.json", "manifest.json", "latest.json")):
+            return False
+        first = req.path not in seen
+        seen.add(req.path)
+        return first
+
+    with counting_proxy(opts["client_kwargs"]["endpoint_url"]) as proxy:
+        proxy.lose = lose
+        via = {**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint_url": proxy.url}}
+        with DeltaPublisher(url, _state(0), anchor_every=3, on_backlog="block", storage_options=via) as pub:
+            for s in range(5):
+                pub.source = _state(s)
+                pub.publish(s)
+    lost = {r.path.rsplit("/", 2)[-2:][-1] if "steps" not in r.path else "manifest" for r in proxy.lost}
+    assert {"writer.json", "manifest", "latest.json"} <= lost, proxy.lost
+    assert sum(r.path.endswith("manifest.json") for r in proxy.lost) == 5  # every commit's reply was lost once
+    target = StateDictTarget()
+    follower = Follower(url, target, storage_options=opts)
+    assert follower.sync() == [3, 4]
+    assert states_equal(target.state_dict(), _state(4))
+    follower.close()
+    assert StreamReader(url, storage_options=opts).steps() == [0, 1, 2, 3, 4]

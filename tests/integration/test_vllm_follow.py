@@ -170,3 +170,40 @@ def test_each_mode_matches_a_fresh_engine_and_refuses_streams_that_do_not_fit(
             assert llm.get_weight_version() == "1"
         assert VllmTarget(llm).status()["checksums"] == new_sums
         assert generate(llm) == reference
+
+
+def test_an_asserted_step_is_proved_and_a_failed_update_is_undone_whole(tmp_path):
+    """(issue 19, items 1 and 2) ``init_info.step`` is checked against every tensor before it is believed: an
+    off-by-one step is refused, naming a tensor. An update across several steps whose last step fails leaves
+    the engine at the step it held before, bit for bit, its version unchanged, and the error says so."""
+    from deltasync.store import Store, step_dir
+    from rollout_loader.vllm.worker import transfer_status
+
+    model_dir = tmp_path / "model"
+    build_checkpoint(model_dir, tie=False)
+    url = str(tmp_path / "stream")
+    train_and_publish(model_dir, url, 4)  # step 0: the checkpoint's weights (an anchor); 1, 2, 3: deltas
+    with engine(model_dir, "bfloat16", live=True) as llm:
+        before = generate(llm)
+        with pytest.raises(Exception, match=r"HeldStepError: .*init_info says the engine holds step 1, but its "
+                                             r"weights are not that step's: \d+ of \d+ tensor\(s\) differ"):
+            llm.init_weight_transfer_engine({"init_info": {"url": url, "step": 1}})
+        llm.init_weight_transfer_engine({"init_info": {"url": url, "step": 0, "verify": "all", "prefetch": False}})
+        assert transfer_status(llm)["held_step"] == 0
+
+        m = Store(url).manifest(3)  # step 3's object damaged in the store: steps 1 and 2 apply, 3 cannot
+        obj = Path(url) / step_dir(3) / m.object
+        data = bytearray(obj.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        obj.write_bytes(bytes(data))
+        llm.start_weight_update()
+        with pytest.raises(Exception, match=r"CorruptObjectError.*the update to step 3 was undone whole \(steps "
+                                             r"\[1, 2\] written before it\): the engine holds step 0 again"):
+            llm.update_weights({"update_info": {"step": 3}})
+        status = transfer_status(llm)
+        assert status["held_step"] == 0 and status["checksums"] == trainer_checksums(url, 0)
+        assert llm.get_weight_version() == "default" and generate(llm) == before
+        llm.start_weight_update()  # vLLM closed the failed session
+        llm.update_weights({"update_info": {"step": 2}})  # and it goes on from there
+        llm.finish_weight_update(weight_version="2")
+        assert transfer_status(llm)["checksums"] == trainer_checksums(url, 2)

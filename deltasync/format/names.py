@@ -1,0 +1,31 @@
+"""Every name that comes from outside (a store, a peer, a flag), and the one way to check it: the whole string.
+
+A pattern anchored with ``^...$`` also accepts a trailing newline (``$`` matches before one), so a consumer id
+``"c1\\n"`` or a file name ``"config.json\\n"`` would pass and then name a different file. The patterns here are
+bare; :func:`whole` anchors one with ``\\A...\\Z`` for msgspec (which searches), and :func:`check` matches a
+value whole with ``re.fullmatch``.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["CHECKSUM", "CONSUMER_ID", "FILE_NAME", "OBJECT_NAME", "PEER_NAME", "SHA256", "check", "whole"]
+
+SHA256 = r"[0-9a-f]{64}"
+CHECKSUM = r"0x[0-9a-f]{16}"
+# a plain file name: no separators, no leading dot (so neither "." nor ".."), bounded length
+FILE_NAME = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,254}"
+OBJECT_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.safetensors"
+CONSUMER_ID = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+PEER_NAME = r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}"  # NIXL agents and RDMA peers
+
+
+def whole(pattern: str) -> str:
+    """``pattern`` anchored to the whole string, for matchers that search (msgspec's ``Meta(pattern=...)``)."""
+    return rf"\A(?:{pattern})\Z"
+
+
+def check(pattern: str, value: object) -> bool:
+    """Whether ``value`` is a string that ``pattern`` matches whole (no trailing newline, nothing around it)."""
+    return isinstance(value, str) and re.fullmatch(pattern, value) is not None
