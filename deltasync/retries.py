@@ -50,17 +50,18 @@ class Retrying:
 
         ``landed`` (for a conditional write) says whether the store holds what ``fn`` writes: a write whose
         reply was lost may have happened (a timeout or a 503 after the commit is routine on object stores),
-        so when ``FileExistsError`` comes and ``landed()`` finds this caller's own bytes, the write succeeded;
-        anything else stays a conflict. Asked on every ``FileExistsError``, not only after a failed attempt
-        here: the backend's client may have retried on its own (botocore retries a 503 before s3fs sees it).
+        so when a retry meets ``FileExistsError`` and ``landed()`` finds this caller's own bytes, the write
+        succeeded; anything else stays a conflict (two mirrors committing the same manifest: the second is told
+        the step exists). This needs the backend's client not to retry on its own (s3.py: one attempt).
         """
         started = time.monotonic()
+        failed = False  # an earlier attempt failed without a definite answer: it may have landed
         for attempt in range(self.retries + 1):
             try:
                 result = fn()
             except FileExistsError:
                 self._answered = True
-                if landed is not None and self._landed(what, landed):
+                if failed and landed is not None and self._landed(what, landed):
                     log.info("%s: %s had landed (its reply was lost): done", self.url, what)
                     return None  # type: ignore[return-value]
                 raise
@@ -83,6 +84,7 @@ class Retrying:
                 if attempt == self.retries or spent + delay > self.retry_max_s:
                     raise StoreError(f"{self.url}: {what} failed after {attempt + 1} attempts in {spent:.1f}s: {e}") from e
                 log.warning("%s: %s failed (%s); retrying in %.2fs", self.url, what, str(e), delay)
+                failed = True
                 time.sleep(delay)
             else:
                 self._answered = True

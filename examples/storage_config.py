@@ -43,7 +43,8 @@ SEAWEEDFS_TUNED = {
     "key": "ACCESS_KEY",
     "secret": "SECRET_KEY",
     "client_kwargs": {"endpoint_url": "http://127.0.0.1:8333", "region_name": "us-east-1"},
-    "config_kwargs": {"connect_timeout": 2, "read_timeout": 30, "retries": {"max_attempts": 3}},
+    # botocore makes one attempt: deltasync retries (jittered, Retry-After honoured, a lost reply told from a conflict)
+    "config_kwargs": {"connect_timeout": 2, "read_timeout": 30, "retries": {"total_max_attempts": 1}},
 }
 HF_BUCKET = {"token": "hf_..."}  # or leave empty: HF_TOKEN / `hf auth login`
 

@@ -15,6 +15,7 @@ import torch
 LEAK_PREFIX = "deltasync-"  # every temporary folder the library makes (caches, spools, pushes, demos)
 _TMP_KEY = pytest.StashKey[tuple]()
 _REAL_TMP_ENV = "DELTASYNC_TEST_REAL_TMPDIR"
+_GROUPS_ENV = "DELTASYNC_TEST_ENGINE_GROUPS"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -33,17 +34,45 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ[_REAL_TMP_ENV] = real
     os.environ["TMPDIR"] = root
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller: where workers name their engine tests
+        os.environ[_GROUPS_ENV] = os.path.join(root, "engine-tests")
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist with ``--dist loadgroup`` (``./run.sh test`` runs two workers), the tests that start
     a vLLM engine run one after another on one worker, while the other worker takes the rest: an engine uses
-    every core, and two at once would only slow each other down. First among the hooks: xdist's own reads the
-    groups in its hook (it names each grouped test ``<id>@<group>``), so the marker must be there before."""
-    for item in items:
-        if item.get_closest_marker("vllm"):
-            item.add_marker(pytest.mark.xdist_group("vllm"))
+    every core, and two at once would only slow each other down.
+
+    xdist's own ``xdist_group`` cannot do it with pytest 9.2 (it renames each grouped test by an attribute
+    pytest no longer reads, so every test stayed a group of its own and engines ran two at a time): each
+    worker writes the ids of its engine tests to a file, and the controller's scheduler
+    (:func:`pytest_xdist_make_scheduler`) puts them in one group."""
+    engines = [item.nodeid for item in items if item.get_closest_marker("vllm")]
+    path, worker = os.environ.get(_GROUPS_ENV), os.environ.get("PYTEST_XDIST_WORKER")
+    if path and worker:
+        Path(f"{path}.{worker}").write_text("\n".join(engines))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist loadgroup`` with the workers' engine tests as one group (see above); other tests load-balanced."""
+    if config.getvalue("dist") != "loadgroup" or not os.environ.get(_GROUPS_ENV):
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    base = Path(os.environ[_GROUPS_ENV])
+
+    class EngineTestsTogether(LoadGroupScheduling):
+        _engines: set[str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._engines is None:  # first called once every worker sent its collection: the files are there
+                self._engines = set()
+                for f in base.parent.glob(base.name + ".*"):
+                    self._engines |= set(f.read_text().splitlines())
+            return "vllm" if nodeid in self._engines else super()._split_scope(nodeid)
+
+    return EngineTestsTogether(config, log)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

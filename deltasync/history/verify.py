@@ -202,6 +202,8 @@ class _Verification:
                 self.report(s, "manifest", str(e))
             except ResourceLimitError as e:
                 self.report(s, "resource", str(e))
+            except ChecksumMismatchError as e:  # a multi-part step whose parts' checksums do not add up
+                self.report(s, "checksum", str(e))
             else:
                 continue
             return i

@@ -71,11 +71,15 @@ class S3Transport(FsspecTransport):
 def s3_options(storage_options: dict[str, Any]) -> dict[str, Any]:
     """The options with deltasync's defaults for botocore: unless told otherwise, a connect that has not
     succeeded in 2 s will not (botocore waits 60 s, five times), and one attempt per request, since
-    ``Store.call`` retries (and bounds the time). The caller's dict is not changed."""
+    ``Store.call`` retries (and bounds the time). ``total_max_attempts``: botocore's ``max_attempts`` counts
+    retries after the first, so ``max_attempts: 1`` still sent a throttled request twice, and a create-only
+    write whose reply was lost came back as a conflict before the store could tell it from one.
+    The caller's dict is not changed."""
     options = dict(storage_options)
     config = options.get("config_kwargs", {})
     if isinstance(config, dict):
-        options["config_kwargs"] = {"connect_timeout": 2, **config, "retries": dict(config.get("retries", {"max_attempts": 1}))}
+        options["config_kwargs"] = {"connect_timeout": 2, **config,
+                                    "retries": dict(config.get("retries", {"total_max_attempts": 1}))}
     return options
 
 

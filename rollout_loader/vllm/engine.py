@@ -56,6 +56,7 @@ from deltasync import (
     warm_kernels,
 )
 from deltasync.format.documents import MAX_STEP
+from deltasync.format.names import CONSUMER_ID, check
 from deltasync.notify import EventFeed
 from deltasync.rdma.options import rdma_options
 
@@ -125,8 +126,12 @@ class DeltasyncInitInfo(WeightTransferInitInfo):
         if self.rdma is not None:
             if not (isinstance(self.rdma, dict) and isinstance(self.rdma.get("controller"), str)):
                 raise _refuse(f"deltasync init_info: rdma must be an object naming a 'controller' address, got {self.rdma!r}")
-            try:
-                rdma_options(self.rdma)  # every field's type and range, now rather than in a thread later
+            engine = self.rdma.get("engine", "vllm")  # names this engine's consumers to the controller
+            if not check(CONSUMER_ID, engine):
+                raise _refuse(f"deltasync init_info: rdma.engine must be a name (letters, digits, '.', '_', '-'), "
+                              f"got {engine!r}")
+            try:  # every field's type and range, now rather than in a thread later
+                rdma_options({k: v for k, v in self.rdma.items() if k != "engine"})
             except ConfigError as e:
                 raise _refuse(f"deltasync init_info: {e}") from None
         if self.notify is not None and not (isinstance(self.notify, str) and self.notify.startswith(("http://", "https://"))):
@@ -375,6 +380,12 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         first tensor that differs; the engine then holds no step (and is not pointed at the stream)."""
         reader, state = self._require()
         try:
+            try:
+                reader.manifest(step, nearby=False)
+            except StepNotFoundError:
+                raise HeldStepError(f"{reader.url}: init_info says the engine holds step {step}, which this stream has "
+                                    f"not committed: start the engine from one of its steps, or name no step (the first "
+                                    f"update then writes an anchor)") from None
             with reader.open(step) as obj:
                 check_header(state, obj.header, obj.where)
                 want, where = {n: int(t.checksum, 16) for n, t in obj.header.tensors.items()}, obj.where

@@ -18,7 +18,7 @@ import logging
 import os
 from typing import Any, Literal, get_args
 
-from deltasync import ConfigError
+from deltasync import ConfigError, DeltaSyncError
 
 from .client import WORKER_EXTENSION, WeightTransfer, weight_transfer, worker_module
 
@@ -99,9 +99,23 @@ class VllmTarget:
         """Ask the engine which step it holds and point its deltasync engine at the stream (again: a no-op
         that keeps its step); returns that step. Changes no weights."""
         held = self.client.held_step()
-        self._step = held if held is not None else self._declared
-        self.client.init(_absolute(url), storage_options=storage_options, verify=self.verify, mode=self.mode,
-                         step=self._step, notify=self.notify)
+        step = held if held is not None else self._declared
+        url = _absolute(url)
+        try:
+            self.client.init(url, storage_options=storage_options, verify=self.verify, mode=self.mode, step=step,
+                             notify=self.notify)
+        except DeltaSyncError as e:
+            # the engine proves a step before it holds it. The step its weight version names may be another
+            # stream's (the server followed one before): then its weights are unknown here, and the first
+            # update writes an anchor. A step the user declared that does not prove is their mistake: raised.
+            if held is None or "HeldStepError" not in f"{type(e).__name__}: {e}":
+                raise
+            log.warning("the engine's weight version names step %d, which is not this stream's: starting from an "
+                        "anchor (%s)", held, e)
+            step = None
+            self.client.init(url, storage_options=storage_options, verify=self.verify, mode=self.mode, step=None,
+                             notify=self.notify)
+        self._step = step
         log.info("vLLM engine holds step %s", self._step)
         return self._step
 

@@ -67,7 +67,7 @@ class SeaweedFS:
             "secret": "deltasync",
             "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
             # fail fast, so that deltasync's own retries are what the tests exercise
-            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10},
+            "config_kwargs": {"retries": {"total_max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10},
         }
 
     def start(self, timeout_s: float = 120) -> None:
