@@ -179,12 +179,7 @@ class NodeCache:
                 return False
             os.utime(src)  # recently used
             dest.unlink(missing_ok=True)
-            try:
-                os.link(src, dest)
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
-                    raise
-                shutil.copyfile(src, dest)
+            _link_or_copy(src, dest)
         except FileNotFoundError:
             return False
         return True
@@ -194,12 +189,7 @@ class NodeCache:
         tmp = self.scratch / f"{digest}.{os.getpid()}.part"
         try:
             tmp.unlink(missing_ok=True)
-            try:
-                os.link(src, tmp)
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
-                    raise
-                shutil.copyfile(src, tmp)
+            _link_or_copy(src, tmp)
             os.replace(tmp, self._path(digest))
         except OSError as e:  # a full or read-only cache costs sharing, never the read
             log.warning("node cache %s: could not add an object: %s", self.folder, e)
@@ -245,6 +235,16 @@ class NodeCache:
                         os.unlink(entry.path)
                 except FileNotFoundError:
                     pass
+
+
+def _link_or_copy(src: Path, dest: Path) -> None:
+    """A hard link (no bytes copied; eviction of one name leaves the other), or a copy across file systems."""
+    try:
+        os.link(src, dest)
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+            raise
+        shutil.copyfile(src, dest)
 
 
 def node_cache_from_env() -> NodeCache | None:

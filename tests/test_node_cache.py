@@ -15,12 +15,11 @@ from pathlib import Path
 import fsspec
 import pytest
 
-import deltasync.reader
-from deltasync import ConfigError, CorruptObjectError, DeltaPublisher, NodeCache, StreamReader
+from deltasync import ConfigError, CorruptObjectError, NodeCache, StreamReader
 from deltasync.node_cache import node_cache_from_env
 from deltasync.store import step_dir
 from tests.conftest import states_equal
-from tests.test_publisher import train
+from tests.test_reader import remote  # noqa: F401 - fixture: a stream on a remote store, 7 steps, anchors every 3
 
 CTX = mp.get_context("fork")  # the peers need no fresh interpreter: forked, they start at once (POSIX, as flock)
 
@@ -63,24 +62,6 @@ def test_processes_of_one_host_download_an_object_once(tmp_path):
     for i in range(4):
         assert (tmp_path / f"dest{i}").read_bytes() == payload
     assert sorted(os.listdir(tmp_path / "node" / "tmp")) == []  # no half file left
-
-
-@pytest.fixture
-def remote(small_state, gen, monkeypatch):
-    """A stream on a remote store (fsspec memory), anchors every 3 steps; deltas go through files too."""
-    monkeypatch.setattr(deltasync.reader, "MEMORY_OBJECT_BYTES", 0)
-    url = f"memory://node-{uuid.uuid4().hex}"
-    truth = {}
-    with DeltaPublisher(url, small_state, anchor_every=3, on_backlog="block") as pub:
-        for s in range(7):
-            truth[s] = train(small_state, gen)
-            pub.publish(s)
-    yield url, truth
-    fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
-
-
-def _objects(reader: StreamReader) -> int:
-    return len(reader.store.steps())
 
 
 def test_two_readers_share_downloads_and_end_exact(remote, tmp_path):

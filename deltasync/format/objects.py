@@ -157,7 +157,7 @@ class _Descriptors:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: an object collected inside a locked section drops itself
         self._open: OrderedDict[int, int] = OrderedDict()  # source id -> descriptor, least recently used first
         self._busy: dict[int, int] = {}  # source id -> reads in progress
 
