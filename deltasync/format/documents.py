@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -56,13 +57,21 @@ MAX_PARTS = 1 << 16
 Range = tuple[Count, Count]
 
 
+# msgspec 0.22's typed decoding crashed the process (SIGSEGV) when threads decoded documents at once: followers
+# in threads of one process (bench/bench_fleet.py, 8 a process: 2 of 3 runs), and 16 threads decoding manifests
+# in a fresh process (1 run in 10; none in 15 with this lock). Documents are small: one decode at a time costs
+# nothing measurable.
+_DECODE_LOCK = threading.Lock()
+
+
 def decode(data: bytes | bytearray | memoryview | str, kind: type[T], *, where: str, max_bytes: int = MAX_DOCUMENT_BYTES) -> T:
     """Parse and validate one stored document; every problem is a ``FormatError`` naming ``where``."""
     size = len(data)
     if size > max_bytes:
         raise FormatError(f"{where}: {size} bytes, expected a document of at most {max_bytes} bytes")
     try:
-        return msgspec.json.decode(data, type=kind)
+        with _DECODE_LOCK:
+            return msgspec.json.decode(data, type=kind)
     except msgspec.ValidationError as e:
         raise FormatError(f"{where}: invalid {kind.__name__}: {e}") from None
     except msgspec.DecodeError as e:
