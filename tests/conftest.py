@@ -85,6 +85,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         else:
             os.environ[key] = value
     tempfile.tempdir = None
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.pop(_GROUPS_ENV, None)  # set by this session's controller (pytest_configure)
     shutil.rmtree(root, ignore_errors=True)
 
 
