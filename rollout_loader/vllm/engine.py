@@ -216,6 +216,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             )
             log.info("deltasync engine routes: %s", summary)
             old = None
+        summed: set[str] = set()  # tensors whose checksums were just computed from the bits held (state.sums)
         same = old is not None and (old.url, old.storage_options, old.rdma) == (
             init_info.url, init_info.storage_options, init_info.rdma)
         if same:
@@ -227,11 +228,11 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             self._reader = StreamReader(init_info.url, storage_options=init_info.storage_options)
             self._held = None
             if init_info.step is not None:  # asserted, not reached through verified steps: proved before believed
-                self._prove_held(init_info.step)
+                summed = self._prove_held(init_info.step)
             log.info("deltasync engine following %s from step %s", init_info.url, self._held)
         self._info = init_info
         warm_kernels()  # every kernel compiled or loaded now: nothing compiles inside a pause
-        if init_info.verify == "incremental" and self._held is not None:
+        if init_info.verify == "incremental" and self._held is not None and not summed.issuperset(self._state.targets):
             checksums(self._state)  # the base of incremental verification: computed now, not inside a pause
         if init_info.rdma is not None and self._rdma is None:
             self._rdma = self._rdma_consumer(init_info)
@@ -373,11 +374,12 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         log.info("deltasync: engine at step %d (%s, written and verified in %.1f ms)", step, h.kind, 1e3 * self.pauses_s[-1])
         return list(staged)
 
-    def _prove_held(self, step: int) -> None:
+    def _prove_held(self, step: int) -> set[str]:
         """Hold ``step`` only if every tensor's checksum, summed over the ranks, is that step's: an engine started
         from another step's checkpoint (an off-by-one ``--engine-step``) would otherwise be wrong for ever in
         every tensor no later step changes, while each update reported a match. ``HeldStepError`` names the
-        first tensor that differs; the engine then holds no step (and is not pointed at the stream)."""
+        first tensor that differs; the engine then holds no step (and is not pointed at the stream). Returns the
+        tensors checksummed: ``checksums`` also made them the base of incremental verification."""
         reader, state = self._require()
         try:
             try:
@@ -404,6 +406,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                 f"engine 0x{add_checksums(*(g[n] for g in gathered)):016x}); start it from step {step}'s checkpoint "
                 f"(deltasync replay), or name no step: the first update then writes an anchor")
         self._held = step
+        return set(want)
 
     def _staged_chain(self, want: int) -> list[int] | None:
         """``[want]`` when the prefetcher holds it and it applies to the step held (a delta based on it, or an
