@@ -176,7 +176,7 @@ def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_opt
             pub.publish(step)
             published_at[step] = time.perf_counter()
         pub.flush()
-        follower.wait_for(config.steps - 1, timeout_s=60)
+        follower.wait_for(config.steps - 1, timeout_s=120)  # a hang guard: the steps arrive in seconds
         follower.close()
     if follower.last_error:
         echo(f"follower error: {follower.last_error}")

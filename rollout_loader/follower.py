@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from deltasync import (
@@ -406,7 +408,17 @@ class Follower:
         why = "" if e is None else f" (last error{'' if self.last_error_step is None else f' at step {self.last_error_step}'}: {type(e).__name__}: {e})"
         raise WaitTimeoutError(
             f"{self.reader.url}: target holds step {self.target.step}, step {step} not live within {timeout_s}s{why}"
+            f"{self._doing()}"
         ) from e
+
+    def _doing(self) -> str:
+        """Where the follower thread is now (a wait that timed out says whether it was stuck, and where)."""
+        thread = self._thread
+        frame = sys._current_frames().get(thread.ident) if thread is not None and thread.ident else None
+        if frame is None:
+            return ""
+        where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-6:]]
+        return f"; the follower thread is in {' < '.join(reversed(where))}"
 
     def start(self) -> Follower:
         """Follow in a background thread (again after ``stop()`` or a permanent error)."""

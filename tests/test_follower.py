@@ -122,6 +122,22 @@ def test_wait_for_gives_up_at_its_deadline_with_the_last_error(tmp_path, small_s
     follower.close()
 
 
+def test_a_wait_that_times_out_says_where_the_follower_thread_is_stuck(tmp_path, small_state, gen):
+    publish(str(tmp_path), small_state, gen, steps=1)
+    release = threading.Event()
+
+    def stuck_in_the_engine(step):
+        release.wait(30)  # an engine that never returns from an update
+
+    with Follower(str(tmp_path), FlakyTarget(stuck_in_the_engine), poll_s=0.01) as follower:
+        try:
+            with pytest.raises(WaitTimeoutError, match=r"not live within 0.3s; the follower thread is in .*"
+                                                       r"test_follower.py:\d+ stuck_in_the_engine < .*apply"):
+                follower.wait_for(0, timeout_s=0.3)
+        finally:
+            release.set()
+
+
 def test_a_model_that_changed_shape_stops_the_follower(tmp_path, small_state, gen):
     url = str(tmp_path)
     publish(url, small_state, gen, steps=2)
