@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -275,15 +276,22 @@ def test_ctrl_c_stops_follow_and_leaves_nothing(qwen_stream, tmp_path, busy_serv
          "--poll-s", "0.05"],
         cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    lines: list[str] = []
+    reading = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reading.start()
     try:
-        time.sleep(8.0)  # started, connected, and failing: retrying with backoff
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        deadline = time.monotonic() + 120  # started (imports take long on a busy machine), connected, failing
+        while not any("retrying" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        reading.join(timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    output = "".join(lines)
     assert "retrying" in output and "HTTP 503" in output, output
     assert "Traceback" not in output, output
     assert ours(tmp) == [], output
