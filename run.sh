@@ -19,7 +19,15 @@ setup() {
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers` here
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   "$VENV/bin/pip" install -q -e ".[dev,demo,s3,hf,plot,rdma]"
+  echo "compiling deltasync's CPU kernels (numba, once: cached beside the code)..." >&2
+  kernels
   echo "$want" > "$STAMP"
+}
+
+# Compile the numba kernels, or load them from their disk cache (seconds). Before the tests: otherwise every
+# test process compiles them at once on first use (minutes on a fresh clone, all cores), inside the tests.
+kernels() {
+  "$VENV/bin/python" -c "from deltasync.format._kernels import warm_kernels; warm_kernels()"
 }
 
 # The demo through a real S3 server: SeaweedFS (installed in .venv) on loopback, stopped afterwards.
@@ -47,7 +55,7 @@ case "$cmd" in
   demo-s3) setup; demo_s3 "$@" ;;
   # two workers (this machine's cores): the vLLM tests one after another on one, the rest on the other
   # tests marked outside_ci (slow configurations) run with: ./run.sh test -m outside_ci
-  test) setup; exec "$VENV/bin/python" -m pytest -q -n "${DELTASYNC_TEST_WORKERS:-2}" --dist loadgroup -m "not outside_ci" "$@" ;;
+  test) setup; kernels; exec "$VENV/bin/python" -m pytest -q -n "${DELTASYNC_TEST_WORKERS:-2}" --dist loadgroup -m "not outside_ci" "$@" ;;
   setup) setup ;;
   *) echo "usage: ./run.sh demo [--steps N ...] | ./run.sh demo-s3 [...] | ./run.sh test [pytest args]" >&2; exit 2 ;;
 esac

@@ -189,9 +189,10 @@ def follow(mode: str, url: str, options: dict | None, address: str | None, steps
 
 def run(mode: str, melems: float, steps: int, density: float, repeats: int, poll_s: float,
         s3: Any = None) -> list[dict[str, Any]]:
+    from deltasync.rdma.auth import cluster_secret_for_this_run
     from deltasync.rdma.controller import Controller
 
-    with tempfile.TemporaryDirectory(prefix="bench-rdma-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-rdma-") as tmp, cluster_secret_for_this_run():
         url, options = (s3.new_url(), s3.storage_options) if mode == "s3" else (str(Path(tmp) / "store"), None)
         controller = Controller(trainers=1, consumers=1) if mode == "nixl" else None
         address = controller.address if controller else None

@@ -252,6 +252,7 @@ def _take(q, got: dict, echo, timeout_s: float) -> None:
 def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage_options: dict | None, echo) -> list[dict]:
     import multiprocessing as mp
 
+    from deltasync.rdma.auth import cluster_secret_for_this_run
     from deltasync.rdma.controller import Controller
 
     if url is None:
@@ -265,7 +266,7 @@ def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage
     ctx = mp.get_context("spawn")
     got: dict = {"sum": {}, "published": {}, "live": {}}
     engine: _VllmFollower | None = None
-    with _ctrl_c_reaches_main_thread() as cleaning, Controller(trainers=1, consumers=1) as controller:
+    with _ctrl_c_reaches_main_thread() as cleaning, cluster_secret_for_this_run(), Controller(trainers=1, consumers=1) as controller:
         q, go = ctx.Queue(), ctx.Event()
         procs = [ctx.Process(target=_nixl_trainer, args=(controller.address, url, config, storage_options, q, go),
                              daemon=True)]

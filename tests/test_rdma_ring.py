@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs NIXL: pip in
 
 NAMES = ("model.a.weight", "model.b.bias", "model.c.weight")
 CTX = mp.get_context("spawn")
+SECRET = "the-cluster-secret-of-these-ring-tests-0123456789"  # the control plane is authenticated
 
 
 # --- peers (run in spawned processes; module-level so that spawn can import them) ---
@@ -69,12 +70,8 @@ def trainer_peer(address: str, url: str, steps: list[int], opts: dict[str, Any],
 
     from deltasync.publish.publisher import DeltaPublisher
     from deltasync.rdma.agent import Agent
-    from deltasync.rdma.controller import (
-        PartMeta,
-        TensorMeta,
-        TrainerHello,
-        TrainerLink,
-    )
+    from deltasync.rdma.link import TrainerLink
+    from deltasync.rdma.messages import PartMeta, TensorMeta, TrainerHello
     from deltasync.rdma.outbox import Outbox
 
     state = _model()
@@ -84,7 +81,7 @@ def trainer_peer(address: str, url: str, steps: list[int], opts: dict[str, Any],
     outbox = Outbox(agent, slots=opts.get("slots", 4), slot_bytes=1 << 20, chunk_bytes=64 << 10,
                     ack_deadline_s=opts.get("deadline_s", 5.0))
     tensors = {n: TensorMeta(t.numel(), t.element_size()) for n, t in state.items()}
-    with TrainerLink(address) as link:
+    with TrainerLink(address, rank=0, secret=SECRET) as link:
         plan = link.register(TrainerHello(rank=0, metadata=agent.metadata(), ring=outbox.layout(), tensors=tensors,
                                           parts=[PartMeta(n, 0, m.numel) for n, m in tensors.items()]))
         outbox.set_consumers(plan.consumers)
@@ -117,14 +114,15 @@ def consumer_peer(address: str, url: str, cid: str, engine: str, steps: list[int
     from deltasync.errors import RdmaError, StaleMetadataError
     from deltasync.format.objects import StepObject
     from deltasync.rdma.agent import Agent
-    from deltasync.rdma.controller import ConsumerHello, ConsumerLink
+    from deltasync.rdma.link import ConsumerLink
+    from deltasync.rdma.messages import ConsumerHello
     from deltasync.rdma.inbox import Inbox
     from deltasync.store import Store
 
     agent = Agent(f"{cid}-{uuid.uuid4().hex[:8]}")
     inbox = Inbox(agent, capacity_bytes=1 << 20)
     record: list[tuple[int, str, str]] = []
-    with ConsumerLink(address) as link, Store(url) as store:
+    with ConsumerLink(address, consumer_id=cid, secret=SECRET) as link, Store(url) as store:
         plan = link.register(ConsumerHello(id=cid, engine=engine, agent=agent.name, needs=list(NAMES)))
         for read in plan.reads:
             inbox.connect(read.source.ring, read.source.metadata)
@@ -180,7 +178,7 @@ class Run:
         from deltasync.rdma.controller import Controller
 
         self.url = str(tmp_path / "store")
-        self.controller = Controller(trainers=1, consumers=consumers)
+        self.controller = Controller(trainers=1, consumers=consumers, secret=SECRET)
         self.out = CTX.Queue()
         self.stop = CTX.Event()
         self.procs: list[Any] = []

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs NIXL: pip in
 
 CTX = mp.get_context("spawn")
 STEPS = [1, 2, 3, 4, 5]
+SECRET = "the-cluster-secret-of-these-nixl-tests-0123456789"  # the control plane is authenticated
 
 
 def _model() -> dict[str, Any]:
@@ -76,7 +77,7 @@ def _publish(url: str, transport: Any, out: Any | None) -> dict[int, dict[str, s
 def trainer_peer(address: str, url: str, opts: dict[str, Any], stop: Any, out: Any) -> None:
     from deltasync.transports.nixl import NixlTransport
 
-    rdma = {"controller": address, "slot_bytes": opts.get("slot_bytes", 1 << 20), "chunk_bytes": 16 << 10,
+    rdma = {"secret": SECRET, "controller": address, "slot_bytes": opts.get("slot_bytes", 1 << 20), "chunk_bytes": 16 << 10,
             "plan_wait_s": 30.0, "ack_deadline_s": 5.0}
     with NixlTransport.trainer(url, rdma=rdma) as transport:
         _publish(url, transport, out)
@@ -102,7 +103,7 @@ def consumer_peer(address: str, url: str, out: Any) -> None:
     from rollout_loader import Follower, StateDictTarget
 
     target = StateDictTarget(verify="full")
-    rdma = {"controller": address, "capacity_bytes": 1 << 20, "announce_wait_s": 2.0}
+    rdma = {"secret": SECRET, "controller": address, "capacity_bytes": 1 << 20, "announce_wait_s": 2.0}
     with RdmaConsumer(url, rdma=rdma, consumer_id="c0", plan_wait_s=30.0) as consumer:
         out.put(("c0", "ready"))
         held = {}
@@ -121,7 +122,7 @@ class Peers:
         from deltasync.rdma.controller import Controller
 
         self.url = str(tmp_path / "store")
-        self.controller = Controller(trainers=1, consumers=1)
+        self.controller = Controller(trainers=1, consumers=1, secret=SECRET)
         self.out = CTX.Queue()
         self.stop = CTX.Event()
         self.procs: list[Any] = []
@@ -224,8 +225,8 @@ def test_every_step_commits_when_the_rdma_path_fails(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Outbox, "offer", broken)
     url = str(tmp_path / "store")
-    with Controller(trainers=1, consumers=0) as controller, NixlTransport.trainer(
-            url, rdma={"controller": controller.address, "slot_bytes": 1 << 20, "plan_wait_s": 10.0}) as transport:
+    with Controller(trainers=1, consumers=0, secret=SECRET) as controller, NixlTransport.trainer(
+            url, rdma={"secret": SECRET, "controller": controller.address, "slot_bytes": 1 << 20, "plan_wait_s": 10.0}) as transport:
         truth = _publish(url, transport, None)
         stats = transport.trainer.stats
     assert stats.announced == [] and [s for s, _ in stats.store_only] == STEPS
@@ -243,7 +244,7 @@ def test_every_step_commits_without_a_controller(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = str(tmp_path / "store")
-    with NixlTransport.trainer(url, rdma={"controller": f"tcp://127.0.0.1:{port}", "slot_bytes": 1 << 20,
+    with NixlTransport.trainer(url, rdma={"secret": SECRET, "controller": f"tcp://127.0.0.1:{port}", "slot_bytes": 1 << 20,
                                           "plan_wait_s": 0.2}) as transport:
         truth = _publish(url, transport, None)
         stats = transport.trainer.stats

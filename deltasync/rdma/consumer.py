@@ -27,7 +27,8 @@ from typing_extensions import Self
 from deltasync.errors import RdmaError, StaleMetadataError
 from deltasync.notify import Announcements
 from deltasync.rdma.agent import Agent
-from deltasync.rdma.controller import ConsumerHello, ConsumerLink
+from deltasync.rdma.link import ConsumerLink
+from deltasync.rdma.messages import ConsumerHello
 from deltasync.rdma.inbox import Inbox, Lease
 from deltasync.rdma.trainer import RdmaOptions, rdma_options
 from deltasync.reader import StreamReader
@@ -50,7 +51,7 @@ class RingReader:
         self.agent = Agent(f"{consumer_id}-{uuid.uuid4().hex[:8]}")
         try:
             self.inbox = Inbox(self.agent, capacity_bytes=options.capacity_bytes, device=options.device)
-            self.link = ConsumerLink(options.controller)
+            self.link = ConsumerLink(options.controller, consumer_id=consumer_id, secret=options.secret)
         except BaseException:
             self.agent.close()
             raise

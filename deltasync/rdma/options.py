@@ -6,11 +6,23 @@ Kept apart from the trainer and consumer (which need pyzmq and NIXL) so that a v
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deltasync.errors import ConfigError
 
 __all__ = ["RdmaOptions", "rdma_options"]
+
+MIN_SECRET_CHARS = 32
+
+
+def check_secret(value: object, *, where: str) -> str:
+    """``value`` if it can be the cluster secret (a string of 32 to 4096 characters), else :class:`ConfigError`
+    (which never shows the value)."""
+    if not isinstance(value, str) or not MIN_SECRET_CHARS <= len(value) <= 4096:
+        got = f"{len(value)} characters" if isinstance(value, str) else type(value).__name__
+        raise ConfigError(f"{where}: the RDMA secret must be a string of {MIN_SECRET_CHARS} to 4096 characters, "
+                          f"got {got}")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,6 +32,8 @@ class RdmaOptions:
     ``slots`` x ``slot_bytes`` is the trainer's registered ring (a larger object goes through the store
     only); ``capacity_bytes`` is a consumer's registered inbox. ``plan_wait_s``: how long the trainer's
     first offer waits for the controller's plan (0: steps before the plan go through the store only).
+    ``secret``: the cluster secret that authenticates the control plane (:mod:`deltasync.rdma.auth`;
+    default ``$DELTASYNC_RDMA_SECRET``); never shown in a repr.
     """
 
     controller: str
@@ -34,6 +48,7 @@ class RdmaOptions:
     announce_wait_s: float = 1.0
     plan_wait_s: float = 0.0
     device: str = "cpu"
+    secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         """Every field checked here, where it is given (from a config, ``init_info``): a wrong type would
@@ -55,6 +70,8 @@ class RdmaOptions:
                 raise ConfigError(f"rdma: {name} must be a number of seconds in [0, 86400], got {value!r}")
         if not (isinstance(self.device, str) and (self.device == "cpu" or self.device.startswith("cuda"))):
             raise ConfigError(f"rdma: device must be 'cpu' or a CUDA device such as 'cuda:0', got {self.device!r}")
+        if self.secret is not None:
+            check_secret(self.secret, where="rdma")
 
 
 def rdma_options(rdma: str | RdmaOptions | dict) -> RdmaOptions:

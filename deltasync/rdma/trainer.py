@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from deltasync.errors import DeltaSyncError
 from deltasync.format.objects import StepObject
 from deltasync.rdma.agent import Agent
-from deltasync.rdma.controller import PartMeta, TensorMeta, TrainerHello, TrainerLink
+from deltasync.rdma.link import TrainerLink
+from deltasync.rdma.messages import PartMeta, TensorMeta, TrainerHello
 from deltasync.rdma.options import RdmaOptions, rdma_options  # noqa: F401 - re-exported
 from deltasync.rdma.outbox import Outbox, SlotInfo
 
@@ -43,7 +44,7 @@ class RdmaTrainer:
             self.outbox = Outbox(self.agent, slots=options.slots, slot_bytes=options.slot_bytes,
                                  chunk_bytes=options.chunk_bytes, max_inflight_bytes=options.max_inflight_bytes,
                                  ack_deadline_s=options.ack_deadline_s, device=options.device)
-            self.link = TrainerLink(options.controller)
+            self.link = TrainerLink(options.controller, rank=options.rank, secret=options.secret)
         except BaseException:
             self.agent.close()
             raise

@@ -36,6 +36,7 @@ pytestmark = [pytest.mark.vllm,
 
 STEPS = 4
 CTX = mp.get_context("spawn")
+SECRET = "the-cluster-secret-of-this-engine-test-0123456789"  # the control plane is authenticated
 
 
 def trainer(address: str, url: str, model_dir: str, out) -> None:
@@ -47,7 +48,7 @@ def trainer(address: str, url: str, model_dir: str, out) -> None:
 
     state = load_state(Path(model_dir))
     committed: list[float] = []  # when each step was committed and offered (unix time, for a failure's story)
-    rdma = {"controller": address, "slot_bytes": 4 << 20, "plan_wait_s": 600.0, "ack_deadline_s": 30.0}
+    rdma = {"secret": SECRET, "controller": address, "slot_bytes": 4 << 20, "plan_wait_s": 600.0, "ack_deadline_s": 30.0}
     with NixlTransport.trainer(url, rdma=rdma) as transport:
         with DeltaPublisher(Store(url, transport=transport), state, anchor_every=100, on_backlog="block") as pub:
             for step in range(STEPS + 1):
@@ -79,7 +80,7 @@ ENGINE = textwrap.dedent(
         try:
             llm.init_weight_transfer_engine({"init_info": {
                 "url": url, "verify": "incremental",
-                "rdma": {"controller": address, "capacity_bytes": 4 << 20, "engine": "e0"}}})
+                "rdma": {"secret": SECRET, "controller": address, "capacity_bytes": 4 << 20, "engine": "e0"}}})
             versions = []
             with StreamReader(url) as reader:
                 reader.wait_for(0, timeout_s=300)
@@ -133,7 +134,7 @@ def test_multiprocess_engine_follows_a_training_run_over_nixl(tmp_path, tp):
     model_dir = tmp_path / "model"
     build_checkpoint(model_dir, tie=False)
     url = str(tmp_path / "stream")
-    controller = Controller(trainers=1, consumers=tp)
+    controller = Controller(trainers=1, consumers=tp, secret=SECRET)
     out = CTX.Queue()
     proc = CTX.Process(target=trainer, args=(controller.address, url, str(model_dir), out), daemon=True)
     proc.start()
