@@ -9,6 +9,7 @@ behind, or a bit-exact result, fails the test with the failure classes and one r
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,52 @@ def test_outcomes_are_classified_by_what_happened():
     crash = classify("op", lambda: json.loads("[" * 100_000))
     assert crash.outcome == "failure" and crash.why.startswith("RecursionError at ") and "json" in crash.trace
     assert classify("op", raises(MemoryError())).outcome == "failure"
+
+
+def test_input_fuzzer_short_run_finds_no_failure():
+    """Version-2 manifests, RDMA control messages and announcements, init_info/update_info and the server's
+    HTTP replies (tests/fuzz/inputs.py): every target reached, both accepted and rejected inputs seen."""
+    from tests.fuzz.inputs import TARGETS, run_inputs
+
+    report = run_inputs(CI_SEED, 8000)
+    assert set(report.targets) == set(TARGETS)
+    for name, t in report.targets.items():
+        assert t.cases > 20 and t.outcomes["rejected"] > 0, (name, t)
+    assert report.failures == 0, f"{report.table()}\n{report.failure_text()}"
+
+
+def test_input_fuzzer_sees_a_planted_defect(monkeypatch):
+    """The oracle: an update_info check removed, and a consumer's announcement table left unbounded, are found."""
+    from deltasync.rdma import link
+    from rollout_loader.vllm.engine import DeltasyncUpdateInfo
+    from tests.fuzz.inputs import run_inputs
+
+    monkeypatch.setattr(DeltasyncUpdateInfo, "__post_init__", lambda self: None)
+    report = run_inputs(CI_SEED, 400, targets=("update_info",))
+    assert report.targets["update_info"].outcomes["failure"] > 0
+    assert "accepted update_info step" in report.failure_text()
+
+    monkeypatch.setattr(link, "MAX_ANNOUNCED", 2)
+    original = link.ConsumerLink.file
+
+    def unbounded(self, msg):
+        original(self, msg)
+        self._ready[len(self._ready) + 10_000]  # a table that grows on every message (defaultdict)
+
+    monkeypatch.setattr(link.ConsumerLink, "file", unbounded)
+    report = run_inputs(CI_SEED, 200, targets=("announcement",))
+    assert "grew past its bound" in report.failure_text()
+
+
+def test_the_long_run_entry_point_writes_its_figures(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "inputs.json"
+    r = subprocess.run([sys.executable, "-m", "tests.fuzz", "--inputs", "600", "--seed", "3", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+    assert r.returncode == 0, r.stdout + r.stderr
+    figures = json.loads(out.read_text())
+    assert figures["cases"] == 600 and figures["failures"] == 0 and figures["seed"] == 3
+    assert "total" in r.stdout

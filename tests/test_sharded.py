@@ -187,6 +187,37 @@ def test_fsdp2_ranks_publish_their_own_shards_bit_exact(tmp_path, world):
     assert torch.equal(reader.state_dict(11)["up.weight"], final["up.weight"])
     assert verify(str(stream)).verified == (1, 2, 3, 4, 5, 10, 11)
     reader.close()
+    # a part whose header claims other checksums (size and SHA-256 made to match): its step's parts no longer
+    # add up; verify reports that step as a checksum problem and goes on, it does not raise
+    _tamper_part_checksum(stream, 3)
+    report = verify(str(stream))
+    assert [(p.step, p.kind) for p in report.problems if p.step == 3] == [(3, "checksum")], report.problems
+    assert {1, 2, 4, 5, 10, 11} <= set(report.verified) and 3 not in report.verified
+
+
+def _tamper_part_checksum(stream: Path, step: int) -> None:
+    """Change one tensor's checksum in the last part of ``step`` and re-sign the part in the manifest (a writer
+    that lies consistently about one part): everything but the sum of the parts' checksums checks out."""
+    import hashlib
+
+    from tests.fuzz.edits import SafetensorsFile
+
+    folder = stream / "steps" / f"{step:012d}"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    part = manifest["parts"][-1]
+    f = SafetensorsFile.parse((folder / part["object"]).read_bytes())
+    header = json.loads(f.step_header)
+    name = next(iter(header["tensors"]))
+    old = int(header["tensors"][name]["checksum"], 16)
+    header["tensors"][name]["checksum"] = f"0x{(old + 1) % (1 << 64):016x}"
+    data = f.build(step_header=json.dumps(header).encode())
+    sha = hashlib.sha256(data).hexdigest()
+    new_name = f"{part['object'].rsplit('-', 1)[0]}-{sha[:16]}.safetensors"
+    (folder / part["object"]).unlink()
+    (folder / new_name).write_bytes(data)
+    manifest["object_bytes"] += len(data) - part["object_bytes"]
+    part.update(object=new_name, object_bytes=len(data), object_sha256=sha)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_an_error_on_one_rank_fails_the_step_on_every_rank(tmp_path):

@@ -74,7 +74,7 @@ def decode(data: bytes | bytearray | memoryview | str, kind: type[T], *, where: 
             return msgspec.json.decode(data, type=kind)
     except msgspec.ValidationError as e:
         raise FormatError(f"{where}: invalid {kind.__name__}: {e}") from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec raises the latter for a string not UTF-8
         raise FormatError(f"{where}: not valid JSON ({e})") from None
     except RecursionError:
         raise FormatError(f"{where}: JSON nested too deeply") from None
@@ -281,6 +281,11 @@ class Part:
     object_bytes: Annotated[int, msgspec.Meta(ge=8, le=MAX_OBJECT_BYTES)]
     object_sha256: Sha256
     tensors: dict[TensorName, Range] | None = None
+
+    def __post_init__(self) -> None:
+        for name, (start, stop) in (self.tensors or {}).items():
+            if start > stop:
+                raise ValueError(f"the range [{start}, {stop}) of {name!r} ends before it starts")
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"object": self.object, "object_bytes": self.object_bytes, "object_sha256": self.object_sha256}

@@ -66,6 +66,22 @@ def read_heartbeats(store: Store) -> list[ConsumerPosition]:
 
 
 
+@dataclass(frozen=True)
+class StepSummary:
+    """What garbage collection needs of a step's manifest (its chain link and size): a manifest of a
+    1,000-rank step parses to megabytes, this to a few dozen bytes, so a plan over every step of a long
+    stream holds one manifest at a time."""
+
+    step: int
+    kind: str
+    base_step: int | None
+    object_bytes: int
+
+    @classmethod
+    def of(cls, m: Manifest) -> StepSummary:
+        return cls(m.step, m.kind, m.base_step, m.object_bytes)
+
+
 @dataclass(frozen=True, kw_only=True)
 class GcPlan:
     """What a garbage collection keeps and deletes. Plain data: ``run_gc`` executes it."""
@@ -100,7 +116,7 @@ def check_gc_options(keep_last: Any, keep_anchor_every: Any, consumer_max_age_s:
 
 
 def plan_gc(
-    manifests: Sequence[Manifest],
+    manifests: Sequence[Manifest | StepSummary],
     *,
     keep_last: int,
     keep_anchor_every: int | None = None,
@@ -186,7 +202,7 @@ def collect_garbage(
     """
     check_gc_options(keep_last, keep_anchor_every, consumer_max_age_s)  # before the store is touched
     store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
-    manifests = [store.manifest(s) for s in require_steps(StreamReader(store))]
+    manifests = [StepSummary.of(store.manifest(s)) for s in require_steps(StreamReader(store))]  # one at a time
     plan = plan_gc(
         manifests,
         keep_last=keep_last,

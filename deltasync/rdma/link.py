@@ -31,6 +31,8 @@ from deltasync.rdma.outbox import SlotInfo
 
 log = logging.getLogger(__name__)
 
+MAX_ANNOUNCED = 1024  # steps a consumer keeps announcements of (and engines it keeps versions of): bounded
+
 
 class _Link:
     """A peer's connection to the controller as ``name`` (its CURVE key derives from ``secret`` and the name,
@@ -206,12 +208,20 @@ class ConsumerLink(_Link):
     def _next(self, timeout_s: float) -> object:
         """Receive one message, filing announcements and versions as they pass."""
         msg = self.receive(timeout_s)
+        self.file(msg)
+        return msg
+
+    def file(self, msg: object) -> None:
+        """Take in one validated message from the controller: an announcement (only from a rank of the plan,
+        once a plan came; at most :data:`MAX_ANNOUNCED` steps and one slot per rank each), a version, a plan."""
         if isinstance(msg, StepReady):
-            if len(self._ready) < 1024:  # bounded: a flood of announcements cannot grow memory
+            if self.ranks and msg.rank not in self.ranks:
+                return  # not a rank this consumer reads
+            if msg.slot.step in self._ready or len(self._ready) < MAX_ANNOUNCED:
                 self._ready[msg.slot.step][msg.rank] = msg.slot
         elif isinstance(msg, EngineVersion):
-            self.versions[msg.engine] = msg.step
+            if msg.engine in self.versions or len(self.versions) < MAX_ANNOUNCED:
+                self.versions[msg.engine] = max(msg.step, self.versions.get(msg.engine, -1))
         elif isinstance(msg, ConsumerPlan):
             self.plan = msg
             self.ranks = {r.source.rank for r in msg.reads}
-        return msg

@@ -112,7 +112,7 @@ def decode_message(frame: bytes, decoder: msgspec.msgpack.Decoder, *, where: str
         raise ControlMessageError(f"{where}: {len(frame)} bytes, expected at most {MAX_MESSAGE_BYTES}")
     try:
         return decoder.decode(frame)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as e:  # (a string that is not UTF-8)
         raise ControlMessageError(f"{where}: invalid control message: {e}") from None
 
 

@@ -133,7 +133,11 @@ class LocalTransport(Transport):
     def get(self, key: str, *, start: int = 0, end: int | None = None) -> bytes:
         with _open_regular(self._path(key)) as f:
             f.seek(start)
-            return f.read() if end is None else f.read(max(0, end - start))
+            if end is None:
+                return f.read()
+            # read(n) allocates n bytes first: a bounded read of a small file (a 2 KB manifest read with a
+            # 64 MiB limit) must not allocate the limit
+            return f.read(max(0, min(end, os.fstat(f.fileno()).st_size) - start))
 
     def get_file(self, key: str, local: Path) -> None:
         with _open_regular(self._path(key)) as src, open(local, "wb") as dst:

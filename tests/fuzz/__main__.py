@@ -9,9 +9,10 @@ import signal
 import sys
 from pathlib import Path
 
-from deltasync import CorpusError, Options, run
+from . import CorpusError, Options, run
 from .cases import Pristine, case
 from .corpus import build_corpus
+from .inputs import run_inputs
 from .mutations import describe
 
 
@@ -29,7 +30,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="where to write the results (default bench/results/fuzz-SEED-DATE.json)")
     ap.add_argument("--replay", metavar="CASE_ID", help="run one case (SEED-INDEX) and print every operation's outcome")
     ap.add_argument("--show", metavar="CASE_ID", help="print one case's mutation and exit")
+    ap.add_argument("--inputs", type=int, metavar="N", default=None,
+                    help="instead: N cases of the input fuzzer (manifests v2, RDMA messages, init/update_info, HTTP replies)")
     args = ap.parse_args(argv)
+    if args.inputs is not None:
+        report = run_inputs(args.seed, args.inputs)
+        print(report.table())
+        print(report.failure_text())
+        path = Path(args.json) if args.json else Path(__file__).resolve().parents[2] / "bench" / "results" / (
+            f"fuzz-inputs-{args.seed}-{dt.date.today().isoformat()}.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"options": vars(args), **report.to_dict()}, indent=1))
+        print(f"wrote {path}")
+        return 1 if report.failures else 0
     common = dict(workers=args.workers, op_timeout_s=args.op_timeout_s, memory_mib=args.memory_mib,
                   rss_limit_mib=args.rss_limit_mib, tail_changes=not args.no_tail_changes)
     if args.show or args.replay:
