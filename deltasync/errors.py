@@ -72,6 +72,19 @@ class OutputExistsError(DeltaSyncError, FileExistsError):
     """An output (a replayed checkpoint folder) already exists and replacing it was not asked for."""
 
 
+class SignatureError(DeltaSyncError, ValueError):
+    """A step's signature does not prove that a trusted key wrote it: it does not verify, or it signs other
+    contents than the step holds (docs/FORMAT.md section 5e)."""
+
+
+class UnsignedStepError(SignatureError):
+    """A reader that trusts only signed steps found a step without a signature."""
+
+
+class UntrustedKeyError(SignatureError):
+    """A step is signed by a key the reader does not trust for it (unknown, revoked, or retired by rotation)."""
+
+
 class ConfigError(DeltaSyncError, ValueError):
     """An argument, option or setting has a value deltasync cannot use (a verify or worker mode, an engine)."""
 

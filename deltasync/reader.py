@@ -21,6 +21,7 @@ from deltasync.format.objects import StepObject
 from deltasync.format.parts import PartedObject
 from deltasync.stages.apply import Replica, Verify
 from deltasync.node_cache import NodeCache
+from deltasync.signing import TrustedKeys
 from deltasync.store import Manifest, Part, Store
 
 # deltas up to this size are fetched from a remote store into memory and opened from there (no cache file);
@@ -93,6 +94,10 @@ class StreamReader:
     other processes (deltasync/node_cache.py). ``close()``
     (or a ``with`` block) removes the cache; a reader that is dropped or still open at interpreter exit is
     cleaned up too. A reader made from a ``Store`` leaves closing that store to its owner.
+
+    ``trusted_keys`` (public key files made by ``deltasync keygen``, or a ``TrustedKeys``): every step this
+    reader reads must be signed by one of them (docs/FORMAT.md section 5e); otherwise ``UnsignedStepError``,
+    ``UntrustedKeyError`` or ``SignatureError`` names the step, and nothing of it is read.
     """
 
     def __init__(
@@ -103,9 +108,12 @@ class StreamReader:
         cache_dir: str | Path | None = None,
         node_cache: NodeCache | str | Path | None = None,
         memory_object_bytes: int | None = None,
+        trusted_keys: Any = None,
     ) -> None:
         # read when a reader is made (not when this module is imported): tests lower it to cover the cache path
         self.memory_object_bytes = MEMORY_OBJECT_BYTES if memory_object_bytes is None else memory_object_bytes
+        # with keys, every manifest this reader returns is of a step a trusted key signed (docs/FORMAT.md 5e)
+        self.trusted = None if trusted_keys is None else TrustedKeys.load(trusted_keys)
         self._owns_store = not isinstance(url, Store)
         self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options, cache_dir=cache_dir,
                                                                  node_cache=node_cache)
@@ -144,6 +152,8 @@ class StreamReader:
             self._manifests.move_to_end(step)
             return hit[0]
         m = self.store.manifest(step, nearby=nearby)
+        if self.trusted is not None:  # checked once: only a manifest that passed is kept
+            self.trusted.check(self.store.signature(step), m, self.store.stream_id(), where=self.url)
         cost = _manifest_cost(m)
         if cost <= MANIFEST_CACHE_BYTES:
             self._manifests[step] = (m, cost)

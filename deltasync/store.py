@@ -14,6 +14,7 @@ import logging
 import re
 import statistics
 import time
+import uuid
 from pathlib import Path
 from typing import Any, TypeVar, Union
 
@@ -41,6 +42,7 @@ from deltasync.lease import WRITER, WriterLease  # noqa: F401 - WRITER: the leas
 from deltasync.node_cache import NodeCache, node_cache_from_env
 from deltasync.retries import Retrying
 from deltasync.scratch import plain_name
+from deltasync.signing import SIGNATURE, SigningKey
 from deltasync.store_objects import MANIFEST, StoreObjects, sha256_file, step_dir  # noqa: F401 - re-exported
 from deltasync.transports import Transport, classify_failure, open_transport, scheme_of
 from deltasync.transports.base import Entry
@@ -278,8 +280,12 @@ class Store(StoreObjects, Retrying):
         rel = f"{step_dir(step)}/{plain_name(part.object, where=f'{self.url} step {step}')}"
         self.call(f"upload {rel}", lambda: self.transport.put(rel, source))
 
-    def commit(self, manifest: Manifest, data: ObjectData | None, *, owner: str | None = None) -> None:
-        """Publish one step: object, then manifest (the commit, create-only), then the latest hint.
+    def commit(self, manifest: Manifest, data: ObjectData | None, *, owner: str | None = None,
+               signer: SigningKey | None = None, signature: bytes | None = None) -> None:
+        """Publish one step: object, then signature, then manifest (the commit, create-only), then the latest hint.
+
+        ``signer`` signs the step (``signature.json``, docs/FORMAT.md section 5e) before the manifest makes it
+        visible; ``signature`` is a signature made elsewhere (a copy of a signed step: ``push``).
 
         With ``owner``, the writer's lease is checked right before the manifest is written (and renewed if it
         ran out meanwhile): a writer that lost the stream commits nothing (``WriterConflictError``). A step
@@ -294,6 +300,10 @@ class Store(StoreObjects, Retrying):
             self.put_object(manifest, data)
         elif not manifest.is_multipart:
             raise ValueError(f"{self.url} step {manifest.step}: a single-object step is committed with its object")
+        if signer is not None:
+            signature = signer.sign_step(manifest, self.stream_id())
+        if signature is not None:  # before the commit: a committed step of a signed stream is signed
+            self.write_bytes(f"{step_dir(manifest.step)}/{SIGNATURE}", signature)
         if owner is not None:
             self.hold_lease(owner)
         try:
@@ -316,6 +326,25 @@ class Store(StoreObjects, Retrying):
         return LatestHint(step=step, committed_unix_s=round(time.time(), 3), interval_s=interval)
 
     # --- the stream itself ---
+
+    def stream_id(self) -> str | None:
+        """``stream.json``'s ``stream_id`` (None: a stream made before streams had one), read once."""
+        if "_stream_id" not in self.__dict__:
+            info = self.stream_info()
+            self._stream_id = info.stream_id if info is not None else None
+        return self._stream_id
+
+    def signature(self, step: int) -> bytes | None:
+        """Step ``step``'s ``signature.json`` as stored (bounded), or None where it has none."""
+        from deltasync.signing import MAX_SIGNATURE_BYTES
+
+        try:
+            raw = self.read_bytes(f"{step_dir(step)}/{SIGNATURE}", max_bytes=MAX_SIGNATURE_BYTES)
+        except FileNotFoundError:
+            return None
+        if len(raw) > MAX_SIGNATURE_BYTES:
+            raise FormatError(f"{self.url}: step {step}'s {SIGNATURE} is over {MAX_SIGNATURE_BYTES} bytes")
+        return raw
 
     def stream_info(self) -> StreamInfo | None:
         """``stream.json`` (written when a stream is created), or None where there is none."""
@@ -342,11 +371,12 @@ class Store(StoreObjects, Retrying):
             f"no deltasync stream at {self.url} (no {STREAM} and no steps/ folder; {there}); check the bucket, prefix or path"
         )
 
-    def create_stream(self) -> StreamInfo:
-        """Write ``stream.json`` if the stream has none yet (create-only); returns the stream's."""
+    def create_stream(self, like: StreamInfo | None = None) -> StreamInfo:
+        """Write ``stream.json`` if the stream has none yet (create-only); returns the stream's. ``like``: a
+        copy's (a mirror's) stream takes its source's, whose id the source's signed steps name."""
         info = self.stream_info()
         if info is None:
-            info = StreamInfo(created_unix_s=time.time())
+            info = like or StreamInfo(created_unix_s=time.time(), stream_id=uuid.uuid4().hex)
             try:
                 self.write_bytes(STREAM, encode(info), if_absent=True)
             except FileExistsError:  # created by another process meanwhile
@@ -388,8 +418,8 @@ class Store(StoreObjects, Retrying):
 
     def remove_uncommitted(self, *, newer_than: int | None = None, older_than_s: float | None = None) -> list[int]:
         """Delete what no committed step names: step folders without a manifest (a writer died before its
-        commit), and files in committed folders other than the manifest and its object (a writer killed
-        mid-way that a later writer overtook). Returns the steps whose folders were removed.
+        commit), and files in committed folders other than the manifest, its objects (an anchor's own delta
+        included) and its signature (a writer killed mid-way that a later writer overtook). Returns the steps whose folders were removed.
 
         ``older_than_s``: only files at least that old (a writer that just lost the stream may still be
         finishing an upload there; its late manifest must not point at nothing).
@@ -413,7 +443,10 @@ class Store(StoreObjects, Retrying):
                 removed.append(s)
             elif len(files) > 2:
                 try:
-                    keep = {MANIFEST, *(p.object for p in self.manifest(s).objects)}
+                    m = self.manifest(s)
+                    keep = {MANIFEST, SIGNATURE, *(p.object for p in m.objects)}
+                    if m.delta is not None:  # an anchor's own delta is the step's too
+                        keep.add(m.delta.object)
                 except (StepNotFoundError, FormatError):
                     continue  # collected meanwhile, or for verify to report
                 for name in files.keys() - keep:

@@ -60,12 +60,30 @@ def _storage_options(pairs: list[str] | None) -> dict[str, Any]:
     return opts
 
 
-def _reader(url: str, storage_option: list[str] | None) -> Any:
+TRUSTED_KEYS_ENV = "DELTASYNC_TRUSTED_KEYS"
+TrustedKeyOpt = Annotated[
+    list[Path] | None,
+    typer.Option("--trusted-key", help=f"Public key (from `deltasync keygen`) that must have signed every step; "
+                                       f"repeatable. Default: ${TRUSTED_KEYS_ENV} (paths separated by ':')."),
+]
+
+
+def _trusted(keys: list[Path] | None) -> list[str] | None:
+    """The trusted key files: the flags, else the environment variable, else None (origin unchecked)."""
+    import os
+
+    if keys:
+        return [str(k) for k in keys]
+    env = os.environ.get(TRUSTED_KEYS_ENV)
+    return [k for k in env.split(os.pathsep) if k] or None if env else None
+
+
+def _reader(url: str, storage_option: list[str] | None, trusted_key: list[Path] | None = None) -> Any:
     """A ``StreamReader`` for a command; open it in a ``with`` block, so that its downloads are removed
-    when the command ends, fails or is interrupted (Ctrl-C)."""
+    when the command ends, fails or is interrupted (Ctrl-C). With trusted keys, only signed steps are read."""
     from deltasync.reader import StreamReader
 
-    return StreamReader(url, storage_options=_storage_options(storage_option))
+    return StreamReader(url, storage_options=_storage_options(storage_option), trusted_keys=_trusted(trusted_key))
 
 
 def _load_safetensors(path: Path) -> dict:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from deltasync_cli.app import StorageOpt, _storage_options, app, err, out
+from deltasync_cli.app import StorageOpt, TrustedKeyOpt, _storage_options, _trusted, app, err, out
 
 if TYPE_CHECKING:  # imported inside the command: --help imports neither torch nor deltasync
     from rollout_loader.metrics import FollowerStatus
@@ -35,6 +35,7 @@ def follow(
                                                "mirror --events): steps are fetched as soon as they are announced, "
                                                "and the store is polled only as a safety net.")] = None,
     storage_option: StorageOpt = None,
+    trusted_key: TrustedKeyOpt = None,
 ) -> None:
     """Keep a running vLLM server at the newest step of a stream (prints one line per step, with how many steps it
     runs behind the newest committed step).
@@ -52,7 +53,9 @@ def follow(
     from rollout_loader.vllm import VllmTarget
 
     # the engine's prefetchers listen to the feed too: every rank hears of a step before the update asks for it
-    target = VllmTarget(server, step=engine_step, mode=mode, verify=verify, notify=notify)  # type: ignore[arg-type]
+    keys = _trusted(trusted_key)  # the follower and the server's engine both check every step's signature
+    target = VllmTarget(server, step=engine_step, mode=mode, verify=verify, notify=notify,  # type: ignore[arg-type]
+                        trusted_keys=keys)
     feed = EventFeed(notify) if notify is not None else None  # a bad URL: one line, exit 2
 
     def report(step: int) -> None:
@@ -61,7 +64,8 @@ def follow(
 
     try:
         follower = Follower(url, target, poll_s=poll_s, max_poll_s=max_poll_s, on_step=report,
-                            metrics_port=metrics_port, storage_options=_storage_options(storage_option), notifier=feed)
+                            metrics_port=metrics_port, storage_options=_storage_options(storage_option), notifier=feed,
+                            trusted_keys=keys)
     except BaseException:
         if feed is not None:
             feed.close()
@@ -118,10 +122,12 @@ def mirror(
     storage_option: StorageOpt = None,
     dst_option: Annotated[list[str] | None, typer.Option("--dst-option", "-D", help="Storage option KEY=VALUE of the "
                                                          "destination (-S: of the source); repeatable.")] = None,
+    trusted_key: TrustedKeyOpt = None,
 ) -> None:
     """Replicate a stream into another store (a bucket in another cloud, a region's disk), verified and in commit
     order: followers there read the copy, so egress from the source is paid once. Safe to kill at any point and to
-    run several at once; the copy keeps its own retention (deltasync gc on it)."""
+    run several at once; the copy keeps its own retention (deltasync gc on it). Steps' signatures are copied with
+    them; with --trusted-key only signed steps are copied."""
     import threading
 
     from rich.markup import escape
@@ -140,7 +146,8 @@ def mirror(
     with Store(src, storage_options=src_options) as source:
         source.require_stream()  # a wrong URL: one line, exit 2, before anything is written
     if once:
-        r = mirror_once(src, dst, src_options=src_options, dst_options=dst_options, on_step=report)
+        r = mirror_once(src, dst, src_options=src_options, dst_options=dst_options, on_step=report,
+                        trusted_keys=_trusted(trusted_key))
         out.print(f"{dst}: {len(r.copied)} step(s) copied ({r.bytes_copied / 1e6:,.2f} MB), {r.present} already there"
                   f"{', model files copied' if r.files_copied else ''} in {r.seconds:.1f}s", markup=False, soft_wrap=True)
         return
@@ -157,7 +164,7 @@ def mirror(
         feed = EventFeed(notify) if notify is not None else None
         mirror_follow(src, dst, src_options=src_options, dst_options=dst_options, until=until, stop=stop,
                       policy=PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s)), on_step=report,
-                      on_error=warn, notifier=feed, events=server)
+                      on_error=warn, notifier=feed, events=server, trusted_keys=_trusted(trusted_key))
     except KeyboardInterrupt:
         stop.set()
     finally:

@@ -12,6 +12,7 @@ from rich.table import Table
 from deltasync_cli.app import (
     JsonOpt,
     StorageOpt,
+    TrustedKeyOpt,
     _dtype,
     _mb,
     _num,
@@ -34,14 +35,16 @@ def replay(
     reread: Annotated[bool, typer.Option("--reread", help="Also read the written file back and checksum it.")] = False,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
+    trusted_key: TrustedKeyOpt = None,
 ) -> None:
     """Write the exact weights of a step as a checkpoint folder that transformers and vLLM load as it is.
 
-    Written beside the folder and renamed into place only after every checksum matched the step's manifest.
+    Written beside the folder and renamed into place only after every checksum matched the step's manifest
+    (and, with --trusted-key, every step of its chain was signed by a trusted key).
     """
     from deltasync.history.rebuild import replay_to_folder
 
-    with _reader(url, storage_option) as reader, _progress() as progress:
+    with _reader(url, storage_option, trusted_key) as reader, _progress() as progress:
         r = replay_to_folder(reader, step, output, overwrite=overwrite, reread=reread, progress=progress)
     if as_json:
         _print_json(r.to_dict())
@@ -155,17 +158,21 @@ def verify_(
     all_problems: Annotated[bool, typer.Option("--all", help="List every problem, not only the first.")] = False,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
+    trusted_key: TrustedKeyOpt = None,
 ) -> None:
-    """Check every committed step by replaying it: objects, headers, chains and checksums. Exit 1 on a problem."""
+    """Check every committed step by replaying it: objects, headers, chains and checksums, and with
+    --trusted-key each step's signature. Exit 1 on a problem."""
     from deltasync.history.verify import verify
 
-    with _reader(url, storage_option) as reader, _progress() as progress:
+    with _reader(url, storage_option, trusted_key) as reader, _progress() as progress:
         report = verify(reader, first=first, last=last, all_problems=all_problems, progress=progress)
     if as_json:
         _print_json(report.to_dict())
     elif report.ok:
+        origin = ("every step signed by a trusted key" if report.origin_checked else
+                  "origin unchecked (no --trusted-key: anyone who can write the store could have written them)")
         out.print(f"{url}: steps {report.first}..{report.last} verified ({len(report.verified)} steps): objects, headers, "
-                  f"chains and checksums (by replaying every tensor) all match", soft_wrap=True, markup=False)
+                  f"chains and checksums (by replaying every tensor) all match; {origin}", soft_wrap=True, markup=False)
     else:
         for p in report.problems:
             out.print(f"step {p.step}: {p.kind}: {p.message}", soft_wrap=True, markup=False)

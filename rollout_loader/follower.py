@@ -41,6 +41,7 @@ from deltasync import (
 )
 
 from deltasync.notify import Notifier
+from deltasync.signing import TrustedKeys
 from deltasync.watch import PollPolicy, StepWatch
 
 from .metrics import FollowerStats, FollowerStatus, MetricsServer, serve
@@ -138,6 +139,10 @@ class Follower:
 
     ``close()`` (or leaving a ``with`` block, which also ``start()``s) stops the thread, the metrics
     endpoint, and removes the download cache of the reader it made from ``url``.
+
+    ``trusted_keys`` (public key files from ``deltasync keygen``): only steps signed by one of them are applied;
+    a forged, unsigned or replayed step is refused (``SignatureError``) and the target keeps its last good step.
+    A target that reads the store itself (an engine) takes its own keys (``VllmTarget(trusted_keys=...)``).
     """
 
     def __init__(
@@ -156,9 +161,12 @@ class Follower:
         metrics_port: int | None = None,
         metrics_addr: str = "127.0.0.1",
         notifier: Notifier | None = None,
+        trusted_keys: Any = None,
     ) -> None:
         self._owns_reader = not isinstance(url, StreamReader)
         self.reader = url if isinstance(url, StreamReader) else StreamReader(url, storage_options=storage_options)
+        if trusted_keys is not None:  # every step must be signed by one of them (docs/FORMAT.md section 5e)
+            self.reader.trusted = TrustedKeys.load(trusted_keys)
         self.stats = FollowerStats(self.reader.url)
         self.target = target
         self.storage_options = storage_options  # for a target that reads the store itself

@@ -196,6 +196,23 @@ class StoreContract:
         assert names == sorted(["manifest.json", store.manifest(1).object])
         assert states_equal(StreamReader(self.store(url)).state_dict(1), truth[1])
 
+    def test_a_committed_steps_own_files_survive_cleaning(self, url, small_state, gen):
+        """An anchor's own delta and a step's signature are the step's: a restarted writer's cleaning keeps them
+        (it deleted every anchor's delta older than a lease: followers then had to download whole anchors)."""
+        truth = self.publish(url, small_state, gen, steps=4, anchor_every=3)
+        store = self.store(url)
+        m = store.manifest(3)
+        assert m.kind == "anchor" and m.delta is not None
+        store.write_bytes(f"{step_dir(2)}/signature.json", b"{}")
+        assert store.remove_uncommitted(older_than_s=0) == []
+        assert sorted(e.key.rsplit("/", 1)[-1] for e in store.list(step_dir(3))) == sorted(
+            ["manifest.json", m.object, m.delta.object])
+        assert store.signature(2) == b"{}"
+        reader = StreamReader(self.store(url))
+        with reader.open(3, base=2) as obj:  # opened as its own delta from step 2
+            assert obj.header.kind == "delta"
+        assert states_equal(reader.state_dict(3), truth[3])
+
     def test_stale_latest_hint_is_corrected(self, url, small_state, gen):
         self.publish(url, small_state, gen, steps=3)
         store = self.store(url)

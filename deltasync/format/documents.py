@@ -417,6 +417,7 @@ class StreamInfo:
 
     format_version: Version = FORMAT_VERSION
     created_unix_s: UnixTime = 0.0
+    stream_id: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")] | None = None  # signed statements name it
 
 
 @dataclass(frozen=True, kw_only=True)

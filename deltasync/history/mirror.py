@@ -38,6 +38,7 @@ from deltasync.history.checkpoints import read_model_file_index, read_model_file
 from deltasync.notify import EventServer, Notifier
 from deltasync.reader import StreamReader
 from deltasync.scratch import ScratchFolder
+from deltasync.signing import TrustedKeys
 from deltasync.store import Manifest, Part, Store
 from deltasync.watch import PollPolicy, StepWatch
 
@@ -67,7 +68,7 @@ def _store(where: str | Store, options: dict[str, Any] | None) -> tuple[Store, b
 
 def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | None = None,
            dst_options: dict[str, Any] | None = None, after: int | None = None, newest: int | None = None,
-           on_step: Callable[[int, int], None] | None = None) -> MirrorReport:
+           on_step: Callable[[int, int], None] | None = None, trusted_keys: Any = None) -> MirrorReport:
     """Copy every committed step of ``src`` that ``dst`` lacks (those after ``after`` only, if given), in order.
 
     Args:
@@ -77,6 +78,9 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
             looked up by their manifests (one read each, which copying needs anyway), not by listing the source,
             and the stream and model files are not checked again.
         on_step: called with (step, object bytes) after each step is committed at the destination.
+        trusted_keys: public key files (or ``TrustedKeys``): only steps one of them signed are copied. Either
+            way a step's signature is copied with it (before its manifest), and the copy keeps the source's
+            stream id, so the copy's followers check the same signatures.
 
     Raises ``StreamNotFoundError`` (no stream at ``src``), ``CorruptObjectError`` (a source object that does not
     match its manifest: nothing of that step is committed), ``StepExistsError`` (the destination holds a
@@ -87,6 +91,7 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
     t0 = time.perf_counter()
     source, own_src = _store(src, src_options)
     target, own_dst = _store(dst, dst_options)
+    trusted = None if trusted_keys is None else TrustedKeys.load(trusted_keys)
     scratch = ScratchFolder("mirror")
     copied: list[int] = []
     nbytes = 0
@@ -97,7 +102,7 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
             steps, held, files = list(range(after + 1, newest + 1)), set(), False
         else:
             source.require_stream()
-            target.create_stream()
+            _same_stream(source, target.create_stream(like=source.stream_info()), target)
             files = _copy_files(source, target)
             steps = [s for s in source.steps() if after is None or s > after]
             held = set(target.steps())
@@ -109,7 +114,7 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
             if step in held:
                 continue
             try:
-                size = _copy_step(source, target, step, scratch)
+                size = _copy_step(source, target, step, scratch, trusted)
             except StepNotFoundError:
                 if not incremental and step in source.steps():
                     raise
@@ -139,10 +144,21 @@ def _copy_files(source: Store, target: Store) -> bool:
     return write_model_files(target, read_model_files(source))
 
 
-def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder) -> int | None:
-    """Commit ``step`` at the destination: its objects (checked against the manifest), then the manifest.
-    Returns the bytes copied, or None when the destination already holds exactly this step."""
+def _same_stream(source: Store, info: Any, target: Store) -> None:
+    """``StepExistsError`` when the destination is another stream (its id differs from the source's)."""
+    theirs = source.stream_id()
+    if theirs is not None and info.stream_id is not None and info.stream_id != theirs:
+        raise StepExistsError(f"{target.url} holds another stream (id {info.stream_id}) than {source.url} (id {theirs}): "
+                              "mirror into an empty location, or an earlier copy of this stream")
+
+
+def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder, trusted: Any = None) -> int | None:
+    """Commit ``step`` at the destination: its objects (checked against the manifest), its signature, then the
+    manifest. Returns the bytes copied, or None when the destination already holds exactly this step."""
     m = source.manifest(step, nearby=False)
+    signature = source.signature(step)
+    if trusted is not None:
+        trusted.check(signature, m, source.stream_id(), where=source.url)
     objects = [(m, part) for part in m.objects]
     if m.delta is not None:  # an anchor's own delta: a second object of the step (docs/FORMAT.md section 5)
         own = m.as_delta()
@@ -162,7 +178,7 @@ def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder) 
         # every object before the manifest: the step's parts, or the anchor's own delta beside its object
         for part, path in local if m.is_multipart else local[1:]:
             target.put_part(step, part, path)
-        target.commit(m, None if m.is_multipart else local[0][1])
+        target.commit(m, None if m.is_multipart else local[0][1], signature=signature)
     except StepExistsError:
         _same_step(source, target, step, m)
         return None
@@ -188,7 +204,8 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
                   until: int | None = None, stop: threading.Event | None = None,
                   on_step: Callable[[int, int], None] | None = None,
                   on_error: Callable[[BaseException], None] | None = None,
-                  notifier: Notifier | None = None, events: EventServer | None = None) -> int | None:
+                  notifier: Notifier | None = None, events: EventServer | None = None,
+                  trusted_keys: Any = None) -> int | None:
     """Keep ``dst`` a copy of ``src``: copy what is committed, then each new step as the source commits it,
     polling the source with one small read per poll (:class:`~deltasync.watch.StepWatch`). Returns the newest
     step copied once ``until`` is copied or ``stop`` is set. Transient failures are retried with the
@@ -199,6 +216,7 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
     net. ``events`` (an :class:`~deltasync.notify.EventServer`) is told of every step committed at the
     destination, so the region's followers hear of it at once instead of polling (deltasync/notify.py)."""
     stop = stop or threading.Event()
+    trusted = None if trusted_keys is None else TrustedKeys.load(trusted_keys)  # one set: endorsements seen persist
     reader = StreamReader(src, storage_options=src_options)
     watch = StepWatch(reader, policy, notifier=notifier)
     target = Store(dst, storage_options=dst_options)
@@ -216,7 +234,7 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
             try:
                 newest = watch.newest()
                 if newest is not None and (done is None or newest > done):
-                    mirror(reader.store, target, after=done, newest=newest, on_step=copied)
+                    mirror(reader.store, target, after=done, newest=newest, on_step=copied, trusted_keys=trusted)
                     done = newest
                     if events is not None:
                         events.announce(done)  # steps the destination held already count too

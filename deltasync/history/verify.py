@@ -12,10 +12,12 @@ from deltasync.errors import (
     DeltaSyncError,
     FormatError,
     ResourceLimitError,
+    SignatureError,
     StepNotFoundError,
     TensorMismatchError,
 )
 from deltasync.format.objects import StepObject
+from deltasync.signing import TrustedKeys
 from deltasync.history.replay import (
     Chain,
     ProgressFn,
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 # "resource": this machine could not read the step (open files, memory), which says nothing of the stream
-ProblemKind = Literal["manifest", "object", "header", "chain", "checksum", "resource"]
+ProblemKind = Literal["manifest", "object", "header", "chain", "checksum", "resource", "signature"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +54,7 @@ class VerifyReport:
     last: int
     verified: tuple[int, ...]
     problems: tuple[Problem, ...]
+    origin_checked: bool = False  # every verified step was signed by a trusted key (the reader had keys)
 
     @property
     def ok(self) -> bool:
@@ -69,15 +72,19 @@ def verify(
     all_problems: bool = False,
     storage_options: dict[str, Any] | None = None,
     progress: ProgressFn | None = None,
+    trusted_keys: Any = None,
 ) -> VerifyReport:
     """Check every committed step in ``first..last``: manifest, object (size, SHA-256), header (valid, and
     agreeing with the manifest), chain (each delta's base is committed and sound) and checksums, by
-    replaying every tensor through every step.
+    replaying every tensor through every step. With ``trusted_keys`` (or a reader that has them), also
+    origin: each step's signature (a ``signature`` problem otherwise; ``origin_checked`` says it was done).
 
     Stops at the first problem (the lowest step) unless ``all_problems``. A step whose chain starts below
     ``first`` is replayed from its anchor; problems there are reported under their own step.
     """
     reader = open_reader(url, storage_options)
+    if trusted_keys is not None:
+        reader.trusted = TrustedKeys.load(trusted_keys)
     committed = require_steps(reader)
     lo = committed[0] if first is None else first
     hi = committed[-1] if last is None else last
@@ -100,7 +107,8 @@ def verify(
         problems = problems[:1]
     bad = {p.step for p in run.problems}
     verified = tuple(s for s in targets if s in run.replayed and s not in bad)
-    return VerifyReport(url=reader.url, first=lo, last=hi, verified=verified, problems=tuple(problems))
+    return VerifyReport(url=reader.url, first=lo, last=hi, verified=verified, problems=tuple(problems),
+                        origin_checked=reader.trusted is not None)
 
 
 class _Verification:
@@ -125,6 +133,9 @@ class _Verification:
         for s in targets:
             try:
                 m = self.reader.manifest(s)
+            except SignatureError as e:
+                self.report(s, "signature", str(e))
+                continue
             except FormatError as e:
                 self.report(s, "manifest", str(e))
                 continue
@@ -137,6 +148,8 @@ class _Verification:
             else:
                 try:
                     out.append(self.reader.chain(s))
+                except SignatureError as e:
+                    self.report(s, "signature", str(e))
                 except (StepNotFoundError, FormatError) as e:
                     self.report(s, "chain", str(e))
         return out

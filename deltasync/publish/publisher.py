@@ -40,6 +40,7 @@ from deltasync.publish.steps import (
     write_step_object,
 )
 from deltasync.scratch import ScratchFolder
+from deltasync.signing import SigningKey
 from deltasync.stages.diff import Snapshot, SnapshotDevice
 from deltasync.store import Store
 
@@ -144,6 +145,9 @@ class DeltaPublisher:
     published by every rank: make the publisher and call ``publish(step)`` on every rank. Each rank writes
     its own shard as one part of the step (docs/FORMAT.md section 5b; publish/sharded.py), rank 0 holds
     the lease and commits; steps run on the trainer's thread. A function ``source`` needs ``sharded=True``.
+
+    ``signing_key`` (a private key file made by ``deltasync keygen``, mode 0600) signs every step before it
+    is committed (docs/FORMAT.md section 5e): followers given its public half accept nothing else.
     """
 
     def __init__(
@@ -167,9 +171,13 @@ class DeltaPublisher:
         names: NameMap | None = None,
         sharded: bool | None = None,
         anchor_deltas: bool = True,
+        signing_key: str | Path | SigningKey | None = None,
     ) -> None:
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
+        # read (and its file's mode checked) before anything is written; None on the ranks of a sharded trainer
+        # other than rank 0 is fine: rank 0 signs every commit
+        self.signing_key = signing_key if signing_key is None or isinstance(signing_key, SigningKey) else SigningKey(signing_key)
         self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
         self.source = source
         self.names = names
@@ -434,7 +442,7 @@ class DeltaPublisher:
             if delta is not None and delta_local is not None:  # uploaded before the manifest, like the anchor itself
                 self.store.put_part(job.step, delta.part, delta_local)
             # never commit after losing the stream: the lease is proven right before the manifest is written
-            self.store.commit(manifest, local, owner=self.writer_id)
+            self.store.commit(manifest, local, owner=self.writer_id, signer=self.signing_key)
         finally:
             local.unlink(missing_ok=True)
             if delta_local is not None:

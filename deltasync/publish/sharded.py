@@ -350,7 +350,7 @@ class ShardedWriter:
         try:
             numel = sum(math.prod(s) for s in cap.shards.shapes.values())
             manifest = step_manifest(cap=cap, parts=parts, state=state, numel=numel, changed=changed, encode_s=encode_s)
-            self.pub.store.commit(manifest, None, owner=self.pub.writer_id)
+            self.pub.store.commit(manifest, None, owner=self.pub.writer_id, signer=self.pub.signing_key)  # rank 0 signs
         except Exception as e:
             log.exception("committing step %d failed", cap.step)
             return describe(e)

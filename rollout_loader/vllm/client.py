@@ -95,11 +95,13 @@ _OPENER = urllib.request.build_opener(_NoRedirect)
 
 
 def _init_info(url: str, storage_options: dict[str, Any] | None, verify: str, mode: str, step: int | None,
-               notify: str | None = None) -> dict:
+               notify: str | None = None, trusted_keys: list[str] | None = None) -> dict:
     """``init_weight_transfer_engine``'s request for the deltasync engine (rollout_loader/vllm/engine.py);
-    ``notify`` only when given (an engine of an older deltasync refuses keys it does not know)."""
+    ``notify`` and ``trusted_keys`` (PEM texts) only when given (an engine of an older deltasync refuses keys
+    it does not know)."""
     info = {"url": url, "storage_options": storage_options or {}, "verify": verify, "mode": mode, "step": step}
-    return {"init_info": info | ({"notify": notify} if notify is not None else {})}
+    extra = {k: v for k, v in (("notify", notify), ("trusted_keys", trusted_keys)) if v is not None}
+    return {"init_info": info | extra}
 
 
 def combine_status(ranks: list[Any], *, where: str) -> dict[str, Any]:
@@ -260,11 +262,14 @@ class HttpWeightTransfer:
         return _step_of(self.weight_version())
 
     def init(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "incremental",
-             mode: str = "auto", step: int | None = None, notify: str | None = None) -> None:
+             mode: str = "auto", step: int | None = None, notify: str | None = None,
+             trusted_keys: list[str] | None = None) -> None:
         """``/init_weight_transfer_engine``: point the server's deltasync engine at a stream (again: a no-op
         that keeps the step it holds). ``step``: what the server's weights are, if it holds no step yet.
-        ``notify``: a mirror's event feed the engine's prefetchers listen to (deltasync/notify.py)."""
-        self._post("/init_weight_transfer_engine", _init_info(url, storage_options, verify, mode, step, notify))
+        ``notify``: a mirror's event feed the engine's prefetchers listen to (deltasync/notify.py).
+        ``trusted_keys``: public keys as PEM text; the engine then applies signed steps only."""
+        self._post("/init_weight_transfer_engine",
+                   _init_info(url, storage_options, verify, mode, step, notify, trusted_keys))
 
     def _start(self) -> None:
         """``/start_weight_update``; a session left open by a client that died mid-update is closed first."""
@@ -340,9 +345,11 @@ class LocalWeightTransfer:
         return _step_of(self._call("get_weight_version"))
 
     def init(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "incremental",
-             mode: str = "auto", step: int | None = None, notify: str | None = None) -> None:
+             mode: str = "auto", step: int | None = None, notify: str | None = None,
+             trusted_keys: list[str] | None = None) -> None:
         """``init_weight_transfer_engine``: point the engine at a stream (see :meth:`HttpWeightTransfer.init`)."""
-        self._call("init_weight_transfer_engine", _init_info(url, storage_options, verify, mode, step, notify))
+        self._call("init_weight_transfer_engine",
+                   _init_info(url, storage_options, verify, mode, step, notify, trusted_keys))
 
     def update(self, step: int) -> None:
         """Bring the engine to ``step``, verified, with version ``str(step)``; on a failure it keeps its step."""
@@ -377,7 +384,8 @@ class WeightTransfer(Protocol):
 
     def held_step(self) -> int | None: ...
     def init(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "incremental",
-             mode: str = "auto", step: int | None = None, notify: str | None = None) -> None: ...
+             mode: str = "auto", step: int | None = None, notify: str | None = None,
+             trusted_keys: list[str] | None = None) -> None: ...
     def update(self, step: int) -> None: ...
     def status(self, *, checksums: bool = True) -> dict[str, Any]: ...
 

@@ -58,6 +58,7 @@ from deltasync import (
 from deltasync.format.documents import MAX_STEP
 from deltasync.format.names import CONSUMER_ID, check
 from deltasync.notify import EventFeed
+from deltasync.signing import TrustedKeys
 from deltasync.rdma.options import rdma_options
 
 
@@ -108,6 +109,7 @@ class DeltasyncInitInfo(WeightTransferInitInfo):
     rdma: dict[str, Any] | None = None  # {"controller": "tcp://host:port", ...}: read steps over NIXL first
     notify: str | None = None  # a mirror's event feed (http://host:port/events): every rank's prefetcher hears of
     # each step from it and polls the store only as a safety net (deltasync/notify.py)
+    trusted_keys: list[str] | None = None  # public keys (PEM text or files on the server): signed steps only
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
@@ -134,6 +136,11 @@ class DeltasyncInitInfo(WeightTransferInitInfo):
                 rdma_options({k: v for k, v in self.rdma.items() if k != "engine"})
             except ConfigError as e:
                 raise _refuse(f"deltasync init_info: {e}") from None
+        if self.trusted_keys is not None:
+            try:
+                self.trusted = TrustedKeys.load(self.trusted_keys)
+            except ConfigError as e:
+                raise _refuse(f"deltasync init_info: trusted_keys: {e}") from None
         if self.notify is not None and not (isinstance(self.notify, str) and self.notify.startswith(("http://", "https://"))):
             raise _refuse(f"deltasync init_info: notify must be a mirror's event feed URL (http://HOST:PORT/events), "
                           f"got {self.notify!r}")
@@ -217,15 +224,16 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             log.info("deltasync engine routes: %s", summary)
             old = None
         summed: set[str] = set()  # tensors whose checksums were just computed from the bits held (state.sums)
-        same = old is not None and (old.url, old.storage_options, old.rdma) == (
-            init_info.url, init_info.storage_options, init_info.rdma)
+        same = old is not None and (old.url, old.storage_options, old.rdma, old.trusted_keys) == (
+            init_info.url, init_info.storage_options, init_info.rdma, init_info.trusted_keys)
         if same:
             if init_info.step is not None and self._held is not None and init_info.step != self._held:
                 log.warning("deltasync: init_info says step %d, this engine holds step %d (kept)", init_info.step, self._held)
             self._stop_prefetch()
         else:
             self._close_stream()
-            self._reader = StreamReader(init_info.url, storage_options=init_info.storage_options)
+            self._reader = StreamReader(init_info.url, storage_options=init_info.storage_options,
+                                        trusted_keys=getattr(init_info, "trusted", None))
             self._held = None
             if init_info.step is not None:  # asserted, not reached through verified steps: proved before believed
                 summed = self._prove_held(init_info.step)
@@ -238,7 +246,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             self._rdma = self._rdma_consumer(init_info)
         if init_info.prefetch:
             reader = self._rdma.reader if self._rdma is not None else StreamReader(
-                init_info.url, storage_options=init_info.storage_options)
+                init_info.url, storage_options=init_info.storage_options, trusted_keys=getattr(init_info, "trusted", None))
+            if reader.trusted is None and self._reader.trusted is not None:
+                reader.trusted = self._reader.trusted
             # over NIXL the trainer announces each step, or a mirror does: the prefetcher hears of it at once (a
             # hint it checks); otherwise the store's own feed where it has one, else polls by the stream's cadence
             if init_info.notify is not None and self._rdma is None:

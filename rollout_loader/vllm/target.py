@@ -19,6 +19,7 @@ import os
 from typing import Any, Literal, get_args
 
 from deltasync import ConfigError, DeltaSyncError
+from deltasync.signing import pem_texts
 
 from .client import WORKER_EXTENSION, WeightTransfer, weight_transfer, worker_module
 
@@ -56,6 +57,8 @@ class VllmTarget:
         notify: a mirror's event feed (``http://HOST:PORT/events``, ``deltasync mirror --events``) the
             engine's prefetchers listen to, so that every rank stages a step as soon as it is committed and
             polls the store only as a safety net (deltasync/notify.py).
+        trusted_keys: public key files (``deltasync keygen``): the engine applies only steps one of them
+            signed (sent to it as PEM text: a server elsewhere needs no file).
 
     Raises ``ConfigError`` for a bad argument; the follower's first contact raises ``EngineConfigError``
     (a flag missing), ``EngineUnreachableError``. ``pauses_s`` records how long each update held generation.
@@ -69,7 +72,7 @@ class VllmTarget:
     reads_store = True  # the Follower sends step numbers, not objects
 
     def __init__(self, engine: Any, *, step: int | None = None, verify: Verify = "incremental", mode: Mode = "auto",
-                 notify: str | None = None) -> None:
+                 notify: str | None = None, trusted_keys: Any = None) -> None:
         _choice("mode", mode, Mode)
         _choice("verify", verify, Verify)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
@@ -80,6 +83,8 @@ class VllmTarget:
         self.notify = notify
         self._declared = step
         self._step: int | None = None
+        # sent as PEM text: the engine (maybe a server elsewhere) checks every step's signature itself
+        self.trusted_keys = None if trusted_keys is None else pem_texts(trusted_keys)
 
     @property
     def step(self) -> int | None:
@@ -103,7 +108,7 @@ class VllmTarget:
         url = _absolute(url)
         try:
             self.client.init(url, storage_options=storage_options, verify=self.verify, mode=self.mode, step=step,
-                             notify=self.notify)
+                             notify=self.notify, trusted_keys=self.trusted_keys)
         except DeltaSyncError as e:
             # the engine proves a step before it holds it. The step its weight version names may be another
             # stream's (the server followed one before): then its weights are unknown here, and the first
@@ -114,7 +119,7 @@ class VllmTarget:
                         "anchor (%s)", held, e)
             step = None
             self.client.init(url, storage_options=storage_options, verify=self.verify, mode=self.mode, step=None,
-                             notify=self.notify)
+                             notify=self.notify, trusted_keys=self.trusted_keys)
         self._step = step
         log.info("vLLM engine holds step %s", self._step)
         return self._step

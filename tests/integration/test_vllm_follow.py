@@ -11,8 +11,9 @@ import torch
 
 from deltasync import DeltaPublisher, StreamReader
 from deltasync import tensor_checksum as checksum_tensor
-from deltasync.errors import ChecksumMismatchError, TensorMismatchError
+from deltasync.errors import ChecksumMismatchError, DeltaSyncError, TensorMismatchError
 from deltasync.format.checksum import parse_checksum
+from deltasync.signing import keygen
 from rollout_loader import Follower
 from rollout_loader.vllm import VllmTarget
 from tests.integration.conftest import build_checkpoint, engine, generate, save_like
@@ -20,15 +21,16 @@ from tests.integration.conftest import build_checkpoint, engine, generate, save_
 pytestmark = pytest.mark.vllm
 
 
-def train_and_publish(model_dir, url, steps: int, *, lr: float = 3e-4) -> dict[int, dict[str, torch.Tensor]]:
-    """Train the checkpoint's model (fp32 master weights) and publish every step as bf16."""
+def train_and_publish(model_dir, url, steps: int, *, lr: float = 3e-4, signing_key=None) -> dict[int, dict[str, torch.Tensor]]:
+    """Train the checkpoint's model (fp32 master weights) and publish every step as bf16 (signed, with a key)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(0)
     states = {}
-    with DeltaPublisher(url, model, dtype=torch.bfloat16, anchor_every=4, on_backlog="block") as pub:
+    with DeltaPublisher(url, model, dtype=torch.bfloat16, anchor_every=4, on_backlog="block",
+                        signing_key=signing_key) as pub:
         for step in range(steps):
             if step:
                 batch = torch.randint(0, model.config.vocab_size, (2, 33), generator=g)
@@ -52,12 +54,13 @@ def test_engine_follows_training_bit_exactly(tmp_path, tie):
     build_checkpoint(model_dir, tie=tie)
     url = str(tmp_path / "stream")
     steps = 6
-    states = train_and_publish(model_dir, url, steps)
+    private, public = keygen(tmp_path / "trainer.key")
+    states = train_and_publish(model_dir, url, steps, signing_key=private)  # a signed stream (FORMAT.md 5e)
     last = steps - 1
 
     with engine(model_dir, "bfloat16", live=True) as llm:
-        target = VllmTarget(llm, verify="all")
-        follower = Follower(url, target)
+        target = VllmTarget(llm, verify="all", trusted_keys=[public])  # the engine checks every signature itself
+        follower = Follower(url, target, trusted_keys=[public])
         before = generate(llm)
         assert follower.sync(2) == [0, 1, 2]  # the anchor, then deltas in place, one verified step at a time
         assert llm.get_weight_version() == "2"
@@ -71,6 +74,13 @@ def test_engine_follows_training_bit_exactly(tmp_path, tie):
         assert status["held_step"] == last and status["checksums"] == trainer_checksums(url, last)
         followed = generate(llm)
         follower.close()
+        # someone with write access to the store commits step 6 (sound checksums, no trusted signature): the
+        # engine itself refuses it and keeps step 5, its bits and its version
+        with DeltaPublisher(url, {k: v.clone() for k, v in states[last].items()}, take_over=True) as forger:
+            forger.publish(last + 1)
+        with pytest.raises(DeltaSyncError, match="UnsignedStepError"):
+            target.advance(last + 1)
+        assert llm.get_weight_version() == str(last) and target.status()["checksums"] == status["checksums"]
 
     # a fresh engine loaded from the trainer's own weights at the last step gives the same greedy tokens,
     # for a prompt longer than one KV block too (proves the prefix cache was dropped after each update)
