@@ -34,7 +34,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead: N cases of the input fuzzer (manifests v2, RDMA messages, init/update_info, HTTP replies)")
     args = ap.parse_args(argv)
     if args.inputs is not None:
-        report = run_inputs(args.seed, args.inputs)
+        signal.signal(signal.SIGTERM, _stop)
+
+        def progress(r) -> None:
+            print(f"  {r.cases} cases, {r.failures} failures, {r.seconds:.0f} s", file=sys.stderr, flush=True)
+
+        report = run_inputs(args.seed, args.inputs, on_progress=progress)
         print(report.table())
         print(report.failure_text())
         path = Path(args.json) if args.json else Path(__file__).resolve().parents[2] / "bench" / "results" / (

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import logging
 import random
 import threading
 import time
@@ -48,6 +49,7 @@ class TargetReport:
 class InputsReport:
     seed: int
     seconds: float = 0.0
+    interrupted: bool = False
     targets: dict[str, TargetReport] = field(default_factory=dict)
 
     @property
@@ -63,7 +65,8 @@ class InputsReport:
         for name, t in self.targets.items():
             o = t.outcomes
             rows.append(f"{name:<16} {t.cases:>9} {o['accepted']:>9} {o['rejected']:>9} {o['failure']:>8}")
-        rows.append(f"{'total':<16} {self.cases:>9}  in {self.seconds:.0f} s (seed {self.seed})")
+        rows.append(f"{'total':<16} {self.cases:>9}  in {self.seconds:.0f} s (seed {self.seed})"
+                    f"{' (interrupted)' if self.interrupted else ''}")
         return "\n".join(rows)
 
     def failure_text(self) -> str:
@@ -72,6 +75,7 @@ class InputsReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "seconds": self.seconds, "cases": self.cases, "failures": self.failures,
+                "interrupted": self.interrupted,
                 "targets": {n: {"cases": t.cases, **t.outcomes, "failure_classes": {c: list(v) for c, v in t.failures.items()}}
                             for n, t in self.targets.items()}}
 
@@ -499,17 +503,26 @@ TARGETS = ("manifest", "control", "announcement", "init_info", "update_info", "h
 
 
 def run_inputs(seed: int, iterations: int, *, targets: tuple[str, ...] = TARGETS,
-               weights: dict[str, int] | None = None) -> InputsReport:
-    """``iterations`` cases spread over ``targets`` (``weights``: relative shares; the HTTP target is about
-    a thousand times slower a case than the others, so it gets fewer by default)."""
+               weights: dict[str, int] | None = None, start: int = 0,
+               on_progress: Callable[[InputsReport], None] | None = None) -> InputsReport:
+    """``iterations`` cases (indices ``start``..) spread over ``targets`` (``weights``: relative shares; the
+    HTTP target is about a thousand times slower a case than the others, so it gets fewer by default).
+    Ctrl-C (or SIGTERM in ``python -m tests.fuzz``) ends the run early with the report so far
+    (``interrupted``); ``on_progress`` hears the report every 10,000 cases."""
     weights = weights or {"manifest": 30, "control": 30, "announcement": 20, "init_info": 10, "update_info": 5,
                           "http_reply": 1}
     report = InputsReport(seed=seed, targets={t: TargetReport() for t in targets})
     shares = [weights.get(t, 1) for t in targets]
     makers: dict[str, Any] = {}
     t0 = time.monotonic()
+    quiet = logging.getLogger("deltasync.rdma")  # the controller logs every refusal: millions here
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
-        for index in range(iterations):
+        for index in range(start, start + iterations):
+            if on_progress is not None and index > start and (index - start) % 10_000 == 0:
+                report.seconds = time.monotonic() - t0
+                on_progress(report)
             rng = random.Random(f"{seed}:{index}")
             name = rng.choices(targets, shares)[0]
             if name not in makers:
@@ -524,7 +537,10 @@ def run_inputs(seed: int, iterations: int, *, targets: tuple[str, ...] = TARGETS
             if outcome == "failure":
                 t.failures.setdefault(detail.split(":")[0] + ":" + detail.split(":")[1] if ":" in detail else detail,
                                       (index, detail))
+    except KeyboardInterrupt:
+        report.interrupted = True
     finally:
+        quiet.setLevel(level)
         for under in makers.values():
             if under is not None:
                 under.close()
