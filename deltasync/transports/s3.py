@@ -32,6 +32,34 @@ class S3Transport(FsspecTransport):
         self._call("put_object", Bucket=bucket, Key=s3_key, Body=bytes(body), **condition)
         self.fs.invalidate_cache(path)
 
+    def delete(self, key: str) -> None:
+        """DeleteObject: a refusal is raised (s3fs's ``rm`` deletes in bulk and drops every per-key error, so a
+        garbage collection without delete rights reported steps deleted that were all still there)."""
+        path = self.path(key)
+        bucket, s3_key, _ = self.fs.split_path(path)
+        self._call("delete_object", Bucket=bucket, Key=s3_key)
+        self.fs.invalidate_cache(path)
+
+    def delete_tree(self, prefix: str) -> None:
+        """Every object under the folder ``prefix``, in bulk requests whose per-key errors are raised."""
+        path = self.path(prefix.rstrip("/"))
+        try:
+            found = self.fs.find(path)
+        except FileNotFoundError:
+            return
+        bucket = self.fs.split_path(path)[0]
+        keys = [self.fs.split_path(p)[1] for p in found]
+        for i in range(0, len(keys), 1000):  # S3's limit per DeleteObjects request
+            reply = self._call("delete_objects", Bucket=bucket,
+                               Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+            errors = reply.get("Errors") or []
+            if errors:
+                first = errors[0]
+                kind = PermissionError if first.get("Code") == "AccessDenied" else OSError
+                raise kind(f"{len(errors)} of {len(keys[i:i + 1000])} objects under {prefix} not deleted: "
+                           f"{first.get('Code')}: {first.get('Message')} ({first.get('Key')})")
+        self.fs.invalidate_cache(path)
+
     def get_versioned(self, key: str) -> tuple[bytes, str]:
         bucket, s3_key, _ = self.fs.split_path(self.path(key))
 
