@@ -169,19 +169,23 @@ def read_public_key(path: str | os.PathLike[str]) -> bytes:
 
 
 def keygen(path: str | os.PathLike[str], *, endorsed_by: str | os.PathLike[str] | None = None,
-           from_step: int = 0) -> tuple[Path, Path]:
+           from_step: int = 0, ecdsa: bool = False) -> tuple[Path, Path]:
     """Write a new Ed25519 private key to ``path`` (mode 0600, never replacing a file) and its public half to
     ``path.pub``; with ``endorsed_by`` (the current key), also ``path.endorsement.json``: the current key
-    hands signing over to the new one from ``from_step`` on. Returns (private, public) paths."""
+    hands signing over to the new one from ``from_step`` on. ``ecdsa``: an ECDSA P-256 key instead, for
+    exports that OpenSSF ``model_signing`` verifies (``replay --sign``). Returns (private, public) paths."""
     from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     private, public = Path(path), Path(f"{path}.pub")
+    if ecdsa and endorsed_by is not None:
+        raise ConfigError("keygen: an ECDSA key signs exports; only stream keys (Ed25519) are endorsed")
     old = SigningKey(endorsed_by) if endorsed_by is not None else None
     for p in (private, public):
         if p.exists():
             raise ConfigError(f"keygen: {p} exists; a key is never overwritten")
-    key = Ed25519PrivateKey.generate()
+    key: Any = ec.generate_private_key(ec.SECP256R1()) if ecdsa else Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
     fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -36,6 +36,8 @@ def replay(
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
     trusted_key: TrustedKeyOpt = None,
+    sign: Annotated[Path | None, typer.Option("--sign", help="An ECDSA private key (deltasync keygen --ecdsa): sign "
+                                              "the folder with OpenSSF model_signing (model.sig inside).")] = None,
 ) -> None:
     """Write the exact weights of a step as a checkpoint folder that transformers and vLLM load as it is.
 
@@ -45,7 +47,7 @@ def replay(
     from deltasync.history.rebuild import replay_to_folder
 
     with _reader(url, storage_option, trusted_key) as reader, _progress() as progress:
-        r = replay_to_folder(reader, step, output, overwrite=overwrite, reread=reread, progress=progress)
+        r = replay_to_folder(reader, step, output, overwrite=overwrite, reread=reread, progress=progress, sign_with=sign)
     if as_json:
         _print_json(r.to_dict())
         return

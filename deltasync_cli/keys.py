@@ -19,12 +19,14 @@ def keygen(
                                                      "accept steps the new key signs (key rotation).")] = None,
     from_step: Annotated[int, typer.Option("--from-step", min=0, help="With --endorsed-by: the first step the new key "
                                            "signs; the old key is refused from there on.")] = 0,
+    ecdsa: Annotated[bool, typer.Option("--ecdsa", help="An ECDSA P-256 key for signing exported checkpoints "
+                                        "(replay --sign), which OpenSSF model_signing verifies.")] = False,
 ) -> None:
     """Make an Ed25519 key pair for signing steps: the trainer gets the private key (DeltaPublisher(...,
     signing_key=PATH)), followers the public one (--trusted-key PATH.pub, Follower(..., trusted_keys=[...]))."""
     from deltasync.signing import keygen as make
 
-    private, public = make(path, endorsed_by=endorsed_by, from_step=from_step)
+    private, public = make(path, endorsed_by=endorsed_by, from_step=from_step, ecdsa=ecdsa)
     out.print(f"private key {private} (mode 0600: keep it with the trainer, never in the store); public key {public} "
               f"(give it to followers)" + (f"; endorsed by {endorsed_by} from step {from_step}" if endorsed_by else ""),
               markup=False, soft_wrap=True)

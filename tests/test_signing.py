@@ -218,3 +218,26 @@ def test_the_cli_makes_keys_and_verify_says_what_it_checked(tmp_path):
     assert r.returncode == 1 and "step 2: signature: " in r.stdout and "not signed" in r.stdout, r.stdout + r.stderr
     r = _cli("replay", str(stream), "--step", "2", "-o", str(tmp_path / "out"), "--trusted-key", str(tmp_path / "k.pub"))
     assert r.returncode == 2 and r.stderr.startswith("error: UnsignedStepError") and not (tmp_path / "out").exists(), r.stderr
+
+
+def test_an_exported_checkpoint_is_signed_for_openssf_model_signing(signed, tmp_path):
+    """``replay --sign`` with an ECDSA key: the OpenSSF ``model_signing`` command (another project's tool)
+    verifies the folder, and refuses it once a byte of the weights changed."""
+    stream, truth, _ = signed
+    r = _cli("keygen", "--ecdsa", str(tmp_path / "export"))
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "step-5"
+    r = _cli("replay", str(stream), "--step", "5", "-o", str(out), "--sign", str(tmp_path / "export"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    tool = [str(Path(sys.executable).parent / "model_signing"), "verify", "key", str(out), "--signature",
+            str(out / "model.sig"), "--public_key", str(tmp_path / "export.pub")]
+    r = subprocess.run(tool, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    from safetensors.torch import load_file
+
+    assert _same(load_file(out / "model.safetensors"), truth[5])
+    data = bytearray((out / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (out / "model.safetensors").write_bytes(bytes(data))
+    r = subprocess.run(tool, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "mismatch" in (r.stdout + r.stderr).lower(), r.stdout + r.stderr

@@ -17,7 +17,9 @@ import torch
 
 from deltasync.errors import (
     ChecksumMismatchError,
+    ConfigError,
     FormatError,
+    MissingDependencyError,
     OutputExistsError,
     TensorMismatchError,
 )
@@ -94,6 +96,7 @@ def replay_to_folder(
     overwrite: bool = False,
     reread: bool = False,
     progress: ProgressFn | None = None,
+    sign_with: str | Path | None = None,
 ) -> ReplayResult:
     """Write the exact weights of ``step`` as a checkpoint folder that transformers and vLLM load as it is.
 
@@ -102,6 +105,10 @@ def replay_to_folder(
     only once every tensor's checksum matched step ``step``'s header and manifest; ``reread`` also reads
     the written file back and checksums it. An existing non-empty ``out_dir`` is replaced only with
     ``overwrite``.
+
+    ``sign_with`` (an ECDSA private key in PEM, ``deltasync keygen --ecdsa``) signs the folder with the OpenSSF
+    ``model_signing`` library (``model.sig`` inside it, written before the folder is renamed into place), so
+    that the exported weights carry provenance that tool verifies outside deltasync (extra ``sign``).
     """
     t0 = time.perf_counter()
     out = Path(out_dir)
@@ -127,6 +134,8 @@ def replay_to_folder(
                     writer.write(name, t)
             if reread:
                 _check_written(weights, header, progress)
+            if sign_with is not None:
+                sign_folder(tmp, sign_with)
             _move_into_place(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -141,6 +150,27 @@ def replay_to_folder(
         state_checksum=header.state_checksum,
         seconds=time.perf_counter() - t0,
     )
+
+
+MODEL_SIGNATURE = "model.sig"
+
+
+def sign_folder(folder: Path, key: str | Path) -> Path:
+    """Sign every file of ``folder`` with OpenSSF ``model_signing`` (elliptic-curve key, PEM) into
+    ``folder/model.sig``, which ``model_signing verify key --signature model.sig --public_key KEY.pub FOLDER``
+    checks. Raises ``MissingDependencyError`` without the ``sign`` extra, ``ConfigError`` for a bad key."""
+    try:
+        from model_signing import signing
+    except ImportError as e:
+        raise MissingDependencyError(f"signing an export needs OpenSSF model_signing: pip install 'deltasync[sign]' "
+                                     f"({e})") from None
+    signature = folder / MODEL_SIGNATURE
+    try:
+        signing.Config().use_elliptic_key_signer(private_key=key).sign(folder, signature)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise ConfigError(f"{key}: cannot sign with it ({type(e).__name__}: {e}); expected an ECDSA private key in PEM "
+                          "(deltasync keygen --ecdsa)") from None
+    return signature
 
 
 def _check_written(path: Path, header: StepHeader, progress: ProgressFn | None) -> None:
