@@ -69,13 +69,16 @@ def push(
     take_over: Annotated[bool, typer.Option(help="Take the stream over from a publisher that holds it.")] = False,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
+    signing_key: Annotated[Path | None, typer.Option("--signing-key", help="Sign the step with this private key "
+                                                     "(deltasync keygen), as a signing publisher does.")] = None,
 ) -> None:
     """Publish a safetensors checkpoint as a step: a delta on the latest step (an anchor on an empty stream)."""
     from deltasync.history.push import push_checkpoint
     from deltasync.store import Store
 
     with Store(url, storage_options=_storage_options(storage_option)) as store:
-        m = push_checkpoint(store, step, checkpoint, anchor=anchor, dtype=_dtype(dtype), files=files, take_over=take_over)
+        m = push_checkpoint(store, step, checkpoint, anchor=anchor, dtype=_dtype(dtype), files=files, take_over=take_over,
+                            signing_key=signing_key)
     if as_json:
         _print_json(m.to_dict())
         return

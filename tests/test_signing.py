@@ -241,3 +241,17 @@ def test_an_exported_checkpoint_is_signed_for_openssf_model_signing(signed, tmp_
     (out / "model.safetensors").write_bytes(bytes(data))
     r = subprocess.run(tool, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "mismatch" in (r.stdout + r.stderr).lower(), r.stdout + r.stderr
+
+
+def test_a_pushed_checkpoint_is_signed_like_a_published_step(signed, keys, tmp_path):
+    from safetensors.torch import save_file
+
+    from deltasync.history.push import push_checkpoint
+
+    stream, truth, _ = signed
+    new = {n: t.clone() for n, t in truth[5].items()}
+    new["w"][0, :4] += 3.0
+    save_file(new, tmp_path / "ckpt.safetensors")
+    push_checkpoint(str(stream), 6, tmp_path / "ckpt.safetensors", signing_key=keys[0])
+    with StreamReader(str(stream), trusted_keys=[keys[1]]) as reader:
+        assert _same(reader.state_dict(6), new)

@@ -31,6 +31,7 @@ from deltasync.publish.publisher import (
     write_step_object,
 )
 from deltasync.reader import StreamReader
+from deltasync.signing import SigningKey
 from deltasync.stages.diff import Snapshot
 from deltasync.store import Manifest, Store
 
@@ -45,14 +46,17 @@ def push_checkpoint(
     files: str | Path | ModelFiles | None = None,
     storage_options: dict[str, Any] | None = None,
     take_over: bool = False,
+    signing_key: str | Path | SigningKey | None = None,
 ) -> Manifest:
     """Publish a safetensors file or a checkpoint folder as ``step`` of a stream; returns its manifest.
 
     A delta against the stream's latest step, or an anchor when the stream is empty or ``anchor`` is set.
     ``dtype`` publishes floating tensors in that dtype. Model files (``files``, else the folder's own) are
     stored when the stream has none yet. Holds the writer lease while it writes: a running publisher
-    makes it fail with ``WriterConflictError`` (``take_over`` to override).
+    makes it fail with ``WriterConflictError`` (``take_over`` to override). ``signing_key`` signs the step
+    (docs/FORMAT.md section 5e), as a signing publisher does.
     """
+    key = signing_key if signing_key is None or isinstance(signing_key, SigningKey) else SigningKey(signing_key)
     store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
     check_step(step, what=f"{store.url}: step", error=StepOrderError)
     owner = f"push-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -94,7 +98,7 @@ def push_checkpoint(
                 aliases=aliases,
             )
             manifest = step_manifest(written, header, capture_s=capture_s, encode_s=time.perf_counter() - t1)
-            store.commit(manifest, local, owner=owner)
+            store.commit(manifest, local, owner=owner, signer=key)
         return manifest
     finally:
         store.release_lease(owner)
