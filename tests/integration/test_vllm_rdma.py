@@ -80,7 +80,7 @@ ENGINE = textwrap.dedent(
         try:
             llm.init_weight_transfer_engine({"init_info": {
                 "url": url, "verify": "incremental",
-                "rdma": {"secret": SECRET, "controller": address, "capacity_bytes": 4 << 20, "engine": "e0"}}})
+                "rdma": {"controller": address, "capacity_bytes": 4 << 20, "engine": "e0"}}})
             versions = []
             with StreamReader(url) as reader:
                 reader.wait_for(0, timeout_s=300)
@@ -140,7 +140,8 @@ def test_multiprocess_engine_follows_a_training_run_over_nixl(tmp_path, tp):
     proc.start()
     try:
         result = tmp_path / "engine.json"
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+               "DELTASYNC_RDMA_SECRET": SECRET}  # the engine's workers inherit the cluster secret
         if tp > 1:  # vLLM's CPU workers bind their threads per NUMA node unless told which cores: one each
             cores = sorted(os.sched_getaffinity(0))
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(cores[r % len(cores)]) for r in range(tp)))
