@@ -22,7 +22,7 @@ def _doc_json_blocks() -> list[dict]:
 
 
 def test_format_doc_examples_parse():
-    header, manifest, anchor, manifest_v2 = _doc_json_blocks()
+    header, manifest, anchor, manifest_v2, signature, statement = _doc_json_blocks()
     header["state_checksum"] = "0" * 64
     for t in header["tensors"].values():
         t["checksum"] = t["checksum"] if len(t["checksum"]) == 18 else "0x" + "0" * 16
@@ -46,6 +46,13 @@ def test_format_doc_examples_parse():
     assert m2.format_version == 2 and m2.object is None and len(m2.objects) == 2
     assert m2.object_bytes == sum(p.object_bytes for p in m2.objects)
     assert m2.objects[1].tensors == {"model.layers.0.mlp.down_proj.weight": (24576, 49152)}
+    # section 5e: a signature document and the statement it signs (the code writes the same keys)
+    from deltasync.signing import STATEMENT_TYPE, SignatureDoc
+
+    assert set(signature) == set(SignatureDoc.__struct_fields__)
+    assert set(signature["endorsements"][0]) == {"public_key", "signed_by", "from_step", "signature"}
+    assert statement["type"] == STATEMENT_TYPE and list(statement) == sorted(statement)
+    assert set(statement) == {"type", "stream_id", "step", "base_step", "kind", "state_checksum", "objects"}
 
 
 def _delta_file(tmp_path, small_state, gen):

@@ -82,7 +82,9 @@ if mode == "kill":  # rank 1 dies after uploading its part of step first+2, befo
 publishing = mode != "ddp" or rank == 0
 # a SIGKILLed rank cannot remove its spool folder (later processes reclaim it): keep it inside the test's folder
 spool = os.path.join(out, f"spool-{rank}") if mode == "kill" else None
-pub = DeltaPublisher(url, model, anchor_every=3, lease_s=30, take_over=mode == "resume", spool_dir=spool) if publishing else None
+key = os.environ.get("DS_TEST_SIGNING_KEY") if rank == 0 else None  # rank 0 signs each commit; ranks need no key
+pub = DeltaPublisher(url, model, anchor_every=3, lease_s=30, take_over=mode == "resume", spool_dir=spool,
+                     signing_key=key) if publishing else None
 events = {}
 for step in range(first, last + 1):
     g = torch.Generator().manual_seed(1000 * step + rank)
@@ -110,12 +112,15 @@ dist.destroy_process_group()
 """
 
 
-def _run(tmp_path: Path, stream: Path, mode: str, world: int, first: int, last: int, tag: str) -> tuple[int, Path]:
+def _run(tmp_path: Path, stream: Path, mode: str, world: int, first: int, last: int, tag: str,
+         signing_key: Path | None = None) -> tuple[int, Path]:
     out = tmp_path / tag
     out.mkdir()
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    if signing_key is not None:
+        env["DS_TEST_SIGNING_KEY"] = str(signing_key)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", str(script),
            str(stream), mode, str(out), str(first), str(last)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, check=False)
@@ -143,8 +148,14 @@ def _assert_bit_exact(reader: StreamReader, out: Path, steps: list[int]) -> None
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.outside_ci)])  # 4 ranks: outside CI's budget
 def test_fsdp2_ranks_publish_their_own_shards_bit_exact(tmp_path, world):
+    from deltasync.signing import keygen
+
     stream = tmp_path / "stream"
-    _, out = _run(tmp_path, stream, "train", world, 1, 5, "run")
+    private, public = keygen(tmp_path / "trainer.key")  # rank 0 signs every multi-part commit
+    _, out = _run(tmp_path, stream, "train", world, 1, 5, "run", signing_key=private)
+    with StreamReader(str(stream), trusted_keys=[public]) as signed:  # every part's digest under the signature
+        assert [signed.manifest(s).step for s in range(1, 6)] == [1, 2, 3, 4, 5]
+        _assert_bit_exact(signed, out, [5])
     assert all(set(e.values()) == {"ok"} for e in _events(out, world))
     reader = StreamReader(str(stream))
     assert reader.steps() == [1, 2, 3, 4, 5]

@@ -206,6 +206,8 @@ def _normalise(stream: Path) -> None:
         d = json.loads(info.read_bytes())
         if "created_unix_s" in d:
             d["created_unix_s"] = CREATED_UNIX_S
+        if d.get("stream_id"):  # random at creation: fixed here, like the timestamps
+            d["stream_id"] = "f" * 32
         info.write_text(json.dumps(d))
     (stream / "writer.json").write_text(json.dumps({"owner": LEASE_OWNER, "expires_unix_s": FAR_FUTURE_UNIX_S}))
     for leftover in stream.rglob("*.tmp-*"):
