@@ -103,7 +103,7 @@ def test_verify_exit_codes(stream_copy, monkeypatch, capsys):
         f"step 3: chain: {stream_copy}: step 3 is a delta on step 2, which is not committed (its folder holds objects but no manifest.json)"
     ]
     d = run_json("verify", stream_copy, "--all")
-    assert list(d) == ["url", "first", "last", "verified", "problems", "ok"]
+    assert list(d) == ["url", "first", "last", "verified", "problems", "origin_checked", "ok"]
     assert [(p["step"], p["kind"]) for p in d["problems"]] == [(3, "chain")]
     assert d["verified"] == [0, 1, 4, 5, 6, 7, 8, 9] and d["ok"] is False
     code, _, _ = run_main(monkeypatch, capsys, "verify", stream_copy, "--from", "4")

@@ -87,7 +87,7 @@ def test_another_stream_under_the_same_name_is_refused(tmp_path, monkeypatch, ca
         for s in range(3):
             pub.source = _state(100 + s)
             pub.publish(s)
-    with pytest.raises(StepExistsError, match="another manifest"):
+    with pytest.raises(StepExistsError, match="holds another stream .* two different streams"):  # by stream.json's id
         mirror(src, dst)
     code, _, err = run_main(monkeypatch, capsys, "mirror", src, dst, "--once")
     assert_one_line_error(code, err, "StepExistsError", "two different streams")

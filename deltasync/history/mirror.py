@@ -149,7 +149,8 @@ def _same_stream(source: Store, info: Any, target: Store) -> None:
     theirs = source.stream_id()
     if theirs is not None and info.stream_id is not None and info.stream_id != theirs:
         raise StepExistsError(f"{target.url} holds another stream (id {info.stream_id}) than {source.url} (id {theirs}): "
-                              "mirror into an empty location, or an earlier copy of this stream")
+                              "two different streams under one name (mirror into an empty location, or an earlier "
+                              "copy of this stream)")
 
 
 def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder, trusted: Any = None) -> int | None:
