@@ -42,12 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         report = run_inputs(args.seed, args.inputs, on_progress=progress)
         print(report.table())
         print(report.failure_text())
-        path = Path(args.json) if args.json else Path(__file__).resolve().parents[2] / "bench" / "results" / (
-            f"fuzz-inputs-{args.seed}-{dt.date.today().isoformat()}.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"options": vars(args), **report.to_dict()}, indent=1))
-        print(f"wrote {path}")
-        return 1 if report.failures else 0
+        return _write(args, f"fuzz-inputs-{args.seed}", report)
     common = dict(workers=args.workers, op_timeout_s=args.op_timeout_s, memory_mib=args.memory_mib,
                   rss_limit_mib=args.rss_limit_mib, tail_changes=not args.no_tail_changes)
     if args.show or args.replay:
@@ -83,8 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table())
     print()
     print(report.failure_text())
+    return _write(args, f"fuzz-{opts.seed}", report)
+
+
+def _write(args: argparse.Namespace, name: str, report) -> int:
+    """The run's figures as JSON (``--json``, else bench/results/NAME-DATE.json); the exit status."""
     path = Path(args.json) if args.json else Path(__file__).resolve().parents[2] / "bench" / "results" / (
-        f"fuzz-{opts.seed}-{dt.date.today().isoformat()}.json")
+        f"{name}-{dt.date.today().isoformat()}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"options": vars(args), **report.to_dict()}, indent=1))
     print(f"wrote {path}")

@@ -19,17 +19,17 @@ import http.server
 import json
 import logging
 import random
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from deltasync.errors import DeltaSyncError
+
+from tests.http_server import serving
 
 from .operations import library_frame
 
@@ -426,19 +426,6 @@ class _Replies(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@contextmanager
-def _server() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Replies)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 def _http_seeds() -> list[tuple[str, Any]]:
     return [("held_step", {"weight_version": "12"}), ("held_step", {"weight_version": "default"}),
             ("status", {"results": [{"held_step": 3, "arrived": {}, "pauses_s": [], "checksums": {}}]}),
@@ -447,7 +434,7 @@ def _http_seeds() -> list[tuple[str, Any]]:
 
 class _HttpUnderTest:
     def __init__(self) -> None:
-        self._cm = _server()
+        self._cm = serving(_Replies)
         self.url = self._cm.__enter__()
 
     def case(self, rng: random.Random) -> Callable[[], None]:
