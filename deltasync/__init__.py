@@ -103,6 +103,17 @@ from deltasync.transports import (
     register_transport,
 )
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deltasync")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
+
 __all__ = [
     # trainer
     "DeltaPublisher",

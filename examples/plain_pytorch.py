@@ -1,7 +1,9 @@
-"""A plain PyTorch training loop that publishes every optimizer step; a reader then checks the bits.
+"""A plain PyTorch training loop that publishes after every optimizer step; a reader then checks the bits.
 
 The model trains in fp32 (master weights) and is published as bf16, the weights an inference engine serves.
-Each step publishes only the elements whose bf16 bits changed.
+Each step publishes only the elements whose bf16 bits changed. When uploads fall behind the trainer, the
+publisher coalesces steps (the next committed step carries their changes; nothing is lost) instead of
+stalling training: the output says how many steps were committed and which were coalesced.
 
     python examples/plain_pytorch.py                         # 20 steps into a temporary folder, removed after
     python examples/plain_pytorch.py --steps 5 --store /tmp/my-stream
@@ -31,10 +33,14 @@ def train_and_publish(url: str, steps: int) -> nn.Module:
             opt.step()
             opt.zero_grad()
             pub.publish(step)  # returns once the change is captured; encoding and upload run in the background
-    # leaving the `with` block flushed every step to the store
+    # leaving the `with` block committed what was captured; coalesced steps are inside the next committed one
     for m in pub.metrics:
         what = "full anchor" if m.kind == "anchor" else f"{m.density:6.2%} of elements changed"
-        print(f"step {m.step:3d}: {m.kind:6s} {m.object_bytes / 1e3:8.1f} kB  ({what})")
+        also = f", carries steps {list(m.coalesced_steps)}" if m.coalesced_steps else ""
+        print(f"step {m.step:3d}: {m.kind:6s} {m.object_bytes / 1e3:8.1f} kB  ({what}{also})")
+    coalesced = steps - len(pub.metrics)
+    print(f"{len(pub.metrics)} of {steps} steps committed" + (f", {coalesced} coalesced into the next (uploads were "
+          "behind the trainer; DeltaPublisher(on_backlog='block') commits every step instead)" if coalesced else ""))
     return model
 
 

@@ -34,7 +34,8 @@ def test_every_example_is_in_the_readme():
 def test_plain_pytorch():
     lines = run_example("plain_pytorch.py", "--steps", "3")
     assert lines[0].startswith("step   0: anchor")
-    assert any(line.startswith("step   2: delta") for line in lines)
+    assert any(line.startswith("step   2: delta") or "carries steps [2]" in line for line in lines)
+    assert any(line.startswith(("3 of 3 steps committed", "2 of 3 steps committed, 1 coalesced")) for line in lines)
     assert lines[-1] == "bit-exact: yes"
 
 
@@ -122,6 +123,12 @@ def test_vllm_server_sync():
 def test_version_prints_the_installed_version():
     proc = subprocess.run([sys.executable, "-m", "deltasync_cli", "--version"], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0 and proc.stdout == f"deltasync {importlib.metadata.version('deltasync')}\n"
+    # python -m deltasync is the same command; the package says its version too
+    proc = subprocess.run([sys.executable, "-m", "deltasync", "--version"], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0 and proc.stdout == f"deltasync {importlib.metadata.version('deltasync')}\n"
+    import deltasync
+
+    assert deltasync.__version__ == importlib.metadata.version("deltasync")
 
 
 def test_help_imports_neither_torch_nor_deltasync():

@@ -163,3 +163,25 @@ def test_span_is_numpys_min_and_max():
         frozen.flags.writeable = False
         for x in (a, frozen, a[::2], np.sort(a), np.sort(a)[::-1]):
             assert _kernels.span(x) == (int(x.min()), int(x.max()))
+
+
+def test_a_long_first_use_says_it_compiles_and_a_slow_load_says_nothing(monkeypatch, caplog):
+    """The first use compiles for up to a minute: after two seconds the log says what is happening and where the
+    cache goes. A load from the cache that is merely slow (a busy machine) says nothing. (The real compile is what
+    ./run.sh setup and `deltasync warm` run; this checks the message, with the wait stood in for.)"""
+    import time
+    from collections import Counter
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(_kernels, "SAY_AFTER_S", 0.05)
+    monkeypatch.setattr(_kernels, "_warm", lambda: time.sleep(0.4))
+    for misses, said in ((Counter({"sig": 1}), True), (Counter(), False)):
+        monkeypatch.setattr(_kernels, "_warmed", False)
+        monkeypatch.setattr(_kernels, "dispatchers", lambda m=misses: {"k": SimpleNamespace(stats=SimpleNamespace(cache_misses=m))})
+        caplog.clear()
+        _kernels.warm_kernels()
+        messages = [r.getMessage() for r in caplog.records if "compiling its CPU kernels" in r.getMessage()]
+        assert bool(messages) == said, messages
+        if said:
+            assert _kernels.kernel_cache_dir() in messages[0] and "deltasync warm" in messages[0]
+    _kernels.warm_kernels()  # once done, it returns at once

@@ -225,3 +225,14 @@ def test_expired_lease_can_be_taken_without_asking(tmp_path, small_state):
     store.acquire_lease("gone", ttl_s=-1)
     with DeltaPublisher(str(tmp_path), small_state) as pub:
         pub.publish(0)
+
+
+def test_publishing_after_close_is_an_error_not_a_lost_step(tmp_path):
+    from deltasync.errors import PublishError
+
+    state = {"w": torch.randn(8, 8)}
+    pub = DeltaPublisher(str(tmp_path / "s"), state)
+    pub.publish(0)
+    pub.close()
+    with pytest.raises(PublishError, match="step 1: the publisher is closed"):
+        pub.publish(1)

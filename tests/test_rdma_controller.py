@@ -262,3 +262,15 @@ def test_a_secret_is_required_and_never_shown(monkeypatch):
     with Controller(trainers=1, consumers=0) as controller, TrainerLink(controller.address, rank=0) as t:
         assert t.register(_trainer(0, "trainer-a"), timeout_s=30).consumers == []
     assert auth.public_key(SECRET.encode(), "trainer:0") != auth.public_key(SECRET.encode() + b"x", "trainer:0")
+
+
+def test_without_the_rdma_extra_the_error_names_it():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['zmq'] = None\n"
+            "from deltasync.errors import MissingDependencyError\n"
+            "try:\n    from deltasync.rdma.controller import Controller\n"
+            "except MissingDependencyError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "install it with pip install 'deltasync[rdma]'" in r.stdout, r.stdout + r.stderr

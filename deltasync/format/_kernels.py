@@ -497,12 +497,54 @@ _INLINED = ("mix64", "element_hash", "_hash_change")
 _UNSIGNED = (np.uint8, np.uint16, np.uint32, np.uint64)
 
 
+_warmed = False
+SAY_AFTER_S = 2.0  # a wait longer than this is explained
+
+
 def warm_kernels() -> None:
     """Compile or load from numba's disk cache every kernel signature deltasync's stages use, on tiny inputs.
 
     A kernel's first call with a new signature costs a cache load (milliseconds) or a compilation (seconds);
     calling this when a publisher, replica or engine state is created keeps both out of a diff, a decode and
-    above all a paused engine's apply. Idempotent and cheap once done (a few hundred microseconds)."""
+    above all a paused engine's apply. Idempotent and cheap once done (a few hundred microseconds). When it
+    takes longer than two seconds (a first use: compiling), it says so on the log and on stderr, once.
+    ``deltasync warm`` runs it ahead of time (a container image can build the cache in)."""
+    global _warmed
+    if _warmed:
+        return
+    import logging
+    import threading
+
+    def say() -> None:
+        if not any(d.stats.cache_misses for d in dispatchers().values()):
+            return  # only loading from the cache, slowly (a busy machine): nothing to explain
+        where = kernel_cache_dir()
+        message = (f"deltasync: compiling its CPU kernels (first use in this environment, up to a minute; cached in "
+                   f"{where} for later runs; `deltasync warm` does it ahead of time)")
+        logging.getLogger(__name__).warning(message)
+
+    timer = threading.Timer(SAY_AFTER_S, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        _warm()
+    finally:
+        timer.cancel()
+    _warmed = True
+
+
+def kernel_cache_dir() -> str:
+    """Where numba keeps these kernels' compiled code: beside this file when that folder is writable, else a
+    user-wide cache (``NUMBA_CACHE_DIR`` chooses one)."""
+    import os
+
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return os.environ["NUMBA_CACHE_DIR"]
+    here = os.path.join(os.path.dirname(__file__), "__pycache__")
+    return here if os.access(os.path.dirname(__file__), os.W_OK) else os.path.expanduser("~/.cache/numba")
+
+
+def _warm() -> None:
     n = 64
     idx = np.arange(0, n, 3, dtype=np.int64)
     for t in _UNSIGNED:  # input-only arrays go to the kernels read-only whatever they were (``_ro``)

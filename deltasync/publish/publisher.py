@@ -198,6 +198,7 @@ class DeltaPublisher:
         self._force_anchor = True  # the first step of every publisher is an anchor
         self._skipped: list[int] = []
         self._error: BaseException | None = None
+        self._closed = False
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -240,6 +241,8 @@ class DeltaPublisher:
         Raises ``PublishError`` if an earlier step failed in the background (that step is then covered
         by an anchor at this call), ``StepOrderError`` if ``step`` does not increase.
         """
+        if self._closed:  # a step published after close() would be lost without a word
+            raise PublishError(f"{self.store.url}: step {step}: the publisher is closed (make a new one)")
         if self._sharded is not None:
             return self._publish_sharded(step, anchor=anchor)
         self._raise_background_error()
@@ -294,6 +297,7 @@ class DeltaPublisher:
 
     def close(self) -> None:
         """Flush, stop the background thread, release the stream, remove the spool folder (also on error)."""
+        self._closed = True
         try:
             self.flush()
         finally:

@@ -25,10 +25,10 @@ from deltasync.errors import (
     RdmaError,
     RdmaTimeoutError,
 )
+from deltasync.rdma.options import missing
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'deltasync[rdma]'"
 MemType = Literal["DRAM", "VRAM"]
 
 
@@ -36,7 +36,7 @@ def _nixl() -> Any:
     try:
         from nixl import _api
     except ImportError as e:
-        raise MissingDependencyError(f"the RDMA fast path needs NIXL ({e}); install it with {INSTALL_HINT}") from None
+        raise missing("NIXL", e) from None
     return _api
 
 

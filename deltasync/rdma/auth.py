@@ -21,10 +21,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
-import zmq
-import zmq.utils.z85
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from deltasync.rdma.options import missing
+
+try:
+    import zmq
+    import zmq.utils.z85
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+except ImportError as e:  # the rdma extra
+    raise missing("pyzmq and cryptography", e) from None
 
 from deltasync.errors import ConfigError
 from deltasync.rdma.options import MIN_SECRET_CHARS, check_secret

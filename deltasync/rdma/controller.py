@@ -24,11 +24,11 @@ import logging
 import threading
 from collections import deque
 
-import zmq
 from typing_extensions import Self
 
 from deltasync.errors import ControlMessageError, ControlRefusedError, RdmaError, ScheduleError
 from deltasync.rdma import auth
+from deltasync.rdma.messages import zmq  # pyzmq, or the error that names the rdma extra
 from deltasync.rdma.messages import (
     Applied,
     ConsumerHello,

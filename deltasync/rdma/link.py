@@ -6,11 +6,11 @@ import logging
 import time
 from collections import defaultdict
 
-import zmq
 from typing_extensions import Self
 
 from deltasync.errors import ConfigError, ControlMessageError, ControlRefusedError, RdmaError, RdmaTimeoutError
 from deltasync.rdma import auth
+from deltasync.rdma.messages import zmq  # pyzmq, or the error that names the rdma extra
 from deltasync.rdma.messages import (
     Applied,
     ConsumerHello,

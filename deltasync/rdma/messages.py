@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import msgspec
-import zmq
+from deltasync.rdma.options import missing
+
+try:
+    import msgspec
+    import zmq
+except ImportError as e:  # the rdma extra
+    raise missing("pyzmq and msgspec", e) from None
 
 from deltasync.errors import ControlMessageError
 from deltasync.format.names import PEER_NAME, whole

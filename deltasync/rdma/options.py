@@ -8,11 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deltasync.errors import ConfigError
+from deltasync.errors import ConfigError, MissingDependencyError
 
 __all__ = ["RdmaOptions", "rdma_options"]
 
 MIN_SECRET_CHARS = 32
+INSTALL_HINT = "pip install 'deltasync[rdma]'"
+
+
+def missing(what: str, e: ImportError) -> MissingDependencyError:
+    """The error for a package of the ``rdma`` extra that is not installed (one line naming the extra)."""
+    return MissingDependencyError(f"the RDMA fast path needs {what} ({e}); install it with {INSTALL_HINT}")
 
 
 def check_secret(value: object, *, where: str) -> str:
