@@ -41,6 +41,17 @@ def test_replay(qwen_stream, tmp_path):
     d = run_json("replay", qwen_stream.url, "--step", "3", "-o", str(tmp_path / "step3"), "--reread")
     assert list(d) == ["step", "path", "chain", "tensors", "weights_bytes", "model_files", "state_checksum", "seconds"]
     assert d["chain"] == [0, 1, 2, 3] and d["state_checksum"] == StreamReader(qwen_stream.url).manifest(3).state_checksum
+    # into the folder one stands in ("-o ." exited 3 with "PosixPath('.') has an empty name")
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "old.txt").write_text("replaced")
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as m:
+        m.chdir(here)
+        r = runner.invoke(app, ["replay", qwen_stream.url, "--step", "7", "-o", ".", "--overwrite"])
+    assert r.exit_code == 0, r.output
+    names = {p.name for p in here.iterdir()}
+    assert "model.safetensors" in names and "old.txt" not in names  # the folder replaced, with the step in it
 
 
 def test_replay_errors_are_one_line_and_write_nothing(stream_copy, tmp_path, monkeypatch, capsys):

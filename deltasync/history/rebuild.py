@@ -111,9 +111,9 @@ def replay_to_folder(
     that the exported weights carry provenance that tool verifies outside deltasync (extra ``sign``).
     """
     t0 = time.perf_counter()
-    out = Path(out_dir)
-    if out.is_symlink():  # write where the link points: the link itself stays as the user made it
-        out = out.resolve()
+    # absolute: "." or "out/.." name a folder too (written beside it, then renamed into place); a link is
+    # followed: the link itself stays as the user made it
+    out = Path(out_dir).resolve()
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise OutputExistsError(f"{out}: already exists and is not empty (pass overwrite=True, CLI --overwrite)")
     reader = open_reader(url, storage_options)
