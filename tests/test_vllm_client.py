@@ -377,3 +377,20 @@ def test_an_update_the_server_does_not_name_afterwards_is_an_error():
         with pytest.raises(EngineError, match="says it holds step None after an update to step 3"):
             HttpWeightTransfer(url).update(3)
         assert fake.routes()[-2:] == ["/reset_prefix_cache", "/resume"]
+
+
+@pytest.mark.parametrize("bad", [
+    {"held_step": 3, "arrived": {"v": "rdma"}, "pauses_s": [], "checksums": {}},           # a step that is no number
+    {"held_step": 3, "arrived": {}, "pauses_s": [], "checksums": {"w": {}}},               # a checksum that is no number
+    {"held_step": [1], "arrived": {}, "pauses_s": [], "checksums": {}},                    # unhashable held step
+    {"held_step": 1, "arrived": {}, "pauses_s": [], "checksums": {"w": 2**64}},            # past 64 bits
+    {"held_step": 1, "arrived": {}, "pauses_s": ["x"], "checksums": {}},
+], ids=["arrived-key", "checksum-type", "held-list", "checksum-64", "pause-type"])
+def test_a_status_reply_that_is_not_one_is_an_engine_error(bad):
+    """Found by the input fuzzer: these raised TypeError / ValueError from inside combine_status."""
+    from rollout_loader.vllm.client import combine_status
+
+    with pytest.raises(EngineError, match="rank 0: expected a deltasync status"):
+        combine_status([bad], where="http://server/collective_rpc")
+    good = {"held_step": 3, "arrived": {"3": "rdma"}, "pauses_s": [0, 0.25], "checksums": {"w": 2**64 - 1}}
+    assert combine_status([good, good], where="x")["checksums"] == {"w": (2 * (2**64 - 1)) % 2**64}

@@ -22,7 +22,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, Literal, Protocol, get_args
+from typing import Annotated, Any, Literal, Protocol, get_args
+
+import msgspec
 
 from deltasync import (
     ConfigError,
@@ -112,25 +114,39 @@ def combine_status(ranks: list[Any], *, where: str) -> dict[str, Any]:
     from deltasync import add_checksums
 
     keys = {"held_step", "arrived", "pauses_s", "checksums"}
+    checked: list[_RankStatus] = []
     for rank, r in enumerate(ranks):
         if isinstance(r, dict) and isinstance(r.get("error"), str):
-            raise EngineError(f"{where}: rank {rank}: {r['error']}")
-        if not (isinstance(r, dict) and keys <= r.keys() and isinstance(r["arrived"], dict)
-                and isinstance(r["checksums"], dict) and isinstance(r["pauses_s"], list)):
-            raise EngineError(f"{where}: rank {rank}: expected a deltasync status with {sorted(keys)}, got {str(r)[:200]}")
-    held = {r["held_step"] for r in ranks}
+            raise EngineError(f"{where}: rank {rank}: {r['error'][:2000]}")
+        try:  # every field typed and ranged: a reply that is not a status is an error, never a crash
+            checked.append(msgspec.convert(r, _RankStatus, strict=True))
+            if any(v >> 64 for v in checked[-1].checksums.values()):
+                raise msgspec.ValidationError("a checksum past 64 bits")
+        except msgspec.ValidationError as e:
+            raise EngineError(f"{where}: rank {rank}: expected a deltasync status with {sorted(keys)}, got "
+                              f"{str(r)[:200]} ({e})") from None
+    held = {r.held_step for r in checked}
     if len(held) != 1:
-        raise EngineError(f"{where}: the engine's ranks hold different steps: {[r['held_step'] for r in ranks]}")
+        raise EngineError(f"{where}: the engine's ranks hold different steps: {[r.held_step for r in checked]}")
     arrived: dict[int, str] = {}
-    for r in ranks:
-        for step, how in r["arrived"].items():
+    for r in checked:
+        for step, how in r.arrived.items():
             if arrived.get(int(step), "rdma") == "rdma":
                 arrived[int(step)] = how
-    names = ranks[0]["checksums"]
-    if any(r["checksums"].keys() != names.keys() for r in ranks):
+    names = checked[0].checksums
+    if any(r.checksums.keys() != names.keys() for r in checked):
         raise EngineError(f"{where}: the engine's ranks report checksums of different tensors")
-    sums = {n: add_checksums(*(int(r["checksums"][n]) for r in ranks)) for n in names}
-    return {"held_step": held.pop(), "arrived": arrived, "pauses_s": ranks[0]["pauses_s"], "checksums": sums}
+    sums = {n: add_checksums(*(r.checksums[n] for r in checked)) for n in names}
+    return {"held_step": held.pop(), "arrived": arrived, "pauses_s": checked[0].pauses_s, "checksums": sums}
+
+
+class _RankStatus(msgspec.Struct, forbid_unknown_fields=False):
+    """One rank's ``deltasync_transfer_status`` reply (rollout_loader/vllm/worker.py), as it must be."""
+
+    held_step: Annotated[int, msgspec.Meta(ge=0, le=10**12 - 1)] | None
+    arrived: dict[Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,12}$")], Annotated[str, msgspec.Meta(max_length=2000)]]
+    pauses_s: list[Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]]
+    checksums: dict[Annotated[str, msgspec.Meta(min_length=1, max_length=1024)], Annotated[int, msgspec.Meta(ge=0)]]  # and < 2**64
 
 
 def worker_module() -> Any:
