@@ -38,7 +38,7 @@ demo_s3() {
   "$VENV/bin/weed" server -dir="$WEED_DIR" -ip=127.0.0.1 -ip.bind=127.0.0.1 -s3 -s3.port=$port \
     -s3.port.iceberg=0 -s3.port.lance=0 -master.telemetry=false >"$log" 2>&1 &
   WEED_PID=$!
-  trap 'kill $WEED_PID 2>/dev/null; wait $WEED_PID 2>/dev/null; rm -rf "$WEED_DIR"' EXIT
+  trap 'echo "stopping the S3 server (SeaweedFS)..." >&2; kill $WEED_PID 2>/dev/null; wait $WEED_PID 2>/dev/null; rm -rf "$WEED_DIR"' EXIT
   local opts=(-S key=demo -S secret=demo -S endpoint_url=http://127.0.0.1:$port)
   for _ in $(seq 60); do
     "$VENV/bin/python" -c "import s3fs,sys; s3fs.S3FileSystem(key='demo',secret='demo',endpoint_url='http://127.0.0.1:$port').mkdir('deltasync-demo')" 2>/dev/null && break

@@ -43,8 +43,15 @@ class DemoConfig:
 
 
 def tiny_qwen3(*, hidden_size: int = 256, layers: int = 4, vocab_size: int = 512, tie: bool = False, seed: int = 0):
-    """A random Qwen3 model built with transformers (no download): head_dim 64, as vLLM's CPU attention wants."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """A random Qwen3 model built with transformers (no download): head_dim 64, as vLLM's CPU attention wants.
+    ``MissingDependencyError`` naming the extra without transformers."""
+    try:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+    except ImportError as e:
+        from deltasync.errors import MissingDependencyError
+
+        raise MissingDependencyError(f"the demo trains a small Qwen3 model with transformers ({e}): "
+                                     "pip install 'deltasync[demo]'") from None
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(
@@ -123,6 +130,7 @@ def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_opt
     from rollout_loader import Follower, StateDictTarget
 
     torch.manual_seed(config.seed)
+    temporary = url is None
     if url is None:
         url = str(workdir / "stream")
     model = tiny_qwen3(hidden_size=config.hidden_size, layers=config.layers, seed=config.seed).float()
@@ -130,7 +138,7 @@ def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_opt
     data = stdlib_corpus(seed=config.seed) % model.config.vocab_size
     nparams = sum(p.numel() for p in model.parameters())
     echo(f"model: Qwen3-shaped, {nparams / 1e6:.1f}M parameters, trained in fp32, published as bf16")
-    echo(f"store: {url}")
+    echo(f"store: {url}" + (" (temporary: removed at the end; --store DIR keeps it)" if temporary else ""))
 
     live_at: dict[int, float] = {}
     paused: dict[int, float] = {}

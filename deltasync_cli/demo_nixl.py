@@ -255,6 +255,7 @@ def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage
     from deltasync.rdma.auth import cluster_secret_for_this_run
     from deltasync.rdma.controller import Controller
 
+    temporary = url is None
     if url is None:
         url = str(workdir / "stream")
     vllm = config.engine == "vllm"
@@ -262,7 +263,7 @@ def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage
          "this one; every step is also committed to the store")
     echo("consumer: a vLLM engine in multiprocess mode (engine core in its own process), its deltasync weight-transfer "
          "engine reading over NIXL" if vllm else "consumer: a state dict in its own process (the torch engine)")
-    echo(f"store: {url}")
+    echo(f"store: {url}" + (" (temporary: removed at the end; --store DIR keeps it)" if temporary else ""))
     ctx = mp.get_context("spawn")
     got: dict = {"sum": {}, "published": {}, "live": {}}
     engine: _VllmFollower | None = None

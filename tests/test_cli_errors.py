@@ -543,3 +543,12 @@ def test_environment_errors_are_user_errors(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(Store, "steps", denied)
     code, _, err = run_main(monkeypatch, capsys, "ls", url)
     assert_one_line_error(code, err, "PermissionError", "Permission denied")
+
+
+def test_the_demo_without_transformers_names_the_extra():
+    """It exited 3 ("internal error") with a raw ModuleNotFoundError."""
+    code = ("import sys; sys.modules['transformers'] = None; sys.argv[0] = 'deltasync'\n"
+            "from deltasync_cli import main\nmain()\n")
+    r = subprocess.run([sys.executable, "-c", code, "demo", "--engine", "torch", "--steps", "2"], capture_output=True,
+                       text=True, timeout=300)
+    assert_one_line_error(r.returncode, r.stderr, "MissingDependencyError", "pip install 'deltasync[demo]'")
