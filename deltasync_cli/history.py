@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -192,20 +193,47 @@ def gc_(
     keep_anchor_every: Annotated[int | None, typer.Option(help="Also keep the first anchor of every M steps.")] = None,
     consumer_max_age_s: Annotated[float, typer.Option(help="Respect consumer heartbeats at most this old.")] = 3600.0,
     dry_run: Annotated[bool, typer.Option(help="Show the plan, delete nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking (on a terminal, gc shows the "
+                                      "plan and asks first).")] = False,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
 ) -> None:
-    """Delete steps that no retained step, and no live consumer, needs (never an anchor a kept delta builds on)."""
-    from deltasync.history.gc import collect_garbage
+    """Delete steps that no retained step, and no live consumer, needs (never an anchor a kept delta builds on).
+    On a terminal it shows the plan and asks before deleting (--yes: does not ask)."""
+    from deltasync.history.gc import collect_garbage, run_gc
+    from deltasync.store import Store
 
+    ask = not (dry_run or yes or as_json) and _on_terminal()
     with _progress() as progress:
         plan = collect_garbage(url, keep_last=keep_last, keep_anchor_every=keep_anchor_every, consumer_max_age_s=consumer_max_age_s,
-                  dry_run=dry_run, storage_options=_storage_options(storage_option), progress=progress)
+                  dry_run=dry_run or ask, storage_options=_storage_options(storage_option), progress=progress)
     if as_json:
         _print_json({**plan.to_dict(), "dry_run": dry_run})
         return
+    _show_plan(url, plan, planned=dry_run or ask)
+    if ask:
+        if not plan.delete and not plan.leftovers:
+            out.print("nothing to delete", markup=False)
+            return
+        if not typer.confirm(f"delete {len(plan.delete)} steps ({_mb(plan.freed_bytes)}) and {len(plan.leftovers)} "
+                             "uncommitted folders?", default=False):
+            out.print("nothing deleted", markup=False)
+            return
+        with Store(url, storage_options=_storage_options(storage_option)) as store, _progress() as progress:
+            run_gc(store, plan, progress=progress)
+    verb = "would delete" if dry_run else "deleted"
+    out.print(f"{verb} {len(plan.delete)} steps ({_mb(plan.freed_bytes)}) and {len(plan.leftovers)} uncommitted folders; "
+              f"kept {len(plan.keep)} steps", soft_wrap=True, markup=False)
+
+
+def _on_terminal() -> bool:
+    """Whether a person is at the keyboard (stdin and stdout are terminals): then gc asks before deleting."""
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
+def _show_plan(url: str, plan: Any, *, planned: bool) -> None:
     rows = sorted([(s, "keep", why) for s, why in plan.keep.items()] + [(s, "delete", "") for s in plan.delete])
-    table = Table(title=f"{url}: garbage collection{' (dry run)' if dry_run else ''}")
+    table = Table(title=f"{url}: garbage collection{' (plan)' if planned else ''}")
     for col in ("steps", "action", "why"):
         table.add_column(col)
     for first, last, action, why in _runs(rows):
@@ -213,9 +241,6 @@ def gc_(
     out.print(table)
     for c in plan.live_consumers:
         out.print(f"live consumer {c.consumer_id} at step {c.step}", soft_wrap=True, markup=False)
-    verb = "would delete" if dry_run else "deleted"
-    out.print(f"{verb} {len(plan.delete)} steps ({_mb(plan.freed_bytes)}) and {len(plan.leftovers)} uncommitted folders; "
-              f"kept {len(plan.keep)} steps", soft_wrap=True, markup=False)
 
 
 def _runs(rows: list[tuple[int, str, str]]) -> Iterator[tuple[int, int, str, str]]:

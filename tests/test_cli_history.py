@@ -133,6 +133,21 @@ def test_gc(stream_copy):
     assert StreamReader(stream_copy).steps() == [0, 4, 5, 6, 7, 8, 9]
 
 
+def test_gc_on_a_terminal_asks_first(stream_copy, monkeypatch):
+    """A person at a terminal sees the plan and is asked; no deletes without yes (scripts are not asked)."""
+    import deltasync_cli.history as history
+
+    monkeypatch.setattr(history, "_on_terminal", lambda: True)
+    r = runner.invoke(app, ["gc", stream_copy, "--keep-last", "3"], input="n\n")
+    assert r.exit_code == 0 and "delete 4 steps" in r.output and "nothing deleted" in r.output, r.output
+    assert StreamReader(stream_copy).steps() == list(range(10))
+    r = runner.invoke(app, ["gc", stream_copy, "--keep-last", "3"], input="y\n")
+    assert r.exit_code == 0 and "deleted 4 steps" in r.output, r.output
+    assert StreamReader(stream_copy).steps() == [4, 5, 6, 7, 8, 9]
+    r = runner.invoke(app, ["gc", stream_copy, "--keep-last", "1", "--yes"])  # --yes: not asked
+    assert r.exit_code == 0 and "[y/N]" not in r.output and "deleted" in r.output, r.output
+
+
 def test_help_lists_the_history_commands():
     r = runner.invoke(app, ["--help"])
     for cmd in ("replay", "push", "compare", "stats", "verify", "gc"):
