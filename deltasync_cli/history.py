@@ -106,8 +106,8 @@ def compare_(
         return
     for title, rows in ((f"step {a} -> {b}, per tensor", c.tensors), (f"step {a} -> {b}, per layer", c.layers)):
         table = Table(title=title)
-        for col in ("name", "elements", "changed", "density", "rel L2", "max |change|"):
-            table.add_column(col, justify="left" if col == "name" else "right")
+        for col in ("name", "elements", "changed", "density", "rel L2", "max |change|"):  # names wrap, never cut
+            table.add_column(col, justify="left" if col == "name" else "right", overflow="fold", no_wrap=col != "name")
         for d in rows:
             table.add_row(d.name, f"{d.numel:,}", f"{d.changed:,}", _pct(d.density), _num(d.rel_l2), _num(d.max_abs_change))
         out.print(table)

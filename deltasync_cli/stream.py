@@ -175,7 +175,8 @@ def show(
     out.print(f"state checksum {m.state_checksum}")
     table = Table()
     for col in ("tensor", "dtype", "shape", "changed", "density", "checksum"):
-        table.add_column(col)
+        # a name wraps rather than being cut ("model.layers.1…" names nothing); other cells keep their width
+        table.add_column(col, overflow="fold", min_width=None if col == "tensor" else len(col), no_wrap=col != "tensor")
     for n, t in h.tensors.items():
         table.add_row(n, t.dtype, "x".join(map(str, t.shape)), f"{t.changed:,}", f"{t.changed / max(t.numel, 1):.2%}", t.checksum)
     out.print(table)
