@@ -22,7 +22,8 @@ def follow(
     engine_step: Annotated[int | None, typer.Option(min=0, help="The step the engine's weights are at if it was never "
                                                     "updated (started from that step's checkpoint).")] = None,
     verify: Annotated[Literal["incremental", "changed", "all"], typer.Option(
-        help="Checksums after each delta: 'incremental' (from the patched elements), the 'changed' tensors, or 'all'.")] = "changed",
+        help="Checksums after each delta: 'incremental' (from the patched elements: the library's default too), "
+             "the 'changed' tensors recomputed, or 'all'.")] = "incremental",
     mode: Annotated[Literal["auto", "live", "reload"], typer.Option(help="Worker mode: auto, live or reload.")] = "auto",
     poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls of the store around the moment the "
                                           "next step is due (one small read each).")] = 0.25,
