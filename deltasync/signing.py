@@ -73,9 +73,7 @@ def key_id(public_key: bytes) -> str:
 
 def statement(manifest: Manifest, stream_id: str | None) -> bytes:
     """What a step's signature covers (docs/FORMAT.md section 5e), as the exact bytes signed."""
-    objects = {p.object: p.object_sha256 for p in manifest.objects}
-    if manifest.delta is not None:
-        objects[manifest.delta.object] = manifest.delta.object_sha256
+    objects = {p.object: p.object_sha256 for p in manifest.stored_objects}
     return _canonical({"type": STATEMENT_TYPE, "stream_id": stream_id, "step": manifest.step,
                        "base_step": manifest.base_step, "kind": manifest.kind,
                        "state_checksum": manifest.state_checksum, "objects": objects})

@@ -443,10 +443,7 @@ class Store(StoreObjects, Retrying):
                 removed.append(s)
             elif len(files) > 2:
                 try:
-                    m = self.manifest(s)
-                    keep = {MANIFEST, SIGNATURE, *(p.object for p in m.objects)}
-                    if m.delta is not None:  # an anchor's own delta is the step's too
-                        keep.add(m.delta.object)
+                    keep = {MANIFEST, SIGNATURE, *(p.object for p in self.manifest(s).stored_objects)}
                 except (StepNotFoundError, FormatError):
                     continue  # collected meanwhile, or for verify to report
                 for name in files.keys() - keep:

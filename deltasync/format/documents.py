@@ -378,6 +378,11 @@ class Manifest:
         assert self.object is not None and self.object_sha256 is not None
         return (Part(object=self.object, object_bytes=self.object_bytes, object_sha256=self.object_sha256),)
 
+    @property
+    def stored_objects(self) -> tuple[Part, ...]:
+        """Every object the step's folder holds: ``objects`` and an anchor's own delta (section 5)."""
+        return self.objects if self.delta is None else (*self.objects, self.delta.part)
+
     def to_dict(self) -> dict[str, Any]:
         d = {**asdict(self), "stats": self.stats.to_dict()}
         if self.parts is None:
