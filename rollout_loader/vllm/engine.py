@@ -110,6 +110,7 @@ class DeltasyncInitInfo(WeightTransferInitInfo):
     notify: str | None = None  # a mirror's event feed (http://host:port/events): every rank's prefetcher hears of
     # each step from it and polls the store only as a safety net (deltasync/notify.py)
     trusted_keys: list[str] | None = None  # public keys (PEM text or files on the server): signed steps only
+    trusted: TrustedKeys | None = field(default=None, init=False, repr=False)  # trusted_keys, loaded and checked
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
@@ -233,7 +234,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         else:
             self._close_stream()
             self._reader = StreamReader(init_info.url, storage_options=init_info.storage_options,
-                                        trusted_keys=getattr(init_info, "trusted", None))
+                                        trusted_keys=init_info.trusted)
             self._held = None
             if init_info.step is not None:  # asserted, not reached through verified steps: proved before believed
                 summed = self._prove_held(init_info.step)
@@ -246,9 +247,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             self._rdma = self._rdma_consumer(init_info)
         if init_info.prefetch:
             reader = self._rdma.reader if self._rdma is not None else StreamReader(
-                init_info.url, storage_options=init_info.storage_options, trusted_keys=getattr(init_info, "trusted", None))
-            if reader.trusted is None and self._reader.trusted is not None:
-                reader.trusted = self._reader.trusted
+                init_info.url, storage_options=init_info.storage_options)
+            reader.trusted = self._reader.trusted  # the prefetcher's reader checks with the engine's own key set
             # over NIXL the trainer announces each step, or a mirror does: the prefetcher hears of it at once (a
             # hint it checks); otherwise the store's own feed where it has one, else polls by the stream's cadence
             if init_info.notify is not None and self._rdma is None:
