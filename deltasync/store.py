@@ -42,7 +42,7 @@ from deltasync.lease import WRITER, WriterLease  # noqa: F401 - WRITER: the leas
 from deltasync.node_cache import NodeCache, node_cache_from_env
 from deltasync.retries import Retrying
 from deltasync.scratch import plain_name
-from deltasync.signing import SIGNATURE, SigningKey
+from deltasync.signing import MAX_SIGNATURE_BYTES, SIGNATURE, SigningKey
 from deltasync.store_objects import MANIFEST, StoreObjects, sha256_file, step_dir  # noqa: F401 - re-exported
 from deltasync.transports import Transport, classify_failure, open_transport, scheme_of
 from deltasync.transports.base import Entry
@@ -285,7 +285,7 @@ class Store(StoreObjects, Retrying):
         """Publish one step: object, then signature, then manifest (the commit, create-only), then the latest hint.
 
         ``signer`` signs the step (``signature.json``, docs/FORMAT.md section 5e) before the manifest makes it
-        visible; ``signature`` is a signature made elsewhere (a copy of a signed step: ``push``).
+        visible; ``signature`` is a signature made elsewhere (a mirror copying a signed step).
 
         With ``owner``, the writer's lease is checked right before the manifest is written (and renewed if it
         ran out meanwhile): a writer that lost the stream commits nothing (``WriterConflictError``). A step
@@ -336,8 +336,6 @@ class Store(StoreObjects, Retrying):
 
     def signature(self, step: int) -> bytes | None:
         """Step ``step``'s ``signature.json`` as stored (bounded), or None where it has none."""
-        from deltasync.signing import MAX_SIGNATURE_BYTES
-
         try:
             raw = self.read_bytes(f"{step_dir(step)}/{SIGNATURE}", max_bytes=MAX_SIGNATURE_BYTES)
         except FileNotFoundError:

@@ -50,13 +50,14 @@ class S3Transport(FsspecTransport):
         bucket = self.fs.split_path(path)[0]
         keys = [self.fs.split_path(p)[1] for p in found]
         for i in range(0, len(keys), 1000):  # S3's limit per DeleteObjects request
+            batch = keys[i:i + 1000]
             reply = self._call("delete_objects", Bucket=bucket,
-                               Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+                               Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
             errors = reply.get("Errors") or []
             if errors:
                 first = errors[0]
                 kind = PermissionError if first.get("Code") == "AccessDenied" else OSError
-                raise kind(f"{len(errors)} of {len(keys[i:i + 1000])} objects under {prefix} not deleted: "
+                raise kind(f"{len(errors)} of {len(batch)} objects under {prefix} not deleted: "
                            f"{first.get('Code')}: {first.get('Message')} ({first.get('Key')})")
         self.fs.invalidate_cache(path)
 
