@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import typer
@@ -32,6 +33,8 @@ def main() -> None:
     ``DeltaSyncError``s, ``OSError``s (a disk, a permission) and usage errors (an unknown option, a bad value).
     Anything else is a bug: one line, exit 3. ``DELTASYNC_DEBUG=1`` adds the traceback."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # `kill`, a scheduler, `docker stop`: as Ctrl-C, so
+        signal.signal(signal.SIGTERM, _interrupted)     # downloads, spools and scratch folders are removed
     try:
         code = app(standalone_mode=False)  # errors come back here instead of being printed by click/typer
     except typer.Exit as e:
@@ -56,6 +59,10 @@ def main() -> None:
         hint = "" if _debug() else f"; rerun with {DEBUG_ENV}=1 for the traceback"
         _fail(f"internal error (a bug in deltasync, please report it): {type(e).__name__}: {e}{hint}", EXIT_BUG)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _is_deltasync_error(e: BaseException) -> bool:

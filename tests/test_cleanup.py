@@ -195,8 +195,9 @@ def test_push_on_a_remote_store_leaves_nothing(stream_copy, qwen_stream):
 # --- Ctrl-C ---
 
 
-def interrupt_after_first_download(args: list[str], tmp_path: Path, pause_s: float = 3.0) -> tuple[int, str, list[str], list[str]]:
-    """Run ``deltasync ARGS`` in a subprocess with a private TMPDIR, send SIGINT once it downloaded its first
+def interrupt_after_first_download(args: list[str], tmp_path: Path, pause_s: float = 3.0,
+                                   sig: int = signal.SIGINT) -> tuple[int, str, list[str], list[str]]:
+    """Run ``deltasync ARGS`` in a subprocess with a private TMPDIR, send ``sig`` once it downloaded its first
     object (the download thread then pauses ``pause_s``); returns (exit code, output, TMPDIR then, TMPDIR at the end)."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -213,7 +214,7 @@ def interrupt_after_first_download(args: list[str], tmp_path: Path, pause_s: flo
             assert time.monotonic() < deadline, "no download within 90s"
             time.sleep(0.01)
         during = ours(tmp)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -233,6 +234,17 @@ def test_ctrl_c_leaves_nothing(args, qwen_stream, tmp_path):
     )
     assert any(n.startswith("deltasync-cache-") for n in during), during  # the interrupt hit a live download cache
     assert code != 0 and "Traceback" not in output, output  # interrupted, not finished
+    assert after == [], output
+    assert not out.exists()
+
+
+def test_kill_leaves_nothing_either(qwen_stream, tmp_path):
+    """SIGTERM (``kill``, a scheduler, ``docker stop``) cleans up as Ctrl-C does: it left the download cache."""
+    out = tmp_path / "out"
+    args = ["replay", remote_url(qwen_stream.url), "--step", "9", "-o", str(out)]
+    code, output, during, after = interrupt_after_first_download(args, tmp_path, sig=signal.SIGTERM)
+    assert any(n.startswith("deltasync-cache-") for n in during), during
+    assert code != 0 and "Traceback" not in output, output
     assert after == [], output
     assert not out.exists()
 
