@@ -255,3 +255,31 @@ def test_a_pushed_checkpoint_is_signed_like_a_published_step(signed, keys, tmp_p
     push_checkpoint(str(stream), 6, tmp_path / "ckpt.safetensors", signing_key=keys[0])
     with StreamReader(str(stream), trusted_keys=[keys[1]]) as reader:
         assert _same(reader.state_dict(6), new)
+
+
+def test_signature_json_is_what_format_md_says(signed, keys):
+    """An independent reading of docs/FORMAT.md section 5e, not TrustedKeys: the statement is the sorted,
+    space-free JSON naming the stream, the step, its base, kind, state checksum and every stored object's
+    SHA-256 (from the manifest and stream.json as stored), and the Ed25519 signature over its bytes verifies
+    with the trainer's public key, read with cryptography directly."""
+    import base64
+
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+    stream, _, _ = signed
+    public = load_pem_public_key(keys[1].read_bytes())
+    stream_id = json.loads((stream / "stream.json").read_text())["stream_id"]
+    for step in (0, 4, 5):  # anchors carry their own delta (section 5): it is a stored object too
+        m = json.loads((_step_dir(stream, step) / "manifest.json").read_text())
+        objects = {m["object"]: m["object_sha256"]}
+        if m.get("delta"):
+            objects[m["delta"]["object"]] = m["delta"]["object_sha256"]
+        want = json.dumps({"type": "deltasync.step/1", "stream_id": stream_id, "step": step,
+                           "base_step": m["base_step"], "kind": m["kind"], "state_checksum": m["state_checksum"],
+                           "objects": objects}, sort_keys=True, separators=(",", ":"))
+        doc = json.loads((_step_dir(stream, step) / SIGNATURE).read_text())
+        assert (doc["format_version"], doc["algorithm"]) == (1, "ed25519")
+        assert doc["statement"] == want
+        assert base64.b64decode(doc["public_key"]) == public.public_bytes_raw()
+        public.verify(base64.b64decode(doc["signature"]), want.encode())  # raises if it does not verify
+    assert json.loads((_step_dir(stream, 4) / "manifest.json").read_text()).get("delta")  # the case was covered

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from deltasync import DeltaPublisher, StreamReader
+from deltasync.signing import keygen
 from rollout_loader import Follower, StateDictTarget
 from tests.conftest import states_equal
 from tests.integration.counting_proxy import Request, counting_proxy
@@ -28,16 +29,21 @@ def _through(options: dict, proxy_url: str) -> dict:
     return {**options, "client_kwargs": {**options["client_kwargs"], "endpoint_url": proxy_url}}
 
 
-def test_an_idle_follower_makes_one_request_per_poll(s3_server):  # noqa: F811
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+def test_an_idle_follower_makes_one_request_per_poll(s3_server, signed, tmp_path):  # noqa: F811
+    """Signed (docs/FORMAT.md 5e): the idle poll is the same single GET; a new step adds one GET of its
+    signature, and stream.json is read once, at the start."""
     url = s3_server.new_url()
     opts = s3_server.storage_options
-    with DeltaPublisher(url, _state(0), on_backlog="block", storage_options=opts) as pub:
+    private, public = keygen(tmp_path / "trainer.key") if signed else (None, None)
+    with DeltaPublisher(url, _state(0), on_backlog="block", storage_options=opts, signing_key=private) as pub:
         for s in range(3):
             pub.source = _state(s)
             pub.publish(s)
     with counting_proxy(opts["client_kwargs"]["endpoint_url"]) as proxy:
         target = StateDictTarget()
-        follower = Follower(url, target, poll_s=0.05, max_poll_s=0.4, storage_options=_through(opts, proxy.url))
+        follower = Follower(url, target, poll_s=0.05, max_poll_s=0.4, storage_options=_through(opts, proxy.url),
+                            trusted_keys=[public] if signed else None)
         follower.start()
         follower.wait_for(2, timeout_s=60)
         time.sleep(0.5)  # the first poll's listing and the chain are done
@@ -53,7 +59,8 @@ def test_an_idle_follower_makes_one_request_per_poll(s3_server):  # noqa: F811
         assert len(idle) == idle_polls
 
         # a new step: noticed with one read of latest.json, then only its manifest and its object
-        with DeltaPublisher(url, _state(2), on_backlog="block", storage_options=opts) as pub:  # a restarted trainer
+        with DeltaPublisher(url, _state(2), on_backlog="block", storage_options=opts,
+                            signing_key=private) as pub:  # a restarted trainer
             pub.source = _state(3)
             pub.publish(3)
         proxy.take()
@@ -61,6 +68,8 @@ def test_an_idle_follower_makes_one_request_per_poll(s3_server):  # noqa: F811
         applied = proxy.count(proxy.take())
         assert ("GET", "LIST") not in applied and ("HEAD", "LIST") not in applied, applied
         assert applied[("GET", "manifest.json")] == 1, applied
+        assert applied.get(("GET", "signature.json"), 0) == (1 if signed else 0), applied
+        assert ("GET", "stream.json") not in applied, applied  # the stream id was read once, at the start
         assert states_equal(target.state_dict(), _state(3))
         follower.close()
 
