@@ -116,3 +116,60 @@ def test_requests_are_counted_by_kind() -> None:
     reqs = [Request("GET", "/bucket", "list-type=2&prefix=run/steps/"), Request("GET", "/bucket/run/latest.json", ""),
             Request("HEAD", "/bucket/run/steps/000000000001/manifest.json", "")]
     assert p.count(reqs) == {("GET", "LIST"): 1, ("GET", "latest.json"): 1, ("HEAD", "manifest.json"): 1}
+
+
+def test_a_mirror_of_a_signed_stream_reads_each_step_once_and_idles_on_one_request(s3_server, tmp_path):  # noqa: F811
+    """What a mirror costs its source: an idle poll is one GET of latest.json; a step copied is its manifest,
+    its signature (checked with the trusted key, copied with the step) and its object, one GET each."""
+    import threading
+
+    from deltasync.history.mirror import mirror_follow
+    from deltasync.watch import PollPolicy
+
+    url = s3_server.new_url()
+    opts = s3_server.storage_options
+    private, public = keygen(tmp_path / "trainer.key")
+    with DeltaPublisher(url, _state(0), on_backlog="block", storage_options=opts, signing_key=private) as pub:
+        for s in range(3):
+            pub.source = _state(s)
+            pub.publish(s)
+    copy = str(tmp_path / "copy")
+
+    def copied(step: int) -> bool:
+        try:
+            return step in StreamReader(copy).steps()
+        except Exception:  # noqa: BLE001 - not created yet
+            return False
+
+    with counting_proxy(opts["client_kwargs"]["endpoint_url"]) as proxy:
+        stop = threading.Event()
+        thread = threading.Thread(target=mirror_follow, args=(url, copy), daemon=True, kwargs=dict(
+            src_options=_through(opts, proxy.url), policy=PollPolicy(fast_s=0.05, idle_max_s=0.4), stop=stop,
+            trusted_keys=[public]))
+        thread.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not copied(2):
+                assert time.monotonic() < deadline and thread.is_alive()
+                time.sleep(0.05)
+            time.sleep(0.5)
+            proxy.take()
+            time.sleep(3.0)  # idle
+            idle = proxy.count(proxy.take())
+            assert set(idle) == {("GET", "latest.json")} and idle[("GET", "latest.json")] >= 5, idle
+            with DeltaPublisher(url, _state(2), on_backlog="block", storage_options=opts, signing_key=private) as pub:
+                pub.source = _state(3)
+                pub.publish(3)
+            proxy.take()
+            while not copied(3):
+                assert time.monotonic() < deadline + 60 and thread.is_alive()
+                time.sleep(0.05)
+            step = proxy.count(proxy.take())
+            objects = {k: n for k, n in step.items() if k[1].endswith(".safetensors")}
+            assert step[("GET", "manifest.json")] == 1 and step[("GET", "signature.json")] == 1, step
+            assert list(objects.values()) == [1] and ("GET", "LIST") not in step, step
+        finally:
+            stop.set()
+            thread.join(timeout=30)
+    with StreamReader(copy, trusted_keys=[public]) as reader:  # the copy verifies with the same key
+        assert states_equal(reader.state_dict(3), _state(3))
