@@ -68,7 +68,8 @@ def _store(where: str | Store, options: dict[str, Any] | None) -> tuple[Store, b
 
 def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | None = None,
            dst_options: dict[str, Any] | None = None, after: int | None = None, newest: int | None = None,
-           on_step: Callable[[int, int], None] | None = None, trusted_keys: Any = None) -> MirrorReport:
+           on_step: Callable[[int, int], None] | None = None, trusted_keys: Any = None,
+           reader: StreamReader | None = None) -> MirrorReport:
     """Copy every committed step of ``src`` that ``dst`` lacks (those after ``after`` only, if given), in order.
 
     Args:
@@ -81,6 +82,8 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
         trusted_keys: public key files (or ``TrustedKeys``): only steps one of them signed are copied. Either
             way a step's signature is copied with it (before its manifest), and the copy keeps the source's
             stream id, so the copy's followers check the same signatures.
+        reader: a reader of ``src`` whose cached manifests to use (a follower's: the step it just saw is
+            not read again).
 
     Raises ``StreamNotFoundError`` (no stream at ``src``), ``CorruptObjectError`` (a source object that does not
     match its manifest: nothing of that step is committed), ``StepExistsError`` (the destination holds a
@@ -114,7 +117,8 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
             if step in held:
                 continue
             try:
-                size = _copy_step(source, target, step, scratch, trusted)
+                size = _copy_step(source, target, step, scratch, trusted,
+                                  manifest=reader.manifest if reader is not None else source.manifest)
             except StepNotFoundError:
                 if not incremental and step in source.steps():
                     raise
@@ -153,10 +157,11 @@ def _same_stream(source: Store, info: Any, target: Store) -> None:
                               "copy of this stream)")
 
 
-def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder, trusted: Any = None) -> int | None:
+def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder, trusted: Any = None, *,
+               manifest: Callable[..., Manifest]) -> int | None:
     """Commit ``step`` at the destination: its objects (checked against the manifest), its signature, then the
     manifest. Returns the bytes copied, or None when the destination already holds exactly this step."""
-    m = source.manifest(step, nearby=False)
+    m = manifest(step, nearby=False)
     signature = source.signature(step)
     if trusted is not None:
         trusted.check(signature, m, source.stream_id(), where=source.url)
@@ -235,7 +240,8 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
             try:
                 newest = watch.newest()
                 if newest is not None and (done is None or newest > done):
-                    mirror(reader.store, target, after=done, newest=newest, on_step=copied, trusted_keys=trusted)
+                    mirror(reader.store, target, after=done, newest=newest, on_step=copied, trusted_keys=trusted,
+                           reader=reader)  # the step the watch just checked is not read again
                     done = newest
                     if events is not None:
                         events.announce(done)  # steps the destination held already count too
