@@ -27,7 +27,7 @@ setup() {
 # Compile the numba kernels, or load them from their disk cache (seconds). Before the tests: otherwise every
 # test process compiles them at once on first use (minutes on a fresh clone, all cores), inside the tests.
 kernels() {
-  "$VENV/bin/python" -c "from deltasync.format._kernels import warm_kernels; warm_kernels()"
+  "$VENV/bin/python" -c "from deltasync.engine import warm_kernels; warm_kernels()"
 }
 
 # The demo through a real S3 server: SeaweedFS (installed in .venv) on loopback, stopped afterwards.

@@ -79,7 +79,7 @@ class Training:
     AdamW at ``args.lr``, the Python standard library's source as token ids, one seeded generator."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from deltasync_cli.demo import stdlib_corpus, tiny_qwen3
+        from deltasync.testing import stdlib_corpus, tiny_qwen3
 
         self.model = tiny_qwen3(hidden_size=args.hidden, layers=args.layers, vocab_size=args.vocab).float()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.0)

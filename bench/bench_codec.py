@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import Training, machine, parser, write_results
-from deltasync.format._kernels import warm_kernels
+from deltasync.engine import warm_kernels
 from deltasync.format.objects import StepObject
 from deltasync.publish.publisher import named_tensors, snapshot_headers, write_step
 from deltasync.stages.apply import Replica

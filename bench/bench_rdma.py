@@ -248,7 +248,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10, help="raw READs / transport stages per step (least kept)")
     ap.add_argument("--poll-ms", type=float, default=1.0, help="store modes: latest_step polling interval")
     args = ap.parse_args()
-    from deltasync import warm_kernels
+    from deltasync.engine import warm_kernels
 
     warm_kernels()  # once per process, never inside a measured step
     sizes = [float(x) for x in args.sizes.split(",")]

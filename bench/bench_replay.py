@@ -81,7 +81,8 @@ def measure(case: str, url: str, step: int, work: Path) -> dict:
     """One measurement, in this (fresh) process."""
     import safetensors.torch
 
-    from deltasync import StreamReader, reconstruct_state_dict, replay_to_folder
+    from deltasync import replay_to_folder, StreamReader
+    from deltasync.history import reconstruct_state_dict
 
     warm = work / "warm-up"  # compiled kernels, thread pools, imports: outside the measurement
     reconstruct_state_dict(str(warm), 1)
@@ -117,7 +118,8 @@ def breakdown(url: str, step: int, work: Path, passes: int = 3) -> dict:
 
     import numba
 
-    from deltasync import StreamReader, reconstruct_state_dict
+    from deltasync import StreamReader
+    from deltasync.history import reconstruct_state_dict
     from deltasync.format.checksum import tensor_checksum
     from deltasync.history.replay import Chain, group_full, open_checked, xor_patches
 
@@ -175,7 +177,7 @@ def run_case(case: str, url: str, step: int, work: Path) -> dict:
 
 def build_streams(args, work: Path) -> tuple[str, str, dict]:
     from deltasync import DeltaPublisher
-    from deltasync_cli.demo import save_model_dir, tiny_qwen3
+    from deltasync.testing import save_model_dir, tiny_qwen3
 
     train = Training(args)
     model = train.model

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import Training, machine, parser, write_results  # noqa: E402
-from deltasync import DeltaPublisher, StreamReader  # noqa: E402
+from deltasync import DeltaPublisher, StreamReader
 from deltasync.store import Store, step_dir  # noqa: E402
 from rollout_loader import Follower, StateDictTarget  # noqa: E402
 from tests.integration.seaweedfs import SeaweedFS  # noqa: E402

@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deltasync import DeltaPublisher, StreamReader  # noqa: E402
-from deltasync_cli.demo import tiny_qwen3  # noqa: E402
+from deltasync import DeltaPublisher, StreamReader
+from deltasync.testing import tiny_qwen3  # noqa: E402
 from rollout_loader import Follower, StateDictTarget  # noqa: E402
 
 

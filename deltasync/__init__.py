@@ -2,6 +2,7 @@
 
 Trainer::
 
+    from deltasync import DeltaPublisher
     pub = DeltaPublisher("s3://bucket/run1", model)
     pub.publish(step)          # after optimizer.step()
 
@@ -15,93 +16,34 @@ History::
     replay_to_folder("s3://bucket/run1", step, "ckpt-step")   # a folder transformers and vLLM load
     verify("s3://bucket/run1"); collect_garbage("s3://bucket/run1", keep_last=100)
 
-Engine integrations (decode ahead, then only write and prove inside the engine's pause)::
-
-    with reader.open(step) as obj:
-        staged = stage(obj, layout, base_step=held)      # decoded and checked; nothing written
-    checksums = apply_staged(staged, tensors, checksums=before)   # XOR in place, verified, all or nothing
-    # or, per patch, onto a shard: xor_apply(bits, local_positions, xor, index=global_indices)
+This module exports what a trainer or an operator uses. The rest is in documented submodules:
+``deltasync.errors`` (every error, one hierarchy under ``DeltaSyncError``), ``deltasync.history`` (the
+results of the history tools and their finer-grained steps), ``deltasync.transports`` (a new store backend),
+``deltasync.engine`` (for inference-engine integrations: staged apply, checksums, step documents).
 """
 
-from deltasync.errors import (
-    BaseStepMismatchError,
-    ChecksumMismatchError,
-    HeldStepError,
-    ResourceLimitError,
-    ConfigError,
-    CorruptObjectError,
-    DeltaSyncError,
-    EngineConfigError,
-    EngineError,
-    EngineUnreachableError,
-    FollowError,
-    FormatError,
-    MissingDependencyError,
-    OutputExistsError,
-    PublishError,
-    StepExistsError,
-    StepNotFoundError,
-    StepOrderError,
-    StoreAuthError,
-    StoreConfigError,
-    StoreError,
-    StoreUnreachableError,
-    StreamNotFoundError,
-    TensorMismatchError,
-    WaitTimeoutError,
-    WriterConflictError,
-)
-from deltasync.format._bits import DTYPES, dtype_from_name, dtype_name, int_view
-from deltasync.format._kernels import warm_kernels
-from deltasync.format.checksum import add as add_checksums
-from deltasync.format.checksum import (
-    checksum_elements,
-    format_checksum,
-    parse_checksum,
-    state_checksum,
-    tensor_checksum,
-)
-from deltasync.format.objects import (
-    FORMAT_VERSION,
-    StepHeader,
-    StepObject,
-    TensorHeader,
-)
-from deltasync.format.parts import PartedObject
-from deltasync.format.patch import Patch
-from deltasync.history.compare import Comparison, compare
-from deltasync.history.gc import (
-    GcPlan,
-    check_consumer_id,
-    collect_garbage,
-    plan_gc,
-    read_heartbeats,
-    run_gc,
-    write_heartbeat,
-)
-from deltasync.history.push import push_checkpoint
-from deltasync.history.rebuild import (
-    ReplayResult,
-    reconstruct_state_dict,
-    reconstruct_tensor,
-    replay_to_folder,
-)
-from deltasync.history.stats import StreamStats, layer_density, plot_stats, stream_stats
-from deltasync.history.verify import VerifyReport, verify
-from deltasync.publish.publisher import DeltaPublisher, StepMetrics
-from deltasync.node_cache import NodeCache
-from deltasync.reader import StreamReader
-from deltasync.watch import PollPolicy, StepWatch
-from deltasync.stages.apply import Replica, Verify, apply_staged, xor_apply
-from deltasync.stages.staging import Layout, StagedStep, TensorSpec, layout_of, stage
-from deltasync.store import Manifest, Part, Store
-from deltasync.transports import (
-    Capabilities,
-    Entry,
-    Transport,
-    open_transport,
-    register_transport,
-)
+from typing import TYPE_CHECKING
+
+from deltasync._lazy import lazy_exports
+from deltasync.errors import DeltaSyncError
+
+# Where each exported name lives. Imported on first use (PEP 562): `deltasync ls` and the other store
+# commands import deltasync.store without paying for torch and numba, which the trainer and reader need.
+_HOMES = {
+    "DeltaPublisher": "deltasync.publish.publisher",
+    "StreamReader": "deltasync.reader",
+    "StepWatch": "deltasync.watch",
+    "NodeCache": "deltasync.node_cache",
+    "RdmaConsumer": "deltasync.rdma.consumer",  # needs pyzmq and NIXL: pip install 'deltasync[rdma]'
+    "Store": "deltasync.store",
+    "replay_to_folder": "deltasync.history.rebuild",
+    "push_checkpoint": "deltasync.history.push",
+    "compare": "deltasync.history.compare",
+    "verify": "deltasync.history.verify",
+    "collect_garbage": "deltasync.history.gc",
+    "stream_stats": "deltasync.history.stats",
+}
+
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
@@ -117,104 +59,36 @@ __version__ = _version()
 __all__ = [
     # trainer
     "DeltaPublisher",
-    "StepMetrics",
-    "Store",
-    "Manifest",
-    # stores: a new backend is one Transport subclass, registered by URL scheme (or entry point)
-    "Transport",
-    "RdmaConsumer",
-    "Capabilities",
-    "Entry",
-    "open_transport",
-    "register_transport",
     # consumer
     "StreamReader",
-    "NodeCache",
     "StepWatch",
-    "PollPolicy",
-    "Replica",
-    "Verify",
-    "StepObject",
-    "PartedObject",
-    "Part",
-    "StepHeader",
-    "TensorHeader",
-    "FORMAT_VERSION",
-    "write_heartbeat",
-    "read_heartbeats",
-    "check_consumer_id",
-    # engine integrations (rollout_loader): decode ahead, write in place, prove it
-    "Patch",
-    "stage",
-    "StagedStep",
-    "Layout",
-    "TensorSpec",
-    "layout_of",
-    "apply_staged",
-    "xor_apply",
-    "warm_kernels",
-    "DTYPES",
-    "dtype_name",
-    "dtype_from_name",
-    "int_view",
-    "tensor_checksum",
-    "checksum_elements",
-    "add_checksums",
-    "format_checksum",
-    "parse_checksum",
-    "state_checksum",
+    "NodeCache",
+    "RdmaConsumer",
+    "Store",
     # history
     "replay_to_folder",
-    "ReplayResult",
-    "reconstruct_state_dict",
-    "reconstruct_tensor",
     "push_checkpoint",
     "compare",
-    "Comparison",
     "verify",
-    "VerifyReport",
     "collect_garbage",
-    "plan_gc",
-    "run_gc",
-    "GcPlan",
     "stream_stats",
-    "StreamStats",
-    "layer_density",
-    "plot_stats",
-    # errors
+    # errors (every subclass: deltasync.errors)
     "DeltaSyncError",
-    "FormatError",
-    "CorruptObjectError",
-    "TensorMismatchError",
-    "BaseStepMismatchError",
-    "ChecksumMismatchError",
-    "HeldStepError",
-    "ResourceLimitError",
-    "StepNotFoundError",
-    "StreamNotFoundError",
-    "StepOrderError",
-    "StepExistsError",
-    "StoreError",
-    "StoreAuthError",
-    "StoreUnreachableError",
-    "StoreConfigError",
-    "WriterConflictError",
-    "PublishError",
-    "WaitTimeoutError",
-    "FollowError",
-    "OutputExistsError",
-    "ConfigError",
-    "MissingDependencyError",
-    "EngineError",
-    "EngineUnreachableError",
-    "EngineConfigError",
 ]
 
 
-def __getattr__(name: str):
-    """The RDMA consumer is imported on first use: it needs pyzmq and NIXL (``pip install 'deltasync[rdma]'``)."""
-    if name == "RdmaConsumer":
-        from deltasync.rdma.consumer import RdmaConsumer
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)
 
-        return RdmaConsumer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+if TYPE_CHECKING:  # what static checkers and IDEs see
+    from deltasync.history.compare import compare
+    from deltasync.history.gc import collect_garbage
+    from deltasync.history.push import push_checkpoint
+    from deltasync.history.rebuild import replay_to_folder
+    from deltasync.history.stats import stream_stats
+    from deltasync.history.verify import verify
+    from deltasync.node_cache import NodeCache
+    from deltasync.publish.publisher import DeltaPublisher
+    from deltasync.rdma.consumer import RdmaConsumer
+    from deltasync.reader import StreamReader
+    from deltasync.store import Store
+    from deltasync.watch import StepWatch

@@ -146,7 +146,7 @@ def _num(x: float | None) -> str:
 def _dtype(name: str | None) -> Any:
     import torch
 
-    from deltasync.format._bits import DTYPES
+    from deltasync.engine import DTYPES
 
     if name is None:
         return None

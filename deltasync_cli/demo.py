@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
-import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +22,7 @@ import torch
 from deltasync.format.checksum import format_checksum, state_checksum, tensor_checksum
 from deltasync.publish.publisher import DeltaPublisher, named_tensors
 from deltasync.scratch import ScratchFolder
+from deltasync.testing import save_model_dir, stdlib_corpus, tiny_qwen3
 
 log = logging.getLogger(__name__)
 
@@ -40,62 +39,6 @@ class DemoConfig:
     seed: int = 0
     engine: str = "vllm"  # "vllm": a real vLLM engine follows; "torch": a state dict in this process
     transport: str = "store"  # "store": the follower reads the store; "nixl": trainer and consumer processes over NIXL
-
-
-def tiny_qwen3(*, hidden_size: int = 256, layers: int = 4, vocab_size: int = 512, tie: bool = False, seed: int = 0):
-    """A random Qwen3 model built with transformers (no download): head_dim 64, as vLLM's CPU attention wants.
-    ``MissingDependencyError`` naming the extra without transformers."""
-    try:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-    except ImportError as e:
-        from deltasync.errors import MissingDependencyError
-
-        raise MissingDependencyError(f"the demo trains a small Qwen3 model with transformers ({e}): "
-                                     "pip install 'deltasync[demo]'") from None
-
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 3,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden_size // 64,
-        num_key_value_heads=max(1, hidden_size // 128),
-        head_dim=64,
-        max_position_embeddings=2048,
-        tie_word_embeddings=tie,
-        torch_dtype="bfloat16",
-    )
-    return Qwen3ForCausalLM(cfg)
-
-
-def save_model_dir(model: torch.nn.Module, out: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """A checkpoint folder an inference engine loads: config, weights in ``dtype``, a byte-level tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    out = Path(out)
-    state = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
-    model.save_pretrained(out, state_dict=state)  # a copy: the trainer's fp32 master weights stay untouched
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(out)
-    return out
-
-
-def stdlib_corpus(max_bytes: int = 4 << 20, seed: int = 0) -> torch.Tensor:
-    """Bytes of the Python standard library's source, as token ids."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(root.glob("*.py"))
-    random.Random(seed).shuffle(files)
-    buf = bytearray()
-    for f in files:
-        buf += f.read_bytes()
-        if len(buf) >= max_bytes:
-            break
-    return torch.frombuffer(buf[:max_bytes], dtype=torch.uint8).to(torch.long)
 
 
 def bf16_checksums(model: torch.nn.Module) -> dict[str, str]:

@@ -21,7 +21,8 @@ import tempfile
 import torch
 from torch import nn
 
-from deltasync import DeltaPublisher, compare, layer_density, plot_stats, stream_stats
+from deltasync import compare, DeltaPublisher, stream_stats
+from deltasync.history import layer_density, plot_stats
 
 
 class Model(nn.Module):

@@ -21,7 +21,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from deltasync import StreamReader
 from deltasync.integrations.transformers import DeltaSyncCallback
-from deltasync_cli.demo import save_model_dir, tiny_qwen3
+from deltasync.testing import save_model_dir, tiny_qwen3
 
 
 def reward_length(completions: list[str], **_: object) -> list[float]:

@@ -20,11 +20,9 @@ import tempfile
 
 import torch
 
-from deltasync import DeltaPublisher, tensor_checksum
-from deltasync_cli.demo import (  # a random tiny model and its checkpoint folder
-    save_model_dir,
-    tiny_qwen3,
-)
+from deltasync import DeltaPublisher
+from deltasync.engine import tensor_checksum
+from deltasync.testing import save_model_dir, tiny_qwen3
 from rollout_loader import Follower
 from rollout_loader.vllm import VllmTarget, start_engine
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from deltasync import DeltaPublisher, StreamReader
-from deltasync_cli.demo import save_model_dir, tiny_qwen3
+from deltasync.testing import save_model_dir, tiny_qwen3
 
 
 def free_port() -> int:

@@ -20,29 +20,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from deltasync import (
+from deltasync import DeltaSyncError, StreamReader
+from deltasync.engine import check_consumer_id, Notifier, PollPolicy, Replica, StepObject, StepWatch, TrustedKeys, Verify, write_heartbeat
+from deltasync.errors import (
     ConfigError,
-    DeltaSyncError,
     EngineConfigError,
     FollowError,
     HeldStepError,
     MissingDependencyError,
-    Replica,
     StepNotFoundError,
-    StepObject,
     StoreAuthError,
     StoreConfigError,
-    StreamReader,
     TensorMismatchError,
-    Verify,
     WaitTimeoutError,
-    check_consumer_id,
-    write_heartbeat,
 )
 
-from deltasync.notify import Notifier
-from deltasync.signing import TrustedKeys
-from deltasync.watch import PollPolicy, StepWatch
 
 from .metrics import FollowerStats, FollowerStatus, MetricsServer, serve
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from deltasync import ConfigError, MissingDependencyError
+from deltasync.errors import ConfigError, MissingDependencyError
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from deltasync import TensorMismatchError
+from deltasync.errors import TensorMismatchError
 
 Shape = tuple[int, ...]
 

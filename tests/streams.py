@@ -30,7 +30,7 @@ class QwenStream:
 
 
 def make_qwen_stream(root: Path, *, steps: int = 10, anchor_every: int = 4) -> QwenStream:
-    from deltasync_cli.demo import save_model_dir, tiny_qwen3
+    from deltasync.testing import save_model_dir, tiny_qwen3
 
     model = tiny_qwen3(hidden_size=64, layers=2, vocab_size=300, tie=True).float()
     model_dir = save_model_dir(model, root / "model")

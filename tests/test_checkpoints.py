@@ -4,7 +4,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from deltasync import CorruptObjectError, DeltaPublisher
+from deltasync import DeltaPublisher
+from deltasync.errors import CorruptObjectError
 from deltasync.history.checkpoints import (
     FILES_INDEX,
     CheckpointWriter,

@@ -6,7 +6,8 @@ import pytest
 import safetensors.torch
 from typer.testing import CliRunner
 
-from deltasync import StreamReader, write_heartbeat
+from deltasync import StreamReader
+from deltasync.engine import write_heartbeat
 from deltasync_cli import app, main
 from deltasync.store import Store
 from tests.conftest import states_equal

@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
-from deltasync import DeltaPublisher, FormatError
+from deltasync import DeltaPublisher
+from deltasync.errors import FormatError
 from deltasync.format.documents import ConsumerPosition, encode
 from deltasync.history.fleet import fleet_status, prometheus_text
-from deltasync.history.gc import read_heartbeats
+from deltasync.consumers import read_heartbeats
 from deltasync.store import Store
 from rollout_loader import Follower, StateDictTarget
 from tests.test_cli_errors import assert_one_line_error, run_main

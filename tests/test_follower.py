@@ -199,7 +199,7 @@ def test_retry_delays_grow_exponentially_with_jitter_up_to_the_cap(poll_s, max_s
 
 def test_a_wrong_url_is_reported_not_waited_on_silently(tmp_path, small_state):
     """Today a Follower on a wrong URL or prefix waited forever without a word."""
-    from deltasync import StreamNotFoundError, WaitTimeoutError
+    from deltasync.errors import StreamNotFoundError, WaitTimeoutError
 
     (tmp_path / "runs" / "run-7").mkdir(parents=True)
     follower = Follower(str(tmp_path / "runs"), StateDictTarget(), poll_s=0.01)  # the prefix is one level short
@@ -218,7 +218,13 @@ def test_a_wrong_url_is_reported_not_waited_on_silently(tmp_path, small_state):
 def test_errors_retrying_cannot_fix_stop_the_follower():
     from rollout_loader.follower import PERMANENT_ERRORS
 
-    from deltasync import ConfigError, EngineConfigError, MissingDependencyError, StoreAuthError, TensorMismatchError
+    from deltasync.errors import (
+        ConfigError,
+        EngineConfigError,
+        MissingDependencyError,
+        StoreAuthError,
+        TensorMismatchError,
+    )
 
     for cls in (TensorMismatchError, StoreAuthError, EngineConfigError, ConfigError, MissingDependencyError):
         assert issubclass(cls, PERMANENT_ERRORS)

@@ -8,23 +8,18 @@ import safetensors
 import safetensors.torch
 import torch
 
-from deltasync import (
+from deltasync import compare, DeltaPublisher, push_checkpoint, replay_to_folder, StreamReader
+from deltasync.errors import (
     ChecksumMismatchError,
-    DeltaPublisher,
     CorruptObjectError,
     FormatError,
     OutputExistsError,
     StepNotFoundError,
     StepOrderError,
     StreamNotFoundError,
-    StreamReader,
     TensorMismatchError,
-    compare,
-    push_checkpoint,
-    reconstruct_state_dict,
-    reconstruct_tensor,
-    replay_to_folder,
 )
+from deltasync.history import reconstruct_state_dict, reconstruct_tensor
 from deltasync.history.checkpoints import FILES_INDEX
 from deltasync.format.patch import Patch
 from deltasync.history import replay
@@ -299,7 +294,7 @@ def test_a_step_collected_while_replaying_is_named(stream_copy, tmp_path, monkey
 
 
 def test_push_takes_the_writer_lease(qwen_stream, tmp_path, small_state):
-    from deltasync import WriterConflictError
+    from deltasync.errors import WriterConflictError
 
     url = str(tmp_path / "s")
     ckpt = tmp_path / "c.safetensors"

@@ -23,7 +23,7 @@ pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate
 pytest.importorskip("transformers.distributed", reason="needs transformers with from_pretrained(distributed_config=)")
 
 from deltasync import StreamReader
-from deltasync_cli.demo import save_model_dir, tiny_qwen3
+from deltasync.testing import save_model_dir, tiny_qwen3
 
 WORKER = r"""import json, os, sys
 import torch

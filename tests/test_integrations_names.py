@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from deltasync import ConfigError
+from deltasync.errors import ConfigError
 from deltasync.integrations import canonical_name, canonical_names
 
 

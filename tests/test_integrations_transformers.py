@@ -14,9 +14,10 @@ pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from deltasync import ConfigError, StreamReader
+from deltasync import StreamReader
+from deltasync.errors import ConfigError
 from deltasync.integrations.transformers import DeltaSyncCallback
-from deltasync_cli.demo import tiny_qwen3
+from deltasync.testing import tiny_qwen3
 
 INT_VIEW = {2: torch.int16, 4: torch.int32}
 
@@ -232,7 +233,7 @@ def test_trl_grpo_trainer_publishes_bit_exactly(tmp_path):
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from deltasync_cli.demo import save_model_dir
+    from deltasync.testing import save_model_dir
 
     model = tiny_qwen3(hidden_size=64, layers=1).float()
     save_model_dir(model, tmp_path / "model", dtype=torch.float32)

@@ -4,7 +4,10 @@ import pytest
 
 from deltasync.errors import ConfigError, FormatError
 
-from deltasync import StepNotFoundError, StreamReader, collect_garbage, plan_gc, read_heartbeats, verify, write_heartbeat
+from deltasync import collect_garbage, StreamReader, verify
+from deltasync.engine import read_heartbeats, write_heartbeat
+from deltasync.errors import StepNotFoundError
+from deltasync.history import plan_gc
 from deltasync.format.documents import ConsumerPosition
 from deltasync.store import Manifest, Store, step_dir
 from rollout_loader import Follower, StateDictTarget

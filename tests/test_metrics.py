@@ -15,7 +15,8 @@ import torch
 pytest.importorskip("prometheus_client", reason="the metrics endpoint needs prometheus-client (deltasync[metrics])")
 from prometheus_client.parser import text_string_to_metric_families
 
-from deltasync import ConfigError, DeltaPublisher, MissingDependencyError
+from deltasync import DeltaPublisher
+from deltasync.errors import ConfigError, MissingDependencyError
 from rollout_loader import Follower, StateDictTarget
 from rollout_loader.metrics import FollowerStats, serve
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltasync import CorruptObjectError, DeltaPublisher, StepExistsError, StreamReader, verify
+from deltasync import DeltaPublisher, StreamReader, verify
+from deltasync.errors import CorruptObjectError, StepExistsError
 from deltasync.history.mirror import mirror, mirror_follow
 from deltasync.store import Store, step_dir
 from deltasync.watch import PollPolicy

@@ -15,7 +15,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from deltasync import ConfigError, CorruptObjectError, NodeCache, StreamReader
+from deltasync import NodeCache, StreamReader
+from deltasync.errors import ConfigError, CorruptObjectError
 from deltasync.node_cache import node_cache_from_env
 from deltasync.store import step_dir
 from tests.conftest import states_equal

@@ -21,7 +21,9 @@ import safetensors.torch
 import torch
 from typer.testing import CliRunner
 
-from deltasync import DeltaPublisher, Replica, StreamReader, TensorMismatchError
+from deltasync import DeltaPublisher, StreamReader
+from deltasync.engine import Replica
+from deltasync.errors import TensorMismatchError
 from deltasync.format import _kernels
 from deltasync.format.checksum import (
     _torch_checksum,

@@ -8,18 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from deltasync import (
-    BaseStepMismatchError,
-    ChecksumMismatchError,
-    FormatError,
-    StagedStep,
-    StepObject,
-    TensorMismatchError,
-    TensorSpec,
-    apply_staged,
-    layout_of,
-    stage,
-)
+from deltasync.engine import apply_staged, layout_of, stage, StagedStep, StepObject, TensorSpec
+from deltasync.errors import BaseStepMismatchError, ChecksumMismatchError, FormatError, TensorMismatchError
 from tests.conftest import states_equal
 from tests.test_apply import _chain
 from tests.test_reference import bits_of, ref_checksum

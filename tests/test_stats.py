@@ -1,6 +1,8 @@
 import pytest
 
-from deltasync import StepNotFoundError, StreamReader, layer_density, plot_stats, stream_stats
+from deltasync import stream_stats, StreamReader
+from deltasync.errors import StepNotFoundError
+from deltasync.history import layer_density, plot_stats
 from deltasync.history.stats import read_step_header
 
 

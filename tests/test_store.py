@@ -71,7 +71,7 @@ def test_a_local_store_reads_only_regular_files(tmp_path, small_state):
     builtin error. Now: a hint that cannot be read is ignored, anything else is a FormatError naming the path."""
     import os
 
-    from deltasync import DeltaPublisher, StreamReader, collect_garbage
+    from deltasync import collect_garbage, DeltaPublisher, StreamReader
     from deltasync.errors import FormatError
     from deltasync.store import step_dir
     from rollout_loader import Follower, StateDictTarget

@@ -13,7 +13,8 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 import torch
 
-from deltasync import ConfigError, DeltaPublisher, EngineConfigError, EngineError, EngineUnreachableError
+from deltasync import DeltaPublisher
+from deltasync.errors import ConfigError, EngineConfigError, EngineError, EngineUnreachableError
 from rollout_loader import Follower
 from rollout_loader.vllm import HttpWeightTransfer, LocalWeightTransfer, VllmTarget
 from tests.http_server import serving

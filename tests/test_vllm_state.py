@@ -99,7 +99,7 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> Non
     # one patch of a sealed step fails its check (written on the pool beside the others): nothing stays written
     import dataclasses
 
-    from deltasync import TensorMismatchError
+    from deltasync.errors import TensorMismatchError
 
     now = {n: held(n)[0].tolist() for n in routes}
     staged = stage(state, [patch("a", 0.3), patch("b", 0.5), patch("c", 0.2)])

@@ -9,7 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
-from deltasync import ConfigError, DeltaPublisher, PollPolicy, StepWatch, StreamReader
+from deltasync import DeltaPublisher, StepWatch, StreamReader
+from deltasync.engine import PollPolicy
+from deltasync.errors import ConfigError
 from deltasync.format.documents import LatestHint, encode
 from deltasync.store import LATEST
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from deltasync.errors import ConfigError
-from deltasync.history.gc import read_heartbeats
+from deltasync.consumers import read_heartbeats
 from deltasync.store import Store
 
 __all__ = ["ConsumerStatus", "FleetStatus", "fleet_status", "prometheus_text"]

@@ -1,4 +1,4 @@
-"""Garbage collection that never hurts a consumer, and the consumers' heartbeats it respects.
+"""Garbage collection that never hurts a consumer: it respects the consumers' heartbeats (consumers.py).
 
 Planned by a pure function (``plan_gc``: committed steps and consumer positions in, a ``GcPlan`` out) and
 executed by ``run_gc``; ``collect_garbage`` does both. Consumers record their position in the store
@@ -15,55 +15,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deltasync.errors import ConfigError, FormatError
-from deltasync.format.documents import ConsumerPosition, check_step, encode
-from deltasync.format.names import CONSUMER_ID, check
+from deltasync.errors import ConfigError
+from deltasync.format.documents import ConsumerPosition
+from deltasync.consumers import read_heartbeats
 from deltasync.history.replay import ProgressFn, require_steps
 from deltasync.reader import StreamReader
 from deltasync.store import MANIFEST, Manifest, Store, step_dir
 
 log = logging.getLogger(__name__)
-
-CONSUMERS_DIR = "consumers"
-
-
-def write_heartbeat(store: Store, consumer_id: str, step: int, *, newest_step: int | None = None,
-                    weight_version: str | None = None, errors: int | None = None) -> None:
-    """Record that ``consumer_id`` holds ``step`` (``consumers/<consumer_id>.json``), with what it saw; garbage
-    collection keeps what it needs while the heartbeat is recent, ``deltasync status`` shows it."""
-    position = ConsumerPosition(consumer_id=check_consumer_id(consumer_id), step=check_step(step), updated_unix_s=time.time(),
-                                newest_step=None if newest_step is None else check_step(newest_step),
-                                weight_version=None if weight_version is None else str(weight_version)[:64], errors=errors)
-    store.write_bytes(f"{CONSUMERS_DIR}/{consumer_id}.json", encode(position))
-
-
-def check_consumer_id(consumer_id: str) -> str:
-    """``consumer_id`` if it can name a heartbeat object, else ``FormatError`` (a ``ValueError``)."""
-    if not check(CONSUMER_ID, consumer_id):
-        raise FormatError(f"consumer id {consumer_id!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
-    return consumer_id
-
-
-def read_heartbeats(store: Store) -> list[ConsumerPosition]:
-    """Every consumer's last heartbeat.
-
-    A heartbeat that cannot be read is an error (``FormatError`` naming it), not skipped: garbage collection
-    must not delete what an unknown consumer may still need. Delete the file to forget that consumer.
-    """
-    paths = [e.key for e in store.list(CONSUMERS_DIR)]  # the transport lists afresh: other processes write heartbeats
-    out = []
-    for path in sorted(p for p in paths if p.endswith(".json")):
-        name = path.rsplit("/", 1)[-1]
-        rel = f"{CONSUMERS_DIR}/{name}"
-        try:
-            position = store.read_document(rel, ConsumerPosition)
-        except FileNotFoundError:
-            continue  # removed since the listing
-        if f"{position.consumer_id}.json" != name:
-            raise FormatError(f"{store.url}/{rel}: heartbeat names consumer {position.consumer_id!r}, not its file name")
-        out.append(position)
-    return out
-
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ except ImportError as e:  # pragma: no cover - exercised only where transformers
 
 log = logging.getLogger(__name__)
 
+__all__ = ["DeltaSyncCallback", "publishing_mode"]
+
 Mode = Literal["single", "sharded"]
 
 

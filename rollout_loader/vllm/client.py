@@ -26,9 +26,9 @@ from typing import Annotated, Any, Literal, Protocol, get_args
 
 import msgspec
 
-from deltasync import (
+from deltasync import DeltaSyncError
+from deltasync.errors import (
     ConfigError,
-    DeltaSyncError,
     EngineConfigError,
     EngineError,
     EngineUnreachableError,
@@ -37,7 +37,7 @@ from deltasync import (
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "rollout_loader.worker.DeltaWorkerExtension"
+WORKER_EXTENSION = "rollout_loader.vllm.worker.DeltaWorkerExtension"
 WEIGHT_TRANSFER_CONFIG = '{"backend": "deltasync"}'
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 PauseMode = Literal["keep", "wait", "abort"]
@@ -111,7 +111,7 @@ def combine_status(ranks: list[Any], *, where: str) -> dict[str, Any]:
     held step every rank agrees on, per step ``"rdma"`` only if every rank read it over NIXL (else the first
     rank's reason), rank 0's pauses, and each tensor's checksum with the ranks' parts added up. A reply that
     is not one is an ``EngineError`` naming ``where``."""
-    from deltasync import add_checksums
+    from deltasync.engine import add_checksums
 
     keys = {"held_step", "arrived", "pauses_s", "checksums"}
     checked: list[_RankStatus] = []
@@ -321,7 +321,7 @@ class HttpWeightTransfer:
 
     def status(self, *, checksums: bool = True) -> dict[str, Any]:
         """What the server's deltasync engine holds (see :func:`rollout_loader.vllm.worker.transfer_status`),
-        through ``/collective_rpc``; needs ``--worker-extension-cls rollout_loader.worker.DeltaWorkerExtension``."""
+        through ``/collective_rpc``; needs ``--worker-extension-cls rollout_loader.vllm.worker.DeltaWorkerExtension``."""
         reply = self._post("/collective_rpc", {"method": "deltasync_transfer_status", "args": [checksums]})
         ranks = reply.get("results") if isinstance(reply, dict) else None
         if not (isinstance(ranks, list) and ranks and all(isinstance(r, dict) for r in ranks)):

@@ -43,23 +43,16 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from deltasync import (
+from deltasync import DeltaSyncError, StreamReader
+from deltasync.engine import add_checksums, CONSUMER_ID, EventFeed, MAX_STEP, name_matches, rdma_options, TrustedKeys, warm_kernels
+from deltasync.errors import (
     BaseStepMismatchError,
     ChecksumMismatchError,
     ConfigError,
-    HeldStepError,
-    DeltaSyncError,
     EngineError,
+    HeldStepError,
     StepNotFoundError,
-    StreamReader,
-    add_checksums,
-    warm_kernels,
 )
-from deltasync.format.documents import MAX_STEP
-from deltasync.format.names import CONSUMER_ID, check
-from deltasync.notify import EventFeed
-from deltasync.signing import TrustedKeys
-from deltasync.rdma.options import rdma_options
 
 
 from .layout import checkpoint_layout
@@ -130,7 +123,7 @@ class DeltasyncInitInfo(WeightTransferInitInfo):
             if not (isinstance(self.rdma, dict) and isinstance(self.rdma.get("controller"), str)):
                 raise _refuse(f"deltasync init_info: rdma must be an object naming a 'controller' address, got {self.rdma!r}")
             engine = self.rdma.get("engine", "vllm")  # names this engine's consumers to the controller
-            if not check(CONSUMER_ID, engine):
+            if not name_matches(CONSUMER_ID, engine):
                 raise _refuse(f"deltasync init_info: rdma.engine must be a name (letters, digits, '.', '_', '-'), "
                               f"got {engine!r}")
             try:  # every field's type and range, now rather than in a thread later

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from deltasync import DTYPES  # safetensors dtype names (as in docs/FORMAT.md) -> torch dtypes
+from deltasync.engine import DTYPES  # safetensors dtype names (as in docs/FORMAT.md) -> torch dtypes
 from rollout_loader.routing import RoutingError
 
 Shapes = dict[str, list[int]]

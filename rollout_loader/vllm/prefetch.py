@@ -22,9 +22,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from deltasync import StepHeader, StreamReader
-from deltasync.notify import Notifier
-from deltasync.watch import PollPolicy, StepWatch
+from deltasync import StreamReader
+from deltasync.engine import Notifier, PollPolicy, StepHeader, StepWatch
 
 from .state import Seal, Staged, WorkerState, check_header, seal, stage
 

@@ -32,7 +32,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from deltasync import StepHeader, TensorMismatchError, checksum_elements, xor_apply
+from deltasync.engine import checksum_elements, StepHeader, xor_apply
+from deltasync.errors import TensorMismatchError
 from rollout_loader.routing import Route, RoutingTable
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,9 @@ import logging
 import os
 from typing import Any, Literal, get_args
 
-from deltasync import ConfigError, DeltaSyncError
-from deltasync.signing import pem_texts
+from deltasync import DeltaSyncError
+from deltasync.engine import pem_texts
+from deltasync.errors import ConfigError
 
 from .client import WORKER_EXTENSION, WeightTransfer, weight_transfer, worker_module
 

@@ -3,7 +3,7 @@
 The weight-transfer engine (:mod:`rollout_loader.vllm.engine`) is the one way deltasync writes into vLLM.
 This worker extension adds one method that only reads it, for callers that want to see what each rank
 holds: in vLLM's multiprocess mode (and over a server's ``/collective_rpc``) a worker is reachable only
-through a named method. Use with ``LLM(..., worker_extension_cls="rollout_loader.worker.DeltaWorkerExtension")``
+through a named method. Use with ``LLM(..., worker_extension_cls="rollout_loader.vllm.worker.DeltaWorkerExtension")``
 (:func:`~rollout_loader.vllm.start_engine` sets it), then::
 
     transfer_status(llm)  # held step, how each step arrived, pauses, checksums of every tensor (ranks added up)

@@ -125,7 +125,8 @@ def _change(state: dict[str, torch.Tensor], gen: torch.Generator, *, tail_change
 
 def build_corpus(root: Path, *, tail_changes: bool = True) -> Corpus:
     """Publish the seed stream under ``root/stream`` (``root`` must exist) and return it with its truth."""
-    from deltasync import DeltaPublisher, Store, write_heartbeat
+    from deltasync import DeltaPublisher, Store
+    from deltasync.engine import write_heartbeat
 
     stream = root / "stream"
     spool = root / "spool"

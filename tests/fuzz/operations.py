@@ -347,7 +347,7 @@ def op_stats(c: CaseContext, r: Reference) -> None:
 
 
 def op_layer_density(c: CaseContext, r: Reference) -> None:
-    from deltasync import layer_density
+    from deltasync.history import layer_density
 
     d = layer_density(c.url)
     layers, grid = r.layer_density()
@@ -372,7 +372,8 @@ def op_compare(c: CaseContext, r: Reference, a: int, b: int) -> None:
 
 
 def op_heartbeats(c: CaseContext, r: Reference) -> None:
-    from deltasync import Store, read_heartbeats
+    from deltasync import Store
+    from deltasync.engine import read_heartbeats
 
     beats = read_heartbeats(Store(c.url))
     got = [(b.consumer_id, b.step, b.updated_unix_s) for b in beats]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-EXTENSION = "rollout_loader.worker.DeltaWorkerExtension"
+EXTENSION = "rollout_loader.vllm.worker.DeltaWorkerExtension"
 VOCAB = 512
 _INT = {2: torch.int16, 4: torch.int32}
 
@@ -197,7 +197,7 @@ def engine(path: Path, dtype: str, *, live: bool) -> Iterator:
     from vllm import LLM, envs
 
     from rollout_loader.vllm.plugin import register
-    from rollout_loader.worker import LIVE_ENV
+    from rollout_loader.vllm.worker import LIVE_ENV
 
     register()  # the deltasync weight-transfer engine, in this process (the engine's)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deltasync import DeltaPublisher, StreamReader
-from deltasync import tensor_checksum as checksum_tensor
+from deltasync.engine import tensor_checksum as checksum_tensor
 from deltasync.errors import ChecksumMismatchError, DeltaSyncError, TensorMismatchError
 from deltasync.format.checksum import parse_checksum
 from deltasync.signing import keygen

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from deltasync import tensor_checksum
+from deltasync.engine import tensor_checksum
 from deltasync.rdma.agent import nixl_available
 from tests.integration.conftest import (
     build_checkpoint,

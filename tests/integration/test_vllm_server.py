@@ -52,7 +52,7 @@ def server(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", "m",
          "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port),
-         "--worker-extension-cls", "rollout_loader.worker.DeltaWorkerExtension",
+         "--worker-extension-cls", "rollout_loader.vllm.worker.DeltaWorkerExtension",
          "--weight-transfer-config", '{"backend": "deltasync"}'],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )

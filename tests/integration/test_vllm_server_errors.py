@@ -69,7 +69,7 @@ def vllm_server(model_dir: Path, log_dir: Path, *, dev_mode: bool, extension: bo
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", "m",
            "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port)]
     if extension:
-        cmd += ["--worker-extension-cls", "rollout_loader.worker.DeltaWorkerExtension"]
+        cmd += ["--worker-extension-cls", "rollout_loader.vllm.worker.DeltaWorkerExtension"]
     if weight_transfer:
         cmd += ["--weight-transfer-config", '{"backend": "deltasync"}']
     log_path = log_dir / f"server-dev{int(dev_mode)}-ext{int(extension)}-wt{int(weight_transfer)}.log"

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltasync import StreamReader, tensor_checksum
+from deltasync import StreamReader
+from deltasync.engine import tensor_checksum
 from tests.integration.conftest import build_checkpoint
 
 pytestmark = pytest.mark.vllm

@@ -1,0 +1,56 @@
+"""Consumers' heartbeats: where each consumer of a stream says which step it holds.
+
+A follower with a ``consumer_id`` writes ``consumers/<id>.json`` (docs/FORMAT.md) after each step it
+applies; garbage collection keeps what a consumer with a recent heartbeat holds or may still need, and
+``deltasync status`` shows the fleet. Its own module because both the follow side (writer) and the history
+tools (readers) use it, and neither owns it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from deltasync.errors import FormatError
+from deltasync.format.documents import ConsumerPosition, check_step, encode
+from deltasync.format.names import CONSUMER_ID, check
+from deltasync.store import Store
+
+CONSUMERS_DIR = "consumers"
+
+
+def write_heartbeat(store: Store, consumer_id: str, step: int, *, newest_step: int | None = None,
+                    weight_version: str | None = None, errors: int | None = None) -> None:
+    """Record that ``consumer_id`` holds ``step`` (``consumers/<consumer_id>.json``), with what it saw; garbage
+    collection keeps what it needs while the heartbeat is recent, ``deltasync status`` shows it."""
+    position = ConsumerPosition(consumer_id=check_consumer_id(consumer_id), step=check_step(step), updated_unix_s=time.time(),
+                                newest_step=None if newest_step is None else check_step(newest_step),
+                                weight_version=None if weight_version is None else str(weight_version)[:64], errors=errors)
+    store.write_bytes(f"{CONSUMERS_DIR}/{consumer_id}.json", encode(position))
+
+
+def check_consumer_id(consumer_id: str) -> str:
+    """``consumer_id`` if it can name a heartbeat object, else ``FormatError`` (a ``ValueError``)."""
+    if not check(CONSUMER_ID, consumer_id):
+        raise FormatError(f"consumer id {consumer_id!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return consumer_id
+
+
+def read_heartbeats(store: Store) -> list[ConsumerPosition]:
+    """Every consumer's last heartbeat.
+
+    A heartbeat that cannot be read is an error (``FormatError`` naming it), not skipped: garbage collection
+    must not delete what an unknown consumer may still need. Delete the file to forget that consumer.
+    """
+    paths = [e.key for e in store.list(CONSUMERS_DIR)]  # the transport lists afresh: other processes write heartbeats
+    out = []
+    for path in sorted(p for p in paths if p.endswith(".json")):
+        name = path.rsplit("/", 1)[-1]
+        rel = f"{CONSUMERS_DIR}/{name}"
+        try:
+            position = store.read_document(rel, ConsumerPosition)
+        except FileNotFoundError:
+            continue  # removed since the listing
+        if f"{position.consumer_id}.json" != name:
+            raise FormatError(f"{store.url}/{rel}: heartbeat names consumer {position.consumer_id!r}, not its file name")
+        out.append(position)
+    return out

@@ -1,0 +1,97 @@
+"""The API for inference-engine integrations: decode a step ahead, write it in place, prove it.
+
+``deltasync`` itself exports the dozen names a trainer or an operator uses. An engine integration (such as
+``rollout_loader``, the vLLM one) needs more: the staged-apply stages, the checksum arithmetic that proves
+an engine's weights, the step documents, and the follow machinery. Those names live here, in one documented
+module, so an integration never imports deltasync's internal modules (a test checks that ``rollout_loader``
+imports only ``deltasync``, ``deltasync.engine`` and ``deltasync.errors``).
+
+The flow, decode ahead, then only write and prove inside the engine's pause::
+
+    from deltasync import StreamReader
+    from deltasync.engine import apply_staged, layout_of, stage
+
+    reader = StreamReader("s3://bucket/run1")
+    with reader.open(step) as obj:
+        staged = stage(obj, layout_of(tensors), base_step=held)   # decoded and checked; nothing written
+    checksums = apply_staged(staged, tensors, checksums=before)   # XOR in place, verified, all or nothing
+    # or, per patch, onto a shard: xor_apply(bits, local_positions, xor, index=global_indices)
+
+A step's checksum is the sum of its tensors' checksums modulo 2**64 (docs/FORMAT.md section 3):
+``tensor_checksum`` for a whole tensor, ``checksum_elements`` for some of its elements (a shard's),
+``add_checksums`` to combine them, ``format_checksum``/``parse_checksum`` for the manifest's hex form.
+"""
+
+from deltasync.format._bits import DTYPES, dtype_from_name, dtype_name, int_view
+from deltasync.format._kernels import warm_kernels
+from deltasync.format.checksum import add as add_checksums
+from deltasync.format.checksum import (
+    checksum_elements,
+    format_checksum,
+    parse_checksum,
+    state_checksum,
+    tensor_checksum,
+)
+from deltasync.format.documents import MAX_STEP
+from deltasync.format.names import CONSUMER_ID
+from deltasync.format.names import check as name_matches
+from deltasync.format.objects import FORMAT_VERSION, StepHeader, StepObject, TensorHeader
+from deltasync.format.parts import PartedObject
+from deltasync.format.patch import Patch
+from deltasync.consumers import check_consumer_id, read_heartbeats, write_heartbeat
+from deltasync.notify import EventFeed, Notifier
+from deltasync.rdma.options import RdmaOptions, rdma_options
+from deltasync.signing import TrustedKeys, pem_texts
+from deltasync.stages.apply import Replica, Verify, apply_staged, xor_apply
+from deltasync.stages.staging import Layout, StagedStep, TensorSpec, layout_of, stage
+from deltasync.store import Manifest, Part
+from deltasync.watch import PollPolicy, StepWatch
+
+__all__ = [
+    # decode ahead, write in place, prove it
+    "stage",
+    "StagedStep",
+    "Layout",
+    "TensorSpec",
+    "layout_of",
+    "apply_staged",
+    "xor_apply",
+    "Replica",
+    "Verify",
+    "Patch",
+    "warm_kernels",
+    # bits and checksums
+    "DTYPES",
+    "dtype_name",
+    "dtype_from_name",
+    "int_view",
+    "tensor_checksum",
+    "checksum_elements",
+    "add_checksums",
+    "format_checksum",
+    "parse_checksum",
+    "state_checksum",
+    # step documents and objects
+    "FORMAT_VERSION",
+    "MAX_STEP",
+    "StepObject",
+    "PartedObject",
+    "StepHeader",
+    "TensorHeader",
+    "Manifest",
+    "Part",
+    # following a stream, as a consumer with an identity
+    "StepWatch",
+    "PollPolicy",
+    "EventFeed",
+    "Notifier",
+    "TrustedKeys",
+    "pem_texts",
+    "RdmaOptions",
+    "rdma_options",
+    "CONSUMER_ID",
+    "name_matches",
+    "check_consumer_id",
+    "write_heartbeat",
+    "read_heartbeats",
+]
