@@ -92,7 +92,7 @@ from deltasync.publish.publisher import DeltaPublisher, StepMetrics
 from deltasync.node_cache import NodeCache
 from deltasync.reader import StreamReader
 from deltasync.watch import PollPolicy, StepWatch
-from deltasync.stages.apply import Replica, Verify, apply_staged, xor_apply
+from deltasync.stages.apply import Replica, Verify, apply_staged, xor_apply, xor_apply_all
 from deltasync.stages.staging import Layout, StagedStep, TensorSpec, layout_of, stage
 from deltasync.store import Manifest, Part, Store
 from deltasync.transports import (
@@ -152,6 +152,7 @@ __all__ = [
     "layout_of",
     "apply_staged",
     "xor_apply",
+    "xor_apply_all",
     "warm_kernels",
     "DTYPES",
     "dtype_name",
