@@ -42,7 +42,7 @@ from deltasync.consumers import check_consumer_id, read_heartbeats, write_heartb
 from deltasync.notify import EventFeed, Notifier
 from deltasync.rdma.options import RdmaOptions, rdma_options
 from deltasync.signing import TrustedKeys, pem_texts
-from deltasync.stages.apply import Replica, Verify, apply_staged, xor_apply
+from deltasync.stages.apply import Replica, Verify, apply_staged, xor_apply, xor_apply_all
 from deltasync.stages.staging import Layout, StagedStep, TensorSpec, layout_of, stage
 from deltasync.store import Manifest, Part
 from deltasync.watch import PollPolicy, StepWatch
@@ -56,6 +56,7 @@ __all__ = [
     "layout_of",
     "apply_staged",
     "xor_apply",
+    "xor_apply_all",
     "Replica",
     "Verify",
     "Patch",

@@ -10,7 +10,7 @@ ahead, ``deltasync.stages.staging``), compares checksums, and on a mismatch appl
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from typing import Literal
 
@@ -35,9 +35,10 @@ from deltasync.format.checksum import (
 from deltasync.format.codecs import parallel_map, submit_all
 from deltasync.format.objects import StepHeader, StepObject
 from deltasync.format.patch import Patch
+from deltasync.stages._device import Scatter, xor_apply_many
 from deltasync.stages.staging import StagedStep, check_layout, layout_of, stage
 
-__all__ = ["Replica", "StagedStep", "Verify", "apply_staged", "stage", "xor_apply", "xor_into"]
+__all__ = ["Replica", "StagedStep", "Verify", "apply_staged", "stage", "xor_apply", "xor_apply_all", "xor_into"]
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +146,15 @@ def apply_staged(
         # tensors one after another, in order
         on_host = all(tensors[p.name].device.type == "cpu" for p in staged.patches)
         futures = submit_all(write, staged.patches, cost=lambda p: p.xor.size) if on_host else []
-        deltas = {p.name: f.result() for p, f in zip(staged.patches, futures)} if on_host else {
-            p.name: write(p) for p in staged.patches
-        }
+        if on_host:
+            deltas = {p.name: f.result() for p, f in zip(staged.patches, futures)}
+        else:  # accelerator tensors: one transfer for the step (xor_apply_all)
+            landed: list[int] = []
+            try:
+                found = xor_apply_all([(tensors[p.name], p.positions, p.xor, None) for p in staged.patches], landed=landed)
+            finally:
+                written.extend(staged.patches[j] for j in landed)
+            deltas = {p.name: d for p, d in zip(staged.patches, found)}
         if checksums is not None:
             after = {p.name: (checksums[p.name] + deltas[p.name]) & MASK64 for p in staged.patches}
         else:
@@ -207,6 +214,40 @@ def xor_apply(
     if bits.device.type == "cpu":
         return _xor_apply_np(np_bits(bits), positions, _np_unsigned(xor, width), index, checksum)
     return _xor_apply_torch(int_view(bits), positions, xor, index, checksum)
+
+
+def xor_apply_all(
+    items: Sequence[tuple[torch.Tensor, Indices | None, np.ndarray | torch.Tensor, Indices | int | None]],
+    *,
+    checksum: bool = True,
+    landed: list[int] | None = None,
+    scatter: Scatter = "torch",
+) -> list[int]:
+    """``xor_apply(bits, positions, xor, index=index)`` for each item; returns each checksum change.
+
+    Every item is checked first (``TensorMismatchError``: nothing was changed). Tensors on one accelerator are
+    written with one host-to-device transfer for all items and no host sync per tensor (docs/GPU.md); the
+    index arrays must then be on the host. ``landed`` gets the number of each item as its write is issued (on
+    an error, the caller XORs those again). ``scatter="triton"`` (with ``checksum=False``): one kernel launch
+    per element width instead of a few per tensor.
+    """
+    landed = [] if landed is None else landed
+    bits = [b for b, *_ in items]
+    if not bits or len({b.device for b in bits}) != 1 or bits[0].device.type == "cpu":
+        out = []
+        for j, (b, p, x, ix) in enumerate(items):
+            out.append(xor_apply(b, p, x, index=ix, checksum=checksum))
+            landed.append(j)
+        return out
+    checked = []
+    for b, p, x, ix in items:
+        if not b.is_contiguous():
+            raise TensorMismatchError(f"cannot patch a non-contiguous tensor of shape {tuple(b.shape)} in place")
+        count = b.numel() if p is None else int(p.numel() if isinstance(p, torch.Tensor) else p.size)
+        _check_patch(b.element_size(), b.numel(), p, x, ix, count)
+        checked.append((int_view(b), None if p is None else _np_int64(p), _np_unsigned(x, b.element_size()),
+                        ix if ix is None or isinstance(ix, int) else _np_int64(ix)))
+    return xor_apply_many(checked, checksum=checksum, landed=landed, scatter=scatter)
 
 
 def host_arrays(bits: torch.Tensor, positions: np.ndarray, xor: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -17,9 +17,10 @@ import torch
 from deltasync.errors import TensorMismatchError
 from deltasync.format import _kernels
 from deltasync.format._bits import UNSIGNED_NP, dtype_name, int_view, np_bits, np_words
-from deltasync.format.checksum import MASK64, _torch_hash, _unsigned64, tensor_checksum
+from deltasync.format.checksum import MASK64, tensor_checksum
 from deltasync.format.codecs import parallel_map
 from deltasync.format.patch import Patch
+from deltasync.stages._device import diff_device
 
 SnapshotDevice = Literal["same", "cpu"]
 
@@ -31,7 +32,8 @@ class Snapshot:
     """The last-published copy of a model's tensors, and the diff that advances it.
 
     Memory: one copy of every tensor, on the trainer's device (``"same"``) or in host memory (``"cpu"``).
-    With ``"cpu"`` a device tensor is diffed through host chunks of at most ``max_chunk_bytes``. With
+    With ``"cpu"`` a device tensor is diffed through host chunks of at most ``max_chunk_bytes``; with a snapshot
+    on an accelerator the whole step is diffed there and its changes come back in one transfer (docs/GPU.md). With
     ``dtype``, floating tensors are published in that dtype (one tensor is cast at a time).
 
     ``offsets`` (name -> global flat index of the first element) make each tensor a contiguous slice of a
@@ -54,6 +56,7 @@ class Snapshot:
         self.offsets: dict[str, int] = dict(offsets or {})
         self.tensors: dict[str, torch.Tensor] = {}
         self._scratch = _Scratch()
+        self._caps: dict[tuple[str, int], int] = {}  # room reserved per device segment (learned, _device.py)
         for name, t in tensors.items():
             t = self._cast(t.detach())
             copy = t.to("cpu", copy=True) if device == "cpu" else t.clone(memory_format=torch.contiguous_format)
@@ -97,13 +100,19 @@ class Snapshot:
         self.check_same_layout(tensors)
         found: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
         host: list[tuple[str, int, int]] = []
+        device: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
         for name, t in tensors.items():
             snap = self.tensors[name]
             if snap.device.type == "cpu" and t.device.type == "cpu" and t.is_contiguous():
                 host += [(name, s, min(s + _RANGE_ELEMS, snap.numel())) for s in range(0, max(snap.numel(), 1), _RANGE_ELEMS)]
-            else:  # device paths (torch ops, host chunks): one tensor at a time
+            elif snap.device.type != "cpu":  # the snapshot on the accelerator: every such tensor in one batch
+                device.append((name, t.to(snap.device), int_view(snap), self.offsets.get(name, 0)))
+            else:  # a device tensor against a host snapshot: through host chunks, one tensor at a time
                 found[name] = _diff_tensor(self._cast(t.detach()), snap, self.max_chunk_bytes, self._scratch,
                                            self.offsets.get(name, 0))
+        if device:
+            step = max(1, self.max_chunk_bytes // 2)
+            found.update(zip((d[0] for d in device), diff_device(device, step_elems=step, cast=self._cast, caps=self._caps)))
 
         def diff_range(r: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, int]:
             name, start, stop = r
@@ -229,19 +238,9 @@ def _scan(
 
 
 def _diff_torch(cur: torch.Tensor, snap: torch.Tensor, step: int, width: int, base: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
-    parts = []
-    for s in range(0, cur.numel(), step):
-        c, o = cur[s : s + step], snap[s : s + step]
-        idx = (c != o).nonzero().squeeze(1)
-        new, old = c[idx], o[idx]
-        o[idx] = new
-        g = idx + (base + s)
-        delta = int((_torch_hash(_unsigned64(new), g).sum() - _torch_hash(_unsigned64(old), g).sum()).item())
-        xor = (new ^ old).cpu().numpy().view(UNSIGNED_NP[width])
-        parts.append((g.cpu().numpy(), xor, delta))
-    if not parts:
-        return np.empty(0, np.int64), np.empty(0, UNSIGNED_NP[width]), 0
-    return _concat(parts, width)
+    """Flat bits ``cur`` vs ``snap`` (any one device; ``snap`` updated) by the device path, segments of ``step``."""
+    assert snap.element_size() == width
+    return diff_device([(None, cur, snap, base)], step_elems=step)[0]
 
 
 def _concat(parts: list[tuple[np.ndarray, np.ndarray, int]], width: int) -> tuple[np.ndarray, np.ndarray, int]:

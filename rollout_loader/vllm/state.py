@@ -32,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from deltasync.engine import checksum_elements, StepHeader, xor_apply
+from deltasync.engine import StepHeader, checksum_elements, xor_apply, xor_apply_all
 from deltasync.errors import TensorMismatchError
 from rollout_loader.routing import Route, RoutingTable
 
@@ -290,9 +290,18 @@ def _scatter_all(state: WorkerState, staged: Sequence[Staged], *, landed: list[t
     to ``landed`` (the caller undoes them if any failed); raises the first error once no write runs any more.
 
     Host tensors are written on a small pool, dynamically across tensors (the kernel is serial: a busy core
-    delays one tensor, never a barrier), so the scatter uses the memory bandwidth of more than one core; device
-    tensors one after another.
+    delays one tensor, never a barrier), so the scatter uses the memory bandwidth of more than one core; tensors
+    on one accelerator with one transfer for the step and no host sync per tensor (``xor_apply_all``).
     """
+    bits = [state.targets[s.name].bits for s in staged]
+    if bits and len({b.device for b in bits}) == 1 and bits[0].device.type != "cpu":
+        done: list[int] = []
+        try:
+            xor_apply_all([(b, s.idx, s.x, None) for b, s in zip(bits, staged)], checksum=False, landed=done)
+        finally:
+            landed += [(bits[j], staged[j]) for j in done]
+        return
+
     def one(s: Staged) -> None:
         target = state.targets[s.name]
         idx, x, _ = _host_args(target.bits, s)
