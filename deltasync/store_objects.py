@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +24,12 @@ if TYPE_CHECKING:
 
 
 MANIFEST = "manifest.json"
+
+ByteProgress = Callable[[str, int, int], None]
+"""``progress(what, bytes_done, bytes_total)`` during a download (the CLI draws a bar from it)."""
+
+PROGRESS_AFTER_BYTES = 8 << 20
+"""Objects at least this large report their download's progress (a smaller one is over before a bar shows)."""
 
 
 def step_dir(step: int) -> str:
@@ -42,6 +50,8 @@ class StoreObjects:
     transport: Any
     node_cache: NodeCache | None
     _cache_dir: Path | None
+    download_progress: ByteProgress | None = None
+    """Set (by the CLI) to see large downloads advance: every transport, because it watches the partial file."""
     if TYPE_CHECKING:  # the store's, typed here for readers of this module
 
         def call(self, what: str, fn: Any) -> Any: ...
@@ -117,10 +127,10 @@ class StoreObjects:
                     self._check_object(path, part, where)
                 elif self.node_cache is not None:  # linked from the host's cache, or downloaded once for the host
                     self.node_cache.fetch(part.object_sha256, part.object_bytes, path,
-                                          lambda dest: self._download(rel, dest, manifest, where),
+                                          lambda dest: self._download(rel, dest, manifest, where, part.object_bytes),
                                           lambda dest: self._check_object(dest, part, where))
                 else:
-                    self._download(rel, path, manifest, where)
+                    self._download(rel, path, manifest, where, part.object_bytes)
                     self._check_object(path, part, where)
             except BaseException:
                 cache.discard(name)
@@ -128,11 +138,12 @@ class StoreObjects:
             cache.add(name, hold=hold)
         return path
 
-    def _download(self, rel: str, path: Path, manifest: Manifest, where: str) -> None:
+    def _download(self, rel: str, path: Path, manifest: Manifest, where: str, total: int) -> None:
         """``rel`` into ``path``, whole or not at all (a failed or interrupted download leaves no half file)."""
         partial = path.with_name(f"{path.name}.part")
         try:
-            self.call(f"download {rel}", lambda: self.transport.get_file(rel, partial))
+            with _watching(partial, f"download step {manifest.step}", total, self.download_progress):
+                self.call(f"download {rel}", lambda: self.transport.get_file(rel, partial))
             os.replace(partial, path)
         except FileNotFoundError:
             partial.unlink(missing_ok=True)
@@ -190,3 +201,40 @@ class StoreObjects:
         digest = sha256_file(path)
         if digest != part.object_sha256:
             raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {part.object_sha256[:16]}…")
+
+
+class _watching:
+    """While a download runs, report the size of its partial file every ``every_s`` to ``progress`` (any
+    transport: none has to support a callback). Nothing happens without ``progress`` or for small objects."""
+
+    def __init__(self, partial: Path, what: str, total: int, progress: ByteProgress | None, every_s: float = 0.25):
+        self.partial, self.what, self.total, self.progress, self.every_s = partial, what, total, progress, every_s
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _size(self) -> int:
+        try:
+            return self.partial.stat().st_size
+        except OSError:
+            return 0
+
+    def _run(self) -> None:
+        assert self.progress is not None
+        while not self._done.wait(self.every_s):
+            self.progress(self.what, min(self._size(), self.total), self.total)
+
+    def __enter__(self) -> _watching:
+        if self.progress is not None and self.total >= PROGRESS_AFTER_BYTES:
+            self.progress(self.what, 0, self.total)
+            self._thread = threading.Thread(target=self._run, name="deltasync-download-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if self._thread is None:
+            return
+        self._done.set()
+        self._thread.join()
+        assert self.progress is not None
+        if kind is None:
+            self.progress(self.what, self.total, self.total)

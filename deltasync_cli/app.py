@@ -107,22 +107,20 @@ def _progress() -> Iterator[Any]:
     if not err.is_terminal:
         yield None
         return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as bar:
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
+                  TimeElapsedColumn(), console=err, transient=True) as bar:
         tasks: dict[str, Any] = {}
 
         def update(what: str, done: int, total: int) -> None:
+            # a download counts bytes (store_objects.py reports them), everything else counts items
+            count = f"{done / 1e6:,.1f}/{total / 1e6:,.1f} MB" if what.startswith("download") else f"{done}/{total}"
             if what not in tasks:
-                tasks[what] = bar.add_task(what, total=total)
-            bar.update(tasks[what], completed=done, total=total)
+                tasks[what] = bar.add_task(what, total=total, count=count)
+            bar.update(tasks[what], completed=done, total=total, count=count)
+            if done >= total and what.startswith("download"):  # one bar per download while it runs
+                bar.remove_task(tasks.pop(what))
 
         yield update
 

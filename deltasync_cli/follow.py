@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from deltasync_cli.app import StorageOpt, TrustedKeyOpt, _storage_options, _trusted, app, err, out
+from deltasync_cli.app import StorageOpt, TrustedKeyOpt, _progress, _storage_options, _trusted, app, err, out
 
 if TYPE_CHECKING:  # imported inside the command: --help imports neither torch nor deltasync
     from rollout_loader.metrics import FollowerStatus
@@ -146,9 +146,11 @@ def mirror(
 
     with Store(src, storage_options=src_options) as source:
         source.require_stream()  # a wrong URL: one line, exit 2, before anything is written
+        if once:
+            with _progress() as progress:
+                source.download_progress = progress  # large objects: a bar of bytes on a terminal
+                r = mirror_once(source, dst, dst_options=dst_options, on_step=report, trusted_keys=_trusted(trusted_key))
     if once:
-        r = mirror_once(src, dst, src_options=src_options, dst_options=dst_options, on_step=report,
-                        trusted_keys=_trusted(trusted_key))
         out.print(f"{dst}: {len(r.copied)} step(s) copied ({r.bytes_copied / 1e6:,.2f} MB), {r.present} already there"
                   f"{', model files copied' if r.files_copied else ''} in {r.seconds:.1f}s", markup=False, soft_wrap=True)
         return

@@ -48,6 +48,7 @@ def replay(
     from deltasync.history.rebuild import replay_to_folder
 
     with _reader(url, storage_option, trusted_key) as reader, _progress() as progress:
+        reader.store.download_progress = progress
         r = replay_to_folder(reader, step, output, overwrite=overwrite, reread=reread, progress=progress, sign_with=sign)
     if as_json:
         _print_json(r.to_dict())
@@ -100,6 +101,7 @@ def compare_(
     from deltasync.history.compare import compare
 
     with _reader(url, storage_option) as reader, _progress() as progress:
+        reader.store.download_progress = progress
         c = compare(reader, a, b, progress=progress)
     if as_json:
         _print_json(c.to_dict())
@@ -171,6 +173,7 @@ def verify_(
     from deltasync.history.verify import verify
 
     with _reader(url, storage_option, trusted_key) as reader, _progress() as progress:
+        reader.store.download_progress = progress
         report = verify(reader, first=first, last=last, all_problems=all_problems, progress=progress)
     if as_json:
         _print_json(report.to_dict())

@@ -2,6 +2,7 @@
 (the engine in this process) and over NIXL (trainer, engine core and worker each in a process of their own)."""
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -21,14 +22,17 @@ from tests.test_demo import taken_or_skipped_for_an_anchor
 pytestmark = pytest.mark.vllm
 
 
-def test_demo_with_vllm_engine_is_bit_exact(tmp_path):
+def test_demo_with_vllm_engine_is_bit_exact(tmp_path, caplog):
     lines = []
+    caplog.set_level(logging.WARNING)
     rows = run_demo(str(tmp_path / "s"), DemoConfig(steps=5, anchor_every=3, hidden_size=128, layers=2), echo=lines.append)
     assert [r["kind"] for r in rows] == ["anchor", "delta", "delta", "anchor", "delta"]
     assert taken_or_skipped_for_an_anchor(rows)
     assert all(r["engine_paused_ms"] is not None for r in rows if r["exact"])
     assert lines[-1].startswith("BIT-EXACT: every step verified")
     assert "vLLM engine weights at step 4" in lines[-2]
+    # a successful run logs no error (issue 21: an expected probe once logged one, with a traceback)
+    assert [r.getMessage()[:200] for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 # in a fresh process: the demo's engine runs in multiprocess mode, which an in-process engine of another test in
