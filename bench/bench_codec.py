@@ -101,7 +101,7 @@ def _count_unequal(a: np.ndarray, b: np.ndarray) -> int:
 def floors_s(snap: Snapshot, new: dict[str, torch.Tensor], repeats: int = 3) -> dict[str, float]:
     """The two floors of diff + encode (see the module doc), best of ``repeats``."""
     from deltasync.format._bits import np_bits, np_words
-    from deltasync.format.codecs import parallel_map
+    from deltasync.threads import parallel_map
 
     pairs = [(np_words(np_bits(new[n]))[0], np_words(np_bits(t))[0]) for n, t in snap.tensors.items()]
     pairs = [(a, b) for a, b in pairs if a is not None and b is not None]

@@ -49,8 +49,8 @@ from deltasync.format.codecs import (
     _shuffled,
     decode_change,
     encode_patch,
-    parallel_map,
 )
+from deltasync.threads import parallel_map
 from deltasync.format.patch import Patch
 from deltasync.publish.publisher import named_tensors
 from deltasync.stages.diff import Snapshot

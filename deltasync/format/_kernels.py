@@ -47,7 +47,7 @@ PARALLEL_MIN_ELEMENTS = 1 << 21
 
 numba's parallel kernels end in a barrier: when another process holds a core, a kernel split across every
 core waits for it, and a small tensor's work is far shorter than that wait (up to 20x slower under load).
-Callers get parallelism across tensors instead (``deltasync.format.codecs.parallel_map``)."""
+Callers get parallelism across tensors instead (``deltasync.threads.parallel_map``)."""
 
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
 _pjit = numba.njit(cache=True, nogil=True, boundscheck=False, parallel=True)

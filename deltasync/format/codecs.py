@@ -6,12 +6,8 @@ every count and index against the header before anything is applied.
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 import zstandard
@@ -21,9 +17,6 @@ from deltasync.format import _kernels
 from deltasync.format._bits import UNSIGNED_NP
 from deltasync.format.documents import TensorHeader
 from deltasync.format.patch import Patch
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 DENSE_FRACTION = 0.25  # above this share of changed elements, list every element (no positions)
 ZSTD_MIN_SAVING = 0.05  # keep zstd only when it saves at least this share
@@ -50,66 +43,7 @@ class EncodedTensor:
         return len(self.values) + (len(self.positions) if self.positions is not None else 0)
 
 
-_local = threading.local()
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def parallel_map(fn: Callable[[T], R], items: Iterable[T], *, cost: Callable[[T], int] | None = None) -> list[R]:
-    """Map over tensors (or ranges of tensors) on a small shared thread pool: the kernels and zstd release the
-    GIL, and many independent work items keep every core busy even when another process holds one (unlike
-    one kernel split across all cores, which waits for its slowest thread). Called from one of the pool's
-    own threads, it maps in that thread (a nested map on a full pool would wait for itself).
-
-    With ``cost``, items start largest first, so that no big one starts last while the other cores idle
-    (lm_head and the embeddings hold a third of a step's change); results keep the items' order."""
-    items = list(items)
-    if len(items) <= 1 or getattr(_local, "in_pool", False):
-        return [fn(x) for x in items]
-    order = _start_order(items, cost)
-    done = dict(zip(order, _executor().map(lambda k: fn(items[k]), order)))
-    return [done[k] for k in range(len(items))]
-
-
-def submit_all(fn: Callable[[T], R], items: Iterable[T], *, cost: Callable[[T], int] | None = None) -> list[Future[R]]:
-    """Like ``parallel_map`` (``cost`` included) but returns the futures, in the items' order, for a caller
-    that must know which items finished (an apply that undoes what it wrote when another item fails). Inside
-    the pool the items run in order right here, and those after a failed one are cancelled (never started);
-    an interrupt propagates."""
-    items = list(items)
-    if len(items) > 1 and not getattr(_local, "in_pool", False):
-        pool = _executor()
-        started = {k: pool.submit(fn, items[k]) for k in _start_order(items, cost)}
-        return [started[k] for k in range(len(items))]
-    futures: list[Future[R]] = [Future() for _ in items]
-    for k, (f, x) in enumerate(zip(futures, items)):
-        try:
-            f.set_result(fn(x))
-        except Exception as e:  # noqa: BLE001 - reported through the future, as the pool would
-            f.set_exception(e)
-            for rest in futures[k + 1 :]:
-                rest.cancel()
-            break
-    return futures
-
-
-def _start_order(items: list[T], cost: Callable[[T], int] | None) -> list[int]:
-    """Indices of ``items`` in the order to start them: largest ``cost`` first, else as given."""
-    return list(range(len(items))) if cost is None else sorted(range(len(items)), key=lambda k: -cost(items[k]))
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        with _pool_lock:
-            if _pool is None:
-                _pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)),
-                                           thread_name_prefix="deltasync-codec", initializer=_mark_pool_thread)
-    return _pool
-
-
-def _mark_pool_thread() -> None:
-    _local.in_pool = True
+_local = threading.local()  # per-thread zstd contexts (they are not thread-safe)
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:

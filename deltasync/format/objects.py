@@ -29,7 +29,8 @@ import torch
 
 from deltasync.errors import FormatError, ResourceLimitError
 from deltasync.format._bits import dtype_name
-from deltasync.format.codecs import EncodedTensor, decode_patch, parallel_map
+from deltasync.format.codecs import EncodedTensor, decode_patch
+from deltasync.threads import parallel_map
 from deltasync.format.documents import (
     FORMAT_VERSION,
     ITEMSIZE,

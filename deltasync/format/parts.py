@@ -18,7 +18,7 @@ import torch
 
 from deltasync.errors import ChecksumMismatchError, FormatError
 from deltasync.format.checksum import MASK64, format_checksum, state_checksum
-from deltasync.format.codecs import parallel_map
+from deltasync.threads import parallel_map
 from deltasync.format.documents import Manifest, Part, StepHeader, TensorHeader
 from deltasync.format.objects import StepObject
 from deltasync.format.patch import Patch

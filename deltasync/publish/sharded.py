@@ -34,7 +34,8 @@ from deltasync.errors import (
 )
 from deltasync.format._bits import dtype_name
 from deltasync.format.checksum import MASK64, format_checksum, state_checksum
-from deltasync.format.codecs import encode_patch, parallel_map
+from deltasync.format.codecs import encode_patch
+from deltasync.threads import parallel_map
 from deltasync.format.documents import (
     Kind,
     Manifest,

@@ -15,7 +15,8 @@ import torch
 
 from deltasync.format._bits import dtype_name
 from deltasync.format.checksum import format_checksum, state_checksum
-from deltasync.format.codecs import EncodedTensor, encode_patch, parallel_map
+from deltasync.format.codecs import EncodedTensor, encode_patch
+from deltasync.threads import parallel_map
 from deltasync.format.documents import AnchorDelta, ManifestStats
 from deltasync.format.objects import (
     Destination,

@@ -32,7 +32,7 @@ from deltasync.format.checksum import (
     parse_checksum,
     tensor_checksum,
 )
-from deltasync.format.codecs import parallel_map, submit_all
+from deltasync.threads import parallel_map, submit_all
 from deltasync.format.objects import StepHeader, StepObject
 from deltasync.format.patch import Patch
 from deltasync.stages._device import Scatter, xor_apply_many

@@ -18,7 +18,7 @@ from deltasync.errors import TensorMismatchError
 from deltasync.format import _kernels
 from deltasync.format._bits import UNSIGNED_NP, dtype_name, int_view, np_bits, np_words
 from deltasync.format.checksum import MASK64, tensor_checksum
-from deltasync.format.codecs import parallel_map
+from deltasync.threads import parallel_map
 from deltasync.format.patch import Patch
 from deltasync.stages._device import diff_device
 
