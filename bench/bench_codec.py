@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import Training, machine, parser, write_results
 from deltasync.engine import warm_kernels
 from deltasync.format.objects import StepObject
-from deltasync.publish.publisher import named_tensors, snapshot_headers, write_step
+from deltasync.publish.names import named_tensors
+from deltasync.publish.steps import snapshot_headers, write_step
 from deltasync.stages.apply import Replica
 from deltasync.stages.diff import Snapshot
 

@@ -52,7 +52,7 @@ from deltasync.format.codecs import (
 )
 from deltasync.threads import parallel_map
 from deltasync.format.patch import Patch
-from deltasync.publish.publisher import named_tensors
+from deltasync.publish.names import named_tensors
 from deltasync.stages.diff import Snapshot
 
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False)

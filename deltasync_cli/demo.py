@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from deltasync.format.checksum import format_checksum, state_checksum, tensor_checksum
-from deltasync.publish.publisher import DeltaPublisher, named_tensors
+from deltasync.publish.names import named_tensors
+from deltasync.publish.publisher import DeltaPublisher
 from deltasync.scratch import ScratchFolder
 from deltasync.testing import save_model_dir, stdlib_corpus, tiny_qwen3
 

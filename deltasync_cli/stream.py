@@ -22,7 +22,7 @@ def diff(
     step: Annotated[int | None, typer.Option(help="Step number recorded for the target (default base+1).")] = None,
 ) -> None:
     """Write the delta that turns BASE into TARGET (like Unix diff, but bit-exact and compact)."""
-    from deltasync.publish.publisher import snapshot_headers, write_step
+    from deltasync.publish.steps import snapshot_headers, write_step
     from deltasync.stages.diff import Snapshot
 
     snap = Snapshot(_load_safetensors(base))

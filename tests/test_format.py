@@ -9,7 +9,7 @@ import torch
 
 from deltasync.errors import FormatError
 from deltasync.format.objects import FORMAT_VERSION, StepHeader, StepObject
-from deltasync.publish.publisher import snapshot_headers, write_step
+from deltasync.publish.steps import snapshot_headers, write_step
 from deltasync.stages.diff import Snapshot
 from tests.conftest import perturb
 
@@ -165,7 +165,7 @@ def test_writer_hashes_what_it_writes_and_memory_holds_the_same_object(tmp_path,
     import io
     import mmap
 
-    from deltasync.publish.publisher import write_step_object
+    from deltasync.publish.steps import write_step_object
 
     state = _mixed_state(gen)
     snap = Snapshot(state)

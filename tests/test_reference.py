@@ -32,7 +32,7 @@ from deltasync.format.checksum import (
     tensor_checksum,
 )
 from deltasync.format.objects import StepObject
-from deltasync.publish.publisher import snapshot_headers, write_step
+from deltasync.publish.steps import snapshot_headers, write_step
 from deltasync.stages.apply import _xor_apply_torch, xor_apply
 from deltasync.stages.diff import Snapshot, _diff_host_chunks, _diff_np, _diff_torch, _Scratch
 from deltasync_cli import app

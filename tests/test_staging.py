@@ -94,7 +94,7 @@ def test_stage_refuses_a_patch_that_changes_nothing_it_lists(tmp_path, small_sta
     FormatError at staging, long before any write, in the sparse and in the dense form."""
     from dataclasses import replace
 
-    from deltasync.publish.publisher import snapshot_headers, write_step
+    from deltasync.publish.steps import snapshot_headers, write_step
     from deltasync.stages.diff import Snapshot
     from tests.conftest import perturb
 

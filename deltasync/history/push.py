@@ -24,12 +24,8 @@ from deltasync.history.checkpoints import (
     write_model_files,
 )
 from deltasync.history.rebuild import reconstruct_state_dict
-from deltasync.publish.publisher import (
-    named_tensors,
-    snapshot_headers,
-    step_manifest,
-    write_step_object,
-)
+from deltasync.publish.names import named_tensors
+from deltasync.publish.steps import snapshot_headers, step_manifest, write_step_object
 from deltasync.reader import StreamReader
 from deltasync.signing import SigningKey
 from deltasync.stages.diff import Snapshot

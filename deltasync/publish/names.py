@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+import torch
+
 from deltasync.errors import ConfigError
 
 T = TypeVar("T")
@@ -98,3 +100,25 @@ def checkpoint_state(module: Any) -> Mapping[str, Any]:
     # tensors sharing storage (a tied head) are still published once, under the module's first name
     kept = {n: sd[n] for n in sd if n in out and sd[n].shape == out[n].shape}
     return {**kept, **{n: t for n, t in out.items() if n not in kept}}
+
+
+def named_tensors(source: Any, names: NameMap | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The trainer's tensors by canonical name (wrapper prefixes such as DDP's ``module.`` removed, then
+    ``names`` applied), and aliases (names sharing storage with an earlier name, e.g. tied embeddings),
+    which are published once under their first name.
+    """
+    sd = source_state(source, names)
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in sd.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state entry {name!r} is a {type(t).__name__}, not a tensor")
+        t = t.detach()
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = t
+    return tensors, aliases

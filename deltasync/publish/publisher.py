@@ -30,13 +30,12 @@ from deltasync.history.checkpoints import (
     collect_model_files,
     write_model_files,
 )
-from deltasync.publish.names import NameMap, source_state
+from deltasync.publish.names import NameMap, named_tensors
 from deltasync.publish.sharded import ShardedWriter, ShardGroup, is_sharded
 from deltasync.publish.steps import (
     anchor_delta,
     snapshot_headers,
     step_manifest,
-    write_step,
     write_step_object,
 )
 from deltasync.scratch import ScratchFolder
@@ -46,8 +45,7 @@ from deltasync.store import Store
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DeltaPublisher", "StepMetrics", "named_tensors", "snapshot_headers", "step_manifest", "write_step",
-           "write_step_object"]
+__all__ = ["DeltaPublisher", "StepMetrics"]
 
 OnBacklog = Literal["coalesce", "block"]
 
@@ -93,28 +91,6 @@ class _Job:
     anchor_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     delta_base: int | None = None  # an anchor that also carries its delta from this step (``changes``)
     capture_s: float = 0.0
-
-
-def named_tensors(source: Any, names: NameMap | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The trainer's tensors by canonical name (wrapper prefixes such as DDP's ``module.`` removed, then
-    ``names`` applied), and aliases (names sharing storage with an earlier name, e.g. tied embeddings),
-    which are published once under their first name.
-    """
-    sd = source_state(source, names)
-    tensors: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
-    for name, t in sd.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"state entry {name!r} is a {type(t).__name__}, not a tensor")
-        t = t.detach()
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        if t.numel() and key in seen:
-            aliases[name] = seen[key]
-            continue
-        seen[key] = name
-        tensors[name] = t
-    return tensors, aliases
 
 
 class DeltaPublisher:
