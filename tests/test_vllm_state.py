@@ -20,12 +20,12 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> Non
 
     from rollout_loader.routing import Route
     from rollout_loader.vllm.state import (
-        Target,
+        TensorHome,
         WorkerState,
         checksums,
         rollback,
+        route_patches,
         seal,
-        stage,
         write,
         write_sealed,
     )
@@ -44,9 +44,9 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> Non
         "c": route("c", (8, 40), "shard", (4, 40), (4, 0), (0, 0), (4, 40)),
     }
     params = {"fused": fused, "shard": shard}
-    targets = {n: Target(routes=(r,), bits=params[r.param_name].view(torch.int16).reshape(-1), host=False, modules=())
+    homes = {n: TensorHome(routes=(r,), bits=params[r.param_name].view(torch.int16).reshape(-1), host=False, modules=())
                for n, r in routes.items()}
-    state = WorkerState(model=torch.nn.Module(), reload=lambda w: None, table=None, mode="live", targets=targets)  # type: ignore[arg-type]
+    state = WorkerState(model=torch.nn.Module(), reload=lambda w: None, table=None, mode="live", homes=homes)  # type: ignore[arg-type]
 
     def held(name: str) -> tuple[np.ndarray, np.ndarray]:
         """This rank's elements of checkpoint tensor ``name`` (unsigned bits) and their global flat indices."""
@@ -74,7 +74,7 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> Non
     before = {n: held(n) for n in routes}
     step1 = [patch("a", 0.3), patch("b", 0.5), patch("c", 0.2)]  # "c": positions on both ranks' rows
     want = reference(step1)
-    staged = stage(state, step1)
+    staged = route_patches(state, step1)
     sealed = seal(state, staged)
     assert {n: held(n)[0].tolist() for n in routes} == {n: b.tolist() for n, (b, _) in before.items()}  # sealing writes nothing
     sums = write_sealed(state, staged, sealed)
@@ -91,7 +91,7 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> Non
     sealed = seal(state, staged)
     other = [patch("a", 0.1)]
     after_other = reference(other)
-    write(state, stage(state, other))
+    write(state, route_patches(state, other))
     assert write_sealed(state, staged, sealed) is None
     assert held("a")[0].tolist() == after_other["a"][0].tolist()
     assert state.sums["a"] == after_other["a"][1]
@@ -102,9 +102,9 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> Non
     from deltasync.errors import TensorMismatchError
 
     now = {n: held(n)[0].tolist() for n in routes}
-    staged = stage(state, [patch("a", 0.3), patch("b", 0.5), patch("c", 0.2)])
+    staged = route_patches(state, [patch("a", 0.3), patch("b", 0.5), patch("c", 0.2)])
     sealed = seal(state, staged)
-    bad = dataclasses.replace(staged[1], idx=staged[1].idx + 10**6)  # past the end of its target
+    bad = dataclasses.replace(staged[1], idx=staged[1].idx + 10**6)  # past the end of its home
     with pytest.raises(TensorMismatchError):
         write_sealed(state, [staged[0], bad, staged[2]], sealed)
     assert {n: held(n)[0].tolist() for n in routes} == now

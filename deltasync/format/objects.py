@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, BinaryIO, Literal
+from typing import Annotated, BinaryIO
 
 import msgspec
 import numpy as np
@@ -38,6 +38,7 @@ from deltasync.format.documents import (
     MAX_OBJECT_BYTES,
     Count,
     DtypeName,
+    Kind,
     StepHeader,
     TensorHeader,
     decode,
@@ -58,7 +59,6 @@ __all__ = [
 ]
 
 METADATA_KEY = "deltasync"
-Kind = Literal["delta", "anchor"]
 # the safetensors header: the step header (up to MAX_HEADER_BYTES) plus one short entry per tensor or blob
 _MAX_SAFETENSORS_HEADER = MAX_HEADER_BYTES + (64 << 20)
 

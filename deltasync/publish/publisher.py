@@ -23,7 +23,8 @@ import torch
 
 from deltasync.errors import DeltaSyncError, PublishError, StepOrderError
 from deltasync.format.documents import check_step
-from deltasync.format.objects import Kind, TensorHeader
+from deltasync.format.documents import Kind
+from deltasync.format.objects import TensorHeader
 from deltasync.format.patch import Patch
 from deltasync.history.checkpoints import (
     ModelFiles,

@@ -29,7 +29,7 @@ from deltasync.notify import Announcements
 from deltasync.rdma.agent import Agent
 from deltasync.rdma.link import ConsumerLink
 from deltasync.rdma.messages import ConsumerHello
-from deltasync.rdma.inbox import Inbox, Lease
+from deltasync.rdma.inbox import Inbox, SlotLease
 from deltasync.rdma.trainer import RdmaOptions, rdma_options
 from deltasync.reader import StreamReader
 from deltasync.store import Store
@@ -98,7 +98,7 @@ class RingReader:
         finally:
             lease.release()
 
-    def lease(self, step: int, *, sha256: str | None = None) -> Lease:
+    def lease(self, step: int, *, sha256: str | None = None) -> SlotLease:
         """``step``'s object from its announced slot, checked (against ``sha256`` too: the manifest's) and
         held in the inbox until the lease is released; an ``RdmaError`` when it cannot be had there.
 

@@ -49,9 +49,9 @@ from deltasync.rdma.messages import (
 )
 from deltasync.rdma.schedule import (
     Consumer,
-    Part,
     Schedule,
     TensorInfo,
+    TensorSlice,
     TrainerRank,
     plan,
 )
@@ -221,7 +221,7 @@ class Controller:
                 if tensors.setdefault(name, info) != info:
                     raise ScheduleError(f"trainer rank {rank} describes {name!r} as {info}, another rank as "
                                         f"{tensors[name]}")
-        ranks = [TrainerRank(r, h.ring.agent, tuple(Part(p.name, p.start, p.stop) for p in h.parts))
+        ranks = [TrainerRank(r, h.ring.agent, tuple(TensorSlice(p.name, p.start, p.stop) for p in h.parts))
                  for r, (_, h) in sorted(self._trainers.items())]
         consumers = [Consumer(c.id, c.engine, frozenset(tensors) if c.everything else frozenset(c.needs))
                      for _, c in self._consumers.values()]

@@ -11,9 +11,9 @@ the object store instead. Nothing is applied from an unchecked read.
 piece is hashed as soon as it landed while the next ones are still moving, so the SHA-256 (the one check:
 the reader does not hash again, see ``NixlTransport.read_verified``) overlaps the transfer.
 
-**Zero copy.** ``lease`` returns a :class:`Lease`: the checked bytes stay where they landed, and no later read
-lands on them until the lease is released; a step object opens straight on ``Lease.view()``. Each view (and
-``Lease.check``) re-reads the slot header the READ brought with the object: if the memory under a lease ever
+**Zero copy.** ``lease`` returns a :class:`SlotLease`: the checked bytes stay where they landed, and no later read
+lands on them until the lease is released; a step object opens straight on ``SlotLease.view()``. Each view (and
+``SlotLease.check``) re-reads the slot header the READ brought with the object: if the memory under a lease ever
 changed (a bug, a stray write), the generation no longer matches and the object is refused
 (``StaleSlotError``) rather than decoded. ``read`` is a lease released at once (its view is valid until the
 next read).
@@ -53,7 +53,7 @@ class _Ring:
 
 
 @dataclass(eq=False)
-class Lease:
+class SlotLease:
     """A checked object held where it landed in the inbox (zero copy) until ``release``; see the module doc.
 
     ``wait_s``/``hash_s``: time spent waiting for READs and hashing (they overlap), for benchmarks."""
@@ -98,7 +98,7 @@ class Inbox:
         self._np = self._buffer.numpy() if self._buffer.is_cpu else None
         self.region = agent.register(self._buffer)
         self._rings: dict[str, _Ring] = {}
-        self._leases: dict[int, Lease] = {}
+        self._leases: dict[int, SlotLease] = {}
         self._lock = threading.Lock()  # leases are released from any thread (a finalizer)
 
     def connect(self, layout: RingLayout, metadata: bytes) -> None:
@@ -135,7 +135,7 @@ class Inbox:
         finally:
             lease.release()
 
-    def lease(self, info: SlotInfo, *, timeout_s: float = 10.0, sha256: str | None = None) -> Lease:
+    def lease(self, info: SlotInfo, *, timeout_s: float = 10.0, sha256: str | None = None) -> SlotLease:
         """READ the announced object, check it (header, then SHA-256 against ``sha256`` when given, which
         must also be the announced one) and hold it in place; raises an ``RdmaError`` subclass otherwise."""
         where = f"{self.agent.name}: step {info.step} from {info.agent} slot {info.slot}"
@@ -184,7 +184,7 @@ class Inbox:
                             f"({ring.local.count * lay.chunk_bytes})")
         return ring, math.ceil(total / lay.chunk_bytes)
 
-    def _reserve(self, info: SlotInfo, chunk: int, count: int, where: str) -> Lease:
+    def _reserve(self, info: SlotInfo, chunk: int, count: int, where: str) -> SlotLease:
         """A lease on the first chunk-aligned range of ``count`` chunks that no other lease holds."""
         size = count * chunk
         limit = self.region.nbytes - self.region.nbytes % chunk
@@ -192,26 +192,26 @@ class Inbox:
             held = sorted((x.offset, x.offset + x.total) for x in self._leases.values())
             for start in itertools.chain([0], (-(-end // chunk) * chunk for _, end in held)):
                 if start + size <= limit and all(end <= start or begin >= start + size for begin, end in held):
-                    lease = Lease(self, info, start, HEADER.size + info.length)
+                    lease = SlotLease(self, info, start, HEADER.size + info.length)
                     self._leases[id(lease)] = lease
                     return lease
         raise RdmaError(f"{where}: no room in the inbox for {size} bytes ({len(held)} object(s) held open, "
                         f"{self.region.nbytes} bytes)")
 
-    def _release(self, lease: Lease) -> None:
+    def _release(self, lease: SlotLease) -> None:
         with self._lock:
             lease.released = True
             self._leases.pop(id(lease), None)
 
     # --- the read itself: pieces posted together, each hashed once landed ---
 
-    def _indices(self, ring: _Ring, lease: Lease, a: int, b: int) -> tuple[list[int], list[int]]:
+    def _indices(self, ring: _Ring, lease: SlotLease, a: int, b: int) -> tuple[list[int], list[int]]:
         chunk = ring.layout.chunk_bytes
         local = lease.offset // chunk
         remote = lease.info.slot * (ring.layout.slot_bytes // chunk)
         return list(range(local + a, local + b)), list(range(remote + a, remote + b))
 
-    def _land(self, ring: _Ring, lease: Lease, count: int, deadline: float, where: str) -> None:
+    def _land(self, ring: _Ring, lease: SlotLease, count: int, deadline: float, where: str) -> None:
         info, chunk = lease.info, ring.layout.chunk_bytes
         per = max(1, self.piece_bytes // chunk)
         pieces = [(a, min(a + per, count)) for a in range(0, count, per)]

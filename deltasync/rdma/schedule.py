@@ -19,7 +19,7 @@ from deltasync.errors import ScheduleError
 
 
 @dataclass(frozen=True, order=True)
-class Part:
+class TensorSlice:
     """Elements ``start:stop`` of tensor ``name`` flattened (the full checkpoint tensor's coordinates)."""
 
     name: str
@@ -45,7 +45,7 @@ class TrainerRank:
 
     rank: int
     agent: str
-    parts: tuple[Part, ...]
+    parts: tuple[TensorSlice, ...]
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Read:
 
     consumer: str
     rank: int
-    parts: tuple[Part, ...]
+    parts: tuple[TensorSlice, ...]
     dense_bytes: int
 
 
@@ -84,14 +84,14 @@ def plan(tensors: Mapping[str, TensorInfo], trainers: Iterable[TrainerRank], con
     trainers, consumers = list(trainers), list(consumers)
     holders = _holders(tensors, trainers)
     load: dict[int, int] = {t.rank: 0 for t in trainers}
-    picked: dict[tuple[str, Part], int] = {}
+    picked: dict[tuple[str, TensorSlice], int] = {}
     wanted = sorted({(c.id, p) for c in consumers for name in _known(c, tensors) for p in _cover(name, holders)},
                     key=lambda cp: (-cp[1].numel * tensors[cp[1].name].itemsize, cp))
     for cid, part in wanted:
         rank = min(holders[part.name][part], key=lambda r: (load[r], r))
         load[rank] += part.numel * tensors[part.name].itemsize
         picked[(cid, part)] = rank
-    by: dict[str, dict[int, list[Part]]] = defaultdict(lambda: defaultdict(list))
+    by: dict[str, dict[int, list[TensorSlice]]] = defaultdict(lambda: defaultdict(list))
     for (cid, part), rank in picked.items():
         by[cid][rank].append(part)
     reads = {
@@ -115,12 +115,12 @@ def _known(consumer: Consumer, tensors: Mapping[str, TensorInfo]) -> list[str]:
     return sorted(consumer.needs)
 
 
-def _holders(tensors: Mapping[str, TensorInfo], trainers: list[TrainerRank]) -> dict[str, dict[Part, list[int]]]:
+def _holders(tensors: Mapping[str, TensorInfo], trainers: list[TrainerRank]) -> dict[str, dict[TensorSlice, list[int]]]:
     """For every tensor, its distinct parts and the ranks holding each; checks the parts tile the tensor."""
     ranks = [t.rank for t in trainers]
     if len(set(ranks)) != len(ranks):
         raise ScheduleError(f"trainer ranks must be distinct, got {sorted(ranks)}")
-    holders: dict[str, dict[Part, list[int]]] = defaultdict(lambda: defaultdict(list))
+    holders: dict[str, dict[TensorSlice, list[int]]] = defaultdict(lambda: defaultdict(list))
     for t in trainers:
         for p in t.parts:
             info = tensors.get(p.name)
@@ -143,7 +143,7 @@ def _holders(tensors: Mapping[str, TensorInfo], trainers: list[TrainerRank]) -> 
     return holders
 
 
-def _cover(name: str, holders: Mapping[str, Mapping[Part, list[int]]]) -> list[Part]:
+def _cover(name: str, holders: Mapping[str, Mapping[TensorSlice, list[int]]]) -> list[TensorSlice]:
     if not holders.get(name):
         raise ScheduleError(f"no trainer rank holds {name!r}, which a consumer needs")
     return sorted(holders[name])

@@ -39,7 +39,7 @@ from deltasync.transports.base import Data, Entry, Transport, as_buffer
 
 if TYPE_CHECKING:
     from deltasync.rdma.consumer import RingReader
-    from deltasync.rdma.inbox import Lease
+    from deltasync.rdma.inbox import SlotLease
     from deltasync.rdma.trainer import RdmaOptions, RdmaTrainer
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class NixlTransport(Transport):
     def get_file(self, key: str, local: Path) -> None:
         self.backing.get_file(key, local)
 
-    def read_verified(self, step: int, name: str, nbytes: int, sha256: str) -> Lease | None:
+    def read_verified(self, step: int, name: str, nbytes: int, sha256: str) -> SlotLease | None:
         """Step ``step``'s object ``name`` held in the inbox, checked against the manifest's ``nbytes`` and
         ``sha256`` (the only hash of these bytes: the caller opens them as they are); None (why recorded)
         where the store must serve it. Release the lease once the object is closed."""

@@ -19,7 +19,7 @@ from .client import (
     LocalWeightTransfer,
     WeightTransfer,
 )
-from .target import Mode, Verify, VllmTarget, start_engine
+from .target import Mode, EngineVerify, VllmTarget, start_engine
 
 __all__ = [
     "WEIGHT_TRANSFER_CONFIG",
@@ -27,7 +27,7 @@ __all__ = [
     "HttpWeightTransfer",
     "LocalWeightTransfer",
     "Mode",
-    "Verify",
+    "EngineVerify",
     "VllmTarget",
     "WeightTransfer",
     "enable_live_cpu_weights",

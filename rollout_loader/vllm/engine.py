@@ -69,11 +69,11 @@ from .state import (
     check_header,
     checksums,
     rollback,
-    stage,
+    route_patches,
     write,
     write_sealed,
 )
-from .target import Verify
+from .target import EngineVerify
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,8 @@ class DeltasyncInitInfo(WeightTransferInitInfo):
             raise _refuse(f"deltasync init_info: url must be a stream URL (a string), got {self.url!r}")
         if not isinstance(self.storage_options, dict):
             raise _refuse(f"deltasync init_info: storage_options must be an object, got {self.storage_options!r}")
-        if self.verify not in get_args(Verify):
-            raise _refuse(f"deltasync init_info: verify must be one of {get_args(Verify)}, not {self.verify!r}")
+        if self.verify not in get_args(EngineVerify):
+            raise _refuse(f"deltasync init_info: verify must be one of {get_args(EngineVerify)}, not {self.verify!r}")
         if self.mode not in get_args(Mode):
             raise _refuse(f"deltasync init_info: mode must be one of {get_args(Mode)}, not {self.mode!r}")
         if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int)
@@ -234,7 +234,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             log.info("deltasync engine following %s from step %s", init_info.url, self._held)
         self._info = init_info
         warm_kernels()  # every kernel compiled or loaded now: nothing compiles inside a pause
-        if init_info.verify == "incremental" and self._held is not None and not summed.issuperset(self._state.targets):
+        if init_info.verify == "incremental" and self._held is not None and not summed.issuperset(self._state.homes):
             checksums(self._state)  # the base of incremental verification: computed now, not inside a pause
         if init_info.rdma is not None and self._rdma is None:
             self._rdma = self._rdma_consumer(init_info)
@@ -343,7 +343,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             raise BaseStepMismatchError(
                 f"{prepared.where}: delta to step {step} is based on step {h.base_step}, the engine holds step {self._held}"
             )
-        staged = prepared.staged if prepared.anchor is None else stage(state, anchor_patches(state, prepared.anchor))
+        staged = prepared.staged if prepared.anchor is None else route_patches(state, anchor_patches(state, prepared.anchor))
         assert staged is not None
         t0 = time.perf_counter()
         parts["staging"] += t0 - t_stage

@@ -2,7 +2,7 @@
 
 The plan is made once per engine (:func:`build_state`): the routing table (:mod:`.trace`), which parameters vLLM
 holds in checkpoint layout (written in place) and which it transformed after loading (their modules shadowed by
-host copies, :mod:`.shadow`), and the resulting :class:`~rollout_loader.vllm.state.Target` of every checkpoint
+host copies, :mod:`.shadow`), and the resulting :class:`~rollout_loader.vllm.state.TensorHome` of every checkpoint
 tensor. Everything after it (staging, writing, checksums, rollback) is :mod:`.state`.
 """
 
@@ -19,7 +19,7 @@ from rollout_loader.routing import RoutingError
 from .layout import Dtypes, Shapes, param_owners, read_checkpoint
 from .live_cpu import LIVE_ENV, module_kind
 from .shadow import derived_params, feeds_of, find_transformed, modules_of
-from .state import SIGNED, Mode, Reload, Target, WorkerState, int_bits
+from .state import SIGNED, Mode, Reload, TensorHome, WorkerState, int_bits
 from .trace import routing_table, trace_loader
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def build_state(
     model: torch.nn.Module, *, layout: tuple[Shapes, Dtypes], checkpoint: str, mode: Mode, reload: Reload,
     ignore: list[str] | None = None,
 ) -> tuple[WorkerState, dict[str, Any]]:
-    """Routes and targets for checkpoint tensors ``layout`` in ``model`` on this rank, and a summary.
+    """Routes and homes for checkpoint tensors ``layout`` in ``model`` on this rank, and a summary.
 
     Routes come from vLLM's own loader (:mod:`.trace`). A parameter vLLM holds in checkpoint layout is written
     in place; the modules of parameters it transformed after loading (:mod:`.shadow`: repacked CPU linears,
@@ -66,35 +66,35 @@ def build_state(
     host_names = sorted({n for names in feeds.values() for n in names})
     host = read_checkpoint(checkpoint, host_names, shapes) if host_names else {}
     params = dict(model.named_parameters())
-    targets: dict[str, Target] = {}
+    homes: dict[str, TensorHome] = {}
     held: dict[str, torch.dtype] = {}
     for hf_name, pieces in table.routes.items():
         if not pieces:  # another rank holds it
             width = dtypes.get(hf_name, torch.bfloat16).itemsize
-            targets[hf_name] = Target(routes=(), bits=torch.empty(0, dtype=SIGNED[width]), host=False, modules=(),
+            homes[hf_name] = TensorHome(routes=(), bits=torch.empty(0, dtype=SIGNED[width]), host=False, modules=(),
                                       hf_shape=tuple(shapes[hf_name]))
             continue
         pname = pieces[0].param_name
         mods = tuple(m for m, _ in owners.get(pname, [])) or (pname.rpartition(".")[0],)
         reloaded = tuple(m for m in mods if m in feeds)
         if reloaded:
-            targets[hf_name] = Target(routes=pieces, bits=int_bits(host[hf_name]), host=True, modules=reloaded)
+            homes[hf_name] = TensorHome(routes=pieces, bits=int_bits(host[hf_name]), host=True, modules=reloaded)
             held[hf_name] = host[hf_name].dtype
             continue
         param = params[pname]
         refresh = tuple(m for m in mods if kinds.get(m) == "refresh")
-        targets[hf_name] = Target(routes=pieces, bits=int_bits(param.data), host=False, modules=refresh)
+        homes[hf_name] = TensorHome(routes=pieces, bits=int_bits(param.data), host=False, modules=refresh)
         held[hf_name] = param.dtype
     wrong = [f"{n} (checkpoint {dtypes[n]}, engine {held[n]})" for n in held if n in dtypes and dtypes[n] != held[n]]
     if wrong:
         raise RoutingError(f"dtypes differ, XOR patches would corrupt these tensors: {wrong[:5]}")
     state = WorkerState(model=model, reload=reload, table=table, mode="reload" if feeds else "live",
-                        targets=targets, host=host, feeds=feeds)
+                        homes=homes, host=host, feeds=feeds)
     summary = {
-        "mode": state.mode, "tp_rank": table.tp_rank, "tp_size": table.tp_size, "tensors": len(targets),
-        "in_place": sum(not t.host for t in targets.values()), "host_copies": len(host),
+        "mode": state.mode, "tp_rank": table.tp_rank, "tp_size": table.tp_size, "tensors": len(homes),
+        "in_place": sum(not t.host for t in homes.values()), "host_copies": len(host),
         "host_bytes": sum(t.numel() * t.element_size() for t in host.values()),
-        "kernel_rebuilds": len({m for t in targets.values() if not t.host for m in t.modules}),
+        "kernel_rebuilds": len({m for t in homes.values() if not t.host for m in t.modules}),
         "reloaded_modules": len(feeds), "transformed": len(transformed), "tied": dict(table.tied),
         "trace_seconds": round(trace.seconds, 4), "seconds": round(time.perf_counter() - t0, 4),
     }

@@ -25,7 +25,7 @@ import torch
 from deltasync import StreamReader
 from deltasync.engine import Notifier, PollPolicy, StepHeader, StepWatch
 
-from .state import Seal, Staged, WorkerState, check_header, seal, stage
+from .state import Seal, Staged, WorkerState, check_header, route_patches, seal
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,9 @@ def prepare(reader: StreamReader, state: WorkerState, step: int, *, base: int | 
         h = obj.header
         check_header(state, h, obj.where)
         if h.kind == "anchor":
-            tensors = {name: obj.read_tensor(name) for name in state.targets}
+            tensors = {name: obj.read_tensor(name) for name in state.homes}
             return Prepared(step=step, header=h, where=obj.where, anchor=tensors)
-        return Prepared(step=step, header=h, where=obj.where, staged=stage(state, obj.patches()))
+        return Prepared(step=step, header=h, where=obj.where, staged=route_patches(state, obj.patches()))
 
 
 class Prefetcher:

@@ -58,7 +58,7 @@ class PatchError(TensorMismatchError):
 
 
 @dataclass
-class Target:
+class TensorHome:
     """Where one checkpoint tensor's bits live on this rank: a parameter, or the host copy (reload mode)."""
 
     routes: tuple[Route, ...]  # its pieces on this rank (none: another rank holds it, as under expert parallelism)
@@ -78,7 +78,7 @@ class Target:
 
 @dataclass(frozen=True)
 class Staged:
-    """A patch mapped onto this rank: write ``x`` at ``idx`` of the target's bits (checkpoint indices ``hf_idx``);
+    """A patch mapped onto this rank: write ``x`` at ``idx`` of the home's bits (checkpoint indices ``hf_idx``);
     ``owned``: these elements count in this rank's checksum part (a tensor may be staged as an owned and an
     unowned part)."""
 
@@ -95,7 +95,7 @@ class WorkerState:
     reload: Reload
     table: RoutingTable
     mode: str
-    targets: dict[str, Target]
+    homes: dict[str, TensorHome]
     host: dict[str, torch.Tensor] = field(default_factory=dict)  # checkpoint tensors of reloaded modules
     feeds: dict[str, tuple[str, ...]] = field(default_factory=dict)  # reloaded module -> checkpoint names
     undo: list[tuple[torch.Tensor, Staged]] = field(default_factory=list)  # (bits, what was XORed in)
@@ -120,12 +120,12 @@ class Seal:
 def check_header(state: WorkerState, header: StepHeader, where: str) -> None:
     """The step's tensors are this engine's checkpoint tensors, same shapes and element widths."""
     names = set(header.tensors)
-    problems = [f"{n!r}: not a checkpoint tensor of this model" for n in sorted(names - set(state.targets))[:5]]
-    missing = sorted(set(state.targets) - names)
+    problems = [f"{n!r}: not a checkpoint tensor of this model" for n in sorted(names - set(state.homes))[:5]]
+    missing = sorted(set(state.homes) - names)
     if missing:
         problems.append(f"the step has no {missing[:5]} (the engine's checkpoint has {len(missing)} more tensor(s))")
-    for name in sorted(names & set(state.targets)):
-        th, t = header.tensors[name], state.targets[name]
+    for name in sorted(names & set(state.homes)):
+        th, t = header.tensors[name], state.homes[name]
         if tuple(th.shape) != t.hf_shape or th.itemsize != t.bits.element_size():
             problems.append(f"{name!r}: the step has {th.dtype} {list(th.shape)}, the engine "
                             f"{8 * t.bits.element_size()}-bit {list(t.hf_shape)}")
@@ -142,7 +142,7 @@ def _as_torch(a: np.ndarray | torch.Tensor | None, *, signed: bool) -> torch.Ten
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
-def stage(state: WorkerState, patches: Iterable[RawPatch]) -> list[Staged]:
+def route_patches(state: WorkerState, patches: Iterable[RawPatch]) -> list[Staged]:
     """Validate every patch against the engine and map it to this rank's elements; writes nothing.
 
     A patch is ``(name, positions, xor)`` (numpy or torch; positions int64 ascending or None for dense;
@@ -157,8 +157,8 @@ def stage(state: WorkerState, patches: Iterable[RawPatch]) -> list[Staged]:
         if problem:
             problems.append(f"{name!r}: {problem}")
             continue
-        target = state.targets[name]
-        for idx, xs, hf, owned in _localize(target, p, x):
+        home = state.homes[name]
+        for idx, xs, hf, owned in _localize(home, p, x):
             staged.append(Staged(name=name, idx=idx, x=xs, hf_idx=hf, owned=owned))
     if problems:
         raise PatchError(f"patch rejected, weights untouched ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
@@ -166,10 +166,10 @@ def stage(state: WorkerState, patches: Iterable[RawPatch]) -> list[Staged]:
 
 
 def _problem(state: WorkerState, name: str, pos: torch.Tensor | None, xor: torch.Tensor) -> str | None:
-    target = state.targets.get(name)
-    if target is None:
+    home = state.homes.get(name)
+    if home is None:
         return "not a checkpoint tensor of this model"
-    n, width = target.hf_numel, target.bits.element_size()
+    n, width = home.hf_numel, home.bits.element_size()
     if xor.is_floating_point() or xor.is_complex() or xor.dtype == torch.bool or xor.element_size() != width:
         return f"xor is {xor.dtype}, the engine holds {width}-byte elements (use int{8 * width})"
     if pos is None:
@@ -186,14 +186,14 @@ def _problem(state: WorkerState, name: str, pos: torch.Tensor | None, xor: torch
 Group = tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]
 
 
-def _localize(target: Target, pos: torch.Tensor | None, xor: torch.Tensor) -> list[Group]:
-    """[(flat indices into the target's bits, xor values there, their checkpoint flat indices, owned)] for this
+def _localize(home: TensorHome, pos: torch.Tensor | None, xor: torch.Tensor) -> list[Group]:
+    """[(flat indices into the home's bits, xor values there, their checkpoint flat indices, owned)] for this
     rank: the owned elements and the others (held here, counted on another rank) apart; never empty."""
     xor = xor.reshape(-1).view(SIGNED[xor.element_size()])
-    if target.host:  # the host copy is the whole checkpoint tensor: every element written, the owned ones counted
+    if home.host:  # the host copy is the whole checkpoint tensor: every element written, the owned ones counted
         idx = pos.reshape(-1) if pos is not None else torch.arange(xor.numel(), dtype=torch.int64)
-        mine = [r for r in target.routes if r.owner]
-        if len(mine) == len(target.routes) and all(r.whole for r in mine):
+        mine = [r for r in home.routes if r.owner]
+        if len(mine) == len(home.routes) and all(r.whole for r in mine):
             return [(idx, xor, idx, True)]
         mask = torch.zeros(idx.numel(), dtype=torch.bool)
         for r in mine:
@@ -202,7 +202,7 @@ def _localize(target: Target, pos: torch.Tensor | None, xor: torch.Tensor) -> li
         return [g for g in ((idx[mask], xor[mask], idx[mask], True), (idx[~mask], xor[~mask], idx[~mask], False))
                 if g[0].numel()] or [(idx[:0], xor[:0], idx[:0], False)]
     groups: dict[bool, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-    for route in target.routes:
+    for route in home.routes:
         groups.setdefault(route.owner, []).append(_piece(route, pos, xor))
     if not groups:
         empty = torch.zeros(0, dtype=torch.int64)
@@ -254,10 +254,10 @@ def seal(state: WorkerState, staged: Sequence[Staged]) -> Seal:
     with state.lock:
         sums: dict[str, int] = {}
         for s in staged:
-            target = state.targets[s.name]
+            home = state.homes[s.name]
             total = sums[s.name] if s.name in sums else part(state, s.name)
             if s.owned and s.idx.numel():
-                old = _gather(target.bits, s.idx)
+                old = _gather(home.bits, s.idx)
                 new = old ^ s.x.to(old.device)
                 total += checksum_elements(new, s.hf_idx) - checksum_elements(old, s.hf_idx)
             sums[s.name] = total & MASK64
@@ -286,14 +286,14 @@ _SCATTER_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1
 
 
 def _scatter_all(state: WorkerState, staged: Sequence[Staged], *, landed: list[tuple[torch.Tensor, Staged]]) -> None:
-    """XOR every staged patch into its target (each checked before its write), appending each write that landed
+    """XOR every staged patch into its home (each checked before its write), appending each write that landed
     to ``landed`` (the caller undoes them if any failed); raises the first error once no write runs any more.
 
     Host tensors are written on a small pool, dynamically across tensors (the kernel is serial: a busy core
     delays one tensor, never a barrier), so the scatter uses the memory bandwidth of more than one core; tensors
     on one accelerator with one transfer for the step and no host sync per tensor (``xor_apply_all``).
     """
-    bits = [state.targets[s.name].bits for s in staged]
+    bits = [state.homes[s.name].bits for s in staged]
     if bits and len({b.device for b in bits}) == 1 and bits[0].device.type != "cpu":
         done: list[int] = []
         try:
@@ -303,14 +303,14 @@ def _scatter_all(state: WorkerState, staged: Sequence[Staged], *, landed: list[t
         return
 
     def one(s: Staged) -> None:
-        target = state.targets[s.name]
-        idx, x, _ = _host_args(target.bits, s)
-        xor_apply(target.bits, idx, x, checksum=False)  # checks, then writes: a failed one wrote nothing
+        home = state.homes[s.name]
+        idx, x, _ = _host_args(home.bits, s)
+        xor_apply(home.bits, idx, x, checksum=False)  # checks, then writes: a failed one wrote nothing
 
-    if not (len(staged) > 1 and all(state.targets[s.name].bits.device.type == "cpu" for s in staged)):
+    if not (len(staged) > 1 and all(state.homes[s.name].bits.device.type == "cpu" for s in staged)):
         for s in staged:
             one(s)
-            landed.append((state.targets[s.name].bits, s))
+            landed.append((state.homes[s.name].bits, s))
         return
     futures = [_SCATTER_POOL.submit(one, s) for s in staged]
     try:
@@ -321,7 +321,7 @@ def _scatter_all(state: WorkerState, staged: Sequence[Staged], *, landed: list[t
         wait(futures)
         for s, f in zip(staged, futures):
             if not f.cancelled() and f.exception() is None:
-                landed.append((state.targets[s.name].bits, s))
+                landed.append((state.homes[s.name].bits, s))
     errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
     if errors:
         raise errors[0]
@@ -348,10 +348,10 @@ def _write(state: WorkerState, staged: Sequence[Staged]) -> dict[str, int]:
 
     def write_all(landed: list[tuple[torch.Tensor, Staged]]) -> None:
         for s in staged:
-            target = state.targets[s.name]
-            idx, x, hf_idx = _host_args(target.bits, s)
-            delta = xor_apply(target.bits, idx, x, index=hf_idx, checksum=s.owned)  # checks, writes; read back
-            landed.append((target.bits, s))
+            home = state.homes[s.name]
+            idx, x, hf_idx = _host_args(home.bits, s)
+            delta = xor_apply(home.bits, idx, x, index=hf_idx, checksum=s.owned)  # checks, writes; read back
+            landed.append((home.bits, s))
             if s.owned:
                 sums[s.name] = (sums[s.name] + delta) & MASK64
 
@@ -383,7 +383,7 @@ def _undoable(state: WorkerState, sums: dict[str, int],
 
 def _modules(state: WorkerState, written: list[tuple[torch.Tensor, Staged]]) -> set[str]:
     """The modules whose kernels read the written tensors."""
-    return {m for _, s in written for m in state.targets[s.name].modules}
+    return {m for _, s in written for m in state.homes[s.name].modules}
 
 
 def rollback(state: WorkerState) -> bool:
@@ -404,17 +404,17 @@ def checksums(state: WorkerState, names: Iterable[str] | None = None) -> dict[st
     Each element is owned by one rank, so the ranks' values add up (mod 2**64) to the tensor's checksum.
     """
     out: dict[str, int] = {}
-    for name in list(state.targets) if names is None else names:
-        target = state.targets.get(name)
-        if target is None:
+    for name in list(state.homes) if names is None else names:
+        home = state.homes.get(name)
+        if home is None:
             raise PatchError(f"{name!r} is not a checkpoint tensor of this model")
         total = 0
-        for route in target.routes:
+        for route in home.routes:
             if not route.owner:
                 continue
             for box in chunks(route):
                 hf_idx = box.hf_indices()
-                bits = target.bits[hf_idx] if target.host else target.bits[box.param_indices()]
+                bits = home.bits[hf_idx] if home.host else home.bits[box.param_indices()]
                 total += checksum_elements(bits, hf_idx)
         out[name] = total & MASK64
     state.sums.update(out)  # exact for the bits as they are now: the base of incremental verification
@@ -434,15 +434,15 @@ def anchor_patches(state: WorkerState, tensors: Mapping[str, torch.Tensor]) -> l
     holds (elements of other ranks are dropped when staged). Writing them makes the engine hold the anchor;
     rolling back restores the previous step. Consumes ``tensors`` (their memory becomes the xor)."""
     out: list[RawPatch] = []
-    for name, target in state.targets.items():
+    for name, home in state.homes.items():
         x = int_bits(tensors[name].contiguous())
-        if target.host:
-            x ^= target.bits
+        if home.host:
+            x ^= home.bits
         else:
-            for route in target.routes:
+            for route in home.routes:
                 for box in chunks(route):
                     hf = box.hf_indices()
-                    x[hf] ^= target.bits[box.param_indices()].to(x.device)
+                    x[hf] ^= home.bits[box.param_indices()].to(x.device)
         out.append((name, None, x))
     return out
 

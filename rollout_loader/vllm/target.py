@@ -26,7 +26,7 @@ from .client import WORKER_EXTENSION, WeightTransfer, weight_transfer, worker_mo
 
 log = logging.getLogger(__name__)
 
-Verify = Literal["incremental", "changed", "all"]
+EngineVerify = Literal["incremental", "changed", "all"]
 Mode = Literal["auto", "live", "reload"]
 
 
@@ -72,10 +72,10 @@ class VllmTarget:
 
     reads_store = True  # the Follower sends step numbers, not objects
 
-    def __init__(self, engine: Any, *, step: int | None = None, verify: Verify = "incremental", mode: Mode = "auto",
+    def __init__(self, engine: Any, *, step: int | None = None, verify: EngineVerify = "incremental", mode: Mode = "auto",
                  notify: str | None = None, trusted_keys: Any = None) -> None:
         _choice("mode", mode, Mode)
-        _choice("verify", verify, Verify)
+        _choice("verify", verify, EngineVerify)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ConfigError(f"VllmTarget: step must be a step number or None, not {step!r}")
         self.client: WeightTransfer = weight_transfer(engine)
