@@ -208,13 +208,27 @@ class StreamReader:
                     o.close()
                 raise
             return PartedObject(m, objects, where=where, parts=parts, names=names)
-        obj = self._open_part(m, m.objects[0], where)
+        return self._agreeing(self._open_part(m, m.objects[0], where), m)
+
+    def open_unhashed(self, step: int) -> StepObject | None:
+        """``open(step)`` without the SHA-256 check, for a reader that hashes the object's bytes as it reads
+        them (``StepObject.read_tensors_hashed``) and then calls ``store.check_sha256``: nothing read from it
+        is proven before that. None where this cannot be done (a remote store, several parts, a transport
+        that holds checked objects): then ``open``."""
+        m = self.manifest(step)
+        if getattr(self.store.transport, "read_verified", None) is not None:
+            return None
+        path = self.store.local_object_unhashed(m)
+        return None if path is None else self._agreeing(StepObject(path, where=f"{self.url} step {step}"), m)
+
+    def _agreeing(self, obj: StepObject, m: Manifest) -> StepObject:
+        """``obj``, whose header names the manifest's step, kind and base, or a ``FormatError`` (``obj`` closed)."""
         h = obj.header
-        if h.step != step or h.kind != m.kind or h.base_step != m.base_step or h.is_part:
+        if h.step != m.step or h.kind != m.kind or h.base_step != m.base_step or h.is_part:
             obj.close()
             part = " is a part of a multi-part step (format_version 2) and" if h.is_part else ""
             raise FormatError(
-                f"{self.url} step {step}: object header (step {h.step}, {h.kind}){part} disagrees with its manifest "
+                f"{self.url} step {m.step}: object header (step {h.step}, {h.kind}){part} disagrees with its manifest "
                 f"(step {m.step}, {m.kind}, format_version {m.format_version})"
             )
         return obj

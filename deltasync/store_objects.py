@@ -193,14 +193,41 @@ class StoreObjects:
             return StepNotFoundError(f"{self.url}: step {manifest.step} was collected (deleted by gc) while it was being read")
         return CorruptObjectError(f"{where}: missing, though the step is committed")
 
+    def local_object_unhashed(self, manifest: Manifest) -> Path | None:
+        """The path of a local single-object step's object, its size checked but not yet its SHA-256: for a
+        reader that hashes the bytes as it reads them (replay reads an anchor once), then calls
+        ``check_sha256``. None where the store is not local or the step has several parts."""
+        if not self.is_local or manifest.is_multipart:
+            return None
+        part = manifest.objects[0]
+        local = self.transport.local_path(self._object_key(manifest, part))
+        if local is None:
+            return None
+        where = f"{self.url} step {manifest.step} object {part.object}"
+        if not local.exists():
+            raise self._missing(manifest, where)
+        _check_size(local.stat().st_size, part, where)
+        return local
+
+    def check_sha256(self, manifest: Manifest, digest: str) -> None:
+        """``CorruptObjectError`` unless ``digest`` (of a single-object step's bytes) is the manifest's."""
+        part = manifest.objects[0]
+        _check_digest(digest, part, f"{self.url} step {manifest.step} object {part.object}")
+
     def _check_object(self, path: Path, part: Part, where: str) -> None:
         """The object at ``path`` has the manifest's size and SHA-256, or ``CorruptObjectError``."""
-        size = path.stat().st_size
-        if size != part.object_bytes:
-            raise CorruptObjectError(f"{where}: {size} bytes, manifest says {part.object_bytes} (truncated or replaced)")
-        digest = sha256_file(path)
-        if digest != part.object_sha256:
-            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {part.object_sha256[:16]}…")
+        _check_size(path.stat().st_size, part, where)
+        _check_digest(sha256_file(path), part, where)
+
+
+def _check_size(size: int, part: Part, where: str) -> None:
+    if size != part.object_bytes:
+        raise CorruptObjectError(f"{where}: {size} bytes, manifest says {part.object_bytes} (truncated or replaced)")
+
+
+def _check_digest(digest: str, part: Part, where: str) -> None:
+    if digest != part.object_sha256:
+        raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {part.object_sha256[:16]}…")
 
 
 class _watching:

@@ -439,6 +439,34 @@ class StepObject:
 
     tensor = read_tensor
 
+    def read_tensors_hashed(
+        self, landed: Callable[[str, torch.Tensor], None], *, stop: threading.Event | None = None, chunk_bytes: int = 1 << 20
+    ) -> str | None:
+        """Read every tensor of an anchor once, in file order, each into fresh memory, hashing the object's
+        bytes as they pass (the header, then the tensors: parsing checked that they fill the data buffer with
+        no hole); returns the SHA-256 hex digest of the whole object, or None when ``stop`` was set.
+
+        ``landed(name, tensor)`` is called as each tensor is complete. Its bits are proven only once the
+        caller has compared the digest with the manifest's: this is for a reader that would otherwise hash
+        the object first and read it again (replay), each chunk hashed while it is still in the cache."""
+        digest = hashlib.sha256(self._src.read(0, self._data_start))
+        for key, e in sorted(self._entries.items(), key=lambda kv: kv[1].data_offsets):
+            h = self.header.tensors[key]
+            t = torch.empty(h.shape if h.range is None else (h.count,), dtype=h.torch_dtype)
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+            begin, end = e.data_offsets
+            if end - begin != view.nbytes:
+                raise FormatError(f"{self.where}: tensor {key!r} holds {end - begin} bytes, expected {view.nbytes}")
+            for at in range(0, view.nbytes, chunk_bytes):
+                if stop is not None and stop.is_set():
+                    return None
+                part = view[at : at + chunk_bytes]
+                if self._src.read_into(self._data_start + begin + at, part) != part.nbytes:
+                    raise FormatError(f"{self.where}: tensor {key!r} is truncated")
+                digest.update(part)  # releases the GIL: the workers patch tensors meanwhile
+            landed(key, t)
+        return digest.hexdigest()
+
     def _read_into(self, key: str, out: np.ndarray | bytearray) -> None:
         begin, end = self._entries[key].data_offsets
         view = memoryview(out).cast("B")

@@ -49,7 +49,7 @@ def reconstruct_state_dict(
     reader = open_reader(url, storage_options)
     if step is None:
         step = require_steps(reader)[-1]
-    with Chain.open(reader, step, progress=progress) as chain:
+    with Chain.open(reader, step, progress=progress, read_anchor_once=True) as chain:
         rebuilt = dict(chain.tensors(progress=progress))
         out = {name: rebuilt[name] for name in chain.header.tensors}  # the trainer's order
         for alias, target in chain.header.aliases.items():

@@ -14,7 +14,26 @@ A tensor larger than a core's share of the cache is patched a block at a time: s
 of it are decoded first (at most ``GROUP_BYTES`` of them), then each block of the tensor receives all of
 them while it sits in the cache, instead of every delta streaming the whole tensor through memory once
 (XOR patches commute: the order does not change the bits). Used by ``history`` (replay, compare, push)
-and ``maintenance`` (verify)."""
+and ``maintenance`` (verify).
+
+Where a caller keeps every tensor (``reconstruct_state_dict``), a local anchor is read once: a thread reads
+its tensors into their final buffers and hashes the same bytes (``_anchor.AnchorFeed``), while the workers
+already decode the deltas and patch the tensors that have landed; nothing is handed out before the anchor's
+SHA-256 matched its manifest.
+
+Why one full checksum pass, at the end. The checksum is a sum over (index, bits) pairs (docs/FORMAT.md
+section 4), so it could instead be carried along: the anchor's checksum computed from its bits as they are
+read, plus each delta's change hashed from the old and new bits of the elements it changes (what
+``check="each"`` does). That is no cheaper and proves less. No cheaper: the anchor's checksum is a full pass
+over the same number of elements as the final one, and the changes then add two hashes per changed element
+(about 2 x 40M for 20 deltas of a 134M model: more than half a pass again). Proves less: a carried sum equals
+the checksum of the bits in memory only if the scatter hashed exactly the bits it left at exactly the
+positions it wrote, and nothing else wrote the buffer; a bug or a stray write elsewhere in the tensor would
+keep the sum right and the bits wrong. The final pass hashes the bits as they are returned, so a match with
+the last header's checksum (bound to the manifest through the state checksum, ``open_checked``) is the
+proof of the result whatever happened on the way (a collision aside: the checksum detects accidents, not
+adversaries). The SHA-256 of every object proves the bytes read; the anchor's own checksums are then not
+needed, because the final state is checked directly."""
 
 from __future__ import annotations
 
@@ -48,6 +67,7 @@ from deltasync.format.checksum import (
 from deltasync.format.objects import StepHeader, StepObject
 from deltasync.format.patch import Patch
 from deltasync.reader import StreamReader
+from deltasync.history._anchor import AnchorFeed
 from deltasync.stages.apply import host_arrays, xor_apply
 
 T = TypeVar("T")
@@ -92,34 +112,50 @@ def chain_steps(reader: StreamReader, step: int) -> list[int]:
 class Chain:
     """The opened objects of one step's chain, anchor first; rebuilds its tensors one at a time."""
 
-    def __init__(self, objects: list[StepObject]) -> None:
+    def __init__(self, objects: list[StepObject], *, feed: AnchorFeed | None = None) -> None:
         self.objects = objects
         self.steps = [o.header.step for o in objects]
+        self._feed = feed
         for obj in objects[1:]:
             check_layout(objects[0], obj)
 
     @classmethod
-    def open(cls, reader: StreamReader, step: int, *, progress: ProgressFn | None = None) -> Chain:
-        """Fetch and verify every object of ``step``'s chain (size, SHA-256, header against manifest)."""
+    def open(
+        cls, reader: StreamReader, step: int, *, progress: ProgressFn | None = None, read_anchor_once: bool = False
+    ) -> Chain:
+        """Fetch and verify every object of ``step``'s chain (size, SHA-256, header against manifest).
+
+        ``read_anchor_once`` (for a caller that keeps every tensor: the whole anchor is read at once, into
+        the tensors' final buffers): a local anchor is not hashed here but while a thread reads its tensors
+        (``_anchor.AnchorFeed``), so that rebuilding starts at once and the anchor is read once, not twice;
+        ``rebuild`` hands out nothing before its SHA-256 matched. Elsewhere (remote, several parts) as without.
+        """
         steps = chain_steps(reader, step)
-        objects: list[StepObject] = []
+        feed = _feed(reader, steps[0]) if read_anchor_once else None
+        objects: list[StepObject] = [feed.obj] if feed else []
         # downloads and SHA-256 checks on a few threads: the anchor's hash overlaps the deltas'
         with ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="deltasync-fetch") as pool:
-            futures = [pool.submit(open_checked, reader, s) for s in steps]
+            futures = [pool.submit(open_checked, reader, s) for s in steps[len(objects):]]
             try:
                 for i, future in enumerate(futures):
                     objects.append(future.result())
                     if progress:
-                        progress(f"fetch step {step}'s chain", i + 1, len(steps))
-                return cls(objects)
-            except BaseException:
+                        progress(f"fetch step {step}'s chain", i + 1 + bool(feed), len(steps))
+                return cls(objects, feed=feed)
+            except BaseException as e:
                 for future in futures:
                     future.cancel()
                 for future in futures:
                     if not future.cancelled() and future.exception() is None and future.result() not in objects:
                         future.result().close()
-                for o in objects:
-                    o.close()
+                try:
+                    if feed and isinstance(e, DeltaSyncError):
+                        feed.wait()  # a corrupt anchor is named as such, rather than what it may have caused
+                finally:
+                    if feed:
+                        feed.close()
+                    for o in objects:
+                        o.close()
                 raise
 
     @property
@@ -127,6 +163,8 @@ class Chain:
         return self.objects[-1].header
 
     def close(self) -> None:
+        if self._feed:
+            self._feed.close()
         for o in self.objects:
             o.close()
 
@@ -160,8 +198,12 @@ class Chain:
         pool = ThreadPoolExecutor(
             max_workers=_WORKERS, thread_name_prefix="deltasync-replay", initializer=numba.set_num_threads, initargs=(1,)
         )
+        # a fed anchor is in memory whole anyway: its tensors are rebuilt with no bound while it is hashed
+        depth = len(names) if self._feed else 2 * _WORKERS + 2
         try:
-            for k, rebuilt in enumerate(_ahead(pool, lambda n: self._rebuild(n, check, keep), names, depth=2 * _WORKERS + 2)):
+            for k, rebuilt in enumerate(_ahead(pool, lambda n: self._rebuild(n, check, keep), names, depth=depth)):
+                if self._feed and k == 0:
+                    self._feed.wait()  # nothing leaves before the anchor's SHA-256 matched, errors included
                 yield rebuilt
                 if progress:
                     progress(f"replay step {self.steps[-1]}", k + 1, len(names))
@@ -173,18 +215,22 @@ class Chain:
         last = len(self.objects) - 1
         link = 0
         try:
-            t = out.tensor = self.objects[0].read_tensor(name)
             if check == "result" and keep is None:  # the common case: patched in groups, checksummed once
-                group: list[Patch] = []
+                nbytes, group, got = self.header.tensors[name].nbytes, [], None
                 for link, obj in enumerate(self.objects):
                     if link and obj.header.tensors[name].changed:
                         group.append(obj.patch(name))
-                        if group_full(t, group):
-                            xor_patches(t, group)
+                        if _group_full(nbytes, group):
+                            # the first patches are decoded before the anchor's tensor is taken (it may be landing)
+                            got = out.tensor = got if got is not None else self._anchor_tensor(name)
+                            xor_patches(got, group)
                             group = []
+                link = 0
+                t = out.tensor = got if got is not None else self._anchor_tensor(name)
                 xor_patches(t, group)
                 out.checksums[last] = tensor_checksum(t)
                 return out
+            t = out.tensor = self._anchor_tensor(name)
             checksum = tensor_checksum(t) if check == "each" else 0
             for link, obj in enumerate(self.objects):
                 if link and obj.header.tensors[name].changed:
@@ -204,6 +250,9 @@ class Chain:
         except DeltaSyncError as e:
             out.error = (link, e)
         return out
+
+    def _anchor_tensor(self, name: str) -> torch.Tensor:
+        return self._feed.take(name) if self._feed else self.objects[0].read_tensor(name)
 
     def failure(self, rebuilt: Rebuilt) -> tuple[int, DeltaSyncError] | None:
         """Where rebuilding a tensor first went wrong: (link, error), a checksum mismatch or a decoding error."""
@@ -267,7 +316,11 @@ def xor_patches(t: torch.Tensor, patches: list[Patch], *, block_bytes: int = BLO
 def group_full(t: torch.Tensor, group: list[Patch]) -> bool:
     """Whether to apply the patches held for ``t`` now: at once for a tensor that fits ``BLOCK_BYTES`` (no
     block to share), else once they hold ``GROUP_BYTES``."""
-    if t.numel() * t.element_size() <= BLOCK_BYTES:
+    return _group_full(t.numel() * t.element_size(), group)
+
+
+def _group_full(nbytes: int, group: list[Patch]) -> bool:
+    if nbytes <= BLOCK_BYTES:
         return True
     return sum(p.xor.nbytes + (p.positions.nbytes if p.positions is not None else 0) for p in group) >= GROUP_BYTES
 
@@ -285,6 +338,11 @@ def check_layout(anchor: StepObject, obj: StepObject) -> None:
 def open_checked(reader: StreamReader, step: int) -> StepObject:
     """``reader.open`` plus the state checksum: the header agrees with its manifest and with itself."""
     obj = reader.open(step)
+    _check_state(reader, step, obj)
+    return obj
+
+
+def _check_state(reader: StreamReader, step: int, obj: StepObject) -> None:
     m, h = reader.manifest(step), obj.header
     if h.state_checksum != m.state_checksum or state_checksum(h.checksums()) != h.state_checksum:
         obj.close()
@@ -292,7 +350,18 @@ def open_checked(reader: StreamReader, step: int) -> StepObject:
             f"{reader.url} step {step}: the object header's state checksum {h.state_checksum[:16]}… disagrees with "
             f"its manifest's {m.state_checksum[:16]}… or with its own tensor checksums"
         )
-    return obj
+
+
+def _feed(reader: StreamReader, step: int) -> AnchorFeed | None:
+    """The anchor of ``step`` opened unhashed and fed from a thread, or None where it must be hashed first."""
+    try:
+        obj = reader.open_unhashed(step)
+        if obj is not None:
+            _check_state(reader, step, obj)
+    except DeltaSyncError:
+        reader.store.fetch_object(reader.manifest(step))  # hashes it: a corrupt object is named as such
+        raise
+    return None if obj is None else AnchorFeed(reader, reader.manifest(step), obj)
 
 
 def _ahead(pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable[T], *, depth: int) -> Iterator[R]:
