@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import Training, machine, parser, write_results
 from bench.bench_codec import plain_copy_s
-from deltasync.format import _kernels
 from deltasync.engine import warm_kernels
+from deltasync.format import _kernels
 from deltasync.format.codecs import (
     _pack,
     _shuffled,

@@ -81,7 +81,7 @@ def measure(case: str, url: str, step: int, work: Path) -> dict:
     """One measurement, in this (fresh) process."""
     import safetensors.torch
 
-    from deltasync import replay_to_folder, StreamReader
+    from deltasync import StreamReader, replay_to_folder
     from deltasync.history import reconstruct_state_dict
 
     warm = work / "warm-up"  # compiled kernels, thread pools, imports: outside the measurement
@@ -119,8 +119,8 @@ def breakdown(url: str, step: int, work: Path, passes: int = 3) -> dict:
     import numba
 
     from deltasync import StreamReader
-    from deltasync.history import reconstruct_state_dict
     from deltasync.format.checksum import tensor_checksum
+    from deltasync.history import reconstruct_state_dict
     from deltasync.history.replay import Chain, group_full, open_checked, xor_patches
 
     reconstruct_state_dict(str(work / "warm-up"), 1)

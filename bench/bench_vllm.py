@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import Training, machine, parser, write_results
-from deltasync import DeltaPublisher, replay_to_folder, StreamReader
+from deltasync import DeltaPublisher, StreamReader, replay_to_folder
 from deltasync.testing import save_model_dir
 from rollout_loader.vllm import start_engine
 from rollout_loader.vllm.worker import transfer_status

@@ -21,7 +21,7 @@ import tempfile
 import torch
 from torch import nn
 
-from deltasync import compare, DeltaPublisher, stream_stats
+from deltasync import DeltaPublisher, compare, stream_stats
 from deltasync.history import layer_density, plot_stats
 
 

@@ -21,7 +21,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from deltasync import DeltaSyncError, StreamReader
-from deltasync.engine import check_consumer_id, Notifier, PollPolicy, Replica, StepObject, StepWatch, TrustedKeys, Verify, write_heartbeat
+from deltasync.engine import (
+    Notifier,
+    PollPolicy,
+    Replica,
+    StepObject,
+    StepWatch,
+    TrustedKeys,
+    Verify,
+    check_consumer_id,
+    write_heartbeat,
+)
 from deltasync.errors import (
     ConfigError,
     EngineConfigError,
@@ -34,7 +44,6 @@ from deltasync.errors import (
     TensorMismatchError,
     WaitTimeoutError,
 )
-
 
 from .metrics import FollowerStats, FollowerStatus, MetricsServer, serve
 

@@ -5,7 +5,8 @@ import safetensors.torch
 import torch
 
 from deltasync import DeltaPublisher
-from deltasync.errors import CorruptObjectError
+from deltasync.errors import CorruptObjectError, FormatError
+from deltasync.format.objects import TensorHeader
 from deltasync.history.checkpoints import (
     FILES_INDEX,
     CheckpointWriter,
@@ -14,8 +15,6 @@ from deltasync.history.checkpoints import (
     read_model_files,
     write_model_files,
 )
-from deltasync.errors import FormatError
-from deltasync.format.objects import TensorHeader
 from deltasync.store import Store
 from tests.conftest import states_equal
 from tests.test_publisher import train

@@ -20,9 +20,9 @@ import pytest
 from typer.testing import CliRunner
 
 from deltasync import DeltaPublisher
-from deltasync_cli import app
 from deltasync.errors import PublishError, WriterConflictError
 from deltasync.scratch import ScratchFolder
+from deltasync_cli import app
 from tests.conftest import LEAK_PREFIX, leftovers
 from tests.http_server import serving
 from tests.remote_cli import register, remote_url

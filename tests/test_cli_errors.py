@@ -21,7 +21,6 @@ from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from deltasync_cli import main
 from deltasync.errors import (
     ConfigError,
     DeltaSyncError,
@@ -35,6 +34,7 @@ from deltasync.errors import (
     StoreUnreachableError,
 )
 from deltasync.store import Store
+from deltasync_cli import main
 from tests.http_server import serving
 
 
@@ -460,9 +460,8 @@ def test_server_not_set_up_for_deltasync(replies, error, needles, tmp_path, monk
 
 
 def test_unreachable_server(tmp_path, monkeypatch, capsys):
-    from rollout_loader.vllm import VllmTarget
-
     from rollout_loader import Follower
+    from rollout_loader.vllm import VllmTarget
 
     server = f"http://127.0.0.1:{closed_port()}"
     url = str(tmp_path / "stream")

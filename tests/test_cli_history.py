@@ -8,8 +8,8 @@ from typer.testing import CliRunner
 
 from deltasync import StreamReader
 from deltasync.engine import write_heartbeat
-from deltasync_cli import app, main
 from deltasync.store import Store
+from deltasync_cli import app, main
 from tests.conftest import states_equal
 from tests.damage import object_path
 from tests.test_cli_errors import assert_one_line_error

@@ -9,6 +9,7 @@ import pytest
 import zstandard
 
 from deltasync import DeltaPublisher, StreamReader, verify
+from deltasync.errors import FormatError, StepNotFoundError
 from deltasync.format.codecs import decode_change
 from deltasync.format.documents import (
     MAX_DOCUMENT_BYTES,
@@ -21,7 +22,6 @@ from deltasync.format.documents import (
     StreamInfo,
     decode,
 )
-from deltasync.errors import FormatError, StepNotFoundError
 from deltasync.store import Store, step_dir
 
 MANIFEST = {
@@ -233,8 +233,8 @@ def test_names_match_whole_not_up_to_a_trailing_newline(kind, doc):
 
 
 def test_one_validator_for_names_from_outside():
-    from deltasync.format.names import CONSUMER_ID, PEER_NAME, check
     from deltasync.consumers import check_consumer_id
+    from deltasync.format.names import CONSUMER_ID, PEER_NAME, check
 
     assert check(CONSUMER_ID, "rollout-0") and check(PEER_NAME, "trainer-0:a")
     for bad in ("c1\n", "\nc1", "c1 ", "", ".hidden", "a/b", None, 3):

@@ -8,7 +8,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from deltasync import compare, DeltaPublisher, push_checkpoint, replay_to_folder, StreamReader
+from deltasync import DeltaPublisher, StreamReader, compare, push_checkpoint, replay_to_folder
 from deltasync.errors import (
     ChecksumMismatchError,
     CorruptObjectError,
@@ -19,10 +19,9 @@ from deltasync.errors import (
     StreamNotFoundError,
     TensorMismatchError,
 )
-from deltasync.history import reconstruct_state_dict, reconstruct_tensor
-from deltasync.history.checkpoints import FILES_INDEX
 from deltasync.format.patch import Patch
-from deltasync.history import replay
+from deltasync.history import reconstruct_state_dict, reconstruct_tensor, replay
+from deltasync.history.checkpoints import FILES_INDEX
 from deltasync.history.compare import layer_of
 from deltasync.store import Store
 from tests.conftest import bits_equal, states_equal

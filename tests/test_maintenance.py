@@ -2,13 +2,11 @@ import json
 
 import pytest
 
-from deltasync.errors import ConfigError, FormatError
-
-from deltasync import collect_garbage, StreamReader, verify
+from deltasync import StreamReader, collect_garbage, verify
 from deltasync.engine import read_heartbeats, write_heartbeat
-from deltasync.errors import StepNotFoundError
-from deltasync.history import plan_gc
+from deltasync.errors import ConfigError, FormatError, StepNotFoundError
 from deltasync.format.documents import ConsumerPosition
+from deltasync.history import plan_gc
 from deltasync.store import Manifest, Store, step_dir
 from rollout_loader import Follower, StateDictTarget
 from tests.conftest import states_equal

@@ -22,6 +22,7 @@ from rollout_loader import Follower, StateDictTarget
 from tests.conftest import states_equal
 from tests.http_server import serving
 
+
 def _state(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return {"w": torch.randn(20_000, generator=g).bfloat16(), "b": torch.randn(16, generator=g).bfloat16()}

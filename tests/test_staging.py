@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from deltasync.engine import apply_staged, layout_of, stage, StagedStep, StepObject, TensorSpec
+from deltasync.engine import StagedStep, StepObject, TensorSpec, apply_staged, layout_of, stage
 from deltasync.errors import BaseStepMismatchError, ChecksumMismatchError, FormatError, TensorMismatchError
 from tests.conftest import states_equal
 from tests.test_apply import _chain

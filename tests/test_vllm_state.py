@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # CI has no GPU; a GPU machine runs both
 
 

@@ -14,8 +14,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deltasync.errors import ConfigError
 from deltasync.consumers import read_heartbeats
+from deltasync.errors import ConfigError
 from deltasync.store import Store
 
 __all__ = ["ConsumerStatus", "FleetStatus", "fleet_status", "prometheus_text"]

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from deltasync.consumers import read_heartbeats
 from deltasync.errors import ConfigError
 from deltasync.format.documents import ConsumerPosition
-from deltasync.consumers import read_heartbeats
 from deltasync.history.replay import ProgressFn, require_steps
 from deltasync.reader import StreamReader
 from deltasync.store import MANIFEST, Manifest, Store, step_dir

@@ -21,8 +21,8 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from deltasync.errors import (

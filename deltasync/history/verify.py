@@ -17,7 +17,6 @@ from deltasync.errors import (
     TensorMismatchError,
 )
 from deltasync.format.objects import StepObject
-from deltasync.signing import TrustedKeys
 from deltasync.history.replay import (
     Chain,
     ProgressFn,
@@ -27,6 +26,7 @@ from deltasync.history.replay import (
     require_steps,
 )
 from deltasync.reader import StreamReader
+from deltasync.signing import TrustedKeys
 from deltasync.store import MANIFEST
 
 log = logging.getLogger(__name__)

@@ -27,9 +27,9 @@ from typing_extensions import Self
 from deltasync.errors import RdmaError, StaleMetadataError
 from deltasync.notify import Announcements
 from deltasync.rdma.agent import Agent
+from deltasync.rdma.inbox import Inbox, Lease
 from deltasync.rdma.link import ConsumerLink
 from deltasync.rdma.messages import ConsumerHello
-from deltasync.rdma.inbox import Inbox, Lease
 from deltasync.rdma.trainer import RdmaOptions, rdma_options
 from deltasync.reader import StreamReader
 from deltasync.store import Store

@@ -28,7 +28,6 @@ from typing_extensions import Self
 
 from deltasync.errors import ControlMessageError, ControlRefusedError, RdmaError, ScheduleError
 from deltasync.rdma import auth
-from deltasync.rdma.messages import zmq  # pyzmq, or the error that names the rdma extra
 from deltasync.rdma.messages import (
     Applied,
     ConsumerHello,
@@ -46,6 +45,7 @@ from deltasync.rdma.messages import (
     encoder,
     socket,
     to_controller,
+    zmq,  # pyzmq, or the error that names the rdma extra
 )
 from deltasync.rdma.schedule import (
     Consumer,

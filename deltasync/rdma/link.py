@@ -10,7 +10,6 @@ from typing_extensions import Self
 
 from deltasync.errors import ConfigError, ControlMessageError, ControlRefusedError, RdmaError, RdmaTimeoutError
 from deltasync.rdma import auth
-from deltasync.rdma.messages import zmq  # pyzmq, or the error that names the rdma extra
 from deltasync.rdma.messages import (
     Applied,
     ConsumerHello,
@@ -26,6 +25,7 @@ from deltasync.rdma.messages import (
     encoder,
     socket,
     to_peer,
+    zmq,  # pyzmq, or the error that names the rdma extra
 )
 from deltasync.rdma.outbox import SlotInfo
 

@@ -44,7 +44,16 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from deltasync import DeltaSyncError, StreamReader
-from deltasync.engine import add_checksums, CONSUMER_ID, EventFeed, MAX_STEP, name_matches, rdma_options, TrustedKeys, warm_kernels
+from deltasync.engine import (
+    CONSUMER_ID,
+    MAX_STEP,
+    EventFeed,
+    TrustedKeys,
+    add_checksums,
+    name_matches,
+    rdma_options,
+    warm_kernels,
+)
 from deltasync.errors import (
     BaseStepMismatchError,
     ChecksumMismatchError,
@@ -54,13 +63,10 @@ from deltasync.errors import (
     StepNotFoundError,
 )
 
-
 from .layout import checkpoint_layout
 from .plan import build_state
-from .shadow import reload_as_loaded
-from .trace import all_gather_tp as _all_gather
-from .trace import refuse_moving_experts
 from .prefetch import Prefetcher, Prepared, prepare
+from .shadow import reload_as_loaded
 from .state import (
     Mode,
     Staged,
@@ -74,6 +80,8 @@ from .state import (
     write_sealed,
 )
 from .target import Verify
+from .trace import all_gather_tp as _all_gather
+from .trace import refuse_moving_experts
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from .edits import TRAVERSAL, TYPE_GROUPS, ZSTD_FRAMES, SafetensorsFile, get, json_type, paths
-from .mutations import BYTE_MUTATORS, JSON_KINDS, KINDS, ROOT_VALUES, Document, documents, other_type_values
-from .mutations import read_document, region_bytes
+from .mutations import (
+    BYTE_MUTATORS,
+    JSON_KINDS,
+    KINDS,
+    ROOT_VALUES,
+    Document,
+    documents,
+    other_type_values,
+    read_document,
+    region_bytes,
+)
 
 # mutator -> the document kinds it applies to
 MUTATORS: dict[str, tuple[str, ...]] = {

@@ -28,7 +28,6 @@ from typing import Any
 import msgspec
 
 from deltasync.errors import DeltaSyncError
-
 from tests.http_server import serving
 
 from .operations import library_frame

@@ -16,8 +16,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .edits import TYPE_GROUPS, VALUES, ZSTD_FRAMES, Dup, Raw, SafetensorsFile, dump, get, json_type, sha256
-from .edits import state_checksum, with_root
+from .edits import (
+    TYPE_GROUPS,
+    VALUES,
+    ZSTD_FRAMES,
+    Dup,
+    Raw,
+    SafetensorsFile,
+    dump,
+    get,
+    json_type,
+    sha256,
+    state_checksum,
+    with_root,
+)
 
 JSON_KINDS = ("manifest", "latest", "lease", "heartbeat", "files_index", "stream")
 KINDS = ("object", *JSON_KINDS, "model_file")

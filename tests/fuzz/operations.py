@@ -27,8 +27,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from .corpus import ANCHOR_EVERY, CONSUMER_ID, CONSUMER_STEP, FAR_FUTURE_UNIX_S, LAYER_OF, LEASE_OWNER, MODEL_FILES, TIED
-from .corpus import Corpus
+from .corpus import (
+    ANCHOR_EVERY,
+    CONSUMER_ID,
+    CONSUMER_STEP,
+    FAR_FUTURE_UNIX_S,
+    LAYER_OF,
+    LEASE_OWNER,
+    MODEL_FILES,
+    TIED,
+    Corpus,
+)
 
 _CONSUMER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # README: 1-128 letters, digits, '.', '_', '-'
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")

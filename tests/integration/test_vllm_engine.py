@@ -21,9 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltasync import DeltaPublisher, replay_to_folder, StreamReader
+from deltasync import DeltaPublisher, StreamReader, replay_to_folder
 from deltasync.engine import tensor_checksum
-from tests.integration.conftest import PROMPTS, build_checkpoint, engine, load_state, perturb, perturbed_names, save_like
+from tests.integration.conftest import (
+    PROMPTS,
+    build_checkpoint,
+    engine,
+    load_state,
+    perturb,
+    perturbed_names,
+    save_like,
+)
 from tests.integration.seaweedfs import s3_server  # noqa: F401 - fixture
 from tests.integration.test_vllm_server import _completions
 from tests.integration.test_vllm_server_errors import vllm_server

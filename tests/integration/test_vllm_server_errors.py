@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from deltasync import DeltaPublisher, StreamReader
-from deltasync.format.checksum import parse_checksum
 from deltasync.errors import EngineConfigError, StoreError
+from deltasync.format.checksum import parse_checksum
 from rollout_loader import Follower
 from rollout_loader.vllm import VllmTarget
 from tests.integration.conftest import PROMPTS, build_checkpoint, load_state, perturb, perturbed_names
