@@ -16,7 +16,7 @@ import statistics
 import time
 import uuid
 from pathlib import Path
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 from deltasync.errors import (
     CorruptObjectError,
@@ -55,7 +55,7 @@ T = TypeVar("T")
 _STEP_DIR = re.compile(r"\A(\d{12})\Z")
 LATEST = "latest.json"
 STREAM = "stream.json"
-ObjectData = Union[bytes, bytearray, memoryview, str, Path]
+ObjectData = bytes | bytearray | memoryview | str | Path
 """A step's object: its bytes in memory, or a local file (``str``/``Path``) that is streamed."""
 
 

@@ -44,7 +44,7 @@ class StoreContract:
         truth = []
         with DeltaPublisher(self.store(url), state, on_backlog="block", **kw) as pub:
             for s in range(steps):
-                for k, v in state.items():
+                for v in state.values():
                     v.copy_(perturb(v, 0.03, gen))
                 pub.publish(s)
                 truth.append({k: v.clone() for k, v in state.items()})

@@ -19,8 +19,11 @@ from deltasync import NodeCache, StreamReader
 from deltasync.errors import ConfigError, CorruptObjectError
 from deltasync.node_cache import node_cache_from_env
 from deltasync.store import step_dir
+from tests import test_reader
 from tests.conftest import states_equal
-from tests.test_reader import remote  # noqa: F401 - fixture: a stream on a remote store, 7 steps, anchors every 3
+
+# the fixture: a stream on a remote store, 7 steps, anchors every 3 (bound here, so pytest finds it)
+remote = test_reader.remote
 
 CTX = mp.get_context("fork")  # the peers need no fresh interpreter: forked, they start at once (POSIX, as flock)
 

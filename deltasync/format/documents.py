@@ -78,8 +78,6 @@ def decode(data: bytes | bytearray | memoryview | str, kind: type[T], *, where: 
         raise FormatError(f"{where}: not valid JSON ({e})") from None
     except RecursionError:
         raise FormatError(f"{where}: JSON nested too deeply") from None
-    except UnicodeDecodeError as e:
-        raise FormatError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
 def encode(doc: Any, *, indent: int | None = None) -> bytes:

@@ -90,7 +90,7 @@ def diff_device(
                 pieces[i].append(part)
         pending.clear()
 
-    for i, (key, cur, snap, base) in enumerate(items):
+    for i, (key, _, snap, base) in enumerate(items):
         for s in range(0, snap.numel(), step_elems):
             c, o = segment(i, s)
             cap = min(o.numel(), caps.get((key, s), max(_MIN_CAP, o.numel() // 16)))

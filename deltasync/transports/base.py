@@ -24,12 +24,12 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from deltasync.notify import Notifier
 
-Data = Union[bytes, bytearray, memoryview, Path]
+Data = bytes | bytearray | memoryview | Path
 """What ``put`` takes: bytes-like objects are written as they are; a ``Path`` is a local file, streamed
 (a local transport may move it into place instead of copying it: the caller hands the file over)."""
 
@@ -147,7 +147,7 @@ class Transport(ABC):
         backend pushes its changes (a Hugging Face bucket's event feed); None (the default): followers poll."""
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook, not abstract: most transports hold nothing
         """Release connections and clients (the default holds none)."""
 
     def __repr__(self) -> str:
