@@ -100,7 +100,7 @@ def _run_followers(url: str, options: dict, n: int, run_s: float, legacy: bool, 
         followers.append(f.start())
     time.sleep(run_s)
     exact = []
-    for f, feed in zip(followers, feeds):
+    for f, feed in zip(followers, feeds, strict=True):
         f.close()
         f.reader.close()
         if feed is not None:
@@ -187,7 +187,7 @@ def run(server, n: int, mode: str, args: argparse.Namespace, work: Path) -> dict
     copy_idle = under(dst, idle_requests) if dst is not None else []
     results = [json.loads(Path(o).read_text()) if Path(o).exists() else
                {"error": f"follower process {i} wrote nothing (exit code {p.exitcode})", "applied": [], "exact": [False]}
-               for i, (o, p) in enumerate(zip(outs, procs))]
+               for i, (o, p) in enumerate(zip(outs, procs, strict=True))]
     errors = [r["error"] for r in results if "error" in r]
     latencies = [t - committed[s] for r in results for f in r["applied"] for s, t in f if s in committed]
     exact = [e for r in results for e in r["exact"]]

@@ -390,13 +390,13 @@ def main() -> None:
         pos_new = timed(sec, "encode_positions_proto", encode_positions_proto, items)
         val_new = timed(sec, "encode_values_proto", encode_values_proto, items)
         timed(sec, "read_base", read_pass, [u for u, _ in items])
-        dec_cur = timed(sec, "decode_current", decode_current, list(zip(patches, current)))
-        timed(sec, "decode_positions_current", decode_positions_current, list(zip(patches, cur_pos)))
-        timed(sec, "decode_values_current", decode_values_current, list(zip(patches, cur_vals)))
-        dec_pos = timed(sec, "decode_positions_proto", decode_positions_proto, [(u, e) for (u, _), e in zip(items, pos_new)])
+        dec_cur = timed(sec, "decode_current", decode_current, list(zip(patches, current, strict=True)))
+        timed(sec, "decode_positions_current", decode_positions_current, list(zip(patches, cur_pos, strict=True)))
+        timed(sec, "decode_values_current", decode_values_current, list(zip(patches, cur_vals, strict=True)))
+        dec_pos = timed(sec, "decode_positions_proto", decode_positions_proto, [(u, e) for (u, _), e in zip(items, pos_new, strict=True)])
         dec_val = timed(sec, "decode_values_proto", decode_values_proto,
-                        [(u, p.positions, e) for (u, p), e in zip(items, val_new)])
-        for p, (pc, xc), pn, xn in zip(patches, dec_cur, dec_pos, dec_val):  # every codec round-trips exactly
+                        [(u, p.positions, e) for (u, p), e in zip(items, val_new, strict=True)])
+        for p, (pc, xc), pn, xn in zip(patches, dec_cur, dec_pos, dec_val, strict=True):  # every codec round-trips exactly
             assert np.array_equal(pc, p.positions) and np.array_equal(xc, p.xor), p.name
             assert np.array_equal(pn, p.positions) and np.array_equal(xn, p.xor), p.name
 

@@ -65,7 +65,7 @@ def find_jump(url: str) -> tuple[int, str]:
         print(f"step {row.step:3d}: density {row.density:7.2%}")
     prev, row = max(itertools.pairwise(deltas), key=lambda pair: pair[1].density / max(pair[0].density, 1e-9))
     grid = layer_density(url, [prev.step, row.step])
-    ratio = {layer: (d[1] or 0.0) / max(d[0] or 0.0, 1e-9) for layer, d in zip(grid.layers, grid.density)}
+    ratio = {layer: (d[1] or 0.0) / max(d[0] or 0.0, 1e-9) for layer, d in zip(grid.layers, grid.density, strict=True)}
     layer = max(ratio, key=ratio.get)
     print(f"step {row.step}: density {prev.density:.2%} -> {row.density:.2%}; per layer, x times the step before:")
     for name, r in sorted(ratio.items(), key=lambda kv: -kv[1]):

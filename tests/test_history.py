@@ -66,7 +66,7 @@ def test_xor_patches_equals_patches_applied_one_by_one(block_bytes):
         if p.positions is None:
             want ^= p.xor
         else:
-            for i, x in zip(p.positions.tolist(), p.xor.tolist()):
+            for i, x in zip(p.positions.tolist(), p.xor.tolist(), strict=True):
                 want[i] ^= x
     t = torch.from_numpy(start.copy()).view(torch.bfloat16).reshape(10, 100)
     replay.xor_patches(t, patches, block_bytes=block_bytes)

@@ -255,7 +255,7 @@ def test_trl_grpo_trainer_publishes_bit_exactly(tmp_path):
     with StreamReader(url) as reader:
         assert reader.steps() == [0, 1, 2]
         assert_bit_exact(reader.state_dict(2), model, torch.float32)
-        assert not all(torch.equal(a, b) for a, b in zip(reader.state_dict(0).values(), reader.state_dict(2).values()))
+        assert not all(torch.equal(a, b) for a, b in zip(reader.state_dict(0).values(), reader.state_dict(2).values(), strict=True))
     train_logs = [log for log in recorder.logs if "reward" in log]
     assert len(train_logs) == 2 and all("deltasync/bytes" in log for log in train_logs)
 

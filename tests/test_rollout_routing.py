@@ -310,7 +310,7 @@ def test_a_fused_checkpoint_tensor_split_by_the_loader_routes_in_pieces() -> Non
 
     def loader(params, c, tp, rank):
         rows = [HEADS * HD, KV * HD, KV * HD]
-        parts = dict(zip("qkv", c[fused].split(rows)))  # views of the fused tensor
+        parts = dict(zip("qkv", c[fused].split(rows), strict=True))  # views of the fused tensor
         load(params, {**{k: v for k, v in c.items() if k != fused},
                       **{P + f"self_attn.{n}_proj.weight": t for n, t in parts.items()}}, tp, rank)
 

@@ -46,7 +46,7 @@ def combine_headers(
     if len(parts) != len(headers):
         raise ValueError("one header per part")
     pieces: dict[str, list[tuple[int, int, TensorHeader]]] = {}
-    for part, h in zip(parts, headers):
+    for part, h in zip(parts, headers, strict=True):
         at = f"{where} part {part.object}"
         if not h.is_part:
             raise FormatError(f"{at}: a part's header must have format_version 2, got {h.format_version}")

@@ -97,7 +97,7 @@ def compare(
                 raise TensorMismatchError(f"{reader.url}: steps {a} and {b} hold different tensor names")
             names = list(cb.header.tensors)
             order = cb.order()
-            for (name, ta), (_, tb) in zip(ca.tensors(order), cb.tensors(order, progress=progress)):
+            for (name, ta), (_, tb) in zip(ca.tensors(order), cb.tensors(order, progress=progress), strict=True):
                 if ta.shape != tb.shape or ta.dtype != tb.dtype:
                     raise TensorMismatchError(f"{reader.url}: tensor {name!r} is {ta.shape} {ta.dtype} at step {a}, {tb.shape} {tb.dtype} at step {b}")
                 diffs[name] = _difference(name, ta, tb)

@@ -258,7 +258,7 @@ def xor_patches(t: torch.Tensor, patches: list[Patch], *, block_bytes: int = BLO
     bounds = np.arange(0, t.numel() + step, step, dtype=np.int64)
     cuts = [np.searchsorted(p.positions, bounds) for p in sparse]
     for b in range(len(bounds) - 1):
-        for (u, pos, xor), cut in zip(arrays, cuts):
+        for (u, pos, xor), cut in zip(arrays, cuts, strict=True):
             i, j = int(cut[b]), int(cut[b + 1])
             if j > i:  # global positions into the whole tensor: no rebased copy
                 _kernels.xor_plain_at(u, pos[i:j], xor[i:j])

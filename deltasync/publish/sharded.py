@@ -207,7 +207,7 @@ def write_part(dest: Any, cap: ShardedCapture, snapshot: Snapshot, *, state: str
     encoded = {}
     if cap.kind == "delta":
         for c, enc in zip(cap.changes, parallel_map(lambda c: encode_patch(c, zstd_level=zstd_level), cap.changes,
-                                                             cost=lambda c: c.changed)):
+                                                             cost=lambda c: c.changed), strict=True):
             encoded[c.name] = enc
             h = headers[c.name]
             headers[c.name] = TensorHeader(dtype=h.dtype, shape=h.shape, changed=c.changed, checksum=h.checksum, range=h.range,

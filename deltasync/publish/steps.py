@@ -74,7 +74,7 @@ def write_step_object(
     headers = dict(headers)
     encoded: dict[str, EncodedTensor] = {}
     encodings = parallel_map(lambda c: encode_patch(c, zstd_level=zstd_level), changes, cost=lambda c: c.changed)
-    for c, enc in zip(changes, encodings):
+    for c, enc in zip(changes, encodings, strict=True):
         encoded[c.name] = enc
         headers[c.name] = replace(headers[c.name], changed=c.changed, positions=enc.positions_chain, values=enc.values_chain)
     header = StepHeader(

@@ -224,7 +224,7 @@ class Inbox:
                 local, remote = self._indices(ring, lease, a, b)
                 handles.append(self.agent.post_read(ring.local, local, ring.remote, remote,
                                                     notif=info.ack() if one else b"", where=where))
-            for (a, b), handle in zip(pieces, handles):
+            for (a, b), handle in zip(pieces, handles, strict=True):
                 t0 = time.perf_counter()
                 self.agent.wait(handle, deadline=deadline, where=where)
                 t1 = time.perf_counter()

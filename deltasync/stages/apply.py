@@ -147,20 +147,20 @@ def apply_staged(
         on_host = all(tensors[p.name].device.type == "cpu" for p in staged.patches)
         futures = submit_all(write, staged.patches, cost=lambda p: p.xor.size) if on_host else []
         if on_host:
-            deltas = {p.name: f.result() for p, f in zip(staged.patches, futures)}
+            deltas = {p.name: f.result() for p, f in zip(staged.patches, futures, strict=True)}
         else:  # accelerator tensors: one transfer for the step (xor_apply_all)
             landed: list[int] = []
             try:
                 found = xor_apply_all([(tensors[p.name], p.positions, p.xor, None) for p in staged.patches], landed=landed)
             finally:
                 written.extend(staged.patches[j] for j in landed)
-            deltas = {p.name: d for p, d in zip(staged.patches, found)}
+            deltas = {p.name: d for p, d in zip(staged.patches, found, strict=True)}
         if checksums is not None:
             after = {p.name: (checksums[p.name] + deltas[p.name]) & MASK64 for p in staged.patches}
         else:
             after = dict(zip((p.name for p in staged.patches),
                              parallel_map(lambda p: tensor_checksum(tensors[p.name]), staged.patches,
-                                          cost=lambda p: tensors[p.name].numel())))
+                                          cost=lambda p: tensors[p.name].numel()), strict=True))
         bad = [p for p in staged.patches if after[p.name] != p.checksum]
         if bad:
             raise ChecksumMismatchError(

@@ -112,7 +112,7 @@ class Snapshot:
                                            self.offsets.get(name, 0))
         if device:
             step = max(1, self.max_chunk_bytes // 2)
-            found.update(zip((d[0] for d in device), diff_device(device, step_elems=step, cast=self._cast, caps=self._caps)))
+            found.update(zip((d[0] for d in device), diff_device(device, step_elems=step, cast=self._cast, caps=self._caps), strict=True))
 
         def diff_range(r: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, int]:
             name, start, stop = r
@@ -121,7 +121,7 @@ class Snapshot:
             return _diff_np(np_bits(cur), snap, self.offsets.get(name, 0) + start, self._scratch, parallel=False)
 
         ranges: dict[str, list[tuple[int, tuple[np.ndarray, np.ndarray, int]]]] = {}
-        for r, part in zip(host, parallel_map(diff_range, host, cost=lambda r: r[2] - r[1])):
+        for r, part in zip(host, parallel_map(diff_range, host, cost=lambda r: r[2] - r[1]), strict=True):
             ranges.setdefault(r[0], []).append((r[1], part))
         for name, parts in ranges.items():
             found[name] = _concat([p for _, p in sorted(parts, key=lambda sp: sp[0])], self.tensors[name].element_size())

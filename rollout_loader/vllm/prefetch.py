@@ -15,6 +15,7 @@ step again in its own thread and raises the error there, where it is reported.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -132,7 +133,7 @@ class Prefetcher:
             for s in list(self._ready):
                 if s not in wanted:  # the engine moved past it, or the chain changed
                     del self._ready[s]
-        for before, s in zip([held, *wanted], wanted):
+        for before, s in itertools.pairwise([held, *wanted]):
             if self._stop.is_set():
                 return
             with self._lock:

@@ -297,7 +297,7 @@ def _scatter_all(state: WorkerState, staged: Sequence[Staged], *, landed: list[t
     if bits and len({b.device for b in bits}) == 1 and bits[0].device.type != "cpu":
         done: list[int] = []
         try:
-            xor_apply_all([(b, s.idx, s.x, None) for b, s in zip(bits, staged)], checksum=False, landed=done)
+            xor_apply_all([(b, s.idx, s.x, None) for b, s in zip(bits, staged, strict=True)], checksum=False, landed=done)
         finally:
             landed += [(bits[j], staged[j]) for j in done]
         return
@@ -319,7 +319,7 @@ def _scatter_all(state: WorkerState, staged: Sequence[Staged], *, landed: list[t
         for f in futures:
             f.cancel()
         wait(futures)
-        for s, f in zip(staged, futures):
+        for s, f in zip(staged, futures, strict=True):
             if not f.cancelled() and f.exception() is None:
                 landed.append((state.targets[s.name].bits, s))
     errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
