@@ -10,9 +10,10 @@ of the source per step, and publish->applied latency p50/p99 (the writer's commi
 follower's apply). "mirrored": one ``mirror_follow`` reads the source through the proxy and the followers
 read the copy (through the proxy too: the copy's requests are counted apart). "pushed": as mirrored, and the
 mirror serves its steps as events (``EventServer``); each follower listens (``EventFeed``) and polls the copy
-only as a safety net. "node-cache": direct, all followers of this host sharing one ``NodeCache``. Baseline in the same run: followers polling the way the library did before (``latest_step()``
-every 50 ms: the hint, two existence checks, a listing where s3fs falls back), idle only. Every follower's
-final weights are compared with the publisher's. Prints a table and writes bench/results/fleet-<date>.json.
+only as a safety net. "node-cache": direct, all followers of this host sharing one ``NodeCache``. Baseline in the same
+run: followers polling the way the library did before (``latest_step()`` every 50 ms: the hint, two existence checks, a
+listing where s3fs falls back), idle only. Every follower's final weights are compared with the publisher's. Prints a
+table and writes bench/results/fleet-<date>.json.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def _run_followers(url: str, options: dict, n: int, run_s: float, legacy: bool, 
             feed.close()
         held = f.target.state_dict() if f.target.step is not None else None
         want = _state(f.target.step) if f.target.step is not None else None
-        exact.append(held is not None and all(torch.equal(held[k].view(torch.int16), want[k].view(torch.int16)) for k in want))
+        exact.append(held is not None and all(torch.equal(held[k].view(torch.int16), want[k].view(torch.int16))
+                                              for k in want))
     Path(out).write_text(json.dumps({"applied": applied, "exact": exact, "steps": [f.target.step for f in followers]}))
 
 
@@ -180,13 +182,15 @@ def run(server, n: int, mode: str, args: argparse.Namespace, work: Path) -> dict
             events.close()
 
     def under(url: str, reqs: list) -> list:
-        return [r for r in reqs if r.path.startswith("/" + url.removeprefix("s3://")) or "prefix=" + url.split("/", 3)[3] in r.query]
+        return [r for r in reqs if r.path.startswith("/" + url.removeprefix("s3://"))
+                or "prefix=" + url.split("/", 3)[3] in r.query]
 
     src_only = lambda reqs: under(src, reqs)  # noqa: E731
     idle = src_only(idle_requests)
     copy_idle = under(dst, idle_requests) if dst is not None else []
     results = [json.loads(Path(o).read_text()) if Path(o).exists() else
-               {"error": f"follower process {i} wrote nothing (exit code {p.exitcode})", "applied": [], "exact": [False]}
+               {"error": f"follower process {i} wrote nothing (exit code {p.exitcode})", "applied": [],
+                "exact": [False]}
                for i, (o, p) in enumerate(zip(outs, procs, strict=True))]
     errors = [r["error"] for r in results if "error" in r]
     latencies = [t - committed[s] for r in results for f in r["applied"] for s, t in f if s in committed]

@@ -146,7 +146,8 @@ def run_shape(shape: str, args, device: torch.device) -> dict:
         row["exact"] = not wrong
         bad += wrong
         rows.append(row)
-        print(f"  step {step}: density {row['density']:.2%}, {row['bytes'] / 1e6:.1f} MB, copy {row['copy_s'] * 1e3:.2f} ms, "
+        print(f"  step {step}: density {row['density']:.2%}, {row['bytes'] / 1e6:.1f} MB, copy "
+              f"{row['copy_s'] * 1e3:.2f} ms, "
               f"diff {row['diff_s'] * 1e3:.1f} ms, scatter {row['scatter_s'] * 1e3:.2f} ms, "
               f"{'bit-exact' if not wrong else 'MISMATCH ' + str(wrong[:3])}", flush=True)
     host = {n: t.to("cpu") for n, t in engine.items()}
@@ -162,7 +163,8 @@ def run_shape(shape: str, args, device: torch.device) -> dict:
     os.rmdir(tmp)
     measured = rows[1:] or rows
     med = {k: statistics.median(r[k] for r in measured) for k in measured[0] if k.endswith("_s")}
-    med.update(density=statistics.median(r["density"] for r in measured), bytes=statistics.median(r["bytes"] for r in measured))
+    med.update(density=statistics.median(r["density"] for r in measured),
+               bytes=statistics.median(r["bytes"] for r in measured))
     return {"shape": shape, "params": n_params, "tensors": len(shapes), "model_bytes": model_bytes,
             "reload_s": reload_s, "medians": med, "rows": rows, "exact": not bad, "mismatched": sorted(set(bad))[:20]}
 
@@ -213,7 +215,8 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     ok = all(r["exact"] for r in results)
-    write_results(args, f"gpu-{'-'.join(shapes)}", {"card": card, "torch": torch.__version__, "results": results, "ok": ok})
+    write_results(args, f"gpu-{'-'.join(shapes)}",
+                  {"card": card, "torch": torch.__version__, "results": results, "ok": ok})
     print(f"{card}: {'every step bit-exact' if ok else 'MISMATCH: ' + str([r['mismatched'] for r in results])}")
     return 0 if ok else 1
 

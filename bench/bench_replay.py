@@ -252,7 +252,8 @@ def reuse_streams(args, work: Path) -> tuple[str, str, dict]:
     if saved.exists():
         found = json.loads(saved.read_text())
         if found["args"] != want:
-            raise SystemExit(f"{work} holds streams built with {found['args']}, not {want}: name another --streams folder")
+            raise SystemExit(f"{work} holds streams built with {found['args']}, not {want}: name another --streams "
+                             "folder")
         print(f"reusing the streams in {work}", flush=True)
         return found["stream"], found["full"], found["info"]
     if work.exists() and any(work.iterdir()):
@@ -277,7 +278,8 @@ def report(args, info: dict, rows: dict[str, list[dict]], stream: str, full: str
     model_bytes = StreamReader(full).manifest(args.steps).object_bytes
     anchor_bytes = StreamReader(stream).manifest(0).object_bytes
     read_bytes = anchor_bytes + sum(info["delta_bytes"])
-    table = Table(title=f"replay benchmark: {info['numel'] / 1e6:.0f}M params, step {args.steps} = anchor + {args.steps} "
+    table = Table(title=f"replay benchmark: {info['numel'] / 1e6:.0f}M params, step {args.steps} = anchor + "
+                        f"{args.steps} "
                   f"deltas (median density {statistics.median(info['densities']):.2%}); medians of {args.repeats} "
                   f"fresh processes")
     for col in ("path", "seconds", "x full load", "CPU seconds", "x full load", "peak RSS growth", "x full load",
@@ -302,7 +304,8 @@ def report(args, info: dict, rows: dict[str, list[dict]], stream: str, full: str
         stages.add_column(col, justify="right")
     total = sum(parts["stages_cpu_seconds"].values())
     for stage, sec in parts["stages_cpu_seconds"].items():
-        stages.add_row(stage, f"{sec * 1e3:.0f}", f"{sec / total:.0%}", f"{sec / max(1, parts['changed_elements']) * 1e9:.1f}")
+        stages.add_row(stage, f"{sec * 1e3:.0f}", f"{sec / total:.0%}",
+                       f"{sec / max(1, parts['changed_elements']) * 1e9:.1f}")
     stages.add_row("total", f"{total * 1e3:.0f}", "100%", "")
     Console(width=160).print(stages)
     print(parts["profile"])

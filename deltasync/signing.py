@@ -240,7 +240,8 @@ class TrustedKeys:
         if isinstance(keys, (str, os.PathLike)):
             keys = [keys]
         if not isinstance(keys, (list, tuple, set)) or len(keys) > 64:
-            raise ConfigError(f"trusted keys: expected a list of public key files (at most 64), got {type(keys).__name__}")
+            raise ConfigError("trusted keys: expected a list of public key files (at most 64), got "
+                              f"{type(keys).__name__}")
         loaded = {read_public_key(k) for k in keys}
         if not loaded:
             raise ConfigError("trusted keys: none given (a path to a public key made by `deltasync keygen`)")

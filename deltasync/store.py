@@ -295,7 +295,8 @@ class Store(StoreObjects, Retrying):
         """
         manifest_rel = f"{step_dir(manifest.step)}/{MANIFEST}"
         if self.exists(manifest_rel):  # saves an upload; the create-only write below is what guarantees it
-            raise StepExistsError(f"{self.url}: step {manifest.step} is already committed; a committed step is never replaced")
+            raise StepExistsError(f"{self.url}: step {manifest.step} is already committed; a committed step is never "
+                                  "replaced")
         if data is not None:
             self.put_object(manifest, data)
         elif not manifest.is_multipart:
@@ -310,7 +311,8 @@ class Store(StoreObjects, Retrying):
             self.write_bytes(manifest_rel, manifest.to_json().encode(), if_absent=True)
         except FileExistsError:
             raise StepExistsError(
-                f"{self.url}: step {manifest.step} was committed by another writer meanwhile; a committed step is never replaced"
+                f"{self.url}: step {manifest.step} was committed by another writer meanwhile; a committed step is "
+                "never replaced"
             ) from None
         self.write_bytes(LATEST, encode(self._hint(manifest.step)))
 
@@ -366,7 +368,8 @@ class Store(StoreObjects, Retrying):
         except FileNotFoundError:
             there = "the location does not exist"
         raise StreamNotFoundError(
-            f"no deltasync stream at {self.url} (no {STREAM} and no steps/ folder; {there}); check the bucket, prefix or path"
+            f"no deltasync stream at {self.url} (no {STREAM} and no steps/ folder; {there}); check the bucket, prefix "
+            "or path"
         )
 
     def create_stream(self, like: StreamInfo | None = None) -> StreamInfo:
@@ -417,7 +420,8 @@ class Store(StoreObjects, Retrying):
     def remove_uncommitted(self, *, newer_than: int | None = None, older_than_s: float | None = None) -> list[int]:
         """Delete what no committed step names: step folders without a manifest (a writer died before its
         commit), and files in committed folders other than the manifest, its objects (an anchor's own delta
-        included) and its signature (a writer killed mid-way that a later writer overtook). Returns the steps whose folders were removed.
+        included) and its signature (a writer killed mid-way that a later writer overtook). Returns the steps whose
+        folders were removed.
 
         ``older_than_s``: only files at least that old (a writer that just lost the stream may still be
         finishing an upload there; its late manifest must not point at nothing).

@@ -173,13 +173,15 @@ class StoreObjects:
             )
         digest = hashlib.sha256(data).hexdigest()
         if digest != part.object_sha256:
-            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {part.object_sha256[:16]}…")
+            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's "
+                                     f"{part.object_sha256[:16]}…")
 
     def _missing(self, manifest: Manifest, where: str) -> StepNotFoundError | CorruptObjectError:
         """The error for an object that is not there: its step was collected meanwhile (no manifest either),
         or the store lost it (the manifest is still there)."""
         if not self.exists(f"{step_dir(manifest.step)}/{MANIFEST}"):
-            return StepNotFoundError(f"{self.url}: step {manifest.step} was collected (deleted by gc) while it was being read")
+            return StepNotFoundError(f"{self.url}: step {manifest.step} was collected (deleted by gc) while it was "
+                                     "being read")
         return CorruptObjectError(f"{where}: missing, though the step is committed")
 
     def _check_object(self, path: Path, part: Part, where: str) -> None:
@@ -189,4 +191,5 @@ class StoreObjects:
             raise CorruptObjectError(f"{where}: {size} bytes, manifest says {part.object_bytes} (truncated or replaced)")
         digest = sha256_file(path)
         if digest != part.object_sha256:
-            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {part.object_sha256[:16]}…")
+            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's "
+                                     f"{part.object_sha256[:16]}…")

@@ -44,7 +44,8 @@ class DemoConfig:
 def bf16_checksums(model: torch.nn.Module) -> dict[str, str]:
     """The trainer's own view: checksums of the bf16 weights, computed from scratch."""
     tensors, _ = named_tensors(model)
-    return {n: format_checksum(tensor_checksum(t.to(torch.bfloat16) if t.is_floating_point() else t)) for n, t in tensors.items()}
+    return {n: format_checksum(tensor_checksum(t.to(torch.bfloat16) if t.is_floating_point() else t))
+            for n, t in tensors.items()}
 
 
 def run_demo(
@@ -178,7 +179,8 @@ def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_opt
     if deltas:
         mean_bytes = sum(r["object_bytes"] for r in deltas) / len(deltas)
         echo(
-            f"deltas: mean {mean_bytes / 1e6:.2f} MB = {mean_bytes / deltas[0]['full_bytes']:.1%} of a full bf16 checkpoint, "
+            f"deltas: mean {mean_bytes / 1e6:.2f} MB = {mean_bytes / deltas[0]['full_bytes']:.1%} of a full bf16 "
+            "checkpoint, "
             f"mean density {sum(r['density'] for r in deltas) / len(deltas):.2%}"
         )
     who = "vLLM engine" if llm is not None else "follower"

@@ -175,7 +175,8 @@ def _shutdown_weight_transfer(llm) -> None:
     try:
         llm.shutdown_weight_transfer_engine()
     except Exception as e:  # noqa: BLE001 - an engine that died already: its processes are stopped anyway
-        log.warning("vLLM engine: shutting down the weight-transfer engine failed: %s", e)  # vLLM's default grace (5 s) is short on a loaded machine
+        # vLLM's default grace (5 s) is short on a loaded machine
+        log.warning("vLLM engine: shutting down the weight-transfer engine failed: %s", e)
 
 
 @contextmanager
@@ -244,7 +245,8 @@ def _take(q, got: dict, echo, timeout_s: float) -> None:
         got[kind] = msg[1:]
 
 
-def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage_options: dict | None, echo) -> list[dict]:
+def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage_options: dict | None,
+                  echo) -> list[dict]:
     import multiprocessing as mp
 
     from deltasync.rdma.auth import cluster_secret_for_this_run
@@ -319,7 +321,8 @@ def _check(procs, got: dict, deadline: float) -> None:
         raise SystemExit(f"NIXL demo failed: {got.get('error') or [p.exitcode for p in procs]}")
 
 
-def _report(url: str, config: DemoConfig, got: dict, versions: dict, *, storage_options: dict | None, echo) -> list[dict]:
+def _report(url: str, config: DemoConfig, got: dict, versions: dict, *, storage_options: dict | None,
+            echo) -> list[dict]:
     """The table (one row per step: how it arrived, publish -> live) and the bit-exactness line."""
     from rich.console import Console
     from rich.table import Table

@@ -29,9 +29,11 @@ def follow(
                                           "next step is due (one small read each).")] = 0.25,
     max_poll_s: Annotated[float, typer.Option(min=0.05, help="Longest time between polls while the stream is quiet.")] = 10.0,
     timeout_s: Annotated[float, typer.Option(min=0.0, help="With --until: give up after this long.")] = 600.0,
-    metrics_port: Annotated[int | None, typer.Option(min=0, max=65535, help="Serve Prometheus metrics (held step, newest "
+    metrics_port: Annotated[int | None,
+                            typer.Option(min=0, max=65535, help="Serve Prometheus metrics (held step, newest "
                                                      "committed step, lag, apply/pause seconds, bytes, errors) on "
-                                                     "this port of 127.0.0.1 (0: any free port). Needs deltasync[metrics].")] = None,
+                                                     "this port of 127.0.0.1 (0: any free port). Needs "
+                                                     "deltasync[metrics].")] = None,
     notify: Annotated[str | None, typer.Option(help="A mirror's event feed (http://HOST:PORT/events, from deltasync "
                                                "mirror --events): steps are fetched as soon as they are announced, "
                                                "and the store is polled only as a safety net.")] = None,
@@ -60,7 +62,8 @@ def follow(
     feed = EventFeed(notify) if notify is not None else None  # a bad URL: one line, exit 2
 
     def report(step: int) -> None:
-        out.print(f"step {step} live in {server} (generation paused {target.pauses_s[-1] * 1e3:.1f} ms, checksums match)"
+        out.print(f"step {step} live in {server} (generation paused {target.pauses_s[-1] * 1e3:.1f} ms, checksums "
+                  "match)"
                   f"{_lag_words(follower.status())}")
 
     try:
@@ -150,7 +153,8 @@ def mirror(
         r = mirror_once(src, dst, src_options=src_options, dst_options=dst_options, on_step=report,
                         trusted_keys=_trusted(trusted_key))
         out.print(f"{dst}: {len(r.copied)} step(s) copied ({r.bytes_copied / 1e6:,.2f} MB), {r.present} already there"
-                  f"{', model files copied' if r.files_copied else ''} in {r.seconds:.1f}s", markup=False, soft_wrap=True)
+                  f"{', model files copied' if r.files_copied else ''} in {r.seconds:.1f}s", markup=False,
+                  soft_wrap=True)
         return
 
     def warn(error: BaseException) -> None:
@@ -195,7 +199,8 @@ def demo(
         help="Who follows: 'vllm' (a real engine) or 'torch' (a state dict).")] = "vllm",
     transport: Annotated[Literal["store", "nixl"], typer.Option(
         help="'store': the follower reads the store; 'nixl': trainer and follower in separate processes, step objects "
-             "over NIXL (RDMA; UCX loopback here) with the store as history and fallback (follower: the engine chosen with --engine).")] = "store",
+             "over NIXL (RDMA; UCX loopback here) with the store as history and fallback (follower: the engine chosen "
+             "with --engine).")] = "store",
     storage_option: StorageOpt = None,
 ) -> None:
     """Train a small Qwen3-shaped model, publish every step, follow it, and prove the weights match."""

@@ -167,18 +167,21 @@ def show(
             raise
         with reader.open(step) as obj:
             h = obj.header
-    tensors = {n: {"dtype": t.dtype, "shape": list(t.shape), "changed": t.changed, "checksum": t.checksum} for n, t in h.tensors.items()}
+    tensors = {n: {"dtype": t.dtype, "shape": list(t.shape), "changed": t.changed, "checksum": t.checksum}
+               for n, t in h.tensors.items()}
     if as_json:
         print(json.dumps({"manifest": m.to_dict(), "aliases": h.aliases, "tensors": tensors}, indent=1))
         return
-    out.print(f"step {m.step} ({m.kind}{'' if m.base_step is None else f' on step {m.base_step}'}), {m.object_bytes:,} bytes")
+    out.print(f"step {m.step} ({m.kind}{'' if m.base_step is None else f' on step {m.base_step}'}), {m.object_bytes:,} "
+              "bytes")
     out.print(f"state checksum {m.state_checksum}")
     table = Table()
     for col in ("tensor", "dtype", "shape", "changed", "density", "checksum"):
         # a name wraps rather than being cut ("model.layers.1…" names nothing); other cells keep their width
         table.add_column(col, overflow="fold", min_width=None if col == "tensor" else len(col), no_wrap=col != "tensor")
     for n, t in h.tensors.items():
-        table.add_row(n, t.dtype, "x".join(map(str, t.shape)), f"{t.changed:,}", f"{t.changed / max(t.numel, 1):.2%}", t.checksum)
+        table.add_row(n, t.dtype, "x".join(map(str, t.shape)), f"{t.changed:,}", f"{t.changed / max(t.numel, 1):.2%}",
+                      t.checksum)
     out.print(table)
 
 

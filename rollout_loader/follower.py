@@ -2,8 +2,8 @@
 
 The follower fetches and verifies the next object in the background, then hands it to the target, which
 applies it all-or-nothing; a target that reads the store itself (a vLLM engine, :class:`StreamTarget`) is
-sent the step numbers of the chain instead. A failed step is retried (from the nearest anchor when the step's content was
-at fault) with exponential backoff; the target keeps its last consistent step meanwhile and ``step`` never
+sent the step numbers of the chain instead. A failed step is retried (from the nearest anchor when the step's content
+was at fault) with exponential backoff; the target keeps its last consistent step meanwhile and ``step`` never
 names weights the target does not hold. A follower goes to the newest step by the shortest chain: when
 the newest step is an anchor it applies only that anchor, so ``on_step`` need not see every step.
 """
@@ -121,16 +121,16 @@ class Follower:
     stream's cadence: every ``poll_s`` around the moment the next step is due, backing off to ``max_poll_s``
     while the stream is quiet (``watch.policy`` holds the rest, docs/FORMAT.md section 5c). With a
     ``notifier`` (:mod:`deltasync.notify`: a mirror's ``EventFeed``, an ``RdmaConsumer``) a pushed step is
-    fetched at once and polls slow to a safety net. ``on_step(step)`` is called after each step is live in the target. If the target is
-    more than ``max_chain`` deltas behind, it restarts from the nearest anchor instead. With ``consumer_id``
-    it records its step in the store (a heartbeat that garbage collection respects and ``deltasync status``
-    shows): after a step at most every ``heartbeat_s / 10``, and every ``heartbeat_s`` while idle.
+    fetched at once and polls slow to a safety net. ``on_step(step)`` is called after each step is live in the target.
+    If the target is more than ``max_chain`` deltas behind, it restarts from the nearest anchor instead. With
+    ``consumer_id`` it records its step in the store (a heartbeat that garbage collection respects and ``deltasync
+    status`` shows): after a step at most every ``heartbeat_s / 10``, and every ``heartbeat_s`` while idle.
 
     Failures: every exception is recorded in ``last_error``, with the step it happened at in
     ``last_error_step`` (None when no step was being applied, e.g. listing the store failed); both are
     cleared by the next success. The thread never dies from one failure: it retries after
-    ``deltasync.watch.retry_delay_s`` (``poll_s`` doubling up to ``max_backoff_s``), logging each distinct error once. An
-    error in ``PERMANENT_ERRORS`` stops it; ``wait_for`` then raises ``FollowError`` from that error, and
+    ``deltasync.watch.retry_delay_s`` (``poll_s`` doubling up to ``max_backoff_s``), logging each distinct error once.
+    An error in ``PERMANENT_ERRORS`` stops it; ``wait_for`` then raises ``FollowError`` from that error, and
     on its deadline ``WaitTimeoutError`` from the last error. ``sync()`` raises the error itself.
 
     Provenance and metrics: ``lag_steps`` is how far the held step is behind the newest committed step
@@ -340,7 +340,8 @@ class Follower:
             # text only: a log record that kept the exception would keep its frames (the reader, its
             # downloads) alive as long as any handler keeps the record
             where = "" if isinstance(e, DeltaSyncError) else "\n" + "".join(traceback.format_exception(e)).rstrip()
-            log.log(logging.ERROR if permanent else logging.WARNING, "follower%s: %s: %s (%s)%s", at, key[0], key[1], what, where)
+            log.log(logging.ERROR if permanent else logging.WARNING, "follower%s: %s: %s (%s)%s", at, key[0], key[1],
+                    what, where)
         with self._changed:
             self._changed.notify_all()
 
@@ -355,8 +356,9 @@ class Follower:
         """Block until the target holds ``step`` or later; returns the step it holds.
 
         With ``start()`` the thread does the work, polling every ``poll_s`` while anyone waits; without, this
-        syncs in the caller's thread, retrying failures like the thread does. Raises ``FollowError`` (from the error) once the follower stopped on
-        a permanent error, ``WaitTimeoutError`` (from the last error, if any) at the deadline.
+        syncs in the caller's thread, retrying failures like the thread does. Raises ``FollowError`` (from the error)
+        once the follower stopped on a permanent error, ``WaitTimeoutError`` (from the last error, if any) at the
+        deadline.
         """
         deadline = time.monotonic() + timeout_s
         if self._thread is None:

@@ -143,7 +143,8 @@ class Route:
             return keep, pos[keep] + shift
         keep = torch.ones_like(pos, dtype=torch.bool)
         local = torch.zeros_like(pos)
-        for d, (size, st, hs, ext) in enumerate(zip(self.hf_shape, _strides(self.extent), self.hf_start, self.extent, strict=True)):
+        for d, (size, st, hs, ext) in enumerate(zip(self.hf_shape, _strides(self.extent), self.hf_start, self.extent,
+                                                    strict=True)):
             coord = (pos // _strides(self.hf_shape)[d]) % size
             if hs != 0 or ext != size:
                 keep &= (coord >= hs) & (coord < hs + ext)
@@ -298,7 +299,8 @@ def build_routing_table(
         if not bad and len(params) > 1:
             bad = [f"{hf_name!r}: copied into {len(params)} parameters ({params[:3]}); one tensor feeds one parameter"]
         good = sorted((p for p in pieces if not isinstance(p, str)), key=lambda r: (r.hf_start, r.extent))
-        if not bad and any(_overlap((a.hf_start, a.extent), (b.hf_start, b.extent)) for a, b in itertools.pairwise(good)):
+        if not bad and any(_overlap((a.hf_start, a.extent), (b.hf_start, b.extent))
+                           for a, b in itertools.pairwise(good)):
             bad = [f"{hf_name!r}: the same elements are copied into {len(good)} places of {params[0]!r}; replicas of "
                    "one tensor (redundant experts) are not supported"]
         if bad:
@@ -343,7 +345,8 @@ def _route(c: Copy, hf_shape: Shape) -> Route | str:
         return f"{where}: the loader saw shape {list(c.src.base)}, the checkpoint has {list(hf_shape)}"
     src, dst = c.src.box(), c.dst.box()
     if src is None or dst is None:
-        return (f"{where}: the loader copies a transposed, strided or broadcast view ({'checkpoint' if src is None else 'parameter'} "
+        return (f"{where}: the loader copies a transposed, strided or broadcast view "
+                f"({'checkpoint' if src is None else 'parameter'} "
                 f"side, shape {list(c.src.shape)}): no exact route")
     if [e for e in src[1] if e != 1] != [e for e in dst[1] if e != 1]:
         return f"{where}: checkpoint box {list(src[1])} and parameter box {list(dst[1])} do not line up"

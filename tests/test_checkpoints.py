@@ -72,8 +72,10 @@ def test_checkpoint_writer_writes_an_ordinary_safetensors_file(tmp_path, small_s
 
 def test_load_checkpoint_shards_and_errors(tmp_path, small_state):
     names = list(small_state)
-    safetensors.torch.save_file({n: small_state[n] for n in names[:3]}, str(tmp_path / "model-00001-of-00002.safetensors"))
-    safetensors.torch.save_file({n: small_state[n] for n in names[3:]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    safetensors.torch.save_file({n: small_state[n] for n in names[:3]},
+                                str(tmp_path / "model-00001-of-00002.safetensors"))
+    safetensors.torch.save_file({n: small_state[n] for n in names[3:]},
+                                str(tmp_path / "model-00002-of-00002.safetensors"))
     assert states_equal(load_checkpoint(tmp_path), small_state)
     (tmp_path / "empty").mkdir()
     with pytest.raises(FormatError, match="no \\*.safetensors weights"):

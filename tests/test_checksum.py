@@ -21,7 +21,8 @@ def reference(t: torch.Tensor) -> int:
     return sum(_mix(int(u) ^ _mix(i)) for i, u in enumerate(np_bits(t.contiguous()).tolist())) & M
 
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int64, torch.bool, torch.float8_e4m3fn]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int64, torch.bool,
+          torch.float8_e4m3fn]
 
 
 @settings(max_examples=40, deadline=None)

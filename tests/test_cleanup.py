@@ -198,7 +198,8 @@ def test_push_on_a_remote_store_leaves_nothing(stream_copy, qwen_stream):
 def interrupt_after_first_download(args: list[str], tmp_path: Path, pause_s: float = 3.0,
                                    sig: int = signal.SIGINT) -> tuple[int, str, list[str], list[str]]:
     """Run ``deltasync ARGS`` in a subprocess with a private TMPDIR, send ``sig`` once it downloaded its first
-    object (the download thread then pauses ``pause_s``); returns (exit code, output, TMPDIR then, TMPDIR at the end)."""
+    object (the download thread then pauses ``pause_s``); returns (exit code, output, TMPDIR then, TMPDIR at the
+    end)."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     marker = tmp_path / "downloaded"

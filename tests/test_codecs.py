@@ -10,7 +10,8 @@ from deltasync.format.codecs import decode_change, encode_change
 from deltasync.stages.diff import Snapshot
 from tests.conftest import perturb
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int32, torch.bool, torch.float8_e5m2]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int32, torch.bool,
+          torch.float8_e5m2]
 
 
 def roundtrip(change, header_changed=None):

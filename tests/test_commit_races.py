@@ -217,7 +217,8 @@ def test_writer_that_lost_its_lease_during_an_upload_cannot_replace_the_step(bac
     """
     store_a = backend.store()
     held = HeldUpload(store_a, 3, when)
-    a = DeltaPublisher(store_a, _state(0), writer_id="trainer-a", on_backlog="block", anchor_every=100, spool_dir=backend.spool())
+    a = DeltaPublisher(store_a, _state(0), writer_id="trainer-a", on_backlog="block", anchor_every=100,
+                       spool_dir=backend.spool())
     b = None
     try:
         for s in range(3):
@@ -228,7 +229,8 @@ def test_writer_that_lost_its_lease_during_an_upload_cannot_replace_the_step(bac
         a.publish(3, anchor=kind == "anchor")
         assert held.reached.wait(30), "A's upload of step 3 never started"
 
-        b = DeltaPublisher(backend.store(), _state(3, "b"), writer_id="trainer-b", take_over=True, on_backlog="block", spool_dir=backend.spool())
+        b = DeltaPublisher(backend.store(), _state(3, "b"), writer_id="trainer-b", take_over=True, on_backlog="block",
+                           spool_dir=backend.spool())
         assert b.last_committed_step == 2
         b.source = _state(3, "b")
         b.publish(3)

@@ -20,7 +20,8 @@ def taken_or_skipped_for_an_anchor(rows: list[dict]) -> bool:
 
 def test_demo_is_bit_exact(tmp_path):
     lines = []
-    rows = run_demo(str(tmp_path / "s"), DemoConfig(steps=6, anchor_every=4, hidden_size=128, layers=2, engine="torch"), echo=lines.append)
+    rows = run_demo(str(tmp_path / "s"), DemoConfig(steps=6, anchor_every=4, hidden_size=128, layers=2, engine="torch"),
+                    echo=lines.append)
     assert [r["kind"] for r in rows] == ["anchor", "delta", "delta", "delta", "anchor", "delta"]
     assert taken_or_skipped_for_an_anchor(rows)
     assert all(0 < r["density"] < 0.2 for r in rows if r["kind"] == "delta")

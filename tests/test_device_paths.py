@@ -76,7 +76,8 @@ def test_device_diff_casts_one_segment_at_a_time():
 
 def _patches(gen: torch.Generator):
     rng = np.random.default_rng(5)
-    tensors = [torch.randn(3000, generator=gen).bfloat16(), torch.randn(500, generator=gen), torch.randn(64, generator=gen).bfloat16()]
+    tensors = [torch.randn(3000, generator=gen).bfloat16(), torch.randn(500, generator=gen),
+               torch.randn(64, generator=gen).bfloat16()]
     items = []
     for k, t in enumerate(tensors):
         width = t.element_size()
@@ -98,7 +99,8 @@ def test_batched_apply_matches_xor_apply():
     for checksum in (True, False):
         bits = [t.clone() for t, *_ in items]
         landed: list[int] = []
-        got = xor_apply_many([(int_view(b), p, x, ix) for b, (_, p, x, ix) in zip(bits, items, strict=True)], checksum=checksum, landed=landed)
+        got = xor_apply_many([(int_view(b), p, x, ix) for b, (_, p, x, ix) in zip(bits, items, strict=True)],
+                             checksum=checksum, landed=landed)
         assert got == (want if checksum else [0] * len(items))
         assert landed == list(range(len(items)))
         assert all(torch.equal(int_view(a), int_view(b)) for a, b in zip(bits, want_bits, strict=True))

@@ -105,7 +105,8 @@ def test_fsdp2_trainer_publishes_from_every_rank_bit_exactly(tmp_path: Path) -> 
             assert set(got) == set(ref)
             bad = [n for n in ref if got[n].dtype != ref[n].dtype or not torch.equal(_bits(got[n]), _bits(ref[n]))]
             assert not bad, f"step {s}: tensors differ from the trainer's full state: {bad}"
-        assert not all(torch.equal(a, b) for a, b in zip(reader.state_dict(0).values(), reader.state_dict(3).values(), strict=True))
+        assert not all(torch.equal(a, b)
+                       for a, b in zip(reader.state_dict(0).values(), reader.state_dict(3).values(), strict=True))
 
         # every rank's training logs carry the newest committed step's figures; the whole step's bytes agree
         for r in ranks:

@@ -177,7 +177,8 @@ def test_a_long_first_use_says_it_compiles_and_a_slow_load_says_nothing(monkeypa
     monkeypatch.setattr(_kernels, "_warm", lambda: time.sleep(0.4))
     for misses, said in ((Counter({"sig": 1}), True), (Counter(), False)):
         monkeypatch.setattr(_kernels, "_warmed", False)
-        monkeypatch.setattr(_kernels, "dispatchers", lambda m=misses: {"k": SimpleNamespace(stats=SimpleNamespace(cache_misses=m))})
+        monkeypatch.setattr(_kernels, "dispatchers",
+                            lambda m=misses: {"k": SimpleNamespace(stats=SimpleNamespace(cache_misses=m))})
         caplog.clear()
         _kernels.warm_kernels()
         messages = [r.getMessage() for r in caplog.records if "compiling its CPU kernels" in r.getMessage()]

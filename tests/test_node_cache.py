@@ -129,7 +129,8 @@ def test_a_digest_from_a_manifest_must_be_a_digest(tmp_path):
 def test_a_bad_byte_bound_is_refused(tmp_path, monkeypatch, value):
     monkeypatch.setenv("DELTASYNC_NODE_CACHE", str(tmp_path / "node"))
     monkeypatch.setenv("DELTASYNC_NODE_CACHE_BYTES", value)
-    with pytest.raises(ConfigError, match=f"DELTASYNC_NODE_CACHE_BYTES: expected a positive number of bytes, got '{value}'"):
+    with pytest.raises(ConfigError,
+                       match=f"DELTASYNC_NODE_CACHE_BYTES: expected a positive number of bytes, got '{value}'"):
         node_cache_from_env()
 
 

@@ -198,7 +198,8 @@ def test_a_region_follows_a_mirror_by_its_events_bit_exactly(tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["mirror", "SRC", "DST", "--events", "8901"], "--events: expected HOST:PORT (e.g. 0.0.0.0:8901), got '8901'"),
     (["mirror", "SRC", "DST", "--events", "host:99999"], "got 'host:99999'"),
-    (["mirror", "SRC", "DST", "--notify", "mirror:8901"], "expected an http(s) URL of a mirror's /events, got 'mirror:8901'"),
+    (["mirror", "SRC", "DST", "--notify", "mirror:8901"],
+     "expected an http(s) URL of a mirror's /events, got 'mirror:8901'"),
     (["follow", "SRC", "--server", "http://127.0.0.1:9", "--notify", "ftp://m/events"], "got 'ftp://m/events'"),
 ])
 def test_event_options_of_the_cli_are_checked_before_anything_runs(tmp_path, monkeypatch, capsys, args, needle):

@@ -42,7 +42,8 @@ def _check_exact_cover(tensors, trainers, consumers, schedule):
 
 def test_replicated_tensors_are_balanced_across_ranks():
     tensors = _qwen_like()
-    trainers = [TrainerRank(r, f"trainer-{r}", tuple(Part(n, 0, i.numel) for n, i in tensors.items())) for r in range(4)]
+    trainers = [TrainerRank(r, f"trainer-{r}", tuple(Part(n, 0, i.numel) for n, i in tensors.items()))
+                for r in range(4)]
     consumers = [Consumer(f"engine0-tp{r}", "engine0", frozenset(tensors)) for r in range(2)]
     s = plan(tensors, trainers, consumers)
     _check_exact_cover(tensors, trainers, consumers, s)
@@ -98,7 +99,8 @@ def test_random_layouts_cover_exactly(seed):
 @pytest.mark.parametrize(
     ("trainers", "needs", "match"),
     [
-        ([TrainerRank(0, "a", (Part("w", 0, 40),)), TrainerRank(1, "b", (Part("w", 60, 100),))], {"w"}, "a gap at element 40"),
+        ([TrainerRank(0, "a", (Part("w", 0, 40),)), TrainerRank(1, "b", (Part("w", 60, 100),))], {"w"},
+         "a gap at element 40"),
         ([TrainerRank(0, "a", (Part("w", 0, 60),)), TrainerRank(1, "b", (Part("w", 50, 100),))], {"w"}, "overlapping"),
         ([TrainerRank(0, "a", (Part("w", 0, 80),))], {"w"}, "only up to element 80"),
         ([TrainerRank(0, "a", (Part("w", 0, 101),))], {"w"}, "outside 0:100"),

@@ -383,8 +383,10 @@ def test_both_compilations_of_each_kernel(dtype, parallel):
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # parallel=True: really on every thread
     block = 1 << 15
     # parallel launches are slow on a busy machine (the reason for the twins): fewer tiny cases there
-    sizes = [0, 1, 9, 33, block + 1, 2 * block + 5] if parallel else [0, 1, 7, 9, 33, 300, block - 1, block + 1, 2 * block + 5]
-    cases = pattern_cases(dtype, sizes, seed=24) + single_change_cases(dtype, range(0, 10 if parallel else 17), 16, seed=25)
+    sizes = [0, 1, 9, 33, block + 1, 2 * block + 5] if parallel else [0, 1, 7, 9, 33, 300, block - 1, block + 1,
+                                                                      2 * block + 5]
+    cases = pattern_cases(dtype, sizes, seed=24) + single_change_cases(dtype, range(0, 10 if parallel else 17), 16,
+                                                                       seed=25)
     scratch = _Scratch()
     for c in cases:
         label = f"{'parallel' if parallel else 'serial'} {c.dtype} {c.name}"

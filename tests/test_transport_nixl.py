@@ -77,7 +77,8 @@ def _publish(url: str, transport: Any, out: Any | None) -> dict[int, dict[str, s
 def trainer_peer(address: str, url: str, opts: dict[str, Any], stop: Any, out: Any) -> None:
     from deltasync.transports.nixl import NixlTransport
 
-    rdma = {"secret": SECRET, "controller": address, "slot_bytes": opts.get("slot_bytes", 1 << 20), "chunk_bytes": 16 << 10,
+    rdma = {"secret": SECRET, "controller": address, "slot_bytes": opts.get("slot_bytes", 1 << 20),
+            "chunk_bytes": 16 << 10,
             "plan_wait_s": 30.0, "ack_deadline_s": 5.0}
     with NixlTransport.trainer(url, rdma=rdma) as transport:
         _publish(url, transport, out)
@@ -244,7 +245,8 @@ def test_every_step_commits_without_a_controller(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = str(tmp_path / "store")
-    with NixlTransport.trainer(url, rdma={"secret": SECRET, "controller": f"tcp://127.0.0.1:{port}", "slot_bytes": 1 << 20,
+    with NixlTransport.trainer(url,
+                               rdma={"secret": SECRET, "controller": f"tcp://127.0.0.1:{port}", "slot_bytes": 1 << 20,
                                           "plan_wait_s": 0.2}) as transport:
         truth = _publish(url, transport, None)
         stats = transport.trainer.stats

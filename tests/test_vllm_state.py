@@ -75,7 +75,8 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> Non
     want = reference(step1)
     staged = stage(state, step1)
     sealed = seal(state, staged)
-    assert {n: held(n)[0].tolist() for n in routes} == {n: b.tolist() for n, (b, _) in before.items()}  # sealing writes nothing
+    # sealing writes nothing
+    assert {n: held(n)[0].tolist() for n in routes} == {n: b.tolist() for n, (b, _) in before.items()}
     sums = write_sealed(state, staged, sealed)
     assert sums == {n: s for n, (_, s) in want.items()}
     assert {n: held(n)[0].tolist() for n in routes} == {n: b.tolist() for n, (b, _) in want.items()}

@@ -361,7 +361,8 @@ def _hash_change(hashed: np.ndarray, old: np.ndarray, xor: np.ndarray) -> np.uin
     return acc
 
 
-def _xor_at_indexed(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: np.ndarray, old_out: np.ndarray) -> np.uint64:
+def _xor_at_indexed(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: np.ndarray,
+                    old_out: np.ndarray) -> np.uint64:
     """``u[local] ^= xor``, keeping the old bits in ``old_out``; returns the checksum change hashed with the
     elements' global indices ``hashed`` (a slice of a larger tensor: a fused or sharded parameter).
 

@@ -217,7 +217,8 @@ def decode_change(
         raise FormatError(f"{where}: position {int(pos[-1])} is out of range for {numel} elements")
     nonzero = int(np.count_nonzero(xor))
     if nonzero != changed:  # a listed element whose bits do not change: the header's count is wrong
-        raise FormatError(f"{where}: header says {changed} changed elements, {changed - nonzero} of the listed values change nothing")
+        raise FormatError(f"{where}: header says {changed} changed elements, {changed - nonzero} of the listed values "
+                          "change nothing")
     return pos, xor
 
 
@@ -236,7 +237,8 @@ def _pack(data: np.ndarray, chain: tuple[str, ...], zstd_level: int) -> tuple[by
     return raw, chain
 
 
-def _unpack(data: bytes | bytearray, chain: list[str], *, where: str, exact: int | None = None, at_most: int | None = None) -> bytes | bytearray:
+def _unpack(data: bytes | bytearray, chain: list[str], *, where: str, exact: int | None = None,
+            at_most: int | None = None) -> bytes | bytearray:
     """Undo the byte codecs of a chain, producing ``exact`` bytes or at most ``at_most`` bytes.
 
     A zstd frame's declared content size is checked against that bound before anything is allocated, and
@@ -249,7 +251,8 @@ def _unpack(data: bytes | bytearray, chain: list[str], *, where: str, exact: int
     assert bound is not None
     if "zstd" not in chain:
         if len(data) != exact and (exact is not None or len(data) > bound):
-            raise FormatError(f"{where}: {len(data)} bytes, expected {'exactly' if exact is not None else 'at most'} {bound}")
+            raise FormatError(f"{where}: {len(data)} bytes, expected {'exactly' if exact is not None else 'at most'} "
+                              f"{bound}")
         return data
     limit = min(bound, len(data) * ZSTD_MAX_RATIO)
     if exact is not None and exact > limit:
@@ -257,7 +260,8 @@ def _unpack(data: bytes | bytearray, chain: list[str], *, where: str, exact: int
     try:
         declared = zstandard.frame_content_size(data)
         if declared > limit or (exact is not None and declared not in (-1, exact)):
-            raise FormatError(f"{where}: zstd frame claims {declared} bytes, expected {'' if exact is not None else 'at most '}{bound if exact is not None else limit}")
+            raise FormatError(f"{where}: zstd frame claims {declared} bytes, expected "
+                              f"{'' if exact is not None else 'at most '}{bound if exact is not None else limit}")
         out = _decompressor().decompress(data) if declared >= 0 else _decompressor().decompress(data, max_output_size=limit)
     except zstandard.ZstdError as e:
         raise FormatError(f"{where}: zstd frame is corrupt or larger than expected ({e})") from None

@@ -143,7 +143,8 @@ def _opened(dest: Destination) -> Iterator[BinaryIO]:
 class _Entry:
     dtype: DtypeName
     shape: Annotated[tuple[Count, ...], msgspec.Meta(max_length=16)]
-    data_offsets: tuple[Annotated[int, msgspec.Meta(ge=0, le=MAX_OBJECT_BYTES)], Annotated[int, msgspec.Meta(ge=0, le=MAX_OBJECT_BYTES)]]
+    data_offsets: tuple[Annotated[int, msgspec.Meta(ge=0, le=MAX_OBJECT_BYTES)],
+                        Annotated[int, msgspec.Meta(ge=0, le=MAX_OBJECT_BYTES)]]
 
 
 class _Descriptors:
@@ -305,7 +306,8 @@ def _resource_error(e: OSError, path: str) -> OSError:
     return e
 
 
-def parse_header(read: Callable[[int, int], bytes | bytearray], size: int, *, where: str) -> tuple[int, dict[str, _Entry], StepHeader]:
+def parse_header(read: Callable[[int, int], bytes | bytearray], size: int, *,
+                 where: str) -> tuple[int, dict[str, _Entry], StepHeader]:
     """Parse an object's safetensors header with safetensors' own rules, then its step header.
 
     ``read(offset, size)`` reads bytes of the object (a file, a buffer, or ranged GETs of a remote object of
@@ -344,7 +346,8 @@ def parse_header(read: Callable[[int, int], bytes | bytearray], size: int, *, wh
     return 8 + n, entries, StepHeader.from_json(metadata[METADATA_KEY], where=where)
 
 
-def _read_exactly(read: Callable[[int, int], bytes | bytearray], offset: int, size: int, where: str) -> bytes | bytearray:
+def _read_exactly(read: Callable[[int, int], bytes | bytearray], offset: int, size: int,
+                  where: str) -> bytes | bytearray:
     try:
         data = read(offset, size)
     except EOFError:
@@ -422,7 +425,8 @@ class StepObject:
             else:
                 ok, want = e.dtype == "U8" and len(e.shape) == 1, "a 1-D U8 blob"
             if not ok:
-                raise FormatError(f"{self.where}: tensor {key!r} is stored as {e.dtype} {list(e.shape)}, expected {want}")
+                raise FormatError(f"{self.where}: tensor {key!r} is stored as {e.dtype} {list(e.shape)}, expected "
+                                  f"{want}")
 
     def keys(self) -> list[str]:
         return list(self._entries)

@@ -109,7 +109,8 @@ def plan_gc(
     for c in live:
         for s in steps:
             if s >= c.step:
-                roots.setdefault(s, f"consumer {c.consumer_id} holds step {c.step}" if s == c.step else f"consumer {c.consumer_id} may catch up through it")
+                roots.setdefault(s, f"consumer {c.consumer_id} holds step {c.step}" if s == c.step
+                                 else f"consumer {c.consumer_id} may catch up through it")
     keep: dict[int, str] = {}
     for root in sorted(roots):
         s: int | None = root

@@ -48,7 +48,8 @@ __all__ = ["MirrorReport", "mirror", "mirror_follow"]
 
 # what retrying cannot mend: credentials, settings, a source object that does not match its manifest (a
 # committed step is never rewritten), two different streams under one name
-_PERMANENT = (StoreAuthError, StoreConfigError, ConfigError, MissingDependencyError, CorruptObjectError, StepExistsError)
+_PERMANENT = (StoreAuthError, StoreConfigError, ConfigError, MissingDependencyError, CorruptObjectError,
+              StepExistsError)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,7 +153,8 @@ def _same_stream(source: Store, info: Any, target: Store) -> None:
     """``StepExistsError`` when the destination is another stream (its id differs from the source's)."""
     theirs = source.stream_id()
     if theirs is not None and info.stream_id is not None and info.stream_id != theirs:
-        raise StepExistsError(f"{target.url} holds another stream (id {info.stream_id}) than {source.url} (id {theirs}): "
+        raise StepExistsError(f"{target.url} holds another stream (id {info.stream_id}) than {source.url} (id "
+                              f"{theirs}): "
                               "two different streams under one name (mirror into an empty location, or an earlier "
                               "copy of this stream)")
 

@@ -104,13 +104,15 @@ def push_checkpoint(
         store.release_lease(owner)
 
 
-def _without_aliases(tensors: dict[str, torch.Tensor], aliases: Mapping[str, str], where: object) -> dict[str, torch.Tensor]:
+def _without_aliases(tensors: dict[str, torch.Tensor], aliases: Mapping[str, str],
+                     where: object) -> dict[str, torch.Tensor]:
     """Drop the stream's tied names from a loaded checkpoint (saved once, or twice with equal bits)."""
     out = dict(tensors)
     for alias, target in aliases.items():
         if alias in out:
             if target in out and not torch.equal(int_view(out[alias].contiguous()), int_view(out[target].contiguous())):
-                raise TensorMismatchError(f"{where}: {alias!r} is tied to {target!r} in the stream, but differs from it here")
+                raise TensorMismatchError(f"{where}: {alias!r} is tied to {target!r} in the stream, but differs from "
+                                          "it here")
             del out[alias]
     return out
 

@@ -158,10 +158,12 @@ class Chain:
         # kernels run single-threaded inside each worker: one numba thread pool shared by two busy threads
         # stalls whenever another process holds a core; the workers split the tensors between the cores
         pool = ThreadPoolExecutor(
-            max_workers=_WORKERS, thread_name_prefix="deltasync-replay", initializer=numba.set_num_threads, initargs=(1,)
+            max_workers=_WORKERS, thread_name_prefix="deltasync-replay", initializer=numba.set_num_threads,
+            initargs=(1,)
         )
         try:
-            for k, rebuilt in enumerate(_ahead(pool, lambda n: self._rebuild(n, check, keep), names, depth=2 * _WORKERS + 2)):
+            for k, rebuilt in enumerate(_ahead(pool, lambda n: self._rebuild(n, check, keep), names,
+                                               depth=2 * _WORKERS + 2)):
                 yield rebuilt
                 if progress:
                     progress(f"replay step {self.steps[-1]}", k + 1, len(names))
@@ -214,7 +216,8 @@ class Chain:
                 return link, ChecksumMismatchError(
                     f"{self.objects[link].where}: tensor {rebuilt.name!r} does not match the trainer's checksum after "
                     f"step {h.step}: expected {expected}, got {format_checksum(checksum)}"
-                    + ("" if len(rebuilt.checksums) == len(self.objects) else " (`deltasync verify` names the step that broke it)")
+                    + ("" if len(rebuilt.checksums) == len(self.objects)
+                       else " (`deltasync verify` names the step that broke it)")
                 )
         return rebuilt.error
 
@@ -224,7 +227,8 @@ class Chain:
         if failed:
             raise failed[1]
 
-    def tensors(self, names: Iterable[str] | None = None, *, progress: ProgressFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, names: Iterable[str] | None = None, *,
+                progress: ProgressFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Each tensor at the chain's last step, its checksum checked against that step's header."""
         for rebuilt in self.rebuild(names, progress=progress):
             self.check(rebuilt)
@@ -276,7 +280,8 @@ def check_layout(anchor: StepObject, obj: StepObject) -> None:
     """Raise ``TensorMismatchError`` unless ``obj`` holds the tensor names, shapes and dtypes of ``anchor``."""
     a, h = anchor.header.tensors, obj.header.tensors
     if h.keys() != a.keys() or any((t.dtype, t.shape) != (a[n].dtype, a[n].shape) for n, t in h.items()):
-        raise TensorMismatchError(f"{obj.where}: tensor names, shapes or dtypes differ from those of its anchor, step {anchor.header.step}")
+        raise TensorMismatchError(f"{obj.where}: tensor names, shapes or dtypes differ from those of its anchor, step "
+                                  f"{anchor.header.step}")
     if obj.header.aliases != anchor.header.aliases:
         raise TensorMismatchError(f"{obj.where}: tied names {obj.header.aliases} differ from those of its anchor, step "
                                   f"{anchor.header.step}: {anchor.header.aliases}")

@@ -257,9 +257,11 @@ class DeltaPublisher:
     def _check_order(self, step: int) -> None:
         check_step(step, what=f"{self.store.url}: step", error=StepOrderError)
         if self._last_captured is not None and step <= self._last_captured:
-            raise StepOrderError(f"{self.store.url}: step {step} is not after the last published step {self._last_captured}")
+            raise StepOrderError(f"{self.store.url}: step {step} is not after the last published step "
+                                 f"{self._last_captured}")
         if self._skipped and step <= self._skipped[-1]:
-            raise StepOrderError(f"{self.store.url}: step {step} is not after the last coalesced step {self._skipped[-1]}")
+            raise StepOrderError(f"{self.store.url}: step {step} is not after the last coalesced step "
+                                 f"{self._skipped[-1]}")
 
     def _publish_sharded(self, step: int, *, anchor: bool) -> bool:
         """Every rank's part of ``step``, committed by rank 0 (publish/sharded.py); always published."""

@@ -126,7 +126,8 @@ def _shard_range(name: str, t: Any) -> tuple[torch.Tensor, tuple[int, int], bool
     local = t.to_local()
     shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
     if tuple(local.shape) != tuple(shape):
-        raise ConfigError(f"tensor {name!r}: local shard has shape {tuple(local.shape)}, its placements give {tuple(shape)}")
+        raise ConfigError(f"tensor {name!r}: local shard has shape {tuple(local.shape)}, its placements give "
+                          f"{tuple(shape)}")
     row = math.prod(t.shape[1:]) if t.dim() else 1
     start = (offset[0] if t.dim() else 0) * row
     return local, (start, start + local.numel()), owner
@@ -187,7 +188,8 @@ def capture(snapshot: Snapshot | None, shards: LocalShards, *, step: int, kind: 
     t0 = time.perf_counter()
     offsets = {n: r[0] for n, r in shards.ranges.items()}
     if snapshot is None:
-        snapshot = Snapshot(shards.tensors, device=device, max_chunk_bytes=max_chunk_bytes, dtype=dtype, offsets=offsets)
+        snapshot = Snapshot(shards.tensors, device=device, max_chunk_bytes=max_chunk_bytes, dtype=dtype,
+                            offsets=offsets)
         changes: list[Patch] = []
     else:
         if snapshot.offsets != offsets:
@@ -197,11 +199,13 @@ def capture(snapshot: Snapshot | None, shards: LocalShards, *, step: int, kind: 
                                     checksums=dict(snapshot.checksums), capture_s=time.perf_counter() - t0)
 
 
-def write_part(dest: Any, cap: ShardedCapture, snapshot: Snapshot, *, state: str, zstd_level: int) -> tuple[StepHeader, Any]:
+def write_part(dest: Any, cap: ShardedCapture, snapshot: Snapshot, *, state: str,
+               zstd_level: int) -> tuple[StepHeader, Any]:
     """Encode this rank's part (docs/FORMAT.md section 5b) into ``dest``; returns its header and what was written."""
     dtypes = {n: dtype_name(snapshot.tensors[n].dtype) for n in cap.shards.ranges}
     headers = {
-        n: TensorHeader(dtype=dtypes[n], shape=cap.shards.shapes[n], changed=0, checksum=format_checksum(cap.checksums[n]), range=r)
+        n: TensorHeader(dtype=dtypes[n], shape=cap.shards.shapes[n], changed=0,
+                        checksum=format_checksum(cap.checksums[n]), range=r)
         for n, r in cap.shards.ranges.items()
     }
     encoded = {}
@@ -210,7 +214,8 @@ def write_part(dest: Any, cap: ShardedCapture, snapshot: Snapshot, *, state: str
                                                              cost=lambda c: c.changed), strict=True):
             encoded[c.name] = enc
             h = headers[c.name]
-            headers[c.name] = TensorHeader(dtype=h.dtype, shape=h.shape, changed=c.changed, checksum=h.checksum, range=h.range,
+            headers[c.name] = TensorHeader(dtype=h.dtype, shape=h.shape, changed=c.changed, checksum=h.checksum,
+                                           range=h.range,
                                            positions=enc.positions_chain, values=enc.values_chain)  # type: ignore[arg-type]
     header = StepHeader(kind=cap.kind, step=cap.step, base_step=cap.base_step, state_checksum=state, tensors=headers,
                         format_version=2)
@@ -278,7 +283,8 @@ class ShardedWriter:
             try:
                 shards = local_shards(pub.source, self.rank, pub.names)
                 self.snapshot, cap = capture(self.snapshot, shards, step=step, kind=kind, base_step=base_step,
-                                             device=pub.snapshot_device, max_chunk_bytes=pub.max_chunk_bytes, dtype=pub.dtype)
+                                             device=pub.snapshot_device, max_chunk_bytes=pub.max_chunk_bytes,
+                                             dtype=pub.dtype)
             except Exception as e:  # noqa: BLE001 - any rank's failure must reach every rank (collectives), not hang them
                 error = e
         sent = None if cap is None else (cap.kind, cap.base_step, cap.checksums, len(cap.shards.shapes))

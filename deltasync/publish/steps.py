@@ -76,7 +76,8 @@ def write_step_object(
     encodings = parallel_map(lambda c: encode_patch(c, zstd_level=zstd_level), changes, cost=lambda c: c.changed)
     for c, enc in zip(changes, encodings, strict=True):
         encoded[c.name] = enc
-        headers[c.name] = replace(headers[c.name], changed=c.changed, positions=enc.positions_chain, values=enc.values_chain)
+        headers[c.name] = replace(headers[c.name], changed=c.changed, positions=enc.positions_chain,
+                                  values=enc.values_chain)
     header = StepHeader(
         kind=kind,
         step=step,
@@ -140,7 +141,8 @@ def snapshot_headers(snapshot: Snapshot) -> dict[str, TensorHeader]:
     """Unchanged-tensor header entries for the snapshot's current state."""
     return {
         name: TensorHeader(
-            dtype=dtype_name(t.dtype), shape=tuple(t.shape), changed=0, checksum=format_checksum(snapshot.checksums[name])
+            dtype=dtype_name(t.dtype), shape=tuple(t.shape), changed=0,
+            checksum=format_checksum(snapshot.checksums[name])
         )
         for name, t in snapshot.tensors.items()
     }

@@ -164,7 +164,8 @@ class RdmaConsumer(Announcements):
         self._stop = threading.Event()
         try:
             backing = open_transport(url, storage_options)
-            self.store = Store(url, transport=NixlTransport(backing, consumer=self.ring), storage_options=storage_options)
+            self.store = Store(url, transport=NixlTransport(backing, consumer=self.ring),
+                               storage_options=storage_options)
             self.reader = StreamReader(self.store, memory_object_bytes=options.capacity_bytes)
             if plan_wait_s:
                 self.ring.wait_plan(plan_wait_s)

@@ -120,7 +120,8 @@ class TrainerLink(_Link):
     def _expect(self, kind: type, timeout_s: float) -> TrainerPlan:
         msg = self.receive(timeout_s)
         if not isinstance(msg, kind):
-            raise ControlMessageError(f"controller at {self.address}: expected {kind.__name__}, got {type(msg).__name__}")
+            raise ControlMessageError(f"controller at {self.address}: expected {kind.__name__}, got "
+                                      f"{type(msg).__name__}")
         return msg
 
 

@@ -126,7 +126,8 @@ class Transport(ABC):
     def exists(self, key: str) -> bool:
         """Whether ``key`` is an object, or a folder holding any object."""
         folder = key.rstrip("/") + "/"
-        return any(e.key == key or e.key.startswith(folder) for e in self.list(key.rsplit("/", 1)[0] if "/" in key else ""))
+        return any(e.key == key or e.key.startswith(folder)
+                   for e in self.list(key.rsplit("/", 1)[0] if "/" in key else ""))
 
     def delete_tree(self, prefix: str) -> None:
         """Delete every object under the folder ``prefix``."""

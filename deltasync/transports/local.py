@@ -59,7 +59,8 @@ def _open_regular(path: str) -> BinaryIO:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             kind = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a folder", stat.S_IFSOCK: "a socket",
-                    stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}.get(stat.S_IFMT(mode), "not a file")
+                    stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}.get(stat.S_IFMT(mode), "not a "
+                                                                                                               "file")
             raise FormatError(f"{path}: expected a regular file, found {kind}")
         return os.fdopen(fd, "rb")
     except BaseException:

@@ -129,7 +129,8 @@ class DeltasyncInitInfo(WeightTransferInitInfo):
             raise _refuse(f"deltasync init_info: prefetch must be true or false, got {self.prefetch!r}")
         if self.rdma is not None:
             if not (isinstance(self.rdma, dict) and isinstance(self.rdma.get("controller"), str)):
-                raise _refuse(f"deltasync init_info: rdma must be an object naming a 'controller' address, got {self.rdma!r}")
+                raise _refuse("deltasync init_info: rdma must be an object naming a 'controller' address, got "
+                              f"{self.rdma!r}")
             engine = self.rdma.get("engine", "vllm")  # names this engine's consumers to the controller
             if not name_matches(CONSUMER_ID, engine):
                 raise _refuse(f"deltasync init_info: rdma.engine must be a name (letters, digits, '.', '_', '-'), "
@@ -230,7 +231,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             init_info.url, init_info.storage_options, init_info.rdma, init_info.trusted_keys)
         if same:
             if init_info.step is not None and self._held is not None and init_info.step != self._held:
-                log.warning("deltasync: init_info says step %d, this engine holds step %d (kept)", init_info.step, self._held)
+                log.warning("deltasync: init_info says step %d, this engine holds step %d (kept)", init_info.step,
+                            self._held)
             self._stop_prefetch()
         else:
             self._close_stream()
@@ -349,7 +351,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         h = prepared.header
         if h.kind == "delta" and h.base_step != self._held:
             raise BaseStepMismatchError(
-                f"{prepared.where}: delta to step {step} is based on step {h.base_step}, the engine holds step {self._held}"
+                f"{prepared.where}: delta to step {step} is based on step {h.base_step}, the engine holds step "
+                f"{self._held}"
             )
         staged = prepared.staged if prepared.anchor is None else stage(state, anchor_patches(state, prepared.anchor))
         assert staged is not None
@@ -382,7 +385,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         self._held = step
         if self._rdma is not None:
             self._rdma.applied(step)  # the controller advances this engine's version once every rank did
-        log.info("deltasync: engine at step %d (%s, written and verified in %.1f ms)", step, h.kind, 1e3 * self.pauses_s[-1])
+        log.info("deltasync: engine at step %d (%s, written and verified in %.1f ms)", step, h.kind,
+                 1e3 * self.pauses_s[-1])
         return list(staged)
 
     def _prove_held(self, step: int) -> set[str]:
@@ -397,7 +401,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                 reader.manifest(step, nearby=False)
             except StepNotFoundError:
                 raise HeldStepError(f"{reader.url}: init_info says the engine holds step {step}, which this stream has "
-                                    f"not committed: start the engine from one of its steps, or name no step (the first "
+                                    "not committed: start the engine from one of its steps, or name no step (the "
+                                    "first "
                                     f"update then writes an anchor)") from None
             with reader.open(step) as obj:
                 check_header(state, obj.header, obj.where)

@@ -48,7 +48,8 @@ def trainer(address: str, url: str, model_dir: str, out) -> None:
 
     state = load_state(Path(model_dir))
     committed: list[float] = []  # when each step was committed and offered (unix time, for a failure's story)
-    rdma = {"secret": SECRET, "controller": address, "slot_bytes": 4 << 20, "plan_wait_s": 600.0, "ack_deadline_s": 30.0}
+    rdma = {"secret": SECRET, "controller": address, "slot_bytes": 4 << 20, "plan_wait_s": 600.0,
+            "ack_deadline_s": 30.0}
     with NixlTransport.trainer(url, rdma=rdma) as transport:
         with DeltaPublisher(Store(url, transport=transport), state, anchor_every=100, on_backlog="block") as pub:
             for step in range(STEPS + 1):

@@ -50,7 +50,8 @@ def server(tmp_path):
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", DELTASYNC_CPU_LIVE_WEIGHTS="1", VLLM_CPU_KVCACHE_SPACE="1")
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", "m",
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
+         "m",
          "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port),
          "--worker-extension-cls", "rollout_loader.vllm.worker.DeltaWorkerExtension",
          "--weight-transfer-config", '{"backend": "deltasync"}'],
@@ -87,7 +88,8 @@ def test_follow_keeps_a_running_server_in_sync(server, tmp_path):
     # relative stream path reaches the server as an absolute one
     repo = str(Path(__file__).resolve().parents[2])
     cli = subprocess.run(
-        [sys.executable, "-m", "deltasync_cli", "follow", "stream", "--server", base, "--until", "5", "--verify", "all"],
+        [sys.executable, "-m", "deltasync_cli", "follow", "stream", "--server", base, "--until", "5", "--verify",
+         "all"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))},
     )
