@@ -145,7 +145,8 @@ def run(server, n: int, mode: str, args: argparse.Namespace, work: Path) -> dict
             mirror_thread.start()
         notify = events.url if events is not None else None
         node_cache = str(work / f"node-{n}") if mode == "node-cache" else None
-        run_s = args.warmup_s + (0 if mode == "baseline" else args.steps * args.cadence_s + args.settle_s) + args.idle_s + 2
+        run_s = (args.warmup_s + (0 if mode == "baseline" else args.steps * args.cadence_s + args.settle_s)
+                 + args.idle_s + 2)
         procs, outs = [], []
         per = [n // PROCESSES + (1 if i < n % PROCESSES else 0) for i in range(min(PROCESSES, n))]
         ctx = mp.get_context("spawn")
@@ -251,7 +252,8 @@ def main() -> None:
     for r in rows:
         mb = "-" if r["source_bytes_per_step"] is None else f"{r['source_bytes_per_step'] / 1e6:.2f}"
         lat = "-" if r["latency_p50_s"] is None else f"{r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f} s"
-        copy = "-" if r["copy_idle_requests_per_follower_minute"] is None else r["copy_idle_requests_per_follower_minute"]
+        copy = r["copy_idle_requests_per_follower_minute"]
+        copy = "-" if copy is None else copy
         print(f"| {r['followers']} | {r['mode']} | {r['idle_requests_per_follower_minute']} | {copy} | "
               f"{r['source_requests_per_step'] if r['source_requests_per_step'] is not None else '-'} | {mb} | {lat} | "
               f"{r['applied']}/{r['expected_applied']} | {r['all_exact'] if r['all_exact'] is not None else '-'} |")

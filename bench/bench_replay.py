@@ -186,7 +186,8 @@ def build_streams(args, work: Path) -> tuple[str, str, dict]:
     files = save_model_dir(tiny_qwen3(hidden_size=64, layers=1, vocab_size=300), work / "model-files")
     stream, full = str(work / "store" / "run"), str(work / "store" / "full")
     densities = []
-    with DeltaPublisher(stream, model, dtype=torch.bfloat16, anchor_every=10**9, on_backlog="block", files=files) as pub:
+    with DeltaPublisher(stream, model, dtype=torch.bfloat16, anchor_every=10**9, on_backlog="block",
+                        files=files) as pub:
         pub.publish(0)
         for step in range(1, args.steps + 1):
             train.step()

@@ -120,7 +120,8 @@ def run(args, server: SeaweedFS, work: Path) -> None:
     from rich.table import Table
 
     t = Table(title=f"S3 (SeaweedFS, loopback): {numel / 1e6:.0f}M params, {len(rows)} delta steps, "
-              f"mean object {nbytes / len(rows) / 1e6:.2f} MB, mean density {np.mean([r['density'] for r in rows]):.2%}")
+              f"mean object {nbytes / len(rows) / 1e6:.2f} MB, mean density "
+              f"{np.mean([r['density'] for r in rows]):.2%}")
     for col in ("measure", "p50", "p95", "mean"):
         t.add_column(col, justify="right")
     for key, label in (("latency_s", "publish -> consumer applied (ms)"),

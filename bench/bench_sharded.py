@@ -43,7 +43,8 @@ def rank_main(mode: str, url: str, out: str, hidden: int, layers: int, steps: in
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden, bias=False) for _ in range(layers)]).to(torch.bfloat16)
+    layers_ = [torch.nn.Linear(hidden, hidden, bias=False) for _ in range(layers)]
+    model = torch.nn.Sequential(*layers_).to(torch.bfloat16)
     for m in model:
         fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -231,7 +231,8 @@ def _report(args: Any, numel: int, init_s: float, rows: list[dict[str, Any]]) ->
     paused, full = med("paused_s"), med("full_reload_s")
     first = rows[0]["paused_s"]
     t = Table(title=f"vLLM CPU engine, weight-transfer path: {numel / 1e6:.0f}M params, {len(rows)} steps, median "
-              f"density {med('density'):.2%}{', one CPU-bound competitor' if args.contend else ''} (medians over steps)")
+              f"density {med('density'):.2%}{', one CPU-bound competitor' if args.contend else ''} (medians over "
+              "steps)")
     for col in ("measure", "ms", "target"):
         t.add_column(col, justify="right")
     t.add_row("generation paused per step", f"{paused * 1e3:.1f}", "<= 10% of full reload")

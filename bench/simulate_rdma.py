@@ -196,15 +196,16 @@ def main() -> None:
         dense, delta = predict(tensors, topo, model=name, density=a.density, bytes_per_change=a.bytes_per_change,
                                dense_width=a.dense_width)
         rows += [dense, delta]
-        print(f"{name}: {sum(t.numel for t in tensors) / 1e9:,.0f}B params, planned in {time.perf_counter() - t0:.1f} s",
-              file=sys.stderr)
+        print(f"{name}: {sum(t.numel for t in tensors) / 1e9:,.0f}B params, "
+              f"planned in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     print("| model | mode | GB into busiest inference GPU | GB out of busiest trainer GPU | reads | predicted s |")
     print("|---|---|---|---|---|---|")
     for p in rows:
         print(f"| {p.model} | {p.mode} | {p.consumer_gb:.2f} | {p.trainer_gb:.2f} | {p.reads} | {p.seconds:.3f} |")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"topology": asdict(topo), "density": a.density, "rows": [asdict(p) for p in rows]}, indent=1))
+        a.json.write_text(json.dumps({"topology": asdict(topo), "density": a.density,
+                                      "rows": [asdict(p) for p in rows]}, indent=1))
 
 
 if __name__ == "__main__":

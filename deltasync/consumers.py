@@ -54,6 +54,7 @@ def read_heartbeats(store: Store) -> list[ConsumerPosition]:
         except FileNotFoundError:
             continue  # removed since the listing
         if f"{position.consumer_id}.json" != name:
-            raise FormatError(f"{store.url}/{rel}: heartbeat names consumer {position.consumer_id!r}, not its file name")
+            raise FormatError(f"{store.url}/{rel}: heartbeat names consumer {position.consumer_id!r}, not its file "
+                              "name")
         out.append(position)
     return out

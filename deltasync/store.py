@@ -247,7 +247,8 @@ class Store(StoreObjects, Retrying):
             m = decode(self.read_bytes(rel, max_bytes=MAX_MANIFEST_BYTES), Manifest, where=f"{self.url}/{rel}",
                        max_bytes=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
-            raise StepNotFoundError(f"{self.url}: step {step} is not committed{self._nearby(step) if nearby else ''}") from None
+            near = self._nearby(step) if nearby else ""
+            raise StepNotFoundError(f"{self.url}: step {step} is not committed{near}") from None
         if m.step != step:
             raise FormatError(f"{self.url}: manifest in folder of step {step} describes step {m.step}")
         return m

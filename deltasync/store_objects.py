@@ -188,7 +188,8 @@ class StoreObjects:
         """The object at ``path`` has the manifest's size and SHA-256, or ``CorruptObjectError``."""
         size = path.stat().st_size
         if size != part.object_bytes:
-            raise CorruptObjectError(f"{where}: {size} bytes, manifest says {part.object_bytes} (truncated or replaced)")
+            raise CorruptObjectError(f"{where}: {size} bytes, manifest says {part.object_bytes} (truncated or "
+                                     "replaced)")
         digest = sha256_file(path)
         if digest != part.object_sha256:
             raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's "

@@ -191,7 +191,8 @@ def _ctrl_c_reaches_main_thread() -> Iterator[threading.Event]:
     ends a C wait with EINTR and raises again); from then on SIGINT is ignored, so the cleanup runs to its end.
     """
     cleaning = threading.Event()
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield cleaning
         return
     r, w = os.pipe()
@@ -264,7 +265,8 @@ def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage
     ctx = mp.get_context("spawn")
     got: dict = {"sum": {}, "published": {}, "live": {}}
     engine: _VllmFollower | None = None
-    with _ctrl_c_reaches_main_thread() as cleaning, cluster_secret_for_this_run(), Controller(trainers=1, consumers=1) as controller:
+    with _ctrl_c_reaches_main_thread() as cleaning, cluster_secret_for_this_run(), \
+            Controller(trainers=1, consumers=1) as controller:
         q, go = ctx.Queue(), ctx.Event()
         procs = [ctx.Process(target=_nixl_trainer, args=(controller.address, url, config, storage_options, q, go),
                              daemon=True)]

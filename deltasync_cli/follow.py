@@ -18,16 +18,19 @@ def follow(
     server: Annotated[str, typer.Option(help="Base URL of a vLLM OpenAI server started with VLLM_SERVER_DEV_MODE=1 and "
                                         "--weight-transfer-config '{\"backend\": \"deltasync\"}' (it fetches each step "
                                         "from the store itself).")],
-    until: Annotated[int | None, typer.Option(help="Exit once the engine holds this step (default: follow forever).")] = None,
+    until: Annotated[int | None, typer.Option(help="Exit once the engine holds this step (default: follow "
+                                                   "forever).")] = None,
     engine_step: Annotated[int | None, typer.Option(min=0, help="The step the engine's weights are at if it was never "
                                                     "updated (started from that step's checkpoint).")] = None,
     verify: Annotated[Literal["incremental", "changed", "all"], typer.Option(
         help="Checksums after each delta: 'incremental' (from the patched elements: the library's default too), "
              "the 'changed' tensors recomputed, or 'all'.")] = "incremental",
-    mode: Annotated[Literal["auto", "live", "reload"], typer.Option(help="Worker mode: auto, live or reload.")] = "auto",
+    mode: Annotated[Literal["auto", "live", "reload"], typer.Option(help="Worker mode: auto, live or "
+                                                                         "reload.")] = "auto",
     poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls of the store around the moment the "
                                           "next step is due (one small read each).")] = 0.25,
-    max_poll_s: Annotated[float, typer.Option(min=0.05, help="Longest time between polls while the stream is quiet.")] = 10.0,
+    max_poll_s: Annotated[float, typer.Option(min=0.05, help="Longest time between polls while the stream is "
+                                                             "quiet.")] = 10.0,
     timeout_s: Annotated[float, typer.Option(min=0.0, help="With --until: give up after this long.")] = 600.0,
     metrics_port: Annotated[int | None,
                             typer.Option(min=0, max=65535, help="Serve Prometheus metrics (held step, newest "
@@ -107,20 +110,26 @@ def _lag_words(status: FollowerStatus) -> str:
     lag = status.lag_steps
     if lag is None:
         return ""
-    return ", the newest committed step" if lag == 0 else f", {lag} step{'s' if lag != 1 else ''} behind step {status.newest_step}"
+    if lag == 0:
+        return ", the newest committed step"
+    return f", {lag} step{'s' if lag != 1 else ''} behind step {status.newest_step}"
 
 
 @app.command()
 def mirror(
     src: Annotated[str, typer.Argument(help="The stream to copy (URL).")],
     dst: Annotated[str, typer.Argument(help="Where to keep the copy (URL; an empty location or an earlier copy).")],
-    once: Annotated[bool, typer.Option("--once", help="Copy what is committed now and exit (default: keep following).")] = False,
+    once: Annotated[bool, typer.Option("--once", help="Copy what is committed now and exit (default: keep "
+                                                      "following).")] = False,
     until: Annotated[int | None, typer.Option(min=0, help="Exit once this step is copied.")] = None,
-    poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls of the source when a step is due.")] = 0.25,
-    max_poll_s: Annotated[float, typer.Option(min=0.05, help="Longest time between polls while the source is quiet.")] = 10.0,
+    poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls of the source when a step is "
+                                                         "due.")] = 0.25,
+    max_poll_s: Annotated[float, typer.Option(min=0.05, help="Longest time between polls while the source is "
+                                                             "quiet.")] = 10.0,
     events: Annotated[str | None, typer.Option(help="Serve the copy's new steps as server-sent events on HOST:PORT "
                                                "(GET /events), for this region's followers (deltasync follow "
-                                               "--notify, Follower(notifier=EventFeed(url))): they stop polling.")] = None,
+                                               "--notify, Follower(notifier=EventFeed(url))): they stop "
+                                               "polling.")] = None,
     notify: Annotated[str | None, typer.Option(help="The source's event feed (an upstream mirror's "
                                                "http://HOST:PORT/events): copy each step as it is announced.")] = None,
     storage_option: StorageOpt = None,

@@ -68,7 +68,8 @@ def push(
     step: Annotated[int, typer.Option("--step", help="Step number to publish it as (after the latest).")],
     anchor: Annotated[bool, typer.Option(help="Publish a full anchor instead of a delta.")] = False,
     dtype: Annotated[str | None, typer.Option(help="Publish floating tensors in this dtype (e.g. bfloat16).")] = None,
-    files: Annotated[Path | None, typer.Option(help="Folder of model files to store (default: the checkpoint folder's).")] = None,
+    files: Annotated[Path | None, typer.Option(help="Folder of model files to store (default: the checkpoint "
+                                                    "folder's).")] = None,
     take_over: Annotated[bool, typer.Option(help="Take the stream over from a publisher that holds it.")] = False,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
@@ -123,7 +124,8 @@ def stats(
     url: Annotated[str, typer.Argument(help="Stream URL.")],
     first: Annotated[int | None, typer.Option("--from", help="First step.")] = None,
     last: Annotated[int | None, typer.Option("--to", help="Last step.")] = None,
-    plot: Annotated[Path | None, typer.Option(help="Draw change density per layer and bytes per step to this PNG.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Draw change density per layer and bytes per step to this "
+                                                   "PNG.")] = None,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
 ) -> None:

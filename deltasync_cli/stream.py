@@ -110,7 +110,8 @@ def ls_(
 @app.command()
 def status(
     url: Annotated[str, typer.Argument(help="Stream URL.")],
-    stale_after_s: Annotated[float, typer.Option(min=1.0, help="Flag consumers whose last heartbeat is older than this.")] = 900.0,
+    stale_after_s: Annotated[float, typer.Option(min=1.0, help="Flag consumers whose last heartbeat is older than "
+                                                               "this.")] = 900.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     prometheus: Annotated[bool, typer.Option("--prometheus", help="Print Prometheus text exposition (for a textfile "
                                              "collector or a scrape script).")] = False,

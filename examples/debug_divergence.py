@@ -74,7 +74,8 @@ def find_jump(url: str) -> tuple[int, str]:
     print(f"compare {prev.step} -> {row.step}, tensors of {layer}:")
     for d in comparison.tensors:
         if d.name.startswith(layer + "."):
-            print(f"  {d.name:22s} changed {d.density:7.2%}  rel L2 {d.rel_l2:.2e}  max |change| {d.max_abs_change:.2e}")
+            print(f"  {d.name:22s} changed {d.density:7.2%}  rel L2 {d.rel_l2:.2e}  max |change| "
+                  f"{d.max_abs_change:.2e}")
     return row.step, layer
 
 

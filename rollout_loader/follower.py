@@ -90,7 +90,8 @@ class StateDictTarget:
         return self.replica.step if self.replica else None
 
     def apply(self, obj: StepObject) -> None:
-        if self.replica is None or obj.header.kind == "anchor" and obj.header.tensors.keys() != self.replica.checksums.keys():
+        if self.replica is None or (obj.header.kind == "anchor"
+                                    and obj.header.tensors.keys() != self.replica.checksums.keys()):
             self.replica = Replica.from_anchor(obj, device=self.device)
         else:
             self.replica.apply(obj, verify=self.verify)
@@ -106,11 +107,11 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
     HeldStepError,
 )
 """Errors a follower does not retry, because retrying cannot help: the stream's model changed names, shapes
-or dtypes (``TensorMismatchError``); a target said to hold a step its weights are not (``HeldStepError``); credentials, storage options, the engine's flags or an argument are
-wrong, or a package is missing. Everything else is retried: store and network errors, a URL with no
-stream yet (``StreamNotFoundError``: the publisher may not have started), a damaged or missing object
-(retried from the next anchor), a checksum mismatch (the target rolled back), an engine that refused or
-crashed, a bug in ``on_step``."""
+or dtypes (``TensorMismatchError``); a target said to hold a step its weights are not (``HeldStepError``);
+credentials, storage options, the engine's flags or an argument are wrong, or a package is missing. Everything
+else is retried: store and network errors, a URL with no stream yet (``StreamNotFoundError``: the publisher
+may not have started), a damaged or missing object (retried from the next anchor), a checksum mismatch (the
+target rolled back), an engine that refused or crashed, a bug in ``on_step``."""
 
 
 class Follower:
@@ -416,7 +417,8 @@ class Follower:
 
     def _timed_out(self, step: int, timeout_s: float) -> None:
         e = self.last_error
-        why = "" if e is None else f" (last error{'' if self.last_error_step is None else f' at step {self.last_error_step}'}: {type(e).__name__}: {e})"
+        at = "" if self.last_error_step is None else f" at step {self.last_error_step}"
+        why = "" if e is None else f" (last error{at}: {type(e).__name__}: {e})"
         raise WaitTimeoutError(
             f"{self.reader.url}: target holds step {self.target.step}, step {step} not live within {timeout_s}s{why}"
             f"{self._doing()}"

@@ -132,7 +132,8 @@ class _Collector:
 
         status = self.source.status()
         for name, kind, doc, attr in _METRICS:
-            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(PREFIX + name, doc, labels=["stream"])
+            make = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            family = make(PREFIX + name, doc, labels=["stream"])
             family.add_metric([status.stream], _number(getattr(status, attr)))
             yield family
 

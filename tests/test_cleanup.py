@@ -104,7 +104,8 @@ def test_objects_never_closed_are_cleaned_at_exit(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     during = eval(r.stdout.strip().splitlines()[-1])
-    assert len([n for n in during if n.startswith("deltasync-cache-")]) == 2 and any(n.startswith("deltasync-spool-") for n in during)
+    assert len([n for n in during if n.startswith("deltasync-cache-")]) == 2
+    assert any(n.startswith("deltasync-spool-") for n in during)
     assert ours(tmp) == []
 
 

@@ -41,7 +41,8 @@ def test_replay(qwen_stream, tmp_path):
     assert states_equal(loaded, {n: t for n, t in qwen_stream.truth[7].items() if n != "lm_head.weight"})
     d = run_json("replay", qwen_stream.url, "--step", "3", "-o", str(tmp_path / "step3"), "--reread")
     assert list(d) == ["step", "path", "chain", "tensors", "weights_bytes", "model_files", "state_checksum", "seconds"]
-    assert d["chain"] == [0, 1, 2, 3] and d["state_checksum"] == StreamReader(qwen_stream.url).manifest(3).state_checksum
+    assert d["chain"] == [0, 1, 2, 3]
+    assert d["state_checksum"] == StreamReader(qwen_stream.url).manifest(3).state_checksum
     # into the folder one stands in ("-o ." exited 3 with "PosixPath('.') has an empty name")
     here = tmp_path / "here"
     here.mkdir()

@@ -99,7 +99,8 @@ def backend(request, tmp_path) -> Iterator[Backend]:
 
 
 def _publish(backend: Backend, steps: list[int], *, writer: str = "a", **kw) -> None:
-    with DeltaPublisher(backend.store(), _state(steps[0], writer), on_backlog="block", spool_dir=backend.spool(), **kw) as pub:
+    with DeltaPublisher(backend.store(), _state(steps[0], writer), on_backlog="block", spool_dir=backend.spool(),
+                        **kw) as pub:
         for s in steps:
             pub.source = _state(s, writer)
             pub.publish(s)
@@ -281,7 +282,8 @@ def test_restart_after_a_stale_hint_resumes_after_the_newest_manifest(backend, h
     backend.write("latest.json", json.dumps(hint).encode())
     backend.store().acquire_lease("killed-trainer", ttl_s=600, take_over=True)  # its lease outlives it
 
-    with DeltaPublisher(backend.store(), _state(10), take_over=True, on_backlog="block", spool_dir=backend.spool()) as pub:
+    with DeltaPublisher(backend.store(), _state(10), take_over=True, on_backlog="block",
+                        spool_dir=backend.spool()) as pub:
         assert pub.last_committed_step == 20
         pub.source = _state(20)
         with pytest.raises(StepOrderError, match="20"):

@@ -109,7 +109,8 @@ def test_batched_apply_matches_xor_apply():
 @pytest.mark.skipif(subprocess.run([sys.executable, "-c", "import triton"], capture_output=True).returncode != 0,
                     reason="Triton is not installed")
 def test_triton_scatter_in_the_interpreter():
-    """The one-launch-per-width kernel (a table of base addresses), run by Triton's CPU interpreter: xor_apply's bits."""
+    """The one-launch-per-width kernel (a table of base addresses), run by Triton's CPU interpreter: xor_apply's
+    bits."""
     code = textwrap.dedent("""
         import torch
         from deltasync.format._bits import int_view

@@ -34,7 +34,8 @@ from transformers.distributed import DistributedConfig
 from deltasync.integrations.transformers import DeltaSyncCallback
 
 model_dir, url, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-model = Qwen3ForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(fsdp_size=2), dtype=torch.float32)
+model = Qwen3ForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(fsdp_size=2),
+                                         dtype=torch.float32)
 rank = int(os.environ["RANK"])
 
 
@@ -63,9 +64,9 @@ class Reference(TrainerCallback):
         self.logs.append(dict(logs or {}))
 
 
-args = TrainingArguments(output_dir=os.path.join(out, f"trainer-{rank}"), max_steps=steps, per_device_train_batch_size=2,
-                         learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                         disable_tqdm=True, seed=0)
+args = TrainingArguments(output_dir=os.path.join(out, f"trainer-{rank}"), max_steps=steps,
+                         per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+                         report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
 callback, reference = DeltaSyncCallback(url, anchor_every=2), Reference()
 trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback, reference])
 trainer.train()

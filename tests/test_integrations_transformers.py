@@ -208,7 +208,8 @@ def test_fully_sharded_model_publishes_its_shards(tmp_path):
         callback.on_train_begin(_Args(), _state(zero=True), None, model=model)
         assert callback.mode == "sharded"
         for step in (1, 2):
-            model(input_ids=torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(step))).logits.square().mean().backward()
+            ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(step))
+            model(input_ids=ids).logits.square().mean().backward()
             opt.step()
             opt.zero_grad()
             callback.on_step_end(_Args(), _state(zero=True, step=step), None)

@@ -36,7 +36,8 @@ def _state(rng: np.random.Generator, n: int) -> dict[str, torch.Tensor]:
         for shape in ((n,), (3, 7), (1,), (0,)):
             numel = int(np.prod(shape))
             raw = rng.integers(0, 2 if dtype == torch.bool else 256, numel * width, dtype=np.uint8)
-            out[f"{dtype}.{shape}"] = torch.from_numpy(raw).view(dtype).reshape(shape) if numel else torch.empty(shape, dtype=dtype)
+            out[f"{dtype}.{shape}"] = (torch.from_numpy(raw).view(dtype).reshape(shape) if numel
+                                       else torch.empty(shape, dtype=dtype))
     return out
 
 
@@ -114,7 +115,8 @@ def test_after_warm_kernels_nothing_compiles(tmp_path):
 
 def _shuffle_ref(x: np.ndarray) -> np.ndarray:
     """Byte k of every element (little-endian), for k = 0 .. width-1, concatenated."""
-    return np.ascontiguousarray(x.astype(x.dtype.newbyteorder("<")).view(np.uint8).reshape(x.size, x.itemsize).T).ravel()
+    rows = x.astype(x.dtype.newbyteorder("<")).view(np.uint8).reshape(x.size, x.itemsize)
+    return np.ascontiguousarray(rows.T).ravel()
 
 
 def _gap16_ref(entries: np.ndarray) -> list[int]:

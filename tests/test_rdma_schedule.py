@@ -83,7 +83,8 @@ def test_random_layouts_cover_exactly(seed):
     ranks = rng.randint(1, 5)
     parts: dict[int, list[Part]] = {r: [] for r in range(ranks)}
     for name, info in tensors.items():
-        cuts = sorted(rng.sample(range(1, info.numel), min(info.numel - 1, rng.randint(0, 3)))) if info.numel > 1 else []
+        cuts = sorted(rng.sample(range(1, info.numel), min(info.numel - 1, rng.randint(0, 3)))) \
+            if info.numel > 1 else []
         edges = [0, *cuts, info.numel]
         for a, b in itertools.pairwise(edges):
             for r in rng.sample(range(ranks), rng.randint(1, ranks)):  # replicated on 1..ranks ranks

@@ -305,7 +305,8 @@ def test_a_caught_up_follower_never_downloads_an_anchor(tmp_path):
     assert [(p.step, p.kind) for p in report.problems] == [(3, "checksum")]
 
     plain = str(tmp_path / "plain")
-    with DeltaPublisher(plain, {"w": states[0].clone()}, anchor_every=3, anchor_deltas=False, on_backlog="block") as pub:
+    with DeltaPublisher(plain, {"w": states[0].clone()}, anchor_every=3, anchor_deltas=False,
+                        on_backlog="block") as pub:
         for s, w in enumerate(states):
             pub.source = {"w": w}
             pub.publish(s)

@@ -402,7 +402,8 @@ def test_both_compilations_of_each_kernel(dtype, parallel):
         assert (ref_checksum(c.old) + int(_kernels.xor_at(u, pos, x, parallel=parallel))) % 2**64 == want_after, label
         assert np.array_equal(u, c.new), label
         u = c.old.copy()
-        assert (ref_checksum(c.old) + int(_kernels.xor_dense(u, c.old ^ c.new, 0, parallel=parallel))) % 2**64 == want_after
+        delta = int(_kernels.xor_dense(u, c.old ^ c.new, 0, parallel=parallel))
+        assert (ref_checksum(c.old) + delta) % 2**64 == want_after
         assert np.array_equal(u, c.new), label
         u, kept = c.old.copy(), np.empty(pos.size, c.old.dtype)
         delta = int(_kernels.xor_at_indexed(u, pos, x, pos + base, kept, parallel=parallel))
@@ -436,7 +437,10 @@ def test_xor_apply_reports_reference_checksums(dtype):
                 assert (ref_checksum(c.old) + delta) % 2**64 == want_after, label
                 assert np.array_equal(bits_of(t), c.new), label
                 # checksum=False only writes; applying the same patch again restores the old bits
-                assert patch(t, None, c.old ^ c.new, checksum=False) == 0 if dense else patch(t, pos, xor, checksum=False) == 0
+                if dense:
+                    assert patch(t, None, c.old ^ c.new, checksum=False) == 0
+                else:
+                    assert patch(t, pos, xor, checksum=False) == 0
                 assert np.array_equal(bits_of(t), c.old), label
 
 
@@ -459,7 +463,8 @@ def test_xor_apply_on_slices_hashes_global_indices(dtype):
                     "dense, base": lambda t: patch(t, None, old[s:] ^ new[s:], index=s),  # noqa: B023 - called in this iteration
                     "local, base": lambda t: patch(t, local, x, index=s),  # noqa: B023 - called in this iteration
                     "local, indices": lambda t: patch(t, local, x, index=local + s),  # noqa: B023 - called in this iteration
-                    "torch inputs": lambda t: patch(t, torch.from_numpy(local), torch.from_numpy(x.view(f"i{x.itemsize}")),  # noqa: B023 - called in this iteration
+                    "torch inputs": lambda t: patch(t, torch.from_numpy(local),  # noqa: B023 - called in this iteration
+                                                    torch.from_numpy(x.view(f"i{x.itemsize}")),  # noqa: B023 - called in this iteration
                                                     index=torch.from_numpy(local + s)),  # noqa: B023 - called in this iteration
                 }
                 for how, call in calls.items():

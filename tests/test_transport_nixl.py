@@ -227,7 +227,8 @@ def test_every_step_commits_when_the_rdma_path_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(Outbox, "offer", broken)
     url = str(tmp_path / "store")
     with Controller(trainers=1, consumers=0, secret=SECRET) as controller, NixlTransport.trainer(
-            url, rdma={"secret": SECRET, "controller": controller.address, "slot_bytes": 1 << 20, "plan_wait_s": 10.0}) as transport:
+            url, rdma={"secret": SECRET, "controller": controller.address, "slot_bytes": 1 << 20,
+                       "plan_wait_s": 10.0}) as transport:
         truth = _publish(url, transport, None)
         stats = transport.trainer.stats
     assert stats.announced == [] and [s for s, _ in stats.store_only] == STEPS

@@ -207,7 +207,8 @@ def test_a_follower_retries_a_failed_step_and_asks_the_server_again(tmp_path):
     with DeltaPublisher(url, {"w": torch.zeros(8)}) as pub:
         pub.publish(0)
     with fake_server() as (fake, base):
-        fake.replies["/update_weights"] = _vllm_500(_WORKER_FAILED.format("CorruptObjectError: step 0: SHA-256 differs"))
+        fake.replies["/update_weights"] = _vllm_500(_WORKER_FAILED.format("CorruptObjectError: step 0: SHA-256 "
+                                                                          "differs"))
         f = Follower(url, VllmTarget(base), poll_s=0.05)
         with pytest.raises(Exception, match="step 0 not live within 1.0s") as e:
             f.wait_for(0, timeout_s=1.0)

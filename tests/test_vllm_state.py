@@ -50,7 +50,8 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> Non
     def held(name: str) -> tuple[np.ndarray, np.ndarray]:
         """This rank's elements of checkpoint tensor ``name`` (unsigned bits) and their global flat indices."""
         r = routes[name]
-        rows = params[r.param_name].view(torch.int16).cpu().numpy().view(np.uint16)[r.param_start[0]:r.param_start[0] + r.extent[0]]
+        bits = params[r.param_name].view(torch.int16).cpu().numpy().view(np.uint16)
+        rows = bits[r.param_start[0]:r.param_start[0] + r.extent[0]]
         return rows.reshape(-1).copy(), np.arange(r.hf_start[0] * 40, (r.hf_start[0] + r.extent[0]) * 40)
 
     def patch(name: str, density: float) -> tuple[str, np.ndarray, np.ndarray]:

@@ -205,7 +205,8 @@ def decode_change(
     if positions is None:
         raise FormatError(f"{where}: positions are missing")
     max_entries = changed + numel // _ESCAPE_GAP + 1
-    entries = np.frombuffer(_unpack(positions, positions_chain[1:], at_most=2 * max_entries, where=f"{where} positions"), np.uint8)
+    raw = _unpack(positions, positions_chain[1:], at_most=2 * max_entries, where=f"{where} positions")
+    entries = np.frombuffer(raw, np.uint8)
     if entries.size % 2:
         raise FormatError(f"{where}: positions hold an odd number of bytes ({entries.size})")
     if "shuffle" not in positions_chain:
@@ -256,13 +257,17 @@ def _unpack(data: bytes | bytearray, chain: list[str], *, where: str, exact: int
         return data
     limit = min(bound, len(data) * ZSTD_MAX_RATIO)
     if exact is not None and exact > limit:
-        raise FormatError(f"{where}: a zstd frame of {len(data)} bytes cannot hold the {exact} bytes the header implies")
+        raise FormatError(f"{where}: a zstd frame of {len(data)} bytes cannot hold the {exact} bytes the header "
+                          "implies")
     try:
         declared = zstandard.frame_content_size(data)
         if declared > limit or (exact is not None and declared not in (-1, exact)):
             raise FormatError(f"{where}: zstd frame claims {declared} bytes, expected "
                               f"{'' if exact is not None else 'at most '}{bound if exact is not None else limit}")
-        out = _decompressor().decompress(data) if declared >= 0 else _decompressor().decompress(data, max_output_size=limit)
+        if declared >= 0:
+            out = _decompressor().decompress(data)
+        else:
+            out = _decompressor().decompress(data, max_output_size=limit)
     except zstandard.ZstdError as e:
         raise FormatError(f"{where}: zstd frame is corrupt or larger than expected ({e})") from None
     if exact is not None and len(out) != exact:

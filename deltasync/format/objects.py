@@ -340,7 +340,8 @@ def parse_header(read: Callable[[int, int], bytes | bytearray], size: int, *,
             )
         end = stop
     if end != data_bytes:
-        raise FormatError(f"{where}: tensors cover {end} bytes of a {data_bytes}-byte data buffer (truncated or padded)")
+        raise FormatError(f"{where}: tensors cover {end} bytes of a {data_bytes}-byte data buffer (truncated or "
+                          "padded)")
     if METADATA_KEY not in metadata:
         raise FormatError(f"{where}: safetensors file has no '{METADATA_KEY}' header metadata")
     return 8 + n, entries, StepHeader.from_json(metadata[METADATA_KEY], where=where)

@@ -216,7 +216,8 @@ def plot_stats(stats: StreamStats, density: LayerDensity, path: str | Path) -> P
 
     path = Path(path)
     n_layers, n_steps = len(density.layers), len(density.steps)
-    grid = np.array([[np.nan if v is None else v for v in row] for row in density.density], dtype=float).reshape(n_layers, n_steps)
+    grid = np.array([[np.nan if v is None else v for v in row] for row in density.density], dtype=float)
+    grid = grid.reshape(n_layers, n_steps)
     positive = grid[np.isfinite(grid) & (grid > 0)]
     low = positive.min() if positive.size else 1e-6
     high = max(positive.max(), low * 1.01) if positive.size else 1.0

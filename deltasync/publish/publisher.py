@@ -177,7 +177,8 @@ class DeltaPublisher:
             raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
         # read (and its file's mode checked) before anything is written; None on the ranks of a sharded trainer
         # other than rank 0 is fine: rank 0 signs every commit
-        self.signing_key = signing_key if signing_key is None or isinstance(signing_key, SigningKey) else SigningKey(signing_key)
+        self.signing_key = (signing_key if signing_key is None or isinstance(signing_key, SigningKey)
+                            else SigningKey(signing_key))
         self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
         self.source = source
         self.names = names
@@ -205,7 +206,8 @@ class DeltaPublisher:
         self.lease_s = lease_s
         if sharded is None:
             # a function is not called before the first publish: it may not be ready yet (say sharded=True)
-            sharded = not callable(source) and is_sharded(source) or isinstance(source, torch.nn.Module) and is_sharded(source.state_dict())
+            sharded = (not callable(source) and is_sharded(source)
+                       or isinstance(source, torch.nn.Module) and is_sharded(source.state_dict()))
         self._sharded = ShardedWriter(self, ShardGroup()) if sharded else None
         self._holds_lease = self._sharded is None or self._sharded.rank == 0  # one lease per stream: rank 0's
         start_error = None
@@ -222,7 +224,8 @@ class DeltaPublisher:
                     raise
                 start_error, self.last_committed_step = e, None
         if self._sharded is not None:  # every rank starts where rank 0 found the stream, or fails with it
-            start_error, self.last_committed_step = self._sharded.group.broadcast((start_error, self.last_committed_step if self._holds_lease else None))
+            mine = self.last_committed_step if self._holds_lease else None
+            start_error, self.last_committed_step = self._sharded.group.broadcast((start_error, mine))
             if start_error is not None:
                 self._sharded.group.destroy()
                 raise start_error
@@ -272,7 +275,8 @@ class DeltaPublisher:
             self._check_order(step)
         except DeltaSyncError as e:
             precheck = e
-        kind: Kind = "anchor" if (anchor or self._force_anchor or self._since_anchor + 1 >= self.anchor_every) else "delta"
+        due = anchor or self._force_anchor or self._since_anchor + 1 >= self.anchor_every
+        kind: Kind = "anchor" if due else "delta"
         t0 = time.perf_counter()
         try:
             nbytes = self._sharded.publish(step, kind=kind, base_step=None if kind == "anchor" else self._last_captured,
@@ -342,7 +346,8 @@ class DeltaPublisher:
             changes = self._snapshot.diff(tensors)
         self._aliases = aliases
         with self._lock:
-            kind: Kind = "anchor" if (anchor or self._force_anchor or self._since_anchor + 1 >= self.anchor_every) else "delta"
+            due = anchor or self._force_anchor or self._since_anchor + 1 >= self.anchor_every
+            kind: Kind = "anchor" if due else "delta"
             self._force_anchor = False
         headers = snapshot_headers(self._snapshot)
         job = _Job(

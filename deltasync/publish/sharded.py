@@ -103,7 +103,8 @@ def local_shards(source: Any, rank: int, names: NameMap | None = None) -> LocalS
         else:
             local, (start, stop), owner = t.detach(), (0, t.numel()), rank == 0
         if owner and (stop > start or math.prod(t.shape) == 0):
-            out.tensors[name] = local.detach().reshape(-1) if local.is_contiguous() else local.detach().contiguous().reshape(-1)
+            local = local.detach()
+            out.tensors[name] = (local if local.is_contiguous() else local.contiguous()).reshape(-1)
             out.ranges[name] = (start, stop)
     return out
 

@@ -325,7 +325,10 @@ def _xor_apply_torch(
         x = torch.from_numpy(np.ascontiguousarray(xor).view(f"i{xor.itemsize}")).to(dev)
     else:
         x = xor.detach().reshape(-1).view(bits.dtype).to(dev)
-    idx = torch.arange(bits.numel(), device=dev) if positions is None else torch.as_tensor(positions, device=dev).reshape(-1)
+    if positions is None:
+        idx = torch.arange(bits.numel(), device=dev)
+    else:
+        idx = torch.as_tensor(positions, device=dev).reshape(-1)
     old = bits[idx]
     bits[idx] = old ^ x
     if not checksum:

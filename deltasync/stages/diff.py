@@ -147,7 +147,8 @@ class Snapshot:
 def _diff_tensor(
     cur: torch.Tensor, snap: torch.Tensor, max_chunk_bytes: int, scratch: _Scratch, base: int = 0
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Positions (global: from ``base``), xor bits and checksum delta of ``cur`` vs ``snap``; sets ``snap`` to ``cur``."""
+    """Positions (global: from ``base``), xor bits and checksum delta of ``cur`` vs ``snap``; sets ``snap`` to
+    ``cur``."""
     if not cur.is_contiguous():
         cur = cur.contiguous()
     step = max(1, max_chunk_bytes // snap.element_size())

@@ -273,7 +273,8 @@ class HttpWeightTransfer:
         reply = self._request("GET", "/weight_info", timeout_s=self.check_timeout_s)
         version = reply.get("weight_version") if isinstance(reply, dict) else None
         if not isinstance(version, str):
-            raise EngineError(f"{self.base_url}/weight_info: expected {{'weight_version': str}}, got {str(reply)[:200]}")
+            raise EngineError(f"{self.base_url}/weight_info: expected {{'weight_version': str}}, got "
+                              f"{str(reply)[:200]}")
         return version
 
     def held_step(self) -> int | None:

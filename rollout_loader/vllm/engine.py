@@ -374,8 +374,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             if error is None:
                 rollback(state)
             rank, text = failed[0]
-            msg = f"{prepared.where}: writing step {step} failed on {len(failed)} of {len(outcome)} rank(s), rank {rank}: " \
-                  f"{text}; every rank holds step {self._held} again"
+            msg = (f"{prepared.where}: writing step {step} failed on {len(failed)} of {len(outcome)} rank(s), "
+                   f"rank {rank}: {text}; every rank holds step {self._held} again")
             if error is not None:
                 raise error
             raise EngineError(msg)

@@ -173,7 +173,8 @@ def mutate_bytes(data: bytes, rng: random.Random) -> bytes:
 
 def _json(value: Any) -> bytes:
     """JSON text of ``value`` as a hostile writer could send it (NaN and infinities included; bytes as text)."""
-    return json.dumps(value, allow_nan=True, default=lambda o: o.decode("latin-1") if isinstance(o, bytes) else str(o)).encode()
+    return json.dumps(value, allow_nan=True,
+                      default=lambda o: o.decode("latin-1") if isinstance(o, bytes) else str(o)).encode()
 
 
 # --- targets ---

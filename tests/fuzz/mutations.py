@@ -92,7 +92,9 @@ def region_bytes(raw: bytes, kind: str, region: str) -> bytes:
     if kind != "object" or region == "whole":
         return raw
     st = SafetensorsFile.parse(raw)
-    return {"length": raw[:8], "st_header": raw[8 : 8 + st.header_len], "step_header": st.step_header, "data": st.data}[region]
+    regions = {"length": raw[:8], "st_header": raw[8 : 8 + st.header_len], "step_header": st.step_header,
+               "data": st.data}
+    return regions[region]
 
 
 # --- applying ---

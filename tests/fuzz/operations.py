@@ -98,7 +98,9 @@ class CaseContext:
 
 def bits(t: torch.Tensor) -> np.ndarray:
     t = t.detach().contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().reshape(t.numel(), t.element_size()) if t.numel() else np.zeros((0, 1), np.uint8)
+    if not t.numel():
+        return np.zeros((0, 1), np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy().reshape(t.numel(), t.element_size())
 
 
 def changed_elements(a: torch.Tensor, b: torch.Tensor) -> int:

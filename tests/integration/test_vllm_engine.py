@@ -198,7 +198,8 @@ def test_offline_llm_follows_through_weight_transfer_methods(tmp_path):
     assert res["errors"][0].startswith("StepNotFoundError") or "step 99" in res["errors"][0]
     assert "step must be a step number" in res["errors"][1]
     assert "Invalid update_info" in res["errors"][2]
-    assert "notify must be a mirror's event feed URL (http://HOST:PORT/events), got 'ftp://mirror/events'" in res["errors"][3]
+    want = "notify must be a mirror's event feed URL (http://HOST:PORT/events), got 'ftp://mirror/events'"
+    assert want in res["errors"][3]
     assert res["feed"] == ["EventFeed", True, 5]  # init_info's notify: the prefetcher listens to the mirror's feed
     assert res["after_errors"] == res["tokens"][2]
     assert res["tokens"][0] != res["tokens"][1] != res["tokens"][2]

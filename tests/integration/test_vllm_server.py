@@ -35,7 +35,8 @@ def _get(url: str, timeout: float = 5) -> bytes:
 def _completions(base: str, prompts: list[str]) -> list[str]:
     out = []
     for p in prompts:
-        body = json.dumps({"model": "m", "prompt": p, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}).encode()
+        request = {"model": "m", "prompt": p, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+        body = json.dumps(request).encode()
         req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             out.append(json.loads(r.read())["choices"][0]["text"])
