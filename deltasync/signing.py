@@ -115,10 +115,10 @@ class SigningKey:
         self.endorsements: list[Endorsement] = []
         endorsement = Path(f"{self.path}.endorsement.json")
         if endorsement.exists():
-            e = decode(endorsement.read_bytes(), Endorsement, where=str(endorsement))
-            if e.public_key != _b64(self.public_key):
+            endorsed = decode(endorsement.read_bytes(), Endorsement, where=str(endorsement))
+            if endorsed.public_key != _b64(self.public_key):
                 raise ConfigError(f"{endorsement}: endorses another key than {self.path}'s")
-            self.endorsements.append(e)
+            self.endorsements.append(endorsed)
 
     @property
     def key_id(self) -> str:

@@ -10,6 +10,7 @@ the URL's scheme; this module knows keys, never a backend.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import re
 import statistics
@@ -196,7 +197,7 @@ class Store(StoreObjects, Retrying):
 
     # --- steps ---
 
-    def step_folders(self) -> list[int]:
+    def step_folders(self) -> builtins.list[int]:
         """Every step folder holding any object, committed or not (empty folders do not count)."""
         out = set()
         for e in self.list("steps"):
@@ -205,7 +206,7 @@ class Store(StoreObjects, Retrying):
                 out.add(int(m.group(1)))
         return sorted(out)
 
-    def steps(self) -> list[int]:
+    def steps(self) -> builtins.list[int]:
         """Committed steps (those with a manifest), ascending."""
         out = []
         for e in self.list("steps"):
@@ -418,7 +419,9 @@ class Store(StoreObjects, Retrying):
         """Give the stream up (the lease is deleted if ``owner`` still holds it)."""
         self._lease.release(owner)
 
-    def remove_uncommitted(self, *, newer_than: int | None = None, older_than_s: float | None = None) -> list[int]:
+    def remove_uncommitted(
+        self, *, newer_than: int | None = None, older_than_s: float | None = None
+    ) -> builtins.list[int]:
         """Delete what no committed step names: step folders without a manifest (a writer died before its
         commit), and files in committed folders other than the manifest, its objects (an anchor's own delta
         included) and its signature (a writer killed mid-way that a later writer overtook). Returns the steps whose

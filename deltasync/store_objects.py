@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,12 @@ def step_dir(step: int) -> str:
 
 def sha256_file(path: str | Path) -> str:
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        if sys.version_info >= (3, 11):
+            return hashlib.file_digest(f, "sha256").hexdigest()
+        h = hashlib.sha256()  # Python 3.10 has no hashlib.file_digest
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+        return h.hexdigest()
 
 
 class StoreObjects:

@@ -69,7 +69,7 @@ def _nixl_trainer(address: str, url: str, config: DemoConfig, storage_options: d
                     pub.publish(step)
                     out.put(("published", step, time.monotonic()))
                 pub.flush()
-            out.put(("metrics", [m.to_dict() for m in pub.metrics], transport.trainer.stats.store_only))
+            out.put(("metrics", [m.to_dict() for m in pub.metrics], transport.rdma_trainer.stats.store_only))
     except BaseException as e:
         out.put(("error", "trainer", f"{type(e).__name__}: {e}"))
         raise

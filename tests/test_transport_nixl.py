@@ -82,7 +82,7 @@ def trainer_peer(address: str, url: str, opts: dict[str, Any], stop: Any, out: A
             "plan_wait_s": 30.0, "ack_deadline_s": 5.0}
     with NixlTransport.trainer(url, rdma=rdma) as transport:
         _publish(url, transport, out)
-        stats = transport.trainer.stats
+        stats = transport.rdma_trainer.stats
         stop.wait(60)  # the ring stays up until the consumer is done (a slow consumer would read the store)
     out.put(("trainer", {"announced": stats.announced, "store_only": [s for s, _ in stats.store_only]}))
 
@@ -230,7 +230,7 @@ def test_every_step_commits_when_the_rdma_path_fails(tmp_path, monkeypatch):
             url, rdma={"secret": SECRET, "controller": controller.address, "slot_bytes": 1 << 20,
                        "plan_wait_s": 10.0}) as transport:
         truth = _publish(url, transport, None)
-        stats = transport.trainer.stats
+        stats = transport.rdma_trainer.stats
     assert stats.announced == [] and [s for s, _ in stats.store_only] == STEPS
     assert all("the NIC is gone" in why for _, why in stats.store_only)
     _store_holds_truth(url, truth)
@@ -250,7 +250,7 @@ def test_every_step_commits_without_a_controller(tmp_path):
                                rdma={"secret": SECRET, "controller": f"tcp://127.0.0.1:{port}", "slot_bytes": 1 << 20,
                                           "plan_wait_s": 0.2}) as transport:
         truth = _publish(url, transport, None)
-        stats = transport.trainer.stats
+        stats = transport.rdma_trainer.stats
     assert stats.announced == [] and [s for s, _ in stats.store_only] == STEPS
     _store_holds_truth(url, truth)
 

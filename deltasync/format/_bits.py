@@ -10,9 +10,10 @@ import numpy as np
 import torch
 
 from deltasync.errors import FormatError
+from deltasync.format.documents import DtypeName
 
 # safetensors dtype names <-> torch dtypes (docs/FORMAT.md section 2)
-DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[DtypeName, torch.dtype] = {
     "BOOL": torch.bool,
     "U8": torch.uint8,
     "I8": torch.int8,
@@ -26,16 +27,17 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+_UNSIGNED_WIDE: tuple[tuple[DtypeName, str], ...] = (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"))
+for _name, _attr in _UNSIGNED_WIDE:
     if hasattr(torch, _attr):
         DTYPES[_name] = getattr(torch, _attr)
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES: dict[torch.dtype, DtypeName] = {v: k for k, v in DTYPES.items()}
 
 _SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 UNSIGNED_NP = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> DtypeName:
     try:
         return DTYPE_NAMES[dtype]
     except KeyError:

@@ -19,7 +19,7 @@ import zstandard
 from deltasync.errors import FormatError
 from deltasync.format import _kernels
 from deltasync.format._bits import UNSIGNED_NP
-from deltasync.format.documents import TensorHeader
+from deltasync.format.documents import PositionCodec, TensorHeader, ValueCodec
 from deltasync.format.patch import Patch
 
 T = TypeVar("T")
@@ -42,8 +42,8 @@ class EncodedTensor:
 
     positions: bytes | None
     values: bytes
-    positions_chain: tuple[str, ...]
-    values_chain: tuple[str, ...]
+    positions_chain: tuple[PositionCodec, ...]
+    values_chain: tuple[ValueCodec, ...]
 
     @property
     def nbytes(self) -> int:

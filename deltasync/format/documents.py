@@ -13,7 +13,7 @@ import json
 import math
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 
@@ -23,8 +23,8 @@ from deltasync.format.names import whole
 
 T = TypeVar("T")
 
-FORMAT_VERSION = 1
-CHECKSUM_ALGORITHM = "mix64-sum"
+FORMAT_VERSION: Final = 1
+CHECKSUM_ALGORITHM: Final = "mix64-sum"
 MAX_STEP = 10**12 - 1  # step folders have 12 digits (FORMAT.md section 5)
 MAX_DOCUMENT_BYTES = 1 << 20  # manifests, hints, leases, heartbeats, files.json, stream.json
 MAX_HEADER_BYTES = 100 << 20  # a step header (safetensors' own limit for a whole header)

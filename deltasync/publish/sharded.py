@@ -46,7 +46,7 @@ from deltasync.format.documents import (
 from deltasync.format.objects import write_anchor, write_delta
 from deltasync.format.patch import Patch
 from deltasync.publish.names import NameMap, source_state
-from deltasync.stages.diff import Snapshot
+from deltasync.stages.diff import Snapshot, SnapshotDevice
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class ShardedCapture:
 
 
 def capture(snapshot: Snapshot | None, shards: LocalShards, *, step: int, kind: Kind, base_step: int | None,
-            device: str, max_chunk_bytes: int, dtype: torch.dtype | None) -> tuple[Snapshot, ShardedCapture]:
+            device: SnapshotDevice, max_chunk_bytes: int, dtype: torch.dtype | None) -> tuple[Snapshot, ShardedCapture]:
     """Diff this rank's shards against its snapshot (made on the first call); returns both."""
     t0 = time.perf_counter()
     offsets = {n: r[0] for n, r in shards.ranges.items()}

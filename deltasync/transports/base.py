@@ -17,6 +17,7 @@ Every ``put`` is all or nothing for readers: an object is visible complete or no
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import os
 import shutil
@@ -134,7 +135,7 @@ class Transport(ABC):
         for entry in self.list(prefix):
             self.delete(entry.key)
 
-    def children(self, prefix: str = "") -> list[str]:
+    def children(self, prefix: str = "") -> builtins.list[str]:
         """The names directly under the folder ``prefix`` (objects and folders), sorted."""
         start = len(prefix.rstrip("/")) + 1 if prefix else 0
         return sorted({e.key[start:].split("/", 1)[0] for e in self.list(prefix)})

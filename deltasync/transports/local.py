@@ -7,6 +7,7 @@ file); compare-and-swap holds an ``flock`` on a sibling lock file (atomic among 
 
 from __future__ import annotations
 
+import builtins
 import fcntl
 import os
 import shutil
@@ -160,7 +161,7 @@ class LocalTransport(Transport):
     def exists(self, key: str) -> bool:
         return os.path.exists(self._path(key))
 
-    def children(self, prefix: str = "") -> list[str]:
+    def children(self, prefix: str = "") -> builtins.list[str]:
         try:
             return sorted(os.listdir(self._path(prefix.rstrip("/"))))
         except NotADirectoryError:

@@ -60,8 +60,8 @@ def trainer(address: str, url: str, model_dir: str, out) -> None:
                 pub.flush()
                 committed.append(round(time.time(), 2))
                 time.sleep(0.2)
-        out.put({"announced": list(transport.trainer.stats.announced), "committed_at": committed,
-                 "store_only": list(transport.trainer.stats.store_only),
+        out.put({"announced": list(transport.rdma_trainer.stats.announced), "committed_at": committed,
+                 "store_only": list(transport.rdma_trainer.stats.store_only),
                  "checksums": {n: tensor_checksum(t) for n, t in state.items()}})
 
 
