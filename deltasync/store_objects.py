@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from deltasync.errors import CorruptObjectError, StepNotFoundError
 from deltasync.format.documents import Manifest, Part, check_step
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 
 MANIFEST = "manifest.json"
+T = TypeVar("T")
 
 
 def step_dir(step: int) -> str:
@@ -50,7 +52,7 @@ class StoreObjects:
     _cache_dir: Path | None
     if TYPE_CHECKING:  # the store's, typed here for readers of this module
 
-        def call(self, what: str, fn: Any) -> Any: ...
+        def call(self, what: str, fn: Callable[[], T], *, landed: Callable[[], bool] | None = None) -> T: ...
 
         def exists(self, rel: str) -> bool: ...
 

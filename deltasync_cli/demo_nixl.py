@@ -69,6 +69,7 @@ def _nixl_trainer(address: str, url: str, config: DemoConfig, storage_options: d
                     pub.publish(step)
                     out.put(("published", step, time.monotonic()))
                 pub.flush()
+            assert transport.rdma_trainer is not None  # NixlTransport.trainer made it
             out.put(("metrics", [m.to_dict() for m in pub.metrics], transport.rdma_trainer.stats.store_only))
     except BaseException as e:
         out.put(("error", "trainer", f"{type(e).__name__}: {e}"))
@@ -93,6 +94,7 @@ def _nixl_consumer(address: str, url: str, config: DemoConfig, storage_options: 
                         target.apply(obj)
                 consumer.applied(step)  # acknowledged: the controller advances the engine's version
                 out.put(("live", step, time.monotonic(), consumer.arrived.get(step, "-")))
+            assert target.replica is not None  # it applied step 0 (an anchor) at least
             final = state_checksum({n: format_checksum(c) for n, c in target.replica.checksums.items()})
             out.put(("final", target.step, final))
     except BaseException as e:
@@ -121,7 +123,7 @@ class _VllmFollower:
         self.held = -1
         self.live_at: dict[int, float] = {}
         try:
-            self.llm = start_engine(model_dir, dtype="bfloat16", enforce_eager=True,
+            self.llm = start_engine(str(model_dir), dtype="bfloat16", enforce_eager=True,
                                     max_model_len=256, seed=0)
             self.llm.init_weight_transfer_engine({"init_info": {
                 "url": url, "storage_options": storage_options or {}, "verify": "all",
@@ -132,6 +134,7 @@ class _VllmFollower:
 
     def advance(self) -> None:
         """Bring the engine to the latest committed step, each step its own update and weight version."""
+        assert self.llm is not None  # started in __init__ (which raises otherwise)
         latest = self.store.latest_step()
         for step in range(self.held + 1, (latest if latest is not None else -1) + 1):
             self.llm.start_weight_update()
@@ -144,12 +147,14 @@ class _VllmFollower:
     def status(self) -> dict:
         from rollout_loader.vllm.worker import transfer_status
 
+        assert self.llm is not None
         return transfer_status(self.llm)
 
     def generate(self, prompt: str, max_tokens: int = 12) -> str:
         """Greedy tokens from the weights the engine holds now (a barely trained model: the point is that it serves)."""
         from vllm import SamplingParams
 
+        assert self.llm is not None
         out = self.llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
         return f"token ids {list(out[0].outputs[0].token_ids)} ({out[0].outputs[0].text!r})"
 
@@ -203,13 +208,16 @@ def _ctrl_c_reaches_main_thread() -> Iterator[threading.Event]:
         if not cleaning.is_set():
             raise KeyboardInterrupt
 
+    main = threading.main_thread().ident
+    assert main is not None  # the main thread runs
+
     def watch() -> None:
         while not done.is_set():
             if select.select([r], [], [], 0.5)[0]:
                 os.read(r, 64)
                 break
         while not done.is_set() and not cleaning.wait(1.0):
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            signal.pthread_kill(main, signal.SIGINT)
 
     old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
     signal.signal(signal.SIGINT, handler)
@@ -286,7 +294,7 @@ def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage
                 _check(procs, got, deadline)
                 _take(q, got, echo, 0.5)
             go.set()  # the consumer listens: the trainer starts, so publish -> live times are what a run sees
-            while "metrics" not in got or (engine.held if vllm else got.get("final", (-1,))[0]) < config.steps - 1:
+            while "metrics" not in got or (engine.held if engine else got.get("final", (-1,))[0]) < config.steps - 1:
                 _check(procs, got, deadline)
                 if engine is not None:
                     engine.advance()
@@ -297,6 +305,7 @@ def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage
                 got["paused"] = dict(enumerate(status["pauses_s"])) if len(status["pauses_s"]) == config.steps else {}
                 got["final"] = (status["held_step"], state_checksum(
                     {n: format_checksum(c) for n, c in status["checksums"].items()}))
+                assert engine.llm is not None  # started: advance ran
                 got["version"] = engine.llm.get_weight_version()
                 got["text"] = engine.generate("def ")
         finally:
@@ -305,7 +314,8 @@ def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage
                 engine.close()
             finished = "metrics" in got and "final" in got
             for p in procs:
-                if not finished and p.is_alive():  # interrupted or failed: they clean up on KeyboardInterrupt
+                # interrupted or failed: they clean up on KeyboardInterrupt
+                if not finished and p.is_alive() and p.pid is not None:
                     os.kill(p.pid, signal.SIGINT)
                 p.join(30)
                 if p.is_alive():

@@ -60,7 +60,7 @@ def follow(
 
     # the engine's prefetchers listen to the feed too: every rank hears of a step before the update asks for it
     keys = _trusted(trusted_key)  # the follower and the server's engine both check every step's signature
-    target = VllmTarget(server, step=engine_step, mode=mode, verify=verify, notify=notify,  # type: ignore[arg-type]
+    target = VllmTarget(server, step=engine_step, mode=mode, verify=verify, notify=notify,
                         trusted_keys=keys)
     feed = EventFeed(notify) if notify is not None else None  # a bad URL: one line, exit 2
 

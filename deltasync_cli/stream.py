@@ -59,7 +59,9 @@ def patch(
     for alias, name in obj.header.aliases.items():
         if name in tensors:
             tensors.setdefault(alias, tensors[name])
-    rep = Replica.from_tensors(tensors, step=obj.header.base_step)
+    # an anchor is loaded whole: the base's step does not matter then
+    base_step = obj.header.step if obj.header.base_step is None else obj.header.base_step
+    rep = Replica.from_tensors(tensors, step=base_step)
     rep.apply(obj, verify="full")
     from deltasync.transports.local import share
 

@@ -508,7 +508,7 @@ class Follower:
             self.watch.wait(delay)  # a pushed step, a stop or a new waiter ends the wait early
 
 
-def _last_pause_s(target: Target) -> float | None:
+def _last_pause_s(target: Target | StreamTarget) -> float | None:
     """How long an engine target stopped generating for its last step (``pauses_s``), None for one that never
     pauses (a state dict)."""
     pauses = getattr(target, "pauses_s", None)

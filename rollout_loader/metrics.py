@@ -176,7 +176,7 @@ def serve(source: StatusSource, port: int, *, addr: str = "127.0.0.1") -> Metric
         raise MissingDependencyError("a metrics endpoint needs prometheus-client: pip install 'deltasync[metrics]' "
                                      f"({e})") from e
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(source))  # type: ignore[arg-type]
+    registry.register(_Collector(source))
     try:
         server, thread = start_http_server(port, addr=addr, registry=registry)
     except OSError as e:

@@ -219,7 +219,7 @@ class CopyRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         dst = args[0] if args and isinstance(args[0], torch.Tensor) else None
         target = self._params.get(_storage(dst)) if dst is not None and func._schema.is_mutable else None
-        if target is not None:
+        if target is not None and dst is not None:  # (target is None without dst)
             name, base = target
             view = _view(dst, base)
             op = func.overloadpacket.__name__
@@ -426,7 +426,7 @@ def _storage(t: torch.Tensor) -> int:
 
 
 def _view(t: torch.Tensor, base: Shape) -> View:
-    return View(base=base, offset=t.storage_offset(), shape=tuple(t.shape), stride=tuple(t.stride()))
+    return View(base=base, offset=int(t.storage_offset()), shape=tuple(t.shape), stride=tuple(t.stride()))
 
 
 def _strides(shape: Sequence[int]) -> list[int]:

@@ -6,6 +6,8 @@ Deltas compare and patch bit patterns, never values: that is what makes them exa
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import torch
 
@@ -13,7 +15,7 @@ from deltasync.errors import FormatError
 from deltasync.format.documents import DtypeName
 
 # safetensors dtype names <-> torch dtypes (docs/FORMAT.md section 2)
-DTYPES: dict[DtypeName, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
     "U8": torch.uint8,
     "I8": torch.int8,
@@ -27,11 +29,10 @@ DTYPES: dict[DtypeName, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-_UNSIGNED_WIDE: tuple[tuple[DtypeName, str], ...] = (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"))
-for _name, _attr in _UNSIGNED_WIDE:
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
     if hasattr(torch, _attr):
         DTYPES[_name] = getattr(torch, _attr)
-DTYPE_NAMES: dict[torch.dtype, DtypeName] = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES: dict[torch.dtype, DtypeName] = {v: cast(DtypeName, k) for k, v in DTYPES.items()}  # the format's names
 
 _SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 UNSIGNED_NP = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

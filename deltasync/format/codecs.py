@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import numpy as np
 import zstandard
@@ -223,13 +223,15 @@ def decode_change(
     return pos, xor
 
 
-def _shuffled(arr: np.ndarray) -> tuple[np.ndarray, tuple[str, ...]]:
+def _shuffled(arr: np.ndarray) -> tuple[np.ndarray, tuple[Literal["shuffle"], ...]]:
     if arr.itemsize == 1:
         return arr.view(np.uint8), ()
     return _kernels.shuffle_bytes(arr), ("shuffle",)
 
 
-def _pack(data: np.ndarray, chain: tuple[str, ...], zstd_level: int) -> tuple[bytes, tuple[str, ...]]:
+def _pack(
+    data: np.ndarray, chain: tuple[Literal["shuffle"], ...], zstd_level: int
+) -> tuple[bytes, tuple[Literal["shuffle", "zstd"], ...]]:
     raw = data.tobytes()
     if raw:
         packed = _compressor(zstd_level).compress(raw)

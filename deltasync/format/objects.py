@@ -101,7 +101,7 @@ def write_anchor(dest: Destination, header: StepHeader, tensors: Mapping[str, to
     for name, t in tensors.items():
         cpu = t.detach().to("cpu").contiguous()
         raw = cpu.reshape(-1).view(torch.uint8).numpy() if cpu.numel() else np.empty(0, np.uint8)
-        entries.append((name, dtype_name(cpu.dtype), tuple(cpu.shape), memoryview(raw)))
+        entries.append((name, dtype_name(cpu.dtype), tuple(cpu.shape), memoryview(raw)))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on Python >= 3.12 only
     return _write_safetensors(dest, entries, header)
 
 
@@ -121,7 +121,8 @@ def _write_safetensors(
     text += b" " * (-len(text) % 8)
     hasher = hashlib.sha256()
     with _opened(dest) as f:
-        for chunk in (len(text).to_bytes(8, "little"), text, *(e[3] for e in entries)):
+        chunks: list[bytes | memoryview] = [len(text).to_bytes(8, "little"), text, *(e[3] for e in entries)]
+        for chunk in chunks:
             hasher.update(chunk)
             f.write(chunk)
     return WrittenObject(nbytes=8 + len(text) + offset, sha256=hasher.hexdigest())
@@ -445,7 +446,7 @@ class StepObject:
 
     def _read_into(self, key: str, out: np.ndarray | bytearray) -> None:
         begin, end = self._entries[key].data_offsets
-        view = memoryview(out).cast("B")
+        view = memoryview(out).cast("B")  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on Python >= 3.12 only
         if end - begin != view.nbytes:
             raise FormatError(f"{self.where}: tensor {key!r} holds {end - begin} bytes, expected {view.nbytes}")
         if self._src.read_into(self._data_start + begin, view) != view.nbytes:

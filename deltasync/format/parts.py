@@ -19,7 +19,7 @@ import torch
 from deltasync.errors import ChecksumMismatchError, FormatError
 from deltasync.format.checksum import MASK64, format_checksum, state_checksum
 from deltasync.format.codecs import parallel_map
-from deltasync.format.documents import Manifest, Part, StepHeader, TensorHeader
+from deltasync.format.documents import Manifest, Part, PositionCodec, StepHeader, TensorHeader, ValueCodec
 from deltasync.format.objects import StepObject
 from deltasync.format.patch import Patch
 
@@ -104,12 +104,14 @@ def _combine(name: str, pieces: list[tuple[int, int, TensorHeader]], where: str)
         raise FormatError(f"{where}: tensor {name!r}: elements {end}..{first.numel} are in no part")
     changed = sum(t.changed for _, _, t in pieces)
     checksum = sum(int(t.checksum, 16) for _, _, t in pieces) & MASK64
-    chains: dict[str, tuple[str, ...] | None] = {"positions": None, "values": None}
+    positions: tuple[PositionCodec, ...] | None = None
+    values: tuple[ValueCodec, ...] | None = None
     if changed:  # the combined patch is listed sparse unless one part holds the whole tensor dense
         whole = len(pieces) == 1 and first.positions is not None
-        chains = {"positions": first.positions if whole else ("gap16",), "values": first.values if whole else ("xor",)}
+        positions = first.positions if whole else ("gap16",)
+        values = first.values if whole else ("xor",)
     return TensorHeader(dtype=first.dtype, shape=first.shape, changed=changed, checksum=format_checksum(checksum),
-                        **chains)
+                        positions=positions, values=values)
 
 
 class PartedObject(StepObject):

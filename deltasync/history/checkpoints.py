@@ -140,7 +140,8 @@ class CheckpointWriter:
             expected = self._order[self._next] if self._next < len(self._order) else "nothing more"
             raise ValueError(f"{self.path}: expected tensor {expected!r} next, got {name!r}")
         if tensor.numel():
-            self._file.write(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            self._file.write(memoryview(raw))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on Python >= 3.12 only
         self._next += 1
 
     def close(self) -> None:

@@ -91,6 +91,7 @@ def compare(
             at = chain.steps.index(a)
             for rebuilt in chain.rebuild(keep=at, progress=progress):
                 chain.check(rebuilt)
+                assert rebuilt.kept is not None  # keep=at: the tensor at step a
                 diffs[rebuilt.name] = _difference(rebuilt.name, rebuilt.kept, rebuilt.tensor)
     else:
         with Chain.open(reader, a, progress=progress) as ca, Chain.open(reader, b, progress=progress) as cb:

@@ -113,11 +113,11 @@ def plan_gc(
                                  else f"consumer {c.consumer_id} may catch up through it")
     keep: dict[int, str] = {}
     for root in sorted(roots):
-        s: int | None = root
+        at: int | None = root
         why = roots[root]
-        while s is not None and s in by_step and s not in keep:
-            keep[s] = why if s == root else roots.get(s, f"in the chain of step {root}")
-            s = None if by_step[s].kind == "anchor" else by_step[s].base_step
+        while at is not None and at in by_step and at not in keep:
+            keep[at] = why if at == root else roots.get(at, f"in the chain of step {root}")
+            at = None if by_step[at].kind == "anchor" else by_step[at].base_step
     delete = tuple(sorted((s for s in steps if s not in keep), reverse=True))
     latest = steps[-1] if steps else -1
     return GcPlan(

@@ -175,9 +175,9 @@ def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder, 
     local: list[tuple[Part, Path]] = []
     made: list[Path] = []
     try:
-        for manifest, part in objects:
-            path = source.fetch_object(manifest, part=part, hold=True)  # checked: size and SHA-256
-            held.append((manifest, part))
+        for owner, part in objects:
+            path = source.fetch_object(owner, part=part, hold=True)  # checked: size and SHA-256
+            held.append((owner, part))
             if target.is_local:  # a local destination takes files over (moves them): hand it a copy of its own
                 made.append(scratch.path / f"{step}-{part.object}")
                 shutil.copyfile(path, made[-1])
@@ -191,8 +191,8 @@ def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder, 
         _same_step(source, target, step, m)
         return None
     finally:
-        for manifest, part in held:
-            source.release_object(manifest, part)
+        for owner, part in held:
+            source.release_object(owner, part)
         for path in made:
             path.unlink(missing_ok=True)
     return sum(part.object_bytes for part, _ in local)

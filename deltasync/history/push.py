@@ -15,7 +15,7 @@ import torch
 
 from deltasync.errors import StepOrderError, TensorMismatchError
 from deltasync.format._bits import int_view
-from deltasync.format.documents import check_step
+from deltasync.format.documents import Kind, check_step
 from deltasync.history.checkpoints import (
     ModelFiles,
     collect_model_files,
@@ -84,7 +84,7 @@ def push_checkpoint(
         if model_files and read_model_file_index(store) is None:
             write_model_files(store, model_files)
         with tempfile.TemporaryDirectory(prefix="deltasync-push-") as tmp:
-            kind = "delta" if delta else "anchor"
+            kind: Kind = "delta" if delta else "anchor"
             local = Path(tmp) / f"{kind}.safetensors"
             t1 = time.perf_counter()
             header, written = write_step_object(

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import numba
 import numpy as np
@@ -257,10 +257,11 @@ def xor_patches(t: torch.Tensor, patches: list[Patch], *, block_bytes: int = BLO
             xor_apply(t, p.positions, p.xor, checksum=False)
     if whole:
         return
-    arrays = [host_arrays(t, p.positions, p.xor) for p in sparse]  # each patch checked once, in full
+    # each patch checked once, in full (``sparse``: positions set)
+    arrays = [host_arrays(t, cast(np.ndarray, p.positions), p.xor) for p in sparse]
     step = max(1, block_bytes // t.element_size())
     bounds = np.arange(0, t.numel() + step, step, dtype=np.int64)
-    cuts = [np.searchsorted(p.positions, bounds) for p in sparse]
+    cuts = [np.searchsorted(cast(np.ndarray, p.positions), bounds) for p in sparse]
     for b in range(len(bounds) - 1):
         for (u, pos, xor), cut in zip(arrays, cuts, strict=True):
             i, j = int(cut[b]), int(cut[b + 1])

@@ -217,7 +217,7 @@ def write_part(dest: Any, cap: ShardedCapture, snapshot: Snapshot, *, state: str
             h = headers[c.name]
             headers[c.name] = TensorHeader(dtype=h.dtype, shape=h.shape, changed=c.changed, checksum=h.checksum,
                                            range=h.range,
-                                           positions=enc.positions_chain, values=enc.values_chain)  # type: ignore[arg-type]
+                                           positions=enc.positions_chain, values=enc.values_chain)
     header = StepHeader(kind=cap.kind, step=cap.step, base_step=cap.base_step, state_checksum=state, tensors=headers,
                         format_version=2)
     if cap.kind == "anchor":

@@ -124,7 +124,7 @@ class Controller:
             key = frame.get("User-Id")  # the sender's public key, as the CURVE handshake proved it
             try:
                 msg = decode_message(frame.bytes, to_controller, where=f"controller: peer {peer.hex()}")
-                self._check_sender(key, msg)
+                self._check_sender(key, msg)  # type: ignore[arg-type]  # pyzmq: User-Id is a str property
                 self._handle(peer, msg)
             except (ControlMessageError, ControlRefusedError, ScheduleError) as e:
                 log.warning("%s", e)

@@ -231,7 +231,7 @@ def xor_apply_many(
         landed.append(j)
         if checksum:
             new = bits[idx]  # read back what landed
-            g = idx_d[j] if indexed[j] else idx + (index or 0)
+            g = idx_d[j] if indexed[j] else idx + (index if isinstance(index, int) else 0)  # else: None or an int
             deltas.append((_torch_hash(_unsigned64(new), g) - _torch_hash(_unsigned64(old), g)).sum())
     if not checksum:
         return [0] * len(items)

@@ -107,7 +107,7 @@ class FsspecTransport(Transport):
 def listed_mtime(info: dict[str, Any]) -> float | None:
     """When a listed file was last written (unix seconds), from whatever the backend reports; None if nothing."""
     t = info.get("mtime") or info.get("LastModified") or info.get("last_modified") or info.get("created")
-    if hasattr(t, "timestamp"):
+    if t is not None and hasattr(t, "timestamp"):  # a datetime
         t = t.timestamp()
     return float(t) if isinstance(t, (int, float)) else None
 

@@ -100,7 +100,7 @@ class NixlTransport(Transport):
 
     def _payload(self, data: Data) -> bytes | None:
         assert self.rdma_trainer is not None
-        size = Path(data).stat().st_size if isinstance(data, Path) else as_buffer(data).nbytes
+        size = Path(data).stat().st_size if isinstance(data, Path) else len(as_buffer(data))  # bytes have no nbytes
         if size > self.rdma_trainer.outbox.capacity:
             return None  # the offer says why (RingFullError) without holding the bytes
         return Path(data).read_bytes() if isinstance(data, Path) else bytes(as_buffer(data))

@@ -169,7 +169,8 @@ def worker_module() -> Any:
 
 def _read_bounded(reply: Any, url: str, deadline: float, timeout_s: float) -> bytes:
     """The reply's body, at most ``MAX_REPLY_BYTES``, read before ``deadline``; else an ``EngineError``."""
-    chunks, total = [], 0
+    chunks: list[bytes] = []
+    total = 0
     while True:
         if time.monotonic() > deadline:
             raise EngineError(f"{url}: the reply did not arrive whole within {timeout_s:g}s")

@@ -251,6 +251,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         if init_info.prefetch:
             reader = self._rdma.reader if self._rdma is not None else StreamReader(
                 init_info.url, storage_options=init_info.storage_options)
+            assert self._reader is not None  # opened above, or by the init this one continues (same stream)
             reader.trusted = self._reader.trusted  # the prefetcher's reader checks with the engine's own key set
             # over NIXL the trainer announces each step, or a mirror does: the prefetcher hears of it at once (a
             # hint it checks); otherwise the store's own feed where it has one, else polls by the stream's cadence

@@ -326,7 +326,7 @@ def _scatter_all(state: WorkerState, staged: Sequence[Staged], *, landed: list[t
         for s, f in zip(staged, futures, strict=True):
             if not f.cancelled() and f.exception() is None:
                 landed.append((state.targets[s.name].bits, s))
-    errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
+    errors = [e for f in futures if not f.cancelled() and (e := f.exception()) is not None]
     if errors:
         raise errors[0]
 
@@ -463,7 +463,7 @@ def sync_kernels(state: WorkerState, modules: set[str]) -> None:
     with torch.inference_mode():
         for m in sorted(modules - set(reload)):
             module = state.model.get_submodule(m)
-            module.quant_method.process_weights_after_loading(module)
+            module.quant_method.process_weights_after_loading(module)  # type: ignore[union-attr, operator]  # vLLM's
 
 
 def _restore(state: WorkerState, undo: list[tuple[torch.Tensor, Staged]], modules: set[str]) -> None:
