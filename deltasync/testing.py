@@ -47,7 +47,7 @@ def tiny_qwen3(*, hidden_size: int = 256, layers: int = 4, vocab_size: int = 512
         max_position_embeddings=2048,
         tie_word_embeddings=tie,
         # transformers 5 calls it dtype (torch_dtype still works there, with a warning); 4.x knows only torch_dtype
-        torch_dtype="bfloat16",  # type: ignore[call-arg]
+        torch_dtype="bfloat16",
     )
     return Qwen3ForCausalLM(cfg)
 
