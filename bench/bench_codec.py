@@ -115,7 +115,8 @@ def floors_s(snap: Snapshot, new: dict[str, torch.Tensor], repeats: int = 3) -> 
         t1 = time.perf_counter()
         snap.diff(same)
         t2 = time.perf_counter()
-        best = {"compare_s": min(best["compare_s"], t1 - t0), "diff_no_change_s": min(best["diff_no_change_s"], t2 - t1)}
+        best = {"compare_s": min(best["compare_s"], t1 - t0),
+                "diff_no_change_s": min(best["diff_no_change_s"], t2 - t1)}
     return best
 
 
@@ -136,7 +137,8 @@ def main() -> None:
     snap = Snapshot(bf16)
     snapshot_rss = rss_bytes() - rss0
     model_bytes = sum(t.numel() * t.element_size() for t in bf16.values())
-    print(f"snapshot (last-published copy, host): {snapshot_rss / 1e6:.0f} MB resident for a {model_bytes / 1e6:.0f} MB bf16 model")
+    print(f"snapshot (last-published copy, host): {snapshot_rss / 1e6:.0f} MB resident for a {model_bytes / 1e6:.0f} "
+          "MB bf16 model")
     copy_s = plain_copy_s(bf16)
     tmp = Path(tempfile.mkdtemp(prefix="deltasync-bench-"))
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # nothing left behind, Ctrl-C included
@@ -219,7 +221,8 @@ def main() -> None:
         """Median over steps: robust to another process stealing the CPU during one step."""
         return float(np.median([r[key][field] for r in rows]))
 
-    table = Table(title=f"codec benchmark (medians over steps): {numel / 1e6:.0f}M params, {len(rows)} AdamW steps, lr {args.lr}, "
+    table = Table(title=f"codec benchmark (medians over steps): {numel / 1e6:.0f}M params, {len(rows)} AdamW steps, lr "
+                        f"{args.lr}, "
                   f"mean density {np.mean([r['density'] for r in rows]):.2%}; plain copy {copy_s * 1e3:.0f} ms")
     for col in ("encoding", "B/changed", "MB/step", "diff+encode ms", "x copy", "decode+apply ms", "x copy"):
         table.add_column(col, justify="right")
@@ -236,9 +239,11 @@ def main() -> None:
     Console(width=140).print(table)
     floors = floors_s(snap, new)
     print("floors of diff + encode, same run (best of 3): "
-          + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v * 1e3:.0f} ms = {v / copy_s:.2f}x copy" for k, v in floors.items()))
+          + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v * 1e3:.0f} ms = {v / copy_s:.2f}x copy"
+                      for k, v in floors.items()))
     write_results(args, "codec", {
-        "numel": numel, "copy_s": copy_s, "floors_s": floors, "model_bytes": model_bytes, "snapshot_rss_bytes": snapshot_rss,
+        "numel": numel, "copy_s": copy_s, "floors_s": floors, "model_bytes": model_bytes,
+        "snapshot_rss_bytes": snapshot_rss,
         "rss_growth_after_run_bytes": rss_bytes() - rss0 - snapshot_rss, "rows": rows,
     })
 

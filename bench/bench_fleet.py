@@ -10,9 +10,10 @@ of the source per step, and publish->applied latency p50/p99 (the writer's commi
 follower's apply). "mirrored": one ``mirror_follow`` reads the source through the proxy and the followers
 read the copy (through the proxy too: the copy's requests are counted apart). "pushed": as mirrored, and the
 mirror serves its steps as events (``EventServer``); each follower listens (``EventFeed``) and polls the copy
-only as a safety net. "node-cache": direct, all followers of this host sharing one ``NodeCache``. Baseline in the same run: followers polling the way the library did before (``latest_step()``
-every 50 ms: the hint, two existence checks, a listing where s3fs falls back), idle only. Every follower's
-final weights are compared with the publisher's. Prints a table and writes bench/results/fleet-<date>.json.
+only as a safety net. "node-cache": direct, all followers of this host sharing one ``NodeCache``. Baseline in the same
+run: followers polling the way the library did before (``latest_step()`` every 50 ms: the hint, two existence checks, a
+listing where s3fs falls back), idle only. Every follower's final weights are compared with the publisher's. Prints a
+table and writes bench/results/fleet-<date>.json.
 """
 
 from __future__ import annotations
@@ -100,14 +101,15 @@ def _run_followers(url: str, options: dict, n: int, run_s: float, legacy: bool, 
         followers.append(f.start())
     time.sleep(run_s)
     exact = []
-    for f, feed in zip(followers, feeds):
+    for f, feed in zip(followers, feeds, strict=True):
         f.close()
         f.reader.close()
         if feed is not None:
             feed.close()
         held = f.target.state_dict() if f.target.step is not None else None
         want = _state(f.target.step) if f.target.step is not None else None
-        exact.append(held is not None and all(torch.equal(held[k].view(torch.int16), want[k].view(torch.int16)) for k in want))
+        exact.append(held is not None and all(torch.equal(held[k].view(torch.int16), want[k].view(torch.int16))
+                                              for k in want))
     Path(out).write_text(json.dumps({"applied": applied, "exact": exact, "steps": [f.target.step for f in followers]}))
 
 
@@ -143,7 +145,8 @@ def run(server, n: int, mode: str, args: argparse.Namespace, work: Path) -> dict
             mirror_thread.start()
         notify = events.url if events is not None else None
         node_cache = str(work / f"node-{n}") if mode == "node-cache" else None
-        run_s = args.warmup_s + (0 if mode == "baseline" else args.steps * args.cadence_s + args.settle_s) + args.idle_s + 2
+        run_s = (args.warmup_s + (0 if mode == "baseline" else args.steps * args.cadence_s + args.settle_s)
+                 + args.idle_s + 2)
         procs, outs = [], []
         per = [n // PROCESSES + (1 if i < n % PROCESSES else 0) for i in range(min(PROCESSES, n))]
         ctx = mp.get_context("spawn")
@@ -180,14 +183,16 @@ def run(server, n: int, mode: str, args: argparse.Namespace, work: Path) -> dict
             events.close()
 
     def under(url: str, reqs: list) -> list:
-        return [r for r in reqs if r.path.startswith("/" + url.removeprefix("s3://")) or "prefix=" + url.split("/", 3)[3] in r.query]
+        return [r for r in reqs if r.path.startswith("/" + url.removeprefix("s3://"))
+                or "prefix=" + url.split("/", 3)[3] in r.query]
 
     src_only = lambda reqs: under(src, reqs)  # noqa: E731
     idle = src_only(idle_requests)
     copy_idle = under(dst, idle_requests) if dst is not None else []
     results = [json.loads(Path(o).read_text()) if Path(o).exists() else
-               {"error": f"follower process {i} wrote nothing (exit code {p.exitcode})", "applied": [], "exact": [False]}
-               for i, (o, p) in enumerate(zip(outs, procs))]
+               {"error": f"follower process {i} wrote nothing (exit code {p.exitcode})", "applied": [],
+                "exact": [False]}
+               for i, (o, p) in enumerate(zip(outs, procs, strict=True))]
     errors = [r["error"] for r in results if "error" in r]
     latencies = [t - committed[s] for r in results for f in r["applied"] for s, t in f if s in committed]
     exact = [e for r in results for e in r["exact"]]
@@ -247,7 +252,8 @@ def main() -> None:
     for r in rows:
         mb = "-" if r["source_bytes_per_step"] is None else f"{r['source_bytes_per_step'] / 1e6:.2f}"
         lat = "-" if r["latency_p50_s"] is None else f"{r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f} s"
-        copy = "-" if r["copy_idle_requests_per_follower_minute"] is None else r["copy_idle_requests_per_follower_minute"]
+        copy = r["copy_idle_requests_per_follower_minute"]
+        copy = "-" if copy is None else copy
         print(f"| {r['followers']} | {r['mode']} | {r['idle_requests_per_follower_minute']} | {copy} | "
               f"{r['source_requests_per_step'] if r['source_requests_per_step'] is not None else '-'} | {mb} | {lat} | "
               f"{r['applied']}/{r['expected_applied']} | {r['all_exact'] if r['all_exact'] is not None else '-'} |")

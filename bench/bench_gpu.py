@@ -123,21 +123,21 @@ def run_shape(shape: str, args, device: torch.device) -> dict:
         row: dict = {"step": step}
         row["copy_s"], _ = timed(device, copy_all, repeats=3)
         items = [(n, t, int_view(engine[n]), 0) for n, t in snap.tensors.items()]
-        row["diff_no_change_s"], _ = timed(device, lambda: diff_device(items, step_elems=1 << 25))
+        row["diff_no_change_s"], _ = timed(device, lambda: diff_device(items, step_elems=1 << 25))  # noqa: B023 - timed() calls it at once
         row["diff_s"], changes = timed(device, lambda: snap.diff(masters))
         changes = [c for c in changes if c.changed]
         path = tmp / f"{step}.safetensors"
-        row["encode_s"], _ = timed(device, lambda: write_step(path, kind="delta", step=step + 1, base_step=step,
-                                                             headers=snapshot_headers(snap), changes=changes))
-        row["decode_s"], patches = timed(device, lambda: StepObject(path, where=f"step {step}").patches())
+        row["encode_s"], _ = timed(device, lambda: write_step(path, kind="delta", step=step + 1, base_step=step,  # noqa: B023 - timed() calls it at once
+                                                             headers=snapshot_headers(snap), changes=changes))  # noqa: B023 - timed() calls it at once
+        row["decode_s"], patches = timed(device, lambda: StepObject(path, where=f"step {step}").patches())  # noqa: B023 - timed() calls it at once
         batch = [(int_view(engine[p.name]), p.positions, p.xor, None) for p in patches]
-        row["scatter_s"], _ = timed(device, lambda: xor_apply_many(batch, checksum=False))
+        row["scatter_s"], _ = timed(device, lambda: xor_apply_many(batch, checksum=False))  # noqa: B023 - timed() calls it at once
         # XOR undoes itself: apply, undo and redo give three timings over the same bits
-        row["scatter_checksum_s"], _ = timed(device, lambda: xor_apply_many(batch, checksum=True))
-        row["scatter_checksum_s"] = min(row["scatter_checksum_s"], timed(device, lambda: xor_apply_many(batch))[0])
+        row["scatter_checksum_s"], _ = timed(device, lambda: xor_apply_many(batch, checksum=True))  # noqa: B023 - timed() calls it at once
+        row["scatter_checksum_s"] = min(row["scatter_checksum_s"], timed(device, lambda: xor_apply_many(batch))[0])  # noqa: B023 - timed() calls it at once
         if triton_ok:
-            undo, _ = timed(device, lambda: xor_apply_many(batch, checksum=False, scatter="triton"))
-            redo, _ = timed(device, lambda: xor_apply_many(batch, checksum=False, scatter="triton"))
+            undo, _ = timed(device, lambda: xor_apply_many(batch, checksum=False, scatter="triton"))  # noqa: B023 - timed() calls it at once
+            redo, _ = timed(device, lambda: xor_apply_many(batch, checksum=False, scatter="triton"))  # noqa: B023 - timed() calls it at once
             row["scatter_triton_s"] = min(undo, redo)
         changed = sum(c.changed for c in changes)
         row.update(changed=changed, density=changed / n_params, bytes=path.stat().st_size)
@@ -146,7 +146,8 @@ def run_shape(shape: str, args, device: torch.device) -> dict:
         row["exact"] = not wrong
         bad += wrong
         rows.append(row)
-        print(f"  step {step}: density {row['density']:.2%}, {row['bytes'] / 1e6:.1f} MB, copy {row['copy_s'] * 1e3:.2f} ms, "
+        print(f"  step {step}: density {row['density']:.2%}, {row['bytes'] / 1e6:.1f} MB, copy "
+              f"{row['copy_s'] * 1e3:.2f} ms, "
               f"diff {row['diff_s'] * 1e3:.1f} ms, scatter {row['scatter_s'] * 1e3:.2f} ms, "
               f"{'bit-exact' if not wrong else 'MISMATCH ' + str(wrong[:3])}", flush=True)
     host = {n: t.to("cpu") for n, t in engine.items()}
@@ -162,7 +163,8 @@ def run_shape(shape: str, args, device: torch.device) -> dict:
     os.rmdir(tmp)
     measured = rows[1:] or rows
     med = {k: statistics.median(r[k] for r in measured) for k in measured[0] if k.endswith("_s")}
-    med.update(density=statistics.median(r["density"] for r in measured), bytes=statistics.median(r["bytes"] for r in measured))
+    med.update(density=statistics.median(r["density"] for r in measured),
+               bytes=statistics.median(r["bytes"] for r in measured))
     return {"shape": shape, "params": n_params, "tensors": len(shapes), "model_bytes": model_bytes,
             "reload_s": reload_s, "medians": med, "rows": rows, "exact": not bad, "mismatched": sorted(set(bad))[:20]}
 
@@ -213,7 +215,8 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     ok = all(r["exact"] for r in results)
-    write_results(args, f"gpu-{'-'.join(shapes)}", {"card": card, "torch": torch.__version__, "results": results, "ok": ok})
+    write_results(args, f"gpu-{'-'.join(shapes)}",
+                  {"card": card, "torch": torch.__version__, "results": results, "ok": ok})
     print(f"{card}: {'every step bit-exact' if ok else 'MISMATCH: ' + str([r['mismatched'] for r in results])}")
     return 0 if ok else 1
 

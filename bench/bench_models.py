@@ -132,7 +132,8 @@ def main() -> None:
     for r in results:
         m = r["median"]
         print(f"| {r['family']} | {r['parameters'] / 1e6:.1f}M | {r['shadowed_modules']} | "
-              f"{r['shadow_host_bytes'] / 2**20:.1f} ({r['model_bytes_bf16'] / 2**20:.1f}) | {1e3 * m['paused_s']:.1f} | "
+              f"{r['shadow_host_bytes'] / 2**20:.1f} ({r['model_bytes_bf16'] / 2**20:.1f}) | {1e3 * m['paused_s']:.1f} "
+              "| "
               f"{1e3 * m['full_reload_s']:.1f} | {r['pause_vs_full_reload']:.1%} | {m['object_bytes'] / 1024:.0f} | "
               f"{r['bytes_per_changed_element']:.2f} | {m['density']:.2%} |")
     write_results(args, "models", {"families": results})

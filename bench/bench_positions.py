@@ -20,8 +20,9 @@ changed element becomes depends on its old value (mostly one ulp up or down). On
 and the encode/decode time of the current and the prototype codecs, parallel across tensors on the codec
 pool (the prototypes: numba kernels below, no zstd time saved), against one plain copy of the model.
 The prototypes' decoders read the base: ``class-gap`` all of it (the class of every element), ``ulp-split``
-the changed elements; they do not validate their input (measurement code, not a reader). Entropies of small classes are empirical (biased low), so they are a bound, not a target.
-Prints a table and writes bench/results/positions-<date>.json.
+the changed elements; they do not validate their input (measurement code, not a reader). Entropies of small classes are
+empirical (biased low), so they are a bound, not a target. Prints a table and writes
+bench/results/positions-<date>.json.
 """
 
 from __future__ import annotations
@@ -42,18 +43,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import Training, machine, parser, write_results
 from bench.bench_codec import plain_copy_s
-from deltasync.format import _kernels
 from deltasync.engine import warm_kernels
+from deltasync.format import _kernels
 from deltasync.format.codecs import (
     _pack,
     _shuffled,
     decode_change,
     encode_patch,
 )
-from deltasync.threads import parallel_map
 from deltasync.format.patch import Patch
 from deltasync.publish.names import named_tensors
 from deltasync.stages.diff import Snapshot
+from deltasync.threads import parallel_map
 
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
 _CLASSES = 256  # bf16 exponent field
@@ -182,7 +183,8 @@ def _unkey(k: np.int64) -> np.int64:
 
 
 @_jit
-def ulp_split_encode(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def ulp_split_encode(u: np.ndarray, positions: np.ndarray,
+                     xor: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The ulp difference split: sign bits packed 8 a byte, |d| - 1 one byte each (255: in the uint32 escapes)."""
     k = positions.size
     signs = np.zeros((k + 7) // 8, np.uint8)
@@ -205,7 +207,8 @@ def ulp_split_encode(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> t
 
 
 @_jit
-def ulp_split_decode(u: np.ndarray, positions: np.ndarray, signs: np.ndarray, mags: np.ndarray, esc: np.ndarray) -> np.ndarray:
+def ulp_split_decode(u: np.ndarray, positions: np.ndarray, signs: np.ndarray, mags: np.ndarray,
+                     esc: np.ndarray) -> np.ndarray:
     k = positions.size
     out = np.empty(k, np.uint16)
     m = 0
@@ -390,13 +393,15 @@ def main() -> None:
         pos_new = timed(sec, "encode_positions_proto", encode_positions_proto, items)
         val_new = timed(sec, "encode_values_proto", encode_values_proto, items)
         timed(sec, "read_base", read_pass, [u for u, _ in items])
-        dec_cur = timed(sec, "decode_current", decode_current, list(zip(patches, current)))
-        timed(sec, "decode_positions_current", decode_positions_current, list(zip(patches, cur_pos)))
-        timed(sec, "decode_values_current", decode_values_current, list(zip(patches, cur_vals)))
-        dec_pos = timed(sec, "decode_positions_proto", decode_positions_proto, [(u, e) for (u, _), e in zip(items, pos_new)])
+        dec_cur = timed(sec, "decode_current", decode_current, list(zip(patches, current, strict=True)))
+        timed(sec, "decode_positions_current", decode_positions_current, list(zip(patches, cur_pos, strict=True)))
+        timed(sec, "decode_values_current", decode_values_current, list(zip(patches, cur_vals, strict=True)))
+        dec_pos = timed(sec, "decode_positions_proto", decode_positions_proto,
+                        [(u, e) for (u, _), e in zip(items, pos_new, strict=True)])
         dec_val = timed(sec, "decode_values_proto", decode_values_proto,
-                        [(u, p.positions, e) for (u, p), e in zip(items, val_new)])
-        for p, (pc, xc), pn, xn in zip(patches, dec_cur, dec_pos, dec_val):  # every codec round-trips exactly
+                        [(u, p.positions, e) for (u, p), e in zip(items, val_new, strict=True)])
+        for p, (pc, xc), pn, xn in zip(patches, dec_cur, dec_pos, dec_val, strict=True):
+            # every codec round-trips exactly
             assert np.array_equal(pc, p.positions) and np.array_equal(xc, p.xor), p.name
             assert np.array_equal(pn, p.positions) and np.array_equal(xn, p.xor), p.name
 
@@ -416,7 +421,8 @@ def main() -> None:
         }
         rows.append(row)
         bp = row["bytes_per_changed"]
-        print(f"step {step}: density {row['density']:.2%}  positions {bp['pos_current']:.3f} -> {bp['pos_class_gap']:.3f} "
+        print(f"step {step}: density {row['density']:.2%}  positions {bp['pos_current']:.3f} -> "
+              f"{bp['pos_class_gap']:.3f} "
               f"(bounds {bp['pos_uniform']:.3f} / {bp['pos_by_exponent']:.3f})  values {bp['val_current']:.3f} -> "
               f"{bp['val_ulp_split']:.3f} (ulp entropy {bp['val_ulp_entropy']:.3f})  ms: " +
               "  ".join(f"{k} {v * 1e3:.0f}" for k, v in sec.items()),
@@ -436,16 +442,21 @@ def report(args: argparse.Namespace, rows: list[dict], numel: int, copy_s: float
     def ms(k: str) -> float:
         return float(np.median([r["seconds"][k] for r in rows])) * 1e3
 
-    table = Table(title=f"coding given the base (medians over {len(rows)} steps): {numel / 1e6:.0f}M params, lr {args.lr}, "
+    table = Table(title=f"coding given the base (medians over {len(rows)} steps): {numel / 1e6:.0f}M params, lr "
+                        f"{args.lr}, "
                         f"density {np.median([r['density'] for r in rows]):.2%}; the ulp difference is +-1 in "
                         f"{np.median([r['ulp_pm1_share'] for r in rows]):.1%} of changes")
-    for col in ("B / changed element", "bound, uniform / order-0", "bound given the base", "current codec", "prototype"):
+    for col in ("B / changed element", "bound, uniform / order-0", "bound given the base", "current codec",
+                "prototype"):
         table.add_column(col, justify="right")
-    table.add_row("positions", f"{b('pos_uniform'):.3f}", f"{b('pos_by_exponent'):.3f} (2 classes: {b('pos_two_classes'):.3f})",
+    table.add_row("positions", f"{b('pos_uniform'):.3f}",
+                  f"{b('pos_by_exponent'):.3f} (2 classes: {b('pos_two_classes'):.3f})",
                   f"{b('pos_current'):.3f} gap16", f"{b('pos_class_gap'):.3f} class-gap")
-    table.add_row("values", f"{b('val_xor'):.3f} xor", f"{b('val_xor_by_exponent'):.3f} xor | exp, {b('val_ulp_entropy'):.3f} ulp",
+    table.add_row("values", f"{b('val_xor'):.3f} xor",
+                  f"{b('val_xor_by_exponent'):.3f} xor | exp, {b('val_ulp_entropy'):.3f} ulp",
                   f"{b('val_current'):.3f} xor", f"{b('val_ulp_split'):.3f} ulp-split")
-    table.add_row("both", f"{b('pos_uniform') + b('val_xor'):.3f}", f"{b('pos_by_exponent') + b('val_ulp_entropy'):.3f}",
+    table.add_row("both", f"{b('pos_uniform') + b('val_xor'):.3f}",
+                  f"{b('pos_by_exponent') + b('val_ulp_entropy'):.3f}",
                   f"{b('pos_current') + b('val_current'):.3f}", f"{b('pos_class_gap') + b('val_ulp_split'):.3f}")
     Console(width=160).print(table)
     t = Table(title=f"ms per step, parallel across tensors (x one plain copy of the model, {copy_s * 1e3:.0f} ms)")

@@ -236,7 +236,8 @@ def _simulate(nixl: list[dict[str, Any]], sha_gbps: float) -> dict[str, Any]:
         checks.append({"bytes": a["bytes"], "kind": a["kind"], "raw_s": a["raw_s"], "raw_pred_s": raw_p,
                        "transport_s": a["transport_s"], "transport_pred_s": stage_p,
                        "raw_err": raw_p / a["raw_s"] - 1, "transport_err": stage_p / a["transport_s"] - 1})
-    return {"nic_gbps": gbps, "fixed_ms": fixed_ms, "sha256_gbps": sha_gbps, "fitted_on_bytes": [lo["bytes"], hi["bytes"]],
+    return {"nic_gbps": gbps, "fixed_ms": fixed_ms, "sha256_gbps": sha_gbps,
+            "fitted_on_bytes": [lo["bytes"], hi["bytes"]],
             "checks": checks}
 
 
@@ -275,14 +276,17 @@ def main() -> None:
     nixl = [a for r in results["sizes"].values() for a in r.get("nixl", [])]
     if nixl:
         print("| M elems | step | kind | MB | via | raw READ ms | READ+SHA (transport) ms | SHA-256 alone ms | "
-              "manifest ms | open ms | decode ms | apply+checksums ms | end to end ms | transport/raw | end to end/raw |")
+              "manifest ms | open ms | decode ms | apply+checksums ms | end to end ms | transport/raw | end to end/raw "
+              "|")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for m, r in results["sizes"].items():
             for a in r["nixl"]:
-                print(f"| {m} | {a['step']} | {a['kind']} | {a['bytes'] / 1e6:.2f} | {a['via']} | {a['raw_s'] * 1e3:.2f} | "
+                print(f"| {m} | {a['step']} | {a['kind']} | {a['bytes'] / 1e6:.2f} | {a['via']} | "
+                      f"{a['raw_s'] * 1e3:.2f} | "
                       f"{a['transport_s'] * 1e3:.2f} | {a['sha256_s'] * 1e3:.2f} | {a['manifest_s'] * 1e3:.2f} | "
                       f"{a['open_s'] * 1e3:.2f} | {a['decode_s'] * 1e3:.2f} | {a['apply_s'] * 1e3:.2f} | "
-                      f"{a['pipeline_s'] * 1e3:.2f} | {a['raw_s'] / a['transport_s']:.2f} | {a['raw_s'] / a['pipeline_s']:.3f} |")
+                      f"{a['pipeline_s'] * 1e3:.2f} | {a['raw_s'] / a['transport_s']:.2f} | "
+                      f"{a['raw_s'] / a['pipeline_s']:.3f} |")
         sha_gbps = sum(a["bytes"] for a in nixl) / sum(a["sha256_s"] for a in nixl) / 1e9
         for kind in ("anchor", "delta"):
             rows = [a for a in nixl if a["kind"] == kind]

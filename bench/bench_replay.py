@@ -81,7 +81,7 @@ def measure(case: str, url: str, step: int, work: Path) -> dict:
     """One measurement, in this (fresh) process."""
     import safetensors.torch
 
-    from deltasync import replay_to_folder, StreamReader
+    from deltasync import StreamReader, replay_to_folder
     from deltasync.history import reconstruct_state_dict
 
     warm = work / "warm-up"  # compiled kernels, thread pools, imports: outside the measurement
@@ -119,8 +119,8 @@ def breakdown(url: str, step: int, work: Path, passes: int = 3) -> dict:
     import numba
 
     from deltasync import StreamReader
-    from deltasync.history import reconstruct_state_dict
     from deltasync.format.checksum import tensor_checksum
+    from deltasync.history import reconstruct_state_dict
     from deltasync.history.replay import Chain, group_full, open_checked, xor_patches
 
     reconstruct_state_dict(str(work / "warm-up"), 1)
@@ -189,7 +189,8 @@ def build_streams(args, work: Path) -> tuple[str, str, dict]:
     files = save_model_dir(tiny_qwen3(hidden_size=64, layers=1, vocab_size=300), work / "model-files")
     stream, full = str(work / "store" / "run"), str(work / "store" / "full")
     densities = []
-    with DeltaPublisher(stream, model, dtype=torch.bfloat16, anchor_every=10**9, on_backlog="block", files=files) as pub:
+    with DeltaPublisher(stream, model, dtype=torch.bfloat16, anchor_every=10**9, on_backlog="block",
+                        files=files) as pub:
         pub.publish(0)
         for step in range(1, args.steps + 1):
             train.step()
@@ -255,7 +256,8 @@ def reuse_streams(args, work: Path) -> tuple[str, str, dict]:
     if saved.exists():
         found = json.loads(saved.read_text())
         if found["args"] != want:
-            raise SystemExit(f"{work} holds streams built with {found['args']}, not {want}: name another --streams folder")
+            raise SystemExit(f"{work} holds streams built with {found['args']}, not {want}: name another --streams "
+                             "folder")
         print(f"reusing the streams in {work}", flush=True)
         return found["stream"], found["full"], found["info"]
     if work.exists() and any(work.iterdir()):
@@ -280,7 +282,8 @@ def report(args, info: dict, rows: dict[str, list[dict]], stream: str, full: str
     model_bytes = StreamReader(full).manifest(args.steps).object_bytes
     anchor_bytes = StreamReader(stream).manifest(0).object_bytes
     read_bytes = anchor_bytes + sum(info["delta_bytes"])
-    table = Table(title=f"replay benchmark: {info['numel'] / 1e6:.0f}M params, step {args.steps} = anchor + {args.steps} "
+    table = Table(title=f"replay benchmark: {info['numel'] / 1e6:.0f}M params, step {args.steps} = anchor + "
+                        f"{args.steps} "
                   f"deltas (median density {statistics.median(info['densities']):.2%}); medians of {args.repeats} "
                   f"fresh processes")
     for col in ("path", "seconds", "x full load", "CPU seconds", "x full load", "peak RSS growth", "x full load",
@@ -305,7 +308,8 @@ def report(args, info: dict, rows: dict[str, list[dict]], stream: str, full: str
         stages.add_column(col, justify="right")
     total = sum(parts["stages_cpu_seconds"].values())
     for stage, sec in parts["stages_cpu_seconds"].items():
-        stages.add_row(stage, f"{sec * 1e3:.0f}", f"{sec / total:.0%}", f"{sec / max(1, parts['changed_elements']) * 1e9:.1f}")
+        stages.add_row(stage, f"{sec * 1e3:.0f}", f"{sec / total:.0%}",
+                       f"{sec / max(1, parts['changed_elements']) * 1e9:.1f}")
     stages.add_row("total", f"{total * 1e3:.0f}", "100%", "")
     Console(width=160).print(stages)
     print(parts["profile"])

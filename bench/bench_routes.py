@@ -8,8 +8,8 @@ for the transformers model of the same config (one tensor per expert; built on m
 routing table is learned from vLLM's loader exactly as the engine does at init (``trace_loader`` +
 ``build_routing_table``). Reports the build time (trace and table apart), the Python heap the build allocated
 (tracemalloc peak), the table's size pickled, and how many tensors and pieces it routes. Baseline in the same
-run: building the vLLM model itself on meta (what any engine start pays before loading a byte). Timings come from a run without tracemalloc; the heap
-figure from a second run under it.
+run: building the vLLM model itself on meta (what any engine start pays before loading a byte). Timings come from a run
+without tracemalloc; the heap figure from a second run under it.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def main() -> None:
                   f"{r['pieces']} pieces; routes in {r['routes_total_s']:.2f} s (trace {r['trace_s']:.2f} s, "
                   f"table {r['table_s']:.2f} s), heap peak {r['heap_peak_mib']} MiB, table {r['table_pickled_mib']} "
                   f"MiB pickled; vLLM model on meta {r['vllm_model_on_meta_s']:.2f} s", flush=True)
-    print("\n| model | checkpoint tensors | pieces | trace s | table s | heap peak MiB | table MiB | vLLM model on meta s |")
+    print("\n| model | checkpoint tensors | pieces | trace s | table s | heap peak MiB | table MiB | vLLM model on "
+          "meta s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['checkpoint_tensors']} | {r['pieces']} | {r['trace_s']} | {r['table_s']} | "

@@ -120,10 +120,12 @@ def run(args, server: SeaweedFS, work: Path) -> None:
     from rich.table import Table
 
     t = Table(title=f"S3 (SeaweedFS, loopback): {numel / 1e6:.0f}M params, {len(rows)} delta steps, "
-              f"mean object {nbytes / len(rows) / 1e6:.2f} MB, mean density {np.mean([r['density'] for r in rows]):.2%}")
+              f"mean object {nbytes / len(rows) / 1e6:.2f} MB, mean density "
+              f"{np.mean([r['density'] for r in rows]):.2%}")
     for col in ("measure", "p50", "p95", "mean"):
         t.add_column(col, justify="right")
-    for key, label in (("latency_s", "publish -> consumer applied (ms)"), ("capture_s", "capture on trainer thread (ms)"),
+    for key, label in (("latency_s", "publish -> consumer applied (ms)"),
+                       ("capture_s", "capture on trainer thread (ms)"),
                        ("encode_s", "encode (ms)"), ("commit_s", "commit: lease check + upload + manifest (ms)")):
         xs = [r[key] for r in rows]
         t.add_row(label, f"{pct(xs, 50) * 1e3:.0f}", f"{pct(xs, 95) * 1e3:.0f}", f"{np.mean(xs) * 1e3:.0f}")
@@ -131,7 +133,8 @@ def run(args, server: SeaweedFS, work: Path) -> None:
     t2 = Table(title="transfer stage vs plain s3fs, same objects, same run")
     for col in ("direction", "plain s3fs MB/s", "deltasync MB/s", "ratio (target >= 0.8)"):
         t2.add_column(col, justify="right")
-    for d, plain, ours in (("upload", "plain_put_s", "deltasync_put_s"), ("download (+SHA-256 check)", "plain_get_s", "deltasync_get_s")):
+    for d, plain, ours in (("upload", "plain_put_s", "deltasync_put_s"),
+                           ("download (+SHA-256 check)", "plain_get_s", "deltasync_get_s")):
         t2.add_row(d, f"{tput(plain):.0f}", f"{tput(ours):.0f}", f"{tput(ours) / tput(plain):.2f}")
     Console(width=120).print(t2)
     write_results(args, "s3", {"numel": numel, "rows": rows})

@@ -43,7 +43,8 @@ def rank_main(mode: str, url: str, out: str, hidden: int, layers: int, steps: in
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden, bias=False) for _ in range(layers)]).to(torch.bfloat16)
+    layers_ = [torch.nn.Linear(hidden, hidden, bias=False) for _ in range(layers)]
+    model = torch.nn.Sequential(*layers_).to(torch.bfloat16)
     for m in model:
         fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -80,7 +81,8 @@ def rank_main(mode: str, url: str, out: str, hidden: int, layers: int, steps: in
     if pub is not None:
         pub.close()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
-    result = {"rank": rank, "world": world, "mode": mode, "anchor_s": times[0], "delta_s": sum(times[1:]) / max(1, steps),
+    result = {"rank": rank, "world": world, "mode": mode, "anchor_s": times[0],
+              "delta_s": sum(times[1:]) / max(1, steps),
               "peak_rss_growth_bytes": rss, "sent_bytes": sent, "model_bytes": model_bytes}
     Path(out, f"{mode}-{world}-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -102,13 +104,16 @@ def main() -> None:
         for world in args.worlds:
             for mode in ("sharded", "gather"):
                 url = str(Path(tmp) / f"{mode}-{world}")
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", __file__,
-                       "--rank-main", mode, url, tmp, str(args.hidden), str(args.layers), str(args.steps), str(args.density)]
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+                       __file__,
+                       "--rank-main", mode, url, tmp, str(args.hidden), str(args.layers), str(args.steps),
+                       str(args.density)]
                 env = {**os.environ, "OMP_NUM_THREADS": "1"}
                 subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
                 rows += [json.loads(Path(tmp, f"{mode}-{world}-{r}.json").read_text()) for r in range(world)]
     print(f"machine: {machine()}")
-    print(f"{'world':>5} {'mode':>8} {'rank':>4} {'anchor s':>9} {'delta s':>8} {'peak RSS +MB':>12} {'sent MB':>9} {'model MB':>9}")
+    print(f"{'world':>5} {'mode':>8} {'rank':>4} {'anchor s':>9} {'delta s':>8} {'peak RSS +MB':>12} {'sent MB':>9} "
+          f"{'model MB':>9}")
     for r in rows:
         print(f"{r['world']:>5} {r['mode']:>8} {r['rank']:>4} {r['anchor_s']:>9.3f} {r['delta_s']:>8.3f} "
               f"{r['peak_rss_growth_bytes'] / 1e6:>12.1f} {r['sent_bytes'] / 1e6:>9.3f} {r['model_bytes'] / 1e6:>9.1f}")

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import Training, machine, parser, write_results
-from deltasync import DeltaPublisher, replay_to_folder, StreamReader
+from deltasync import DeltaPublisher, StreamReader, replay_to_folder
 from deltasync.testing import save_model_dir
 from rollout_loader.vllm import start_engine
 from rollout_loader.vllm.worker import transfer_status
@@ -161,7 +161,8 @@ def main() -> None:
         pub.flush()
         t_init = time.perf_counter()
         llm.init_weight_transfer_engine({"init_info": {"url": url, "step": 0, "verify": "incremental"}})
-        init_s = time.perf_counter() - t_init  # routes, kernels warmed, the checksums incremental verification starts from
+        # routes, kernels warmed, the checksums incremental verification starts from
+        init_s = time.perf_counter() - t_init
         engine = _engine(llm)
         if args.unsealed:
             from rollout_loader.vllm.prefetch import Prefetcher
@@ -201,9 +202,11 @@ def main() -> None:
             r = rows[-1]
             print(f"step {step:3d}: density {r['density']:.2%}  paused {r['paused_s'] * 1e3:6.1f} ms "
                   f"(write {parts['write'] * 1e3:.1f}, compare {parts['compare'] * 1e3:.2f}, staging "
-                  f"{parts['staging'] * 1e3:.2f}, resolve {parts['resolve'] * 1e3:.1f}, reset {r['reset_s'] * 1e3:.1f}, "
+                  f"{parts['staging'] * 1e3:.2f}, resolve {parts['resolve'] * 1e3:.1f}, reset "
+                  f"{r['reset_s'] * 1e3:.1f}, "
                   f"vLLM {r['vllm_overhead_s'] * 1e3:.1f})  staged +{staged_after * 1e3:.0f} ms  "
-                  f"full reload {full_s * 1e3:.0f} ms ({r['paused_s'] / full_s:.1%})  scatter floor {floor_s * 1e3:.1f} ms  "
+                  f"full reload {full_s * 1e3:.0f} ms ({r['paused_s'] / full_s:.1%})  scatter floor "
+                  f"{floor_s * 1e3:.1f} ms  "
                   f"plain copy {copy_s * 1e3:.0f} ms", flush=True)
         last = step
     # the engine's weights, every tensor checksummed again from the bits it holds, against the trainer's
@@ -228,7 +231,8 @@ def _report(args: Any, numel: int, init_s: float, rows: list[dict[str, Any]]) ->
     paused, full = med("paused_s"), med("full_reload_s")
     first = rows[0]["paused_s"]
     t = Table(title=f"vLLM CPU engine, weight-transfer path: {numel / 1e6:.0f}M params, {len(rows)} steps, median "
-              f"density {med('density'):.2%}{', one CPU-bound competitor' if args.contend else ''} (medians over steps)")
+              f"density {med('density'):.2%}{', one CPU-bound competitor' if args.contend else ''} (medians over "
+              "steps)")
     for col in ("measure", "ms", "target"):
         t.add_column(col, justify="right")
     t.add_row("generation paused per step", f"{paused * 1e3:.1f}", "<= 10% of full reload")

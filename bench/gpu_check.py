@@ -99,7 +99,8 @@ def main() -> int:
     report = {"device": name, "torch": torch.__version__, "runs": []}
     with tempfile.TemporaryDirectory(prefix="deltasync-gpu-check-") as tmp:
         for snapshot_device in ("same", "cpu"):
-            report["runs"].append(run(snapshot_device, args.steps, Path(tmp), args.hidden_size, args.layers, args.device))
+            report["runs"].append(run(snapshot_device, args.steps, Path(tmp), args.hidden_size, args.layers,
+                                      args.device))
     report["ok"] = all(r["ok"] for r in report["runs"])
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"{report['device']}: {'every step bit-exact on GPU and host followers' if report['ok'] else 'MISMATCH'}")

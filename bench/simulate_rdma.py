@@ -42,11 +42,14 @@ class Tensor:
 def qwen3_235b() -> Iterator[Tensor]:
     """Qwen3-235B-A22B (config.json: 94 layers, hidden 4096, 64 q / 4 kv heads of 128, 128 experts of 1536)."""
     h, v, hd, e, m = 4096, 151936, 128, 128, 1536
-    yield from (Tensor("model.embed_tokens.weight", v * h), Tensor("lm_head.weight", v * h), Tensor("model.norm.weight", h))
+    yield from (Tensor("model.embed_tokens.weight", v * h), Tensor("lm_head.weight", v * h),
+                Tensor("model.norm.weight", h))
     for i in range(94):
         p = f"model.layers.{i}."
-        yield from (Tensor(p + "self_attn.q_proj.weight", 64 * hd * h), Tensor(p + "self_attn.k_proj.weight", 4 * hd * h),
-                    Tensor(p + "self_attn.v_proj.weight", 4 * hd * h), Tensor(p + "self_attn.o_proj.weight", h * 64 * hd),
+        yield from (Tensor(p + "self_attn.q_proj.weight", 64 * hd * h),
+                    Tensor(p + "self_attn.k_proj.weight", 4 * hd * h),
+                    Tensor(p + "self_attn.v_proj.weight", 4 * hd * h),
+                    Tensor(p + "self_attn.o_proj.weight", h * 64 * hd),
                     Tensor(p + "self_attn.q_norm.weight", hd), Tensor(p + "self_attn.k_norm.weight", hd),
                     Tensor(p + "input_layernorm.weight", h), Tensor(p + "post_attention_layernorm.weight", h),
                     Tensor(p + "mlp.gate.weight", e * h))
@@ -59,10 +62,12 @@ def kimi_k2() -> Iterator[Tensor]:
     """Kimi-K2 (DeepSeek-V3 shape: 61 layers, hidden 7168, MLA q_lora 1536 / kv_lora 512, 64 heads,
     first layer dense 18432, then 384 routed experts of 2048 plus one shared expert)."""
     h, v, e, m, heads = 7168, 163840, 384, 2048, 64
-    yield from (Tensor("model.embed_tokens.weight", v * h), Tensor("lm_head.weight", v * h), Tensor("model.norm.weight", h))
+    yield from (Tensor("model.embed_tokens.weight", v * h), Tensor("lm_head.weight", v * h),
+                Tensor("model.norm.weight", h))
     for i in range(61):
         p = f"model.layers.{i}."
-        yield from (Tensor(p + "self_attn.q_a_proj.weight", 1536 * h), Tensor(p + "self_attn.q_a_layernorm.weight", 1536),
+        yield from (Tensor(p + "self_attn.q_a_proj.weight", 1536 * h),
+                    Tensor(p + "self_attn.q_a_layernorm.weight", 1536),
                     Tensor(p + "self_attn.q_b_proj.weight", heads * (128 + 64) * 1536),
                     Tensor(p + "self_attn.kv_a_proj_with_mqa.weight", (512 + 64) * h),
                     Tensor(p + "self_attn.kv_a_layernorm.weight", 512),
@@ -191,15 +196,16 @@ def main() -> None:
         dense, delta = predict(tensors, topo, model=name, density=a.density, bytes_per_change=a.bytes_per_change,
                                dense_width=a.dense_width)
         rows += [dense, delta]
-        print(f"{name}: {sum(t.numel for t in tensors) / 1e9:,.0f}B params, planned in {time.perf_counter() - t0:.1f} s",
-              file=sys.stderr)
+        print(f"{name}: {sum(t.numel for t in tensors) / 1e9:,.0f}B params, "
+              f"planned in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     print("| model | mode | GB into busiest inference GPU | GB out of busiest trainer GPU | reads | predicted s |")
     print("|---|---|---|---|---|---|")
     for p in rows:
         print(f"| {p.model} | {p.mode} | {p.consumer_gb:.2f} | {p.trainer_gb:.2f} | {p.reads} | {p.seconds:.3f} |")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"topology": asdict(topo), "density": a.density, "rows": [asdict(p) for p in rows]}, indent=1))
+        a.json.write_text(json.dumps({"topology": asdict(topo), "density": a.density,
+                                      "rows": [asdict(p) for p in rows]}, indent=1))
 
 
 if __name__ == "__main__":

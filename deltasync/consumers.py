@@ -22,16 +22,19 @@ def write_heartbeat(store: Store, consumer_id: str, step: int, *, newest_step: i
                     weight_version: str | None = None, errors: int | None = None) -> None:
     """Record that ``consumer_id`` holds ``step`` (``consumers/<consumer_id>.json``), with what it saw; garbage
     collection keeps what it needs while the heartbeat is recent, ``deltasync status`` shows it."""
-    position = ConsumerPosition(consumer_id=check_consumer_id(consumer_id), step=check_step(step), updated_unix_s=time.time(),
+    position = ConsumerPosition(consumer_id=check_consumer_id(consumer_id), step=check_step(step),
+                                updated_unix_s=time.time(),
                                 newest_step=None if newest_step is None else check_step(newest_step),
-                                weight_version=None if weight_version is None else str(weight_version)[:64], errors=errors)
+                                weight_version=None if weight_version is None else str(weight_version)[:64],
+                                errors=errors)
     store.write_bytes(f"{CONSUMERS_DIR}/{consumer_id}.json", encode(position))
 
 
 def check_consumer_id(consumer_id: str) -> str:
     """``consumer_id`` if it can name a heartbeat object, else ``FormatError`` (a ``ValueError``)."""
     if not check(CONSUMER_ID, consumer_id):
-        raise FormatError(f"consumer id {consumer_id!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        raise FormatError(f"consumer id {consumer_id!r} must be 1-128 letters, digits, '.', '_' or '-', starting with "
+                          "a letter or digit")
     return consumer_id
 
 
@@ -51,6 +54,7 @@ def read_heartbeats(store: Store) -> list[ConsumerPosition]:
         except FileNotFoundError:
             continue  # removed since the listing
         if f"{position.consumer_id}.json" != name:
-            raise FormatError(f"{store.url}/{rel}: heartbeat names consumer {position.consumer_id!r}, not its file name")
+            raise FormatError(f"{store.url}/{rel}: heartbeat names consumer {position.consumer_id!r}, not its file "
+                              "name")
         out.append(position)
     return out

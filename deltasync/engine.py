@@ -22,6 +22,7 @@ A step's checksum is the sum of its tensors' checksums modulo 2**64 (docs/FORMAT
 ``add_checksums`` to combine them, ``format_checksum``/``parse_checksum`` for the manifest's hex form.
 """
 
+from deltasync.consumers import check_consumer_id, read_heartbeats, write_heartbeat
 from deltasync.format._bits import DTYPES, dtype_from_name, dtype_name, int_view
 from deltasync.format._kernels import warm_kernels
 from deltasync.format.checksum import add as add_checksums
@@ -38,7 +39,6 @@ from deltasync.format.names import check as name_matches
 from deltasync.format.objects import FORMAT_VERSION, StepHeader, StepObject, TensorHeader
 from deltasync.format.parts import PartedObject
 from deltasync.format.patch import Patch
-from deltasync.consumers import check_consumer_id, read_heartbeats, write_heartbeat
 from deltasync.notify import EventFeed, Notifier
 from deltasync.rdma.options import RdmaOptions, rdma_options
 from deltasync.signing import TrustedKeys, pem_texts

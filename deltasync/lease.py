@@ -63,7 +63,8 @@ class WriterLease:
         except FileExistsError:
             held = self.current()
             raise WriterConflictError(
-                f"{store.url}: writer {held.owner if held else None!r} took the stream at the same time as {lease.owner!r}"
+                f"{store.url}: writer {held.owner if held else None!r} took the stream at the same time as "
+                f"{lease.owner!r}"
             ) from None
 
     def acquire(self, owner: str, *, ttl_s: float, take_over: bool = False) -> Lease:
@@ -116,5 +117,6 @@ class WriterLease:
     def _require(self, owner: str, held: Lease | None) -> None:
         if held is None or held.owner != owner:
             raise WriterConflictError(
-                f"{self.store.url}: writer {owner!r} lost the stream to {held.owner if held else 'nobody (lease deleted)'!r}"
+                f"{self.store.url}: writer {owner!r} lost the stream to "
+                f"{held.owner if held else 'nobody (lease deleted)'!r}"
             )

@@ -158,6 +158,7 @@ class EventFeed(Announcements):
     def _follow_once(self) -> None:
         p = self._parts
         conn_class = http.client.HTTPSConnection if p.scheme == "https" else http.client.HTTPConnection
+        assert p.hostname is not None  # checked in __init__
         conn = conn_class(p.hostname, p.port, timeout=self.timeout_s)
         try:
             conn.connect()
@@ -171,7 +172,8 @@ class EventFeed(Announcements):
                 raise ConnectionError(f"expected 200 text/event-stream, got {reply.status} "
                                       f"{reply.getheader('Content-Type', '')!r}")
             self._alive = True
-            event, data = "message", []
+            event = "message"
+            data: list[str] = []
             while not self._stop.is_set():
                 line = reply.readline(MAX_LINE_BYTES + 1)
                 if not line:
@@ -251,6 +253,7 @@ class EventServer:
     @property
     def url(self) -> str:
         host, port = self._http.server_address[:2]
+        assert isinstance(host, str)  # an AF_INET server's address (bytes only for AF_UNIX)
         return f"http://{host}:{port}/events"
 
     def announce(self, step: int) -> None:

@@ -19,9 +19,9 @@ from deltasync.errors import (
 )
 from deltasync.format.objects import StepObject
 from deltasync.format.parts import PartedObject
-from deltasync.stages.apply import Replica, Verify
 from deltasync.node_cache import NodeCache
 from deltasync.signing import TrustedKeys
+from deltasync.stages.apply import Replica, Verify
 from deltasync.store import Manifest, Part, Store
 
 # deltas up to this size are fetched from a remote store into memory and opened from there (no cache file);

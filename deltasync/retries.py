@@ -82,7 +82,8 @@ class Retrying:
                     self._throttled_until = time.monotonic() + delay
                 spent = time.monotonic() - started
                 if attempt == self.retries or spent + delay > self.retry_max_s:
-                    raise StoreError(f"{self.url}: {what} failed after {attempt + 1} attempts in {spent:.1f}s: {e}") from e
+                    raise StoreError(f"{self.url}: {what} failed after {attempt + 1} attempts in {spent:.1f}s: "
+                                     f"{e}") from e
                 log.warning("%s: %s failed (%s); retrying in %.2fs", self.url, what, str(e), delay)
                 failed = True
                 time.sleep(delay)

@@ -115,10 +115,10 @@ class SigningKey:
         self.endorsements: list[Endorsement] = []
         endorsement = Path(f"{self.path}.endorsement.json")
         if endorsement.exists():
-            e = decode(endorsement.read_bytes(), Endorsement, where=str(endorsement))
-            if e.public_key != _b64(self.public_key):
+            endorsed = decode(endorsement.read_bytes(), Endorsement, where=str(endorsement))
+            if endorsed.public_key != _b64(self.public_key):
                 raise ConfigError(f"{endorsement}: endorses another key than {self.path}'s")
-            self.endorsements.append(e)
+            self.endorsements.append(endorsed)
 
     @property
     def key_id(self) -> str:
@@ -240,7 +240,8 @@ class TrustedKeys:
         if isinstance(keys, (str, os.PathLike)):
             keys = [keys]
         if not isinstance(keys, (list, tuple, set)) or len(keys) > 64:
-            raise ConfigError(f"trusted keys: expected a list of public key files (at most 64), got {type(keys).__name__}")
+            raise ConfigError("trusted keys: expected a list of public key files (at most 64), got "
+                              f"{type(keys).__name__}")
         loaded = {read_public_key(k) for k in keys}
         if not loaded:
             raise ConfigError("trusted keys: none given (a path to a public key made by `deltasync keygen`)")

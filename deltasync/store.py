@@ -10,13 +10,14 @@ the URL's scheme; this module knows keys, never a backend.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import re
 import statistics
 import time
 import uuid
 from pathlib import Path
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 from deltasync.errors import (
     CorruptObjectError,
@@ -55,7 +56,7 @@ T = TypeVar("T")
 _STEP_DIR = re.compile(r"\A(\d{12})\Z")
 LATEST = "latest.json"
 STREAM = "stream.json"
-ObjectData = Union[bytes, bytearray, memoryview, str, Path]
+ObjectData = bytes | bytearray | memoryview | str | Path
 """A step's object: its bytes in memory, or a local file (``str``/``Path``) that is streamed."""
 
 
@@ -196,7 +197,7 @@ class Store(StoreObjects, Retrying):
 
     # --- steps ---
 
-    def step_folders(self) -> list[int]:
+    def step_folders(self) -> builtins.list[int]:
         """Every step folder holding any object, committed or not (empty folders do not count)."""
         out = set()
         for e in self.list("steps"):
@@ -205,7 +206,7 @@ class Store(StoreObjects, Retrying):
                 out.add(int(m.group(1)))
         return sorted(out)
 
-    def steps(self) -> list[int]:
+    def steps(self) -> builtins.list[int]:
         """Committed steps (those with a manifest), ascending."""
         out = []
         for e in self.list("steps"):
@@ -247,7 +248,8 @@ class Store(StoreObjects, Retrying):
             m = decode(self.read_bytes(rel, max_bytes=MAX_MANIFEST_BYTES), Manifest, where=f"{self.url}/{rel}",
                        max_bytes=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
-            raise StepNotFoundError(f"{self.url}: step {step} is not committed{self._nearby(step) if nearby else ''}") from None
+            near = self._nearby(step) if nearby else ""
+            raise StepNotFoundError(f"{self.url}: step {step} is not committed{near}") from None
         if m.step != step:
             raise FormatError(f"{self.url}: manifest in folder of step {step} describes step {m.step}")
         return m
@@ -295,7 +297,8 @@ class Store(StoreObjects, Retrying):
         """
         manifest_rel = f"{step_dir(manifest.step)}/{MANIFEST}"
         if self.exists(manifest_rel):  # saves an upload; the create-only write below is what guarantees it
-            raise StepExistsError(f"{self.url}: step {manifest.step} is already committed; a committed step is never replaced")
+            raise StepExistsError(f"{self.url}: step {manifest.step} is already committed; a committed step is never "
+                                  "replaced")
         if data is not None:
             self.put_object(manifest, data)
         elif not manifest.is_multipart:
@@ -310,7 +313,8 @@ class Store(StoreObjects, Retrying):
             self.write_bytes(manifest_rel, manifest.to_json().encode(), if_absent=True)
         except FileExistsError:
             raise StepExistsError(
-                f"{self.url}: step {manifest.step} was committed by another writer meanwhile; a committed step is never replaced"
+                f"{self.url}: step {manifest.step} was committed by another writer meanwhile; a committed step is "
+                "never replaced"
             ) from None
         self.write_bytes(LATEST, encode(self._hint(manifest.step)))
 
@@ -366,7 +370,8 @@ class Store(StoreObjects, Retrying):
         except FileNotFoundError:
             there = "the location does not exist"
         raise StreamNotFoundError(
-            f"no deltasync stream at {self.url} (no {STREAM} and no steps/ folder; {there}); check the bucket, prefix or path"
+            f"no deltasync stream at {self.url} (no {STREAM} and no steps/ folder; {there}); check the bucket, prefix "
+            "or path"
         )
 
     def create_stream(self, like: StreamInfo | None = None) -> StreamInfo:
@@ -414,10 +419,13 @@ class Store(StoreObjects, Retrying):
         """Give the stream up (the lease is deleted if ``owner`` still holds it)."""
         self._lease.release(owner)
 
-    def remove_uncommitted(self, *, newer_than: int | None = None, older_than_s: float | None = None) -> list[int]:
+    def remove_uncommitted(
+        self, *, newer_than: int | None = None, older_than_s: float | None = None
+    ) -> builtins.list[int]:
         """Delete what no committed step names: step folders without a manifest (a writer died before its
         commit), and files in committed folders other than the manifest, its objects (an anchor's own delta
-        included) and its signature (a writer killed mid-way that a later writer overtook). Returns the steps whose folders were removed.
+        included) and its signature (a writer killed mid-way that a later writer overtook). Returns the steps whose
+        folders were removed.
 
         ``older_than_s``: only files at least that old (a writer that just lost the stream may still be
         finishing an upload there; its late manifest must not point at nothing).

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from deltasync.errors import CorruptObjectError, StepNotFoundError
 from deltasync.format.documents import Manifest, Part, check_step
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 
 MANIFEST = "manifest.json"
+T = TypeVar("T")
 
 ByteProgress = Callable[[str, int, int], None]
 """``progress(what, bytes_done, bytes_total)`` during a download (the CLI draws a bar from it)."""
@@ -39,7 +41,12 @@ def step_dir(step: int) -> str:
 
 def sha256_file(path: str | Path) -> str:
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        if sys.version_info >= (3, 11):
+            return hashlib.file_digest(f, "sha256").hexdigest()
+        h = hashlib.sha256()  # Python 3.10 has no hashlib.file_digest
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+        return h.hexdigest()
 
 
 class StoreObjects:
@@ -54,7 +61,7 @@ class StoreObjects:
     """Set (by the CLI) to see large downloads advance: every transport, because it watches the partial file."""
     if TYPE_CHECKING:  # the store's, typed here for readers of this module
 
-        def call(self, what: str, fn: Any) -> Any: ...
+        def call(self, what: str, fn: Callable[[], T], *, landed: Callable[[], bool] | None = None) -> T: ...
 
         def exists(self, rel: str) -> bool: ...
 
@@ -184,13 +191,15 @@ class StoreObjects:
             )
         digest = hashlib.sha256(data).hexdigest()
         if digest != part.object_sha256:
-            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {part.object_sha256[:16]}…")
+            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's "
+                                     f"{part.object_sha256[:16]}…")
 
     def _missing(self, manifest: Manifest, where: str) -> StepNotFoundError | CorruptObjectError:
         """The error for an object that is not there: its step was collected meanwhile (no manifest either),
         or the store lost it (the manifest is still there)."""
         if not self.exists(f"{step_dir(manifest.step)}/{MANIFEST}"):
-            return StepNotFoundError(f"{self.url}: step {manifest.step} was collected (deleted by gc) while it was being read")
+            return StepNotFoundError(f"{self.url}: step {manifest.step} was collected (deleted by gc) while it was "
+                                     "being read")
         return CorruptObjectError(f"{where}: missing, though the step is committed")
 
     def local_object_unhashed(self, manifest: Manifest) -> Path | None:
@@ -227,7 +236,8 @@ def _check_size(size: int, part: Part, where: str) -> None:
 
 def _check_digest(digest: str, part: Part, where: str) -> None:
     if digest != part.object_sha256:
-        raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's {part.object_sha256[:16]}…")
+        raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's "
+                                 f"{part.object_sha256[:16]}…")
 
 
 class _watching:

@@ -14,8 +14,12 @@ from __future__ import annotations
 import random
 import sysconfig
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["save_model_dir", "stdlib_corpus", "tiny_qwen3"]
 
@@ -42,12 +46,13 @@ def tiny_qwen3(*, hidden_size: int = 256, layers: int = 4, vocab_size: int = 512
         head_dim=64,
         max_position_embeddings=2048,
         tie_word_embeddings=tie,
+        # transformers 5 calls it dtype (torch_dtype still works there, with a warning); 4.x knows only torch_dtype
         torch_dtype="bfloat16",
     )
     return Qwen3ForCausalLM(cfg)
 
 
-def save_model_dir(model: torch.nn.Module, out: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+def save_model_dir(model: PreTrainedModel, out: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
     """A checkpoint folder an inference engine loads: config, weights in ``dtype``, a byte-level tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -35,7 +35,7 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], *, cost: Callable[[T]
     if len(items) <= 1 or getattr(_local, "in_pool", False):
         return [fn(x) for x in items]
     order = _start_order(items, cost)
-    done = dict(zip(order, _executor().map(lambda k: fn(items[k]), order)))
+    done = dict(zip(order, _executor().map(lambda k: fn(items[k]), order), strict=True))
     return [done[k] for k in range(len(items))]
 
 
@@ -50,7 +50,7 @@ def submit_all(fn: Callable[[T], R], items: Iterable[T], *, cost: Callable[[T], 
         started = {k: pool.submit(fn, items[k]) for k in _start_order(items, cost)}
         return [started[k] for k in range(len(items))]
     futures: list[Future[R]] = [Future() for _ in items]
-    for k, (f, x) in enumerate(zip(futures, items)):
+    for k, (f, x) in enumerate(zip(futures, items, strict=True)):
         try:
             f.set_result(fn(x))
         except Exception as e:  # noqa: BLE001 - reported through the future, as the pool would

@@ -1,4 +1,5 @@
-"""The ``deltasync`` command line: diff/patch checkpoints like files, inspect, replay and maintain streams, run the demo.
+"""The ``deltasync`` command line: diff/patch checkpoints like files, inspect, replay and maintain streams, run the
+demo.
 
 Exit status: 0 done; 1 ``verify`` found a problem; 2 an error caused by input, configuration or environment (one
 line on stderr: the error's type, what was expected, what arrived, and where); 3 an unexpected error, i.e. a

@@ -45,7 +45,8 @@ class DemoConfig:
 def bf16_checksums(model: torch.nn.Module) -> dict[str, str]:
     """The trainer's own view: checksums of the bf16 weights, computed from scratch."""
     tensors, _ = named_tensors(model)
-    return {n: format_checksum(tensor_checksum(t.to(torch.bfloat16) if t.is_floating_point() else t)) for n, t in tensors.items()}
+    return {n: format_checksum(tensor_checksum(t.to(torch.bfloat16) if t.is_floating_point() else t))
+            for n, t in tensors.items()}
 
 
 def run_demo(
@@ -94,14 +95,14 @@ def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_opt
         echo("starting a vLLM engine on the initial weights (in-process, CPU)...")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        llm = start_engine(model_dir, in_process=True, dtype="bfloat16", enforce_eager=True, max_model_len=256)
-        target = VllmTarget(llm, verify="all")  # every tensor's checksum compared after every step
+        llm = start_engine(str(model_dir), in_process=True, dtype="bfloat16", enforce_eager=True, max_model_len=256)
+        target: VllmTarget | StateDictTarget = VllmTarget(llm, verify="all")  # every tensor's checksum, every step
     else:
         target = StateDictTarget(verify="full")
 
     def on_step(s: int) -> None:
         live_at.setdefault(s, time.perf_counter())
-        if llm is not None:
+        if not isinstance(target, StateDictTarget):  # the vLLM engine's
             paused[s] = target.pauses_s[-1]
 
     follower = Follower(url, target, on_step=on_step, storage_options=storage_options)
@@ -135,11 +136,12 @@ def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_opt
 
     # the follower verified every step against the manifests (checksums after each step); here the last
     # state is compared again with the trainer's own, independently computed checksums
-    if llm is not None:
+    if isinstance(target, StateDictTarget):
+        assert target.replica is not None  # it applied the steps
+        final = state_checksum({n: format_checksum(c) for n, c in target.replica.checksums.items()})
+    else:
         held = target.status()["checksums"]  # the engine's own bits, every tensor checksummed again
         final = state_checksum({n: format_checksum(held[n]) for n in held})
-    else:
-        final = state_checksum({n: format_checksum(c) for n, c in target.replica.checksums.items()})
     rows = []
     table = Table(title=f"deltasync demo: trainer -> store -> {'vLLM engine' if llm is not None else 'follower'}")
     cols = ["step", "kind", "density", "bytes", "vs full", "B/changed", "diff ms", "encode ms", "commit ms", "live +ms"]
@@ -179,14 +181,14 @@ def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_opt
     if deltas:
         mean_bytes = sum(r["object_bytes"] for r in deltas) / len(deltas)
         echo(
-            f"deltas: mean {mean_bytes / 1e6:.2f} MB = {mean_bytes / deltas[0]['full_bytes']:.1%} of a full bf16 checkpoint, "
-            f"mean density {sum(r['density'] for r in deltas) / len(deltas):.2%}"
+            f"deltas: mean {mean_bytes / 1e6:.2f} MB = {mean_bytes / deltas[0]['full_bytes']:.1%} of a full "
+            f"bf16 checkpoint, mean density {sum(r['density'] for r in deltas) / len(deltas):.2%}"
         )
     who = "vLLM engine" if llm is not None else "follower"
     echo(f"{who} weights at step {target.step}: {final[:16]}…  trainer: {trainer_sums[config.steps - 1][:16]}…")
-    skipped = sum(r["exact"] is None for r in rows)
-    echo(("BIT-EXACT: every step verified" + (f" ({skipped} skipped: the {who} went straight to a newer anchor)"
-                                              if skipped else "")) if ok else "MISMATCH: see the table")
+    n_skipped = sum(r["exact"] is None for r in rows)
+    echo(("BIT-EXACT: every step verified" + (f" ({n_skipped} skipped: the {who} went straight to a newer anchor)"
+                                              if n_skipped else "")) if ok else "MISMATCH: see the table")
     if not ok:
         raise SystemExit(1)
     return rows

@@ -22,8 +22,8 @@ import torch
 
 from deltasync.format.checksum import format_checksum, state_checksum
 from deltasync.publish.publisher import DeltaPublisher
-from deltasync_cli.demo import DemoConfig, bf16_checksums
 from deltasync.testing import save_model_dir, stdlib_corpus, tiny_qwen3
+from deltasync_cli.demo import DemoConfig, bf16_checksums
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ def _nixl_trainer(address: str, url: str, config: DemoConfig, storage_options: d
                     pub.publish(step)
                     out.put(("published", step, time.monotonic()))
                 pub.flush()
-            out.put(("metrics", [m.to_dict() for m in pub.metrics], transport.trainer.stats.store_only))
+            assert transport.rdma_trainer is not None  # NixlTransport.trainer made it
+            out.put(("metrics", [m.to_dict() for m in pub.metrics], transport.rdma_trainer.stats.store_only))
     except BaseException as e:
         out.put(("error", "trainer", f"{type(e).__name__}: {e}"))
         raise
@@ -93,6 +94,7 @@ def _nixl_consumer(address: str, url: str, config: DemoConfig, storage_options: 
                         target.apply(obj)
                 consumer.applied(step)  # acknowledged: the controller advances the engine's version
                 out.put(("live", step, time.monotonic(), consumer.arrived.get(step, "-")))
+            assert target.replica is not None  # it applied step 0 (an anchor) at least
             final = state_checksum({n: format_checksum(c) for n, c in target.replica.checksums.items()})
             out.put(("final", target.step, final))
     except BaseException as e:
@@ -121,7 +123,7 @@ class _VllmFollower:
         self.held = -1
         self.live_at: dict[int, float] = {}
         try:
-            self.llm = start_engine(model_dir, dtype="bfloat16", enforce_eager=True,
+            self.llm = start_engine(str(model_dir), dtype="bfloat16", enforce_eager=True,
                                     max_model_len=256, seed=0)
             self.llm.init_weight_transfer_engine({"init_info": {
                 "url": url, "storage_options": storage_options or {}, "verify": "all",
@@ -132,6 +134,7 @@ class _VllmFollower:
 
     def advance(self) -> None:
         """Bring the engine to the latest committed step, each step its own update and weight version."""
+        assert self.llm is not None  # started in __init__ (which raises otherwise)
         latest = self.store.latest_step()
         for step in range(self.held + 1, (latest if latest is not None else -1) + 1):
             self.llm.start_weight_update()
@@ -144,12 +147,14 @@ class _VllmFollower:
     def status(self) -> dict:
         from rollout_loader.vllm.worker import transfer_status
 
+        assert self.llm is not None
         return transfer_status(self.llm)
 
     def generate(self, prompt: str, max_tokens: int = 12) -> str:
         """Greedy tokens from the weights the engine holds now (a barely trained model: the point is that it serves)."""
         from vllm import SamplingParams
 
+        assert self.llm is not None
         out = self.llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
         return f"token ids {list(out[0].outputs[0].token_ids)} ({out[0].outputs[0].text!r})"
 
@@ -175,7 +180,8 @@ def _shutdown_weight_transfer(llm) -> None:
     try:
         llm.shutdown_weight_transfer_engine()
     except Exception as e:  # noqa: BLE001 - an engine that died already: its processes are stopped anyway
-        log.warning("vLLM engine: shutting down the weight-transfer engine failed: %s", e)  # vLLM's default grace (5 s) is short on a loaded machine
+        # vLLM's default grace (5 s) is short on a loaded machine
+        log.warning("vLLM engine: shutting down the weight-transfer engine failed: %s", e)
 
 
 @contextmanager
@@ -190,7 +196,8 @@ def _ctrl_c_reaches_main_thread() -> Iterator[threading.Event]:
     ends a C wait with EINTR and raises again); from then on SIGINT is ignored, so the cleanup runs to its end.
     """
     cleaning = threading.Event()
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield cleaning
         return
     r, w = os.pipe()
@@ -201,13 +208,16 @@ def _ctrl_c_reaches_main_thread() -> Iterator[threading.Event]:
         if not cleaning.is_set():
             raise KeyboardInterrupt
 
+    main = threading.main_thread().ident
+    assert main is not None  # the main thread runs
+
     def watch() -> None:
         while not done.is_set():
             if select.select([r], [], [], 0.5)[0]:
                 os.read(r, 64)
                 break
         while not done.is_set() and not cleaning.wait(1.0):
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            signal.pthread_kill(main, signal.SIGINT)
 
     old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
     signal.signal(signal.SIGINT, handler)
@@ -244,7 +254,8 @@ def _take(q, got: dict, echo, timeout_s: float) -> None:
         got[kind] = msg[1:]
 
 
-def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage_options: dict | None, echo) -> list[dict]:
+def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage_options: dict | None,
+                  echo) -> list[dict]:
     import multiprocessing as mp
 
     from deltasync.rdma.auth import cluster_secret_for_this_run
@@ -262,7 +273,8 @@ def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage
     ctx = mp.get_context("spawn")
     got: dict = {"sum": {}, "published": {}, "live": {}}
     engine: _VllmFollower | None = None
-    with _ctrl_c_reaches_main_thread() as cleaning, cluster_secret_for_this_run(), Controller(trainers=1, consumers=1) as controller:
+    with _ctrl_c_reaches_main_thread() as cleaning, cluster_secret_for_this_run(), \
+            Controller(trainers=1, consumers=1) as controller:
         q, go = ctx.Queue(), ctx.Event()
         procs = [ctx.Process(target=_nixl_trainer, args=(controller.address, url, config, storage_options, q, go),
                              daemon=True)]
@@ -282,7 +294,7 @@ def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage
                 _check(procs, got, deadline)
                 _take(q, got, echo, 0.5)
             go.set()  # the consumer listens: the trainer starts, so publish -> live times are what a run sees
-            while "metrics" not in got or (engine.held if vllm else got.get("final", (-1,))[0]) < config.steps - 1:
+            while "metrics" not in got or (engine.held if engine else got.get("final", (-1,))[0]) < config.steps - 1:
                 _check(procs, got, deadline)
                 if engine is not None:
                     engine.advance()
@@ -293,6 +305,7 @@ def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage
                 got["paused"] = dict(enumerate(status["pauses_s"])) if len(status["pauses_s"]) == config.steps else {}
                 got["final"] = (status["held_step"], state_checksum(
                     {n: format_checksum(c) for n, c in status["checksums"].items()}))
+                assert engine.llm is not None  # started: advance ran
                 got["version"] = engine.llm.get_weight_version()
                 got["text"] = engine.generate("def ")
         finally:
@@ -301,7 +314,8 @@ def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage
                 engine.close()
             finished = "metrics" in got and "final" in got
             for p in procs:
-                if not finished and p.is_alive():  # interrupted or failed: they clean up on KeyboardInterrupt
+                # interrupted or failed: they clean up on KeyboardInterrupt
+                if not finished and p.is_alive() and p.pid is not None:
                     os.kill(p.pid, signal.SIGINT)
                 p.join(30)
                 if p.is_alive():
@@ -319,7 +333,8 @@ def _check(procs, got: dict, deadline: float) -> None:
         raise SystemExit(f"NIXL demo failed: {got.get('error') or [p.exitcode for p in procs]}")
 
 
-def _report(url: str, config: DemoConfig, got: dict, versions: dict, *, storage_options: dict | None, echo) -> list[dict]:
+def _report(url: str, config: DemoConfig, got: dict, versions: dict, *, storage_options: dict | None,
+            echo) -> list[dict]:
     """The table (one row per step: how it arrived, publish -> live) and the bit-exactness line."""
     from rich.console import Console
     from rich.table import Table

@@ -18,20 +18,25 @@ def follow(
     server: Annotated[str, typer.Option(help="Base URL of a vLLM OpenAI server started with VLLM_SERVER_DEV_MODE=1 and "
                                         "--weight-transfer-config '{\"backend\": \"deltasync\"}' (it fetches each step "
                                         "from the store itself).")],
-    until: Annotated[int | None, typer.Option(help="Exit once the engine holds this step (default: follow forever).")] = None,
+    until: Annotated[int | None, typer.Option(help="Exit once the engine holds this step (default: follow "
+                                                   "forever).")] = None,
     engine_step: Annotated[int | None, typer.Option(min=0, help="The step the engine's weights are at if it was never "
                                                     "updated (started from that step's checkpoint).")] = None,
     verify: Annotated[Literal["incremental", "changed", "all"], typer.Option(
         help="Checksums after each delta: 'incremental' (from the patched elements: the library's default too), "
              "the 'changed' tensors recomputed, or 'all'.")] = "incremental",
-    mode: Annotated[Literal["auto", "live", "reload"], typer.Option(help="Worker mode: auto, live or reload.")] = "auto",
+    mode: Annotated[Literal["auto", "live", "reload"], typer.Option(help="Worker mode: auto, live or "
+                                                                         "reload.")] = "auto",
     poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls of the store around the moment the "
                                           "next step is due (one small read each).")] = 0.25,
-    max_poll_s: Annotated[float, typer.Option(min=0.05, help="Longest time between polls while the stream is quiet.")] = 10.0,
+    max_poll_s: Annotated[float, typer.Option(min=0.05, help="Longest time between polls while the stream is "
+                                                             "quiet.")] = 10.0,
     timeout_s: Annotated[float, typer.Option(min=0.0, help="With --until: give up after this long.")] = 600.0,
-    metrics_port: Annotated[int | None, typer.Option(min=0, max=65535, help="Serve Prometheus metrics (held step, newest "
+    metrics_port: Annotated[int | None,
+                            typer.Option(min=0, max=65535, help="Serve Prometheus metrics (held step, newest "
                                                      "committed step, lag, apply/pause seconds, bytes, errors) on "
-                                                     "this port of 127.0.0.1 (0: any free port). Needs deltasync[metrics].")] = None,
+                                                     "this port of 127.0.0.1 (0: any free port). Needs "
+                                                     "deltasync[metrics].")] = None,
     notify: Annotated[str | None, typer.Option(help="A mirror's event feed (http://HOST:PORT/events, from deltasync "
                                                "mirror --events): steps are fetched as soon as they are announced, "
                                                "and the store is polled only as a safety net.")] = None,
@@ -55,12 +60,13 @@ def follow(
 
     # the engine's prefetchers listen to the feed too: every rank hears of a step before the update asks for it
     keys = _trusted(trusted_key)  # the follower and the server's engine both check every step's signature
-    target = VllmTarget(server, step=engine_step, mode=mode, verify=verify, notify=notify,  # type: ignore[arg-type]
+    target = VllmTarget(server, step=engine_step, mode=mode, verify=verify, notify=notify,
                         trusted_keys=keys)
     feed = EventFeed(notify) if notify is not None else None  # a bad URL: one line, exit 2
 
     def report(step: int) -> None:
-        out.print(f"step {step} live in {server} (generation paused {target.pauses_s[-1] * 1e3:.1f} ms, checksums match)"
+        out.print(f"step {step} live in {server} (generation paused {target.pauses_s[-1] * 1e3:.1f} ms, checksums "
+                  "match)"
                   f"{_lag_words(follower.status())}")
 
     try:
@@ -104,20 +110,26 @@ def _lag_words(status: FollowerStatus) -> str:
     lag = status.lag_steps
     if lag is None:
         return ""
-    return ", the newest committed step" if lag == 0 else f", {lag} step{'s' if lag != 1 else ''} behind step {status.newest_step}"
+    if lag == 0:
+        return ", the newest committed step"
+    return f", {lag} step{'s' if lag != 1 else ''} behind step {status.newest_step}"
 
 
 @app.command()
 def mirror(
     src: Annotated[str, typer.Argument(help="The stream to copy (URL).")],
     dst: Annotated[str, typer.Argument(help="Where to keep the copy (URL; an empty location or an earlier copy).")],
-    once: Annotated[bool, typer.Option("--once", help="Copy what is committed now and exit (default: keep following).")] = False,
+    once: Annotated[bool, typer.Option("--once", help="Copy what is committed now and exit (default: keep "
+                                                      "following).")] = False,
     until: Annotated[int | None, typer.Option(min=0, help="Exit once this step is copied.")] = None,
-    poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls of the source when a step is due.")] = 0.25,
-    max_poll_s: Annotated[float, typer.Option(min=0.05, help="Longest time between polls while the source is quiet.")] = 10.0,
+    poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls of the source when a step is "
+                                                         "due.")] = 0.25,
+    max_poll_s: Annotated[float, typer.Option(min=0.05, help="Longest time between polls while the source is "
+                                                             "quiet.")] = 10.0,
     events: Annotated[str | None, typer.Option(help="Serve the copy's new steps as server-sent events on HOST:PORT "
                                                "(GET /events), for this region's followers (deltasync follow "
-                                               "--notify, Follower(notifier=EventFeed(url))): they stop polling.")] = None,
+                                               "--notify, Follower(notifier=EventFeed(url))): they stop "
+                                               "polling.")] = None,
     notify: Annotated[str | None, typer.Option(help="The source's event feed (an upstream mirror's "
                                                "http://HOST:PORT/events): copy each step as it is announced.")] = None,
     storage_option: StorageOpt = None,
@@ -149,10 +161,12 @@ def mirror(
         if once:
             with _progress() as progress:
                 source.download_progress = progress  # large objects: a bar of bytes on a terminal
-                r = mirror_once(source, dst, dst_options=dst_options, on_step=report, trusted_keys=_trusted(trusted_key))
+                r = mirror_once(source, dst, dst_options=dst_options, on_step=report,
+                                trusted_keys=_trusted(trusted_key))
     if once:
         out.print(f"{dst}: {len(r.copied)} step(s) copied ({r.bytes_copied / 1e6:,.2f} MB), {r.present} already there"
-                  f"{', model files copied' if r.files_copied else ''} in {r.seconds:.1f}s", markup=False, soft_wrap=True)
+                  f"{', model files copied' if r.files_copied else ''} in {r.seconds:.1f}s", markup=False,
+                  soft_wrap=True)
         return
 
     def warn(error: BaseException) -> None:
@@ -197,7 +211,8 @@ def demo(
         help="Who follows: 'vllm' (a real engine) or 'torch' (a state dict).")] = "vllm",
     transport: Annotated[Literal["store", "nixl"], typer.Option(
         help="'store': the follower reads the store; 'nixl': trainer and follower in separate processes, step objects "
-             "over NIXL (RDMA; UCX loopback here) with the store as history and fallback (follower: the engine chosen with --engine).")] = "store",
+             "over NIXL (RDMA; UCX loopback here) with the store as history and fallback (follower: the engine chosen "
+             "with --engine).")] = "store",
     storage_option: StorageOpt = None,
 ) -> None:
     """Train a small Qwen3-shaped model, publish every step, follow it, and prove the weights match."""

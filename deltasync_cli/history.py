@@ -49,7 +49,8 @@ def replay(
 
     with _reader(url, storage_option, trusted_key) as reader, _progress() as progress:
         reader.store.download_progress = progress
-        r = replay_to_folder(reader, step, output, overwrite=overwrite, reread=reread, progress=progress, sign_with=sign)
+        r = replay_to_folder(reader, step, output, overwrite=overwrite, reread=reread, progress=progress,
+                             sign_with=sign)
     if as_json:
         _print_json(r.to_dict())
         return
@@ -57,7 +58,8 @@ def replay(
               f"{_mb(r.weights_bytes)} of weights + {len(r.model_files)} model files in {r.seconds:.2f}s; "
               f"checksums match the manifest (state {r.state_checksum[:16]}…)", soft_wrap=True, markup=False)
     if not r.model_files:
-        out.print("note: the stream holds no model files (config, tokenizer): publish with files=... or push a folder", soft_wrap=True, markup=False)
+        out.print("note: the stream holds no model files (config, tokenizer): publish with files=... or push a folder",
+                  soft_wrap=True, markup=False)
 
 
 @app.command()
@@ -67,7 +69,8 @@ def push(
     step: Annotated[int, typer.Option("--step", help="Step number to publish it as (after the latest).")],
     anchor: Annotated[bool, typer.Option(help="Publish a full anchor instead of a delta.")] = False,
     dtype: Annotated[str | None, typer.Option(help="Publish floating tensors in this dtype (e.g. bfloat16).")] = None,
-    files: Annotated[Path | None, typer.Option(help="Folder of model files to store (default: the checkpoint folder's).")] = None,
+    files: Annotated[Path | None, typer.Option(help="Folder of model files to store (default: the checkpoint "
+                                                    "folder's).")] = None,
     take_over: Annotated[bool, typer.Option(help="Take the stream over from a publisher that holds it.")] = False,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
@@ -79,14 +82,16 @@ def push(
     from deltasync.store import Store
 
     with Store(url, storage_options=_storage_options(storage_option)) as store:
-        m = push_checkpoint(store, step, checkpoint, anchor=anchor, dtype=_dtype(dtype), files=files, take_over=take_over,
+        m = push_checkpoint(store, step, checkpoint, anchor=anchor, dtype=_dtype(dtype), files=files,
+                            take_over=take_over,
                             signing_key=signing_key)
     if as_json:
         _print_json(m.to_dict())
         return
     on = "" if m.base_step is None else f" on step {m.base_step}"
     out.print(f"{url}: pushed {checkpoint} as step {m.step} ({m.kind}{on}), {_mb(m.object_bytes)}, "
-              f"{m.stats.changed:,} of {m.stats.numel:,} elements ({_pct(m.stats.density)})", soft_wrap=True, markup=False)
+              f"{m.stats.changed:,} of {m.stats.numel:,} elements ({_pct(m.stats.density)})", soft_wrap=True,
+              markup=False)
 
 
 @app.command("compare")
@@ -111,7 +116,8 @@ def compare_(
         for col in ("name", "elements", "changed", "density", "rel L2", "max |change|"):  # names wrap, never cut
             table.add_column(col, justify="left" if col == "name" else "right", overflow="fold", no_wrap=col != "name")
         for d in rows:
-            table.add_row(d.name, f"{d.numel:,}", f"{d.changed:,}", _pct(d.density), _num(d.rel_l2), _num(d.max_abs_change))
+            table.add_row(d.name, f"{d.numel:,}", f"{d.changed:,}", _pct(d.density), _num(d.rel_l2),
+                          _num(d.max_abs_change))
         out.print(table)
 
 
@@ -120,7 +126,8 @@ def stats(
     url: Annotated[str, typer.Argument(help="Stream URL.")],
     first: Annotated[int | None, typer.Option("--from", help="First step.")] = None,
     last: Annotated[int | None, typer.Option("--to", help="Last step.")] = None,
-    plot: Annotated[Path | None, typer.Option(help="Draw change density per layer and bytes per step to this PNG.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Draw change density per layer and bytes per step to this "
+                                                   "PNG.")] = None,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
 ) -> None:
@@ -141,8 +148,10 @@ def stats(
         _print_json({**s.to_dict(), **({"layer_density": density.to_dict()} if density else {})})
         return
     sm = s.summary()
-    out.print(f"{url}: {sm['steps']} steps {sm['first_step']}..{sm['last_step']} ({sm['anchors']} anchors, {sm['deltas']} deltas), "
-              f"{_mb(sm['total_bytes'])} stored; as full checkpoints: {_num(sm['compression_ratio'])}x more", soft_wrap=True, markup=False)
+    out.print(f"{url}: {sm['steps']} steps {sm['first_step']}..{sm['last_step']} ({sm['anchors']} anchors, "
+              f"{sm['deltas']} deltas), "
+              f"{_mb(sm['total_bytes'])} stored; as full checkpoints: {_num(sm['compression_ratio'])}x more",
+              soft_wrap=True, markup=False)
     table = Table(title="over the stream")
     for col in ("", "min", "median", "mean", "max"):
         table.add_column(col, justify="left" if not col else "right")
@@ -180,7 +189,8 @@ def verify_(
     elif report.ok:
         origin = ("every step signed by a trusted key" if report.origin_checked else
                   "origin unchecked (no --trusted-key: anyone who can write the store could have written them)")
-        out.print(f"{url}: steps {report.first}..{report.last} verified ({len(report.verified)} steps): objects, headers, "
+        out.print(f"{url}: steps {report.first}..{report.last} verified ({len(report.verified)} steps): objects, "
+                  "headers, "
                   f"chains and checksums (by replaying every tensor) all match; {origin}", soft_wrap=True, markup=False)
     else:
         for p in report.problems:
@@ -208,7 +218,8 @@ def gc_(
 
     ask = not (dry_run or yes or as_json) and _on_terminal()
     with _progress() as progress:
-        plan = collect_garbage(url, keep_last=keep_last, keep_anchor_every=keep_anchor_every, consumer_max_age_s=consumer_max_age_s,
+        plan = collect_garbage(url, keep_last=keep_last, keep_anchor_every=keep_anchor_every,
+                               consumer_max_age_s=consumer_max_age_s,
                   dry_run=dry_run or ask, storage_options=_storage_options(storage_option), progress=progress)
     if as_json:
         _print_json({**plan.to_dict(), "dry_run": dry_run})
@@ -225,7 +236,8 @@ def gc_(
         with Store(url, storage_options=_storage_options(storage_option)) as store, _progress() as progress:
             run_gc(store, plan, progress=progress)
     verb = "would delete" if dry_run else "deleted"
-    out.print(f"{verb} {len(plan.delete)} steps ({_mb(plan.freed_bytes)}) and {len(plan.leftovers)} uncommitted folders; "
+    out.print(f"{verb} {len(plan.delete)} steps ({_mb(plan.freed_bytes)}) and {len(plan.leftovers)} uncommitted "
+              "folders; "
               f"kept {len(plan.keep)} steps", soft_wrap=True, markup=False)
 
 

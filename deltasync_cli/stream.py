@@ -59,7 +59,9 @@ def patch(
     for alias, name in obj.header.aliases.items():
         if name in tensors:
             tensors.setdefault(alias, tensors[name])
-    rep = Replica.from_tensors(tensors, step=obj.header.base_step)
+    # an anchor is loaded whole: the base's step does not matter then
+    base_step = obj.header.step if obj.header.base_step is None else obj.header.base_step
+    rep = Replica.from_tensors(tensors, step=base_step)
     rep.apply(obj, verify="full")
     from deltasync.transports.local import share
 
@@ -110,7 +112,8 @@ def ls_(
 @app.command()
 def status(
     url: Annotated[str, typer.Argument(help="Stream URL.")],
-    stale_after_s: Annotated[float, typer.Option(min=1.0, help="Flag consumers whose last heartbeat is older than this.")] = 900.0,
+    stale_after_s: Annotated[float, typer.Option(min=1.0, help="Flag consumers whose last heartbeat is older than "
+                                                               "this.")] = 900.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     prometheus: Annotated[bool, typer.Option("--prometheus", help="Print Prometheus text exposition (for a textfile "
                                              "collector or a scrape script).")] = False,
@@ -167,18 +170,21 @@ def show(
             raise
         with reader.open(step) as obj:
             h = obj.header
-    tensors = {n: {"dtype": t.dtype, "shape": list(t.shape), "changed": t.changed, "checksum": t.checksum} for n, t in h.tensors.items()}
+    tensors = {n: {"dtype": t.dtype, "shape": list(t.shape), "changed": t.changed, "checksum": t.checksum}
+               for n, t in h.tensors.items()}
     if as_json:
         print(json.dumps({"manifest": m.to_dict(), "aliases": h.aliases, "tensors": tensors}, indent=1))
         return
-    out.print(f"step {m.step} ({m.kind}{'' if m.base_step is None else f' on step {m.base_step}'}), {m.object_bytes:,} bytes")
+    out.print(f"step {m.step} ({m.kind}{'' if m.base_step is None else f' on step {m.base_step}'}), {m.object_bytes:,} "
+              "bytes")
     out.print(f"state checksum {m.state_checksum}")
     table = Table()
     for col in ("tensor", "dtype", "shape", "changed", "density", "checksum"):
         # a name wraps rather than being cut ("model.layers.1…" names nothing); other cells keep their width
         table.add_column(col, overflow="fold", min_width=None if col == "tensor" else len(col), no_wrap=col != "tensor")
     for n, t in h.tensors.items():
-        table.add_row(n, t.dtype, "x".join(map(str, t.shape)), f"{t.changed:,}", f"{t.changed / max(t.numel, 1):.2%}", t.checksum)
+        table.add_row(n, t.dtype, "x".join(map(str, t.shape)), f"{t.changed:,}", f"{t.changed / max(t.numel, 1):.2%}",
+                      t.checksum)
     out.print(table)
 
 

@@ -21,7 +21,7 @@ import tempfile
 import torch
 from torch import nn
 
-from deltasync import compare, DeltaPublisher, stream_stats
+from deltasync import DeltaPublisher, compare, stream_stats
 from deltasync.history import layer_density, plot_stats
 
 
@@ -65,7 +65,7 @@ def find_jump(url: str) -> tuple[int, str]:
         print(f"step {row.step:3d}: density {row.density:7.2%}")
     prev, row = max(itertools.pairwise(deltas), key=lambda pair: pair[1].density / max(pair[0].density, 1e-9))
     grid = layer_density(url, [prev.step, row.step])
-    ratio = {layer: (d[1] or 0.0) / max(d[0] or 0.0, 1e-9) for layer, d in zip(grid.layers, grid.density)}
+    ratio = {layer: (d[1] or 0.0) / max(d[0] or 0.0, 1e-9) for layer, d in zip(grid.layers, grid.density, strict=True)}
     layer = max(ratio, key=ratio.get)
     print(f"step {row.step}: density {prev.density:.2%} -> {row.density:.2%}; per layer, x times the step before:")
     for name, r in sorted(ratio.items(), key=lambda kv: -kv[1]):
@@ -74,7 +74,8 @@ def find_jump(url: str) -> tuple[int, str]:
     print(f"compare {prev.step} -> {row.step}, tensors of {layer}:")
     for d in comparison.tensors:
         if d.name.startswith(layer + "."):
-            print(f"  {d.name:22s} changed {d.density:7.2%}  rel L2 {d.rel_l2:.2e}  max |change| {d.max_abs_change:.2e}")
+            print(f"  {d.name:22s} changed {d.density:7.2%}  rel L2 {d.rel_l2:.2e}  max |change| "
+                  f"{d.max_abs_change:.2e}")
     return row.step, layer
 
 

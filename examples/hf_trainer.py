@@ -53,7 +53,8 @@ def main() -> int:
         trainer.train()  # the Trainer prints each log; the callback's figures are in it
 
         logged = [h for h in trainer.state.log_history if "deltasync/bytes" in h]
-        print(f"deltasync figures in {len(logged)} of the Trainer's logs, e.g. {sorted(k for k in logged[-1] if k.startswith('deltasync/'))}")
+        print(f"deltasync figures in {len(logged)} of the Trainer's logs, e.g. "
+              f"{sorted(k for k in logged[-1] if k.startswith('deltasync/'))}")
         with StreamReader(url) as reader:
             last = reader.steps()[-1]
             state = reader.state_dict(last)

@@ -77,7 +77,8 @@ def publish_and_check(url: str, storage_options: dict[str, Any], steps: int) -> 
         print(f"{url}: committed steps {reader.steps()}")
         state = reader.state_dict(steps - 1)
     want = {name: t.detach().to(torch.bfloat16) for name, t in model.state_dict().items()}
-    return state.keys() == want.keys() and all(torch.equal(state[n].view(torch.int16), t.view(torch.int16)) for n, t in want.items())
+    return state.keys() == want.keys() and all(torch.equal(state[n].view(torch.int16), t.view(torch.int16))
+                                               for n, t in want.items())
 
 
 def main() -> int:

@@ -58,7 +58,8 @@ def main() -> int:
                 pub.flush()  # only so that this example's engine sees every step: trainers need not wait
                 applied = follower.sync()  # between generate() calls: apply what is new, verified
                 out = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids
-                print(f"step {step}: engine applied {applied}, now at step {follower.target.step}; greedy tokens {list(out)}")
+                print(f"step {step}: engine applied {applied}, now at step {follower.target.step}; greedy tokens "
+                      f"{list(out)}")
         follower.close()
 
         want = {name: tensor_checksum(t.detach().to(torch.bfloat16)) for name, t in model.state_dict().items()}

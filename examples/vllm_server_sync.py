@@ -1,4 +1,5 @@
-"""A vLLM OpenAI server kept at the trainer's newest step by ``deltasync follow URL --server``, each rollout tied to its step.
+"""A vLLM OpenAI server kept at the trainer's newest step by ``deltasync follow URL --server``, each rollout tied to its
+step.
 
 The server is started as in production, with vLLM's weight-transfer routes and the deltasync engine::
 
@@ -50,8 +51,10 @@ def http(base: str, route: str, body: dict | None = None, *, timeout_s: float = 
 
 def start_server(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen:
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "DELTASYNC_CPU_LIVE_WEIGHTS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", "m",
-           "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
+           "m",
+           "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256", "--host", "127.0.0.1", "--port",
+           str(port),
            "--weight-transfer-config", '{"backend": "deltasync"}', "--enable-scale-out"]
     with open(log_path, "wb") as log:
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -90,7 +93,8 @@ def wait_weight_version(base: str, step: int, follower: subprocess.Popen, timeou
 
 def rollout(base: str, prompt_ids: list[int]) -> dict:
     """One rollout with its provenance: the generated tokens and which weight version sampled each span."""
-    reply = http(base, "/inference/v1/generate", {"token_ids": prompt_ids, "sampling_params": {"max_tokens": 8, "temperature": 0.0}})
+    reply = http(base, "/inference/v1/generate",
+                 {"token_ids": prompt_ids, "sampling_params": {"max_tokens": 8, "temperature": 0.0}})
     return reply["choices"][0]
 
 
@@ -114,7 +118,8 @@ def main() -> int:
                 wait_healthy(base, server, log_path)
                 # next to the server, as in production: keeps it at the newest step until stopped
                 follower = subprocess.Popen([sys.executable, "-m", "deltasync_cli", "follow", url, "--server", base,
-                                             "--verify", "all"], env={**os.environ, "COLUMNS": "200"}, start_new_session=True)
+                                             "--verify", "all"], env={**os.environ, "COLUMNS": "200"},
+                                            start_new_session=True)
                 for step in range(args.steps + 1):
                     if step:
                         ids = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(step))
@@ -128,7 +133,8 @@ def main() -> int:
                     spans = choice.get("weight_versions") or []
                     tied = bool(spans) and all(s["version"] == str(step) for s in spans)
                     ok &= tied
-                    print(f"step {step}: /weight_info says {step}; rollout tokens {choice['token_ids']} sampled by weight "
+                    print(f"step {step}: /weight_info says {step}; rollout tokens {choice['token_ids']} sampled by "
+                          "weight "
                           f"versions {[(s['version'], s['start'], s['end']) for s in spans]}", flush=True)
             with StreamReader(url) as reader:  # what the server verified against (--verify all): the trainer's bits
                 state = reader.state_dict(args.steps)

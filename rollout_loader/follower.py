@@ -2,8 +2,8 @@
 
 The follower fetches and verifies the next object in the background, then hands it to the target, which
 applies it all-or-nothing; a target that reads the store itself (a vLLM engine, :class:`StreamTarget`) is
-sent the step numbers of the chain instead. A failed step is retried (from the nearest anchor when the step's content was
-at fault) with exponential backoff; the target keeps its last consistent step meanwhile and ``step`` never
+sent the step numbers of the chain instead. A failed step is retried (from the nearest anchor when the step's content
+was at fault) with exponential backoff; the target keeps its last consistent step meanwhile and ``step`` never
 names weights the target does not hold. A follower goes to the newest step by the shortest chain: when
 the newest step is an anchor it applies only that anchor, so ``on_step`` need not see every step.
 """
@@ -21,7 +21,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from deltasync import DeltaSyncError, StreamReader
-from deltasync.engine import check_consumer_id, Notifier, PollPolicy, Replica, StepObject, StepWatch, TrustedKeys, Verify, write_heartbeat
+from deltasync.engine import (
+    Notifier,
+    PollPolicy,
+    Replica,
+    StepObject,
+    StepWatch,
+    TrustedKeys,
+    Verify,
+    check_consumer_id,
+    write_heartbeat,
+)
 from deltasync.errors import (
     ConfigError,
     EngineConfigError,
@@ -34,7 +44,6 @@ from deltasync.errors import (
     TensorMismatchError,
     WaitTimeoutError,
 )
-
 
 from .metrics import FollowerStats, FollowerStatus, MetricsServer, serve
 
@@ -81,7 +90,8 @@ class StateDictTarget:
         return self.replica.step if self.replica else None
 
     def apply(self, obj: StepObject) -> None:
-        if self.replica is None or obj.header.kind == "anchor" and obj.header.tensors.keys() != self.replica.checksums.keys():
+        if self.replica is None or (obj.header.kind == "anchor"
+                                    and obj.header.tensors.keys() != self.replica.checksums.keys()):
             self.replica = Replica.from_anchor(obj, device=self.device)
         else:
             self.replica.apply(obj, verify=self.verify)
@@ -97,11 +107,11 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
     HeldStepError,
 )
 """Errors a follower does not retry, because retrying cannot help: the stream's model changed names, shapes
-or dtypes (``TensorMismatchError``); a target said to hold a step its weights are not (``HeldStepError``); credentials, storage options, the engine's flags or an argument are
-wrong, or a package is missing. Everything else is retried: store and network errors, a URL with no
-stream yet (``StreamNotFoundError``: the publisher may not have started), a damaged or missing object
-(retried from the next anchor), a checksum mismatch (the target rolled back), an engine that refused or
-crashed, a bug in ``on_step``."""
+or dtypes (``TensorMismatchError``); a target said to hold a step its weights are not (``HeldStepError``);
+credentials, storage options, the engine's flags or an argument are wrong, or a package is missing. Everything
+else is retried: store and network errors, a URL with no stream yet (``StreamNotFoundError``: the publisher
+may not have started), a damaged or missing object (retried from the next anchor), a checksum mismatch (the
+target rolled back), an engine that refused or crashed, a bug in ``on_step``."""
 
 
 class Follower:
@@ -112,16 +122,16 @@ class Follower:
     stream's cadence: every ``poll_s`` around the moment the next step is due, backing off to ``max_poll_s``
     while the stream is quiet (``watch.policy`` holds the rest, docs/FORMAT.md section 5c). With a
     ``notifier`` (:mod:`deltasync.notify`: a mirror's ``EventFeed``, an ``RdmaConsumer``) a pushed step is
-    fetched at once and polls slow to a safety net. ``on_step(step)`` is called after each step is live in the target. If the target is
-    more than ``max_chain`` deltas behind, it restarts from the nearest anchor instead. With ``consumer_id``
-    it records its step in the store (a heartbeat that garbage collection respects and ``deltasync status``
-    shows): after a step at most every ``heartbeat_s / 10``, and every ``heartbeat_s`` while idle.
+    fetched at once and polls slow to a safety net. ``on_step(step)`` is called after each step is live in the target.
+    If the target is more than ``max_chain`` deltas behind, it restarts from the nearest anchor instead. With
+    ``consumer_id`` it records its step in the store (a heartbeat that garbage collection respects and ``deltasync
+    status`` shows): after a step at most every ``heartbeat_s / 10``, and every ``heartbeat_s`` while idle.
 
     Failures: every exception is recorded in ``last_error``, with the step it happened at in
     ``last_error_step`` (None when no step was being applied, e.g. listing the store failed); both are
     cleared by the next success. The thread never dies from one failure: it retries after
-    ``deltasync.watch.retry_delay_s`` (``poll_s`` doubling up to ``max_backoff_s``), logging each distinct error once. An
-    error in ``PERMANENT_ERRORS`` stops it; ``wait_for`` then raises ``FollowError`` from that error, and
+    ``deltasync.watch.retry_delay_s`` (``poll_s`` doubling up to ``max_backoff_s``), logging each distinct error once.
+    An error in ``PERMANENT_ERRORS`` stops it; ``wait_for`` then raises ``FollowError`` from that error, and
     on its deadline ``WaitTimeoutError`` from the last error. ``sync()`` raises the error itself.
 
     Provenance and metrics: ``lag_steps`` is how far the held step is behind the newest committed step
@@ -331,7 +341,8 @@ class Follower:
             # text only: a log record that kept the exception would keep its frames (the reader, its
             # downloads) alive as long as any handler keeps the record
             where = "" if isinstance(e, DeltaSyncError) else "\n" + "".join(traceback.format_exception(e)).rstrip()
-            log.log(logging.ERROR if permanent else logging.WARNING, "follower%s: %s: %s (%s)%s", at, key[0], key[1], what, where)
+            log.log(logging.ERROR if permanent else logging.WARNING, "follower%s: %s: %s (%s)%s", at, key[0], key[1],
+                    what, where)
         with self._changed:
             self._changed.notify_all()
 
@@ -346,8 +357,9 @@ class Follower:
         """Block until the target holds ``step`` or later; returns the step it holds.
 
         With ``start()`` the thread does the work, polling every ``poll_s`` while anyone waits; without, this
-        syncs in the caller's thread, retrying failures like the thread does. Raises ``FollowError`` (from the error) once the follower stopped on
-        a permanent error, ``WaitTimeoutError`` (from the last error, if any) at the deadline.
+        syncs in the caller's thread, retrying failures like the thread does. Raises ``FollowError`` (from the error)
+        once the follower stopped on a permanent error, ``WaitTimeoutError`` (from the last error, if any) at the
+        deadline.
         """
         deadline = time.monotonic() + timeout_s
         if self._thread is None:
@@ -405,7 +417,8 @@ class Follower:
 
     def _timed_out(self, step: int, timeout_s: float) -> None:
         e = self.last_error
-        why = "" if e is None else f" (last error{'' if self.last_error_step is None else f' at step {self.last_error_step}'}: {type(e).__name__}: {e})"
+        at = "" if self.last_error_step is None else f" at step {self.last_error_step}"
+        why = "" if e is None else f" (last error{at}: {type(e).__name__}: {e})"
         raise WaitTimeoutError(
             f"{self.reader.url}: target holds step {self.target.step}, step {step} not live within {timeout_s}s{why}"
             f"{self._doing()}"
@@ -495,7 +508,7 @@ class Follower:
             self.watch.wait(delay)  # a pushed step, a stop or a new waiter ends the wait early
 
 
-def _last_pause_s(target: Target) -> float | None:
+def _last_pause_s(target: Target | StreamTarget) -> float | None:
     """How long an engine target stopped generating for its last step (``pauses_s``), None for one that never
     pauses (a state dict)."""
     pauses = getattr(target, "pauses_s", None)

@@ -100,13 +100,17 @@ class FollowerStats:
 # name, kind, help, how to read it from a status
 _METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("held_step", "gauge", "The step the follower's target holds (NaN: none yet).", "held_step"),
-    ("newest_step", "gauge", "The newest committed step the follower has seen in the store (NaN: none yet).", "newest_step"),
-    ("lag_steps", "gauge", "How many steps the held step is behind the newest committed step (NaN: unknown).", "lag_steps"),
+    ("newest_step", "gauge", "The newest committed step the follower has seen in the store (NaN: none yet).",
+     "newest_step"),
+    ("lag_steps", "gauge", "How many steps the held step is behind the newest committed step (NaN: unknown).",
+     "lag_steps"),
     ("steps_applied", "counter", "Steps applied to the target.", "steps_applied"),
     ("applied_bytes", "counter", "Bytes of the step objects applied (as committed).", "bytes_applied"),
     ("errors", "counter", "Failed attempts to follow (retried, or permanent).", "errors"),
-    ("last_apply_seconds", "gauge", "Seconds to fetch, verify and apply the last step (NaN: none yet).", "last_apply_s"),
-    ("last_pause_seconds", "gauge", "Seconds generation was paused for the last step (NaN: none, or no pause).", "last_pause_s"),
+    ("last_apply_seconds", "gauge", "Seconds to fetch, verify and apply the last step (NaN: none yet).",
+     "last_apply_s"),
+    ("last_pause_seconds", "gauge", "Seconds generation was paused for the last step (NaN: none, or no pause).",
+     "last_pause_s"),
 )
 
 
@@ -128,7 +132,8 @@ class _Collector:
 
         status = self.source.status()
         for name, kind, doc, attr in _METRICS:
-            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(PREFIX + name, doc, labels=["stream"])
+            make = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            family = make(PREFIX + name, doc, labels=["stream"])
             family.add_metric([status.stream], _number(getattr(status, attr)))
             yield family
 
@@ -168,9 +173,10 @@ def serve(source: StatusSource, port: int, *, addr: str = "127.0.0.1") -> Metric
     try:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError as e:
-        raise MissingDependencyError(f"a metrics endpoint needs prometheus-client: pip install 'deltasync[metrics]' ({e})") from e
+        raise MissingDependencyError("a metrics endpoint needs prometheus-client: pip install 'deltasync[metrics]' "
+                                     f"({e})") from e
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(source))  # type: ignore[arg-type]
+    registry.register(_Collector(source))
     try:
         server, thread = start_http_server(port, addr=addr, registry=registry)
     except OSError as e:

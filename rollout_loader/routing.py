@@ -17,6 +17,7 @@ loader reads through anything but a view, a parameter written by anything but a 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,14 +52,14 @@ class View:
         a broadcast): its dims of size > 1 must be base dims, in the base's order, with the base's strides."""
         strides, dim_of = _layout(self.base)
         start, rest = [], self.offset
-        for s, size in zip(strides, self.base):
+        for s, size in zip(strides, self.base, strict=True):
             c, rest = divmod(rest, s) if s else (0, rest)
             if size and c >= size:
                 return None
             start.append(c)
         extent = [1] * len(self.base)
         last = -1
-        for size, st in zip(self.shape, self.stride):
+        for size, st in zip(self.shape, self.stride, strict=True):
             if size == 1:
                 continue
             d = dim_of.get(st, -1)  # dims of size > 1 of a contiguous base have distinct strides
@@ -142,7 +143,8 @@ class Route:
             return keep, pos[keep] + shift
         keep = torch.ones_like(pos, dtype=torch.bool)
         local = torch.zeros_like(pos)
-        for d, (size, st, hs, ext) in enumerate(zip(self.hf_shape, _strides(self.extent), self.hf_start, self.extent)):
+        for d, (size, st, hs, ext) in enumerate(zip(self.hf_shape, _strides(self.extent), self.hf_start, self.extent,
+                                                    strict=True)):
             coord = (pos // _strides(self.hf_shape)[d]) % size
             if hs != 0 or ext != size:
                 keep &= (coord >= hs) & (coord < hs + ext)
@@ -150,7 +152,7 @@ class Route:
         local = local[keep]
         out = torch.zeros_like(local)
         for size, st, ps, pst in zip(self.param_extent, _strides(self.param_extent), self.param_start,
-                                     _strides(self.param_shape)):
+                                     _strides(self.param_shape), strict=True):
             out += ((local // st) % size + ps) * pst
         return keep, out
 
@@ -217,7 +219,7 @@ class CopyRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         dst = args[0] if args and isinstance(args[0], torch.Tensor) else None
         target = self._params.get(_storage(dst)) if dst is not None and func._schema.is_mutable else None
-        if target is not None:
+        if target is not None and dst is not None:  # (target is None without dst)
             name, base = target
             view = _view(dst, base)
             op = func.overloadpacket.__name__
@@ -297,7 +299,8 @@ def build_routing_table(
         if not bad and len(params) > 1:
             bad = [f"{hf_name!r}: copied into {len(params)} parameters ({params[:3]}); one tensor feeds one parameter"]
         good = sorted((p for p in pieces if not isinstance(p, str)), key=lambda r: (r.hf_start, r.extent))
-        if not bad and any(_overlap((a.hf_start, a.extent), (b.hf_start, b.extent)) for a, b in zip(good, good[1:])):
+        if not bad and any(_overlap((a.hf_start, a.extent), (b.hf_start, b.extent))
+                           for a, b in itertools.pairwise(good)):
             bad = [f"{hf_name!r}: the same elements are copied into {len(good)} places of {params[0]!r}; replicas of "
                    "one tensor (redundant experts) are not supported"]
         if bad:
@@ -342,7 +345,8 @@ def _route(c: Copy, hf_shape: Shape) -> Route | str:
         return f"{where}: the loader saw shape {list(c.src.base)}, the checkpoint has {list(hf_shape)}"
     src, dst = c.src.box(), c.dst.box()
     if src is None or dst is None:
-        return (f"{where}: the loader copies a transposed, strided or broadcast view ({'checkpoint' if src is None else 'parameter'} "
+        return (f"{where}: the loader copies a transposed, strided or broadcast view "
+                f"({'checkpoint' if src is None else 'parameter'} "
                 f"side, shape {list(c.src.shape)}): no exact route")
     if [e for e in src[1] if e != 1] != [e for e in dst[1] if e != 1]:
         return f"{where}: checkpoint box {list(src[1])} and parameter box {list(dst[1])} do not line up"
@@ -370,7 +374,7 @@ def _coverage(routes: Iterable[Route], param_shapes: Mapping[str, Sequence[int]]
             issues.append(f"engine parameter {name!r} is fed by no checkpoint tensor")
             continue
         pieces = sorted(fed)
-        for a, b in zip(pieces, pieces[1:]):
+        for a, b in itertools.pairwise(pieces):
             if _overlap(a, b):
                 issues.append(f"engine parameter {name!r}: boxes {a} and {b} are written by two checkpoint tensors")
         n = sum(math.prod(e) for _, e in fed)
@@ -397,7 +401,7 @@ def _overlap(a: tuple[Shape, Shape], b: tuple[Shape, Shape]) -> bool:
 
 def _intersection(a: tuple[Shape, Shape], b: tuple[Shape, Shape]) -> int:
     n = 1
-    for s1, e1, s2, e2 in zip(a[0], a[1], b[0], b[1]):
+    for s1, e1, s2, e2 in zip(a[0], a[1], b[0], b[1], strict=True):
         n *= max(0, min(s1 + e1, s2 + e2) - max(s1, s2))
     return n
 
@@ -407,14 +411,14 @@ def _run(shape: Sequence[int], start: Sequence[int], extent: Sequence[int]) -> i
     big = [d for d, e in enumerate(extent) if e != 1]
     if big and any(extent[d] != shape[d] for d in range(big[0] + 1, len(shape))):
         return None
-    return sum(s * st for s, st in zip(start, _strides(shape)))
+    return sum(s * st for s, st in zip(start, _strides(shape), strict=True))
 
 
 @functools.lru_cache(maxsize=4096)
 def _layout(base: Shape) -> tuple[list[int], dict[int, int]]:
     """A contiguous tensor's strides, and {stride: dim} for its dims of size > 1."""
     strides = _strides(base)
-    return strides, {st: d for d, (st, n) in enumerate(zip(strides, base)) if n > 1}
+    return strides, {st: d for d, (st, n) in enumerate(zip(strides, base, strict=True)) if n > 1}
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -422,7 +426,7 @@ def _storage(t: torch.Tensor) -> int:
 
 
 def _view(t: torch.Tensor, base: Shape) -> View:
-    return View(base=base, offset=t.storage_offset(), shape=tuple(t.shape), stride=tuple(t.stride()))
+    return View(base=base, offset=int(t.storage_offset()), shape=tuple(t.shape), stride=tuple(t.stride()))
 
 
 def _strides(shape: Sequence[int]) -> list[int]:

@@ -97,7 +97,8 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def hook_transport(transport: Any, *, before: Callable[[str], None] = lambda p: None, after: Callable[[str], None] = lambda p: None) -> None:
+def hook_transport(transport: Any, *, before: Callable[[str], None] = lambda p: None,
+                   after: Callable[[str], None] = lambda p: None) -> None:
     """Run ``before(path)``/``after(path)`` around each store path a transport call writes or reads.
 
     Every public method is hooked, whatever its name (the commit's primitives may change); methods are
@@ -136,7 +137,8 @@ def hook_transport(transport: Any, *, before: Callable[[str], None] = lambda p: 
 
 
 def _is_items(arg: Any) -> bool:
-    return isinstance(arg, list) and bool(arg) and all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[1], str) for i in arg)
+    return isinstance(arg, list) and bool(arg) and all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[1], str)
+                                                       for i in arg)
 
 
 def is_object_path(path: str, step: int | None = None) -> bool:
@@ -411,7 +413,8 @@ class Monitor:
                     now = None
                 if now != data and step not in self._reported:
                     self._reported.add(step)
-                    self.problems.append(f"step {step}: its manifest changed from {data[:200]!r} to {now[:200] if now else now!r}")
+                    self.problems.append(f"step {step}: its manifest changed from {data[:200]!r} to "
+                                         f"{now[:200] if now else now!r}")
 
 
 @dataclass
@@ -487,7 +490,8 @@ def crash_publishers(run: CrashRun, kills: int, seed: int) -> CrashCounts:
     counts.committed_steps = len(committed)
     counts.elapsed_s = round(time.monotonic() - t0, 1)
     if not committed or committed[-1] != stop:
-        counts.failures.append(f"the last publisher, which ended cleanly, did not commit step {stop} (committed: {committed[-5:]})")
+        counts.failures.append(f"the last publisher, which ended cleanly, did not commit step {stop} (committed: "
+                               f"{committed[-5:]})")
     return counts
 
 
@@ -564,7 +568,8 @@ def _check_listing(reader: Any, committed: list[int], counts: CrashCounts) -> No
     """Between two publishers: deltasync lists exactly the committed steps, whatever a killed one left."""
     listed = reader.steps()
     if listed != committed:
-        counts.failures.append(f"deltasync lists steps {sorted(set(listed) ^ set(committed))} differently from the manifests")
+        counts.failures.append(f"deltasync lists steps {sorted(set(listed) ^ set(committed))} differently from the "
+                               "manifests")
     if set(reader.store.step_folders()) - set(committed):
         counts.restarts_with_leftovers += 1
 
@@ -596,7 +601,8 @@ def check_stream(run: CrashRun, counts: CrashCounts) -> None:
     reader = run.reader()
     try:
         if reader.steps() != committed:
-            failures.append(f"deltasync lists steps {sorted(set(reader.steps()) ^ set(committed))} differently from the manifests")
+            failures.append(f"deltasync lists steps {sorted(set(reader.steps()) ^ set(committed))} differently from "
+                            "the manifests")
         if reader.latest_step() != committed[-1]:
             failures.append(f"the latest step is {reader.latest_step()}, the newest manifest {committed[-1]}")
         # a killed writer's folder stays until it is older than a lease (remove_uncommitted): invisible
@@ -609,7 +615,8 @@ def check_stream(run: CrashRun, counts: CrashCounts) -> None:
         report = verify(reader)
         counts.verified_steps = len(report.verified)
         if not report.ok or list(report.verified) != committed:
-            failures.append(f"verify: {len(report.verified)} of {len(committed)} steps verified; problems: {report.problems}")
+            failures.append(f"verify: {len(report.verified)} of {len(committed)} steps verified; problems: "
+                            f"{report.problems}")
     finally:
         reader.store.close()
 

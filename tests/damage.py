@@ -24,7 +24,8 @@ def write_manifest(store: Store, step: int, **changes) -> None:
     store.write_bytes(f"{step_dir(step)}/{MANIFEST}", m.to_json().encode())
 
 
-def rewrite_header(store: Store, step: int, mutate: Callable[[dict], None], *, keep_state_checksum: bool = False) -> None:
+def rewrite_header(store: Store, step: int, mutate: Callable[[dict], None], *,
+                   keep_state_checksum: bool = False) -> None:
     """Rewrite a step's object with ``mutate(header)`` applied, and its manifest to match the new bytes.
 
     Unless ``keep_state_checksum``, the header's state checksum is recomputed from its tensor checksums, so

@@ -44,7 +44,7 @@ class StoreContract:
         truth = []
         with DeltaPublisher(self.store(url), state, on_backlog="block", **kw) as pub:
             for s in range(steps):
-                for k, v in state.items():
+                for v in state.values():
                     v.copy_(perturb(v, 0.03, gen))
                 pub.publish(s)
                 truth.append({k: v.clone() for k, v in state.items()})
@@ -240,7 +240,8 @@ class StoreContract:
     def test_manifest_round_trip(self, url):
         store = self.store(url)
         m = Manifest(step=7, base_step=None, kind="anchor", object="anchor.safetensors", object_bytes=300,
-                     object_sha256="0" * 64, state_checksum="1" * 64, created_unix_s=1.0, stats=ManifestStats(numel=10, changed=3, density=0.3))
+                     object_sha256="0" * 64, state_checksum="1" * 64, created_unix_s=1.0,
+                     stats=ManifestStats(numel=10, changed=3, density=0.3))
         store.write_bytes(f"{step_dir(7)}/manifest.json", m.to_json().encode())
         assert store.manifest(7) == m and store.steps() == [7]
 

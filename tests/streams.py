@@ -37,7 +37,8 @@ def make_qwen_stream(root: Path, *, steps: int = 10, anchor_every: int = 4) -> Q
     opt = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)
     out = QwenStream(url=str(root / "stream"), model_dir=model_dir, model=model)
-    with DeltaPublisher(out.url, model, dtype=torch.bfloat16, anchor_every=anchor_every, on_backlog="block", files=model_dir) as pub:
+    with DeltaPublisher(out.url, model, dtype=torch.bfloat16, anchor_every=anchor_every, on_backlog="block",
+                        files=model_dir) as pub:
         for s in range(steps):
             tokens = torch.randint(0, 300, (2, 17), generator=gen)
             model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss.backward()

@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from deltasync.stages.apply import Replica
-from deltasync.stages.diff import Snapshot
 from deltasync.errors import BaseStepMismatchError, ChecksumMismatchError, FormatError, TensorMismatchError
 from deltasync.format.objects import StepObject
 from deltasync.publish.steps import snapshot_headers, write_step
+from deltasync.stages.apply import Replica
+from deltasync.stages.diff import Snapshot
 from tests.conftest import perturb, states_equal
 
 

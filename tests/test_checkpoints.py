@@ -5,7 +5,8 @@ import safetensors.torch
 import torch
 
 from deltasync import DeltaPublisher
-from deltasync.errors import CorruptObjectError
+from deltasync.errors import CorruptObjectError, FormatError
+from deltasync.format.objects import TensorHeader
 from deltasync.history.checkpoints import (
     FILES_INDEX,
     CheckpointWriter,
@@ -14,8 +15,6 @@ from deltasync.history.checkpoints import (
     read_model_files,
     write_model_files,
 )
-from deltasync.errors import FormatError
-from deltasync.format.objects import TensorHeader
 from deltasync.store import Store
 from tests.conftest import states_equal
 from tests.test_publisher import train
@@ -73,8 +72,10 @@ def test_checkpoint_writer_writes_an_ordinary_safetensors_file(tmp_path, small_s
 
 def test_load_checkpoint_shards_and_errors(tmp_path, small_state):
     names = list(small_state)
-    safetensors.torch.save_file({n: small_state[n] for n in names[:3]}, str(tmp_path / "model-00001-of-00002.safetensors"))
-    safetensors.torch.save_file({n: small_state[n] for n in names[3:]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    safetensors.torch.save_file({n: small_state[n] for n in names[:3]},
+                                str(tmp_path / "model-00001-of-00002.safetensors"))
+    safetensors.torch.save_file({n: small_state[n] for n in names[3:]},
+                                str(tmp_path / "model-00002-of-00002.safetensors"))
     assert states_equal(load_checkpoint(tmp_path), small_state)
     (tmp_path / "empty").mkdir()
     with pytest.raises(FormatError, match="no \\*.safetensors weights"):

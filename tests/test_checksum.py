@@ -21,7 +21,8 @@ def reference(t: torch.Tensor) -> int:
     return sum(_mix(int(u) ^ _mix(i)) for i, u in enumerate(np_bits(t.contiguous()).tolist())) & M
 
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int64, torch.bool, torch.float8_e4m3fn]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int64, torch.bool,
+          torch.float8_e4m3fn]
 
 
 @settings(max_examples=40, deadline=None)
@@ -42,7 +43,8 @@ def test_parts_add_up():
     cols = t[:, 10:20]  # a non-contiguous slice, as a row-parallel shard would be
     idx = (torch.arange(40)[:, None] * 30 + torch.arange(10, 20)[None, :]).reshape(-1)
     rest = torch.cat([t[:, :10], t[:, 20:]], 1)
-    idx_rest = (torch.arange(40)[:, None] * 30 + torch.cat([torch.arange(10), torch.arange(20, 30)])[None, :]).reshape(-1)
+    cols = torch.cat([torch.arange(10), torch.arange(20, 30)])
+    idx_rest = (torch.arange(40)[:, None] * 30 + cols[None, :]).reshape(-1)
     assert C.add(C.checksum_elements(cols, idx), C.checksum_elements(rest, idx_rest)) == C.tensor_checksum(t)
 
 

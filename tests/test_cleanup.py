@@ -20,9 +20,9 @@ import pytest
 from typer.testing import CliRunner
 
 from deltasync import DeltaPublisher
-from deltasync_cli import app
 from deltasync.errors import PublishError, WriterConflictError
 from deltasync.scratch import ScratchFolder
+from deltasync_cli import app
 from tests.conftest import LEAK_PREFIX, leftovers
 from tests.http_server import serving
 from tests.remote_cli import register, remote_url
@@ -104,7 +104,8 @@ def test_objects_never_closed_are_cleaned_at_exit(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     during = eval(r.stdout.strip().splitlines()[-1])
-    assert len([n for n in during if n.startswith("deltasync-cache-")]) == 2 and any(n.startswith("deltasync-spool-") for n in during)
+    assert len([n for n in during if n.startswith("deltasync-cache-")]) == 2
+    assert any(n.startswith("deltasync-spool-") for n in during)
     assert ours(tmp) == []
 
 
@@ -198,7 +199,8 @@ def test_push_on_a_remote_store_leaves_nothing(stream_copy, qwen_stream):
 def interrupt_after_first_download(args: list[str], tmp_path: Path, pause_s: float = 3.0,
                                    sig: int = signal.SIGINT) -> tuple[int, str, list[str], list[str]]:
     """Run ``deltasync ARGS`` in a subprocess with a private TMPDIR, send ``sig`` once it downloaded its first
-    object (the download thread then pauses ``pause_s``); returns (exit code, output, TMPDIR then, TMPDIR at the end)."""
+    object (the download thread then pauses ``pause_s``); returns (exit code, output, TMPDIR then, TMPDIR at the
+    end)."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     marker = tmp_path / "downloaded"

@@ -51,7 +51,8 @@ def test_ls_and_show(tmp_path, small_state, gen):
             pub.publish(s)
     r = runner.invoke(app, ["ls", str(tmp_path), "--json"])
     rows = json.loads(r.output)
-    assert [(m["step"], m["kind"], m["base_step"]) for m in rows] == [(0, "anchor", None), (1, "delta", 0), (2, "delta", 1)]
+    assert [(m["step"], m["kind"], m["base_step"]) for m in rows] == [(0, "anchor", None), (1, "delta", 0),
+                                                                      (2, "delta", 1)]
     r = runner.invoke(app, ["ls", str(tmp_path)])
     assert "committed" in r.output and r.output.count("delta") == 2
     r = runner.invoke(app, ["show", str(tmp_path), "2", "--json"])
@@ -101,4 +102,5 @@ def test_patch_writes_its_output_with_the_umask_s_mode(tmp_path):
         r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
     assert stat.S_IMODE(os.stat(tmp_path / "out.safetensors").st_mode) == 0o644
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.safetensors", "d", "out.safetensors", "target.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.safetensors", "d", "out.safetensors",
+                                                          "target.safetensors"]

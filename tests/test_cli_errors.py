@@ -21,7 +21,6 @@ from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from deltasync_cli import main
 from deltasync.errors import (
     ConfigError,
     DeltaSyncError,
@@ -35,6 +34,7 @@ from deltasync.errors import (
     StoreUnreachableError,
 )
 from deltasync.store import Store
+from deltasync_cli import main
 from tests.http_server import serving
 
 
@@ -125,7 +125,8 @@ def blackhole() -> Iterator[str]:
 @pytest.fixture
 def no_aws_credentials(monkeypatch, tmp_path):
     """An environment where botocore finds no credentials: no variables, no files, no instance metadata."""
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                "AWS_DEFAULT_PROFILE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
@@ -160,7 +161,8 @@ def test_vllm_target_checks_its_settings_before_contacting_the_engine():
     from rollout_loader.vllm import VllmTarget
 
     with listening_socket() as (server, sock):
-        with pytest.raises(ConfigError, match="verify must be one of 'incremental', 'changed', 'all', not 'everything'"):
+        with pytest.raises(ConfigError,
+                           match="verify must be one of 'incremental', 'changed', 'all', not 'everything'"):
             VllmTarget(server, verify="everything")  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="mode must be one of 'auto', 'live', 'reload', not 'fast'"):
             VllmTarget(server, mode="fast")  # type: ignore[arg-type]
@@ -220,7 +222,9 @@ def test_missing_s3_credentials(no_aws_credentials, monkeypatch, capsys, caplog)
     assert_one_line_error(code, err, "StoreAuthError", "s3://bucket/run", "no credentials found",
                           "-S key=... -S secret=...", "AWS_ACCESS_KEY_ID")
     store = Store("s3://bucket/run", storage_options={"endpoint_url": endpoint})
-    with caplog.at_level(logging.WARNING, logger="deltasync"), store, pytest.raises(StoreAuthError, match="no credentials found"):
+    with caplog.at_level(logging.WARNING, logger="deltasync"), store, pytest.raises(StoreAuthError, match="no "
+                                                                                                          "credentials "
+                                                                                                          "found"):
         store.steps()
     assert not [r for r in caplog.records if "retrying" in r.getMessage()]  # not retried
 
@@ -233,7 +237,8 @@ def test_unknown_storage_option(monkeypatch, capsys):
     assert_one_line_error(code, err, "StoreConfigError", "storage option 'regoin'", "'s3' filesystem")
     opts = {"endpoint_url": endpoint, "key": "a", "secret": "b", "regoin": "x"}
     with Store("s3://bucket/run", storage_options=opts) as store:
-        with pytest.raises(StoreConfigError, match="'regoin'"):  # s3fs takes any option, botocore refuses it at first use
+        with pytest.raises(StoreConfigError, match="'regoin'"):
+            # s3fs takes any option, botocore refuses it at first use
             store.exists("stream.json")
 
 
@@ -252,7 +257,8 @@ def test_unknown_storage_option_of_a_filesystem_that_checks_at_once(tmp_path):
         Store(f"strictfs://{tmp_path}", storage_options={"auto_mkdri": True})
     calls: list = []
     with pytest.raises(TypeError):  # a TypeError that names no option of ours is not a configuration error
-        Store(f"strictfs://{tmp_path}").call("op", _raiser(calls, TypeError("f() got an unexpected keyword argument 'y'")))
+        Store(f"strictfs://{tmp_path}").call("op",
+                                             _raiser(calls, TypeError("f() got an unexpected keyword argument 'y'")))
 
 
 def test_unreachable_s3_endpoint_fails_at_once(monkeypatch, capsys, caplog):
@@ -301,7 +307,8 @@ def test_hf_bucket_without_a_token(monkeypatch, capsys):
     pytest.importorskip("huggingface_hub")
     monkeypatch.delenv("HF_TOKEN", raising=False)
     with http_stub({"*": (401, {"error": "Invalid credentials in Authorization header"})}) as hub:
-        code, _, err = run_main(monkeypatch, capsys, "ls", "hf://buckets/someone/bucket/run", "-S", f"endpoint={hub.url}")
+        code, _, err = run_main(monkeypatch, capsys, "ls", "hf://buckets/someone/bucket/run", "-S",
+                                f"endpoint={hub.url}")
         assert_one_line_error(code, err, "StoreAuthError", "401", "HF_TOKEN")
         with Store("hf://buckets/someone/bucket/run", storage_options={"endpoint": hub.url}) as store:
             with pytest.raises(StoreAuthError):
@@ -460,9 +467,8 @@ def test_server_not_set_up_for_deltasync(replies, error, needles, tmp_path, monk
 
 
 def test_unreachable_server(tmp_path, monkeypatch, capsys):
-    from rollout_loader.vllm import VllmTarget
-
     from rollout_loader import Follower
+    from rollout_loader.vllm import VllmTarget
 
     server = f"http://127.0.0.1:{closed_port()}"
     url = str(tmp_path / "stream")

@@ -8,8 +8,8 @@ from typer.testing import CliRunner
 
 from deltasync import StreamReader
 from deltasync.engine import write_heartbeat
-from deltasync_cli import app, main
 from deltasync.store import Store
+from deltasync_cli import app, main
 from tests.conftest import states_equal
 from tests.damage import object_path
 from tests.test_cli_errors import assert_one_line_error
@@ -41,7 +41,8 @@ def test_replay(qwen_stream, tmp_path):
     assert states_equal(loaded, {n: t for n, t in qwen_stream.truth[7].items() if n != "lm_head.weight"})
     d = run_json("replay", qwen_stream.url, "--step", "3", "-o", str(tmp_path / "step3"), "--reread")
     assert list(d) == ["step", "path", "chain", "tensors", "weights_bytes", "model_files", "state_checksum", "seconds"]
-    assert d["chain"] == [0, 1, 2, 3] and d["state_checksum"] == StreamReader(qwen_stream.url).manifest(3).state_checksum
+    assert d["chain"] == [0, 1, 2, 3]
+    assert d["state_checksum"] == StreamReader(qwen_stream.url).manifest(3).state_checksum
     # into the folder one stands in ("-o ." exited 3 with "PosixPath('.') has an empty name")
     here = tmp_path / "here"
     here.mkdir()
@@ -72,7 +73,8 @@ def test_push_then_ls(qwen_stream, tmp_path):
     url = str(tmp_path / "imported")
     for step in (0, 5):
         ckpt = tmp_path / f"ckpt{step}.safetensors"
-        safetensors.torch.save_file({n: t for n, t in qwen_stream.truth[step].items() if n != "lm_head.weight"}, str(ckpt))
+        safetensors.torch.save_file({n: t for n, t in qwen_stream.truth[step].items() if n != "lm_head.weight"},
+                                    str(ckpt))
         r = runner.invoke(app, ["push", url, str(ckpt), "--step", str(step)])
         assert r.exit_code == 0, r.output
     assert "pushed" in r.output and "step 5 (delta on step 0)" in r.output
@@ -98,7 +100,8 @@ def test_stats_and_plot(qwen_stream, tmp_path):
     assert list(d) == ["url", "summary", "steps"]
     assert list(d["summary"]) == ["steps", "anchors", "deltas", "first_step", "last_step", "total_bytes",
                                   "compression_ratio", "delta", "anchor"]
-    assert list(d["steps"][0]) == ["step", "kind", "base_step", "object_bytes", "full_bytes", "numel", "changed", "density",
+    assert list(d["steps"][0]) == ["step", "kind", "base_step", "object_bytes", "full_bytes", "numel", "changed",
+                                   "density",
                                    "capture_s", "encode_s", "coalesced_steps", "created_unix_s"]
     png = tmp_path / "s.png"
     r = runner.invoke(app, ["stats", qwen_stream.url, "--plot", str(png), "--from", "2"])
@@ -112,7 +115,8 @@ def test_verify_exit_codes(stream_copy, monkeypatch, capsys):
     Store(stream_copy).delete("steps/000000000002/manifest.json")
     code, out, _ = run_main(monkeypatch, capsys, "verify", stream_copy)
     assert code == 1 and out.splitlines() == [
-        f"step 3: chain: {stream_copy}: step 3 is a delta on step 2, which is not committed (its folder holds objects but no manifest.json)"
+        f"step 3: chain: {stream_copy}: step 3 is a delta on step 2, which is not committed (its folder holds objects "
+        "but no manifest.json)"
     ]
     d = run_json("verify", stream_copy, "--all")
     assert list(d) == ["url", "first", "last", "verified", "problems", "origin_checked", "ok"]
@@ -156,11 +160,13 @@ def test_help_lists_the_history_commands():
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--keep-last", "3", "--consumer-max-age-s", "nan"], "consumer_max_age_s must be a number of seconds, 0 or more, got nan"),
+    (["--keep-last", "3", "--consumer-max-age-s", "nan"],
+     "consumer_max_age_s must be a number of seconds, 0 or more, got nan"),
     (["--keep-last", "3", "--consumer-max-age-s", "-5"], "got -5.0"),
     (["--keep-last", "0"], "keep_last must be a whole number of steps, at least 1, got 0"),
     (["--keep-last", "-2"], "got -2"),
-    (["--keep-last", "3", "--keep-anchor-every", "0"], "keep_anchor_every must be a whole number of steps, at least 1, got 0"),
+    (["--keep-last", "3", "--keep-anchor-every", "0"],
+     "keep_anchor_every must be a whole number of steps, at least 1, got 0"),
 ])
 def test_gc_numbers_that_make_no_sense_are_one_line_and_delete_nothing(stream_copy, monkeypatch, capsys, args, needle):
     """(issue 19, item 8) NaN compares false with every age: every live consumer would look stale."""

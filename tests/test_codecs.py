@@ -4,13 +4,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deltasync.errors import FormatError
 from deltasync.format._kernels import gap16_decode, gap16_encode
 from deltasync.format.codecs import decode_change, encode_change
 from deltasync.stages.diff import Snapshot
-from deltasync.errors import FormatError
 from tests.conftest import perturb
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int32, torch.bool, torch.float8_e5m2]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int32, torch.bool,
+          torch.float8_e5m2]
 
 
 def roundtrip(change, header_changed=None):

@@ -99,7 +99,8 @@ def backend(request, tmp_path) -> Iterator[Backend]:
 
 
 def _publish(backend: Backend, steps: list[int], *, writer: str = "a", **kw) -> None:
-    with DeltaPublisher(backend.store(), _state(steps[0], writer), on_backlog="block", spool_dir=backend.spool(), **kw) as pub:
+    with DeltaPublisher(backend.store(), _state(steps[0], writer), on_backlog="block", spool_dir=backend.spool(),
+                        **kw) as pub:
         for s in steps:
             pub.source = _state(s, writer)
             pub.publish(s)
@@ -217,7 +218,8 @@ def test_writer_that_lost_its_lease_during_an_upload_cannot_replace_the_step(bac
     """
     store_a = backend.store()
     held = HeldUpload(store_a, 3, when)
-    a = DeltaPublisher(store_a, _state(0), writer_id="trainer-a", on_backlog="block", anchor_every=100, spool_dir=backend.spool())
+    a = DeltaPublisher(store_a, _state(0), writer_id="trainer-a", on_backlog="block", anchor_every=100,
+                       spool_dir=backend.spool())
     b = None
     try:
         for s in range(3):
@@ -228,7 +230,8 @@ def test_writer_that_lost_its_lease_during_an_upload_cannot_replace_the_step(bac
         a.publish(3, anchor=kind == "anchor")
         assert held.reached.wait(30), "A's upload of step 3 never started"
 
-        b = DeltaPublisher(backend.store(), _state(3, "b"), writer_id="trainer-b", take_over=True, on_backlog="block", spool_dir=backend.spool())
+        b = DeltaPublisher(backend.store(), _state(3, "b"), writer_id="trainer-b", take_over=True, on_backlog="block",
+                           spool_dir=backend.spool())
         assert b.last_committed_step == 2
         b.source = _state(3, "b")
         b.publish(3)
@@ -279,7 +282,8 @@ def test_restart_after_a_stale_hint_resumes_after_the_newest_manifest(backend, h
     backend.write("latest.json", json.dumps(hint).encode())
     backend.store().acquire_lease("killed-trainer", ttl_s=600, take_over=True)  # its lease outlives it
 
-    with DeltaPublisher(backend.store(), _state(10), take_over=True, on_backlog="block", spool_dir=backend.spool()) as pub:
+    with DeltaPublisher(backend.store(), _state(10), take_over=True, on_backlog="block",
+                        spool_dir=backend.spool()) as pub:
         assert pub.last_committed_step == 20
         pub.source = _state(20)
         with pytest.raises(StepOrderError, match="20"):

@@ -85,7 +85,8 @@ class TestEntryPointTransport(StoreContract):
         info = site / "deltasync_dict_transport-1.0.dist-info"
         info.mkdir()
         (info / "METADATA").write_text("Metadata-Version: 2.1\nName: deltasync-dict-transport\nVersion: 1.0\n")
-        (info / "entry_points.txt").write_text("[deltasync.transports]\ndictep = tests.test_custom_transport:open_dict\n")
+        (info / "entry_points.txt").write_text("[deltasync.transports]\ndictep = "
+                                               "tests.test_custom_transport:open_dict\n")
         sys.path.insert(0, str(site))
         reload_entry_points()  # entry points are read once, on the first unknown scheme: read them again
         yield

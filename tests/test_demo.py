@@ -20,7 +20,8 @@ def taken_or_skipped_for_an_anchor(rows: list[dict]) -> bool:
 
 def test_demo_is_bit_exact(tmp_path):
     lines = []
-    rows = run_demo(str(tmp_path / "s"), DemoConfig(steps=6, anchor_every=4, hidden_size=128, layers=2, engine="torch"), echo=lines.append)
+    rows = run_demo(str(tmp_path / "s"), DemoConfig(steps=6, anchor_every=4, hidden_size=128, layers=2, engine="torch"),
+                    echo=lines.append)
     assert [r["kind"] for r in rows] == ["anchor", "delta", "delta", "delta", "anchor", "delta"]
     assert taken_or_skipped_for_an_anchor(rows)
     assert all(0 < r["density"] < 0.2 for r in rows if r["kind"] == "delta")
@@ -36,7 +37,8 @@ def test_nixl_demo_with_the_torch_engine_is_bit_exact(tmp_path):
     rows = run_demo(url, config, echo=lines.append)
     assert [(r["step"], r["kind"]) for r in rows] == [(0, "anchor"), (1, "delta"), (2, "anchor")]
     assert all(r["exact"] and math.isfinite(r["live_after_publish_ms"]) for r in rows)
-    assert all(r["via"] == "rdma" or r["via"].startswith("store: ") for r in rows) and any(r["via"] == "rdma" for r in rows)
+    assert all(r["via"] == "rdma" or r["via"].startswith("store: ") for r in rows)
+    assert any(r["via"] == "rdma" for r in rows)
     with Store(url) as store:
         last = store.manifest(2).state_checksum  # the trainer's checksums, as it committed them
     assert lines[-3].startswith("controller: engine version 2 ")

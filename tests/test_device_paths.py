@@ -54,7 +54,7 @@ def test_device_diff_matches_the_cpu_kernels(caps_elems, step, pending):
     caps = {(n, s): caps_elems for n, t in old.items() for s in range(0, t.numel(), step)} if caps_elems else {}
     items = [(n, new[n], int_view(snaps[n]), 1000 * k) for k, n in enumerate(old)]
     got = diff_device(items, step_elems=step, caps=caps, max_pending_bytes=pending)
-    for k, (c, (pos, xor, delta)) in enumerate(zip(want, got)):
+    for k, (c, (pos, xor, delta)) in enumerate(zip(want, got, strict=True)):
         assert np.array_equal(pos - 1000 * k, c.positions) and np.array_equal(xor, c.xor), c.name
         if k == 0:
             assert (tensor_checksum(old[c.name]) + delta) % 2**64 == c.checksum
@@ -76,7 +76,8 @@ def test_device_diff_casts_one_segment_at_a_time():
 
 def _patches(gen: torch.Generator):
     rng = np.random.default_rng(5)
-    tensors = [torch.randn(3000, generator=gen).bfloat16(), torch.randn(500, generator=gen), torch.randn(64, generator=gen).bfloat16()]
+    tensors = [torch.randn(3000, generator=gen).bfloat16(), torch.randn(500, generator=gen),
+               torch.randn(64, generator=gen).bfloat16()]
     items = []
     for k, t in enumerate(tensors):
         width = t.element_size()
@@ -94,20 +95,22 @@ def test_batched_apply_matches_xor_apply():
     checksum changes, item by item; with ``checksum=False`` the same bits."""
     items = _patches(torch.Generator().manual_seed(6))
     want_bits = [t.clone() for t, *_ in items]
-    want = [xor_apply(b, p, x, index=ix) for b, (_, p, x, ix) in zip(want_bits, items)]
+    want = [xor_apply(b, p, x, index=ix) for b, (_, p, x, ix) in zip(want_bits, items, strict=True)]
     for checksum in (True, False):
         bits = [t.clone() for t, *_ in items]
         landed: list[int] = []
-        got = xor_apply_many([(int_view(b), p, x, ix) for b, (_, p, x, ix) in zip(bits, items)], checksum=checksum, landed=landed)
+        got = xor_apply_many([(int_view(b), p, x, ix) for b, (_, p, x, ix) in zip(bits, items, strict=True)],
+                             checksum=checksum, landed=landed)
         assert got == (want if checksum else [0] * len(items))
         assert landed == list(range(len(items)))
-        assert all(torch.equal(int_view(a), int_view(b)) for a, b in zip(bits, want_bits))
+        assert all(torch.equal(int_view(a), int_view(b)) for a, b in zip(bits, want_bits, strict=True))
 
 
 @pytest.mark.skipif(subprocess.run([sys.executable, "-c", "import triton"], capture_output=True).returncode != 0,
                     reason="Triton is not installed")
 def test_triton_scatter_in_the_interpreter():
-    """The one-launch-per-width kernel (a table of base addresses), run by Triton's CPU interpreter: xor_apply's bits."""
+    """The one-launch-per-width kernel (a table of base addresses), run by Triton's CPU interpreter: xor_apply's
+    bits."""
     code = textwrap.dedent("""
         import torch
         from deltasync.format._bits import int_view

@@ -2,10 +2,10 @@ import numpy as np
 import pytest
 import torch
 
+from deltasync.errors import TensorMismatchError
 from deltasync.format._bits import int_view, np_bits
 from deltasync.format.checksum import tensor_checksum
 from deltasync.stages.diff import Snapshot, _diff_host_chunks, _diff_torch, _Scratch
-from deltasync.errors import TensorMismatchError
 from tests.conftest import bits_equal, perturb
 from tests.test_checksum import reference
 

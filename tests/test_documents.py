@@ -9,6 +9,7 @@ import pytest
 import zstandard
 
 from deltasync import DeltaPublisher, StreamReader, verify
+from deltasync.errors import FormatError, StepNotFoundError
 from deltasync.format.codecs import decode_change
 from deltasync.format.documents import (
     MAX_DOCUMENT_BYTES,
@@ -21,7 +22,6 @@ from deltasync.format.documents import (
     StreamInfo,
     decode,
 )
-from deltasync.errors import FormatError, StepNotFoundError
 from deltasync.store import Store, step_dir
 
 MANIFEST = {
@@ -122,7 +122,8 @@ def test_bad_manifests_are_format_errors(data, message):
         (_edit(HEADER, "base_step", 12), "base step"),
         (_edit(HEADER, "aliases", {"lm_head.weight": "nope"}), "alias"),
         (json.dumps(HEADER).replace('[128, 384]', '[32768, 32768, 32768]').encode(), "elements, at most"),  # 2**45
-        (json.dumps(HEADER).replace('"changed": 10', '"changed": 10000000').encode(), "changed elements in a tensor of"),
+        (json.dumps(HEADER).replace('"changed": 10', '"changed": 10000000').encode(),
+         "changed elements in a tensor of"),
         (json.dumps(HEADER).replace('"shuffle", "zstd"]', '"rot13"]', 1).encode(), "'embed.weight'.*positions"),
         (json.dumps(HEADER).replace('"BF16"', '"F12"').encode(), "'embed.weight'.*dtype"),
         (json.dumps(HEADER).replace('"positions": ["gap16", "shuffle", "zstd"], ', "").encode(), "come together"),
@@ -144,7 +145,8 @@ def test_decompression_is_bounded_by_the_header_not_the_frame():
     kw = dict(numel=1000, width=2, changed=10, positions_chain=["gap16", "shuffle"], where="t")
     # a 19-byte frame claiming 1 TiB: refused before any allocation (MemoryError before)
     with pytest.raises(FormatError, match="claims 1099511627776 bytes"):
-        decode_change(values_chain=["xor", "shuffle", "zstd"], positions=b"\x01\x00" * 10, values=_frame_claiming(1 << 40), **kw)
+        decode_change(values_chain=["xor", "shuffle", "zstd"], positions=b"\x01\x00" * 10,
+                      values=_frame_claiming(1 << 40), **kw)
     # a small frame that really expands to 1 GB, without a size claim: stopped at the 20 bytes the header allows
     bomb = zstandard.ZstdCompressor(level=19, write_content_size=False).compress(b"\0" * (64 << 20))
     assert len(bomb) < 64 << 10
@@ -152,7 +154,8 @@ def test_decompression_is_bounded_by_the_header_not_the_frame():
         decode_change(values_chain=["xor", "shuffle", "zstd"], positions=b"\x01\x00" * 10, values=bomb, **kw)
     # positions: at most what `changed` and the tensor's size allow
     with pytest.raises(FormatError, match="positions"):
-        decode_change(numel=1000, width=2, changed=10, positions_chain=["gap16", "shuffle", "zstd"], values_chain=["xor"],
+        decode_change(numel=1000, width=2, changed=10, positions_chain=["gap16", "shuffle", "zstd"],
+                      values_chain=["xor"],
                       positions=bomb, values=b"\x01\x00" * 10, where="t")
     # a header claiming far more than a frame of this size can hold is refused before decompressing
     with pytest.raises(FormatError, match="cannot hold"):
@@ -169,7 +172,8 @@ def test_decoding_still_works_on_honest_frames():
 
     enc = encode_patch(Patch(name="t", dtype="BF16", shape=(5000,), positions=pos, xor=xor, checksum=0))
     got_pos, got_xor = decode_change(numel=5000, width=2, changed=50, positions_chain=list(enc.positions_chain),
-                                     values_chain=list(enc.values_chain), positions=enc.positions, values=enc.values, where="t")
+                                     values_chain=list(enc.values_chain), positions=enc.positions, values=enc.values,
+                                     where="t")
     assert np.array_equal(got_pos, pos) and np.array_equal(got_xor, xor)
 
 
@@ -233,8 +237,8 @@ def test_names_match_whole_not_up_to_a_trailing_newline(kind, doc):
 
 
 def test_one_validator_for_names_from_outside():
-    from deltasync.format.names import CONSUMER_ID, PEER_NAME, check
     from deltasync.consumers import check_consumer_id
+    from deltasync.format.names import CONSUMER_ID, PEER_NAME, check
 
     assert check(CONSUMER_ID, "rollout-0") and check(PEER_NAME, "trainer-0:a")
     for bad in ("c1\n", "\nc1", "c1 ", "", ".hidden", "a/b", None, 3):

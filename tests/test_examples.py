@@ -19,7 +19,8 @@ EXAMPLES = ROOT / "examples"
 
 def run_example(name: str, *args: str, timeout_s: float = 300) -> list[str]:
     """Run ``examples/name`` as a user would; its output lines. It must exit 0 (its own check passed)."""
-    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=ROOT, capture_output=True, text=True, check=False,
+    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=ROOT, capture_output=True, text=True,
+                          check=False,
                           timeout=timeout_s)
     assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout.splitlines()
@@ -121,10 +122,12 @@ def test_vllm_server_sync():
 
 
 def test_version_prints_the_installed_version():
-    proc = subprocess.run([sys.executable, "-m", "deltasync_cli", "--version"], capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run([sys.executable, "-m", "deltasync_cli", "--version"], capture_output=True, text=True,
+                          timeout=60, check=False)
     assert proc.returncode == 0 and proc.stdout == f"deltasync {importlib.metadata.version('deltasync')}\n"
     # python -m deltasync is the same command; the package says its version too
-    proc = subprocess.run([sys.executable, "-m", "deltasync", "--version"], capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run([sys.executable, "-m", "deltasync", "--version"], capture_output=True, text=True, timeout=60,
+                          check=False)
     assert proc.returncode == 0 and proc.stdout == f"deltasync {importlib.metadata.version('deltasync')}\n"
     import deltasync
 

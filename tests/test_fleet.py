@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from deltasync import DeltaPublisher
+from deltasync.consumers import read_heartbeats
 from deltasync.errors import FormatError
 from deltasync.format.documents import ConsumerPosition, encode
 from deltasync.history.fleet import fleet_status, prometheus_text
-from deltasync.consumers import read_heartbeats
 from deltasync.store import Store
 from rollout_loader import Follower, StateDictTarget
 from tests.test_cli_errors import assert_one_line_error, run_main

@@ -8,8 +8,8 @@ import pytest
 from deltasync import DeltaPublisher
 from deltasync.errors import CorruptObjectError, DeltaSyncError, TensorMismatchError, WaitTimeoutError
 from deltasync.store import step_dir
-from rollout_loader import Follower, StateDictTarget
 from deltasync.watch import retry_delay_s
+from rollout_loader import Follower, StateDictTarget
 from rollout_loader.follower import FollowError
 from tests.conftest import states_equal
 from tests.test_publisher import train
@@ -216,8 +216,6 @@ def test_a_wrong_url_is_reported_not_waited_on_silently(tmp_path, small_state):
 
 
 def test_errors_retrying_cannot_fix_stop_the_follower():
-    from rollout_loader.follower import PERMANENT_ERRORS
-
     from deltasync.errors import (
         ConfigError,
         EngineConfigError,
@@ -225,6 +223,7 @@ def test_errors_retrying_cannot_fix_stop_the_follower():
         StoreAuthError,
         TensorMismatchError,
     )
+    from rollout_loader.follower import PERMANENT_ERRORS
 
     for cls in (TensorMismatchError, StoreAuthError, EngineConfigError, ConfigError, MissingDependencyError):
         assert issubclass(cls, PERMANENT_ERRORS)

@@ -93,7 +93,8 @@ def test_anchor_is_an_ordinary_checkpoint(tmp_path, small_state):
         (lambda h: h.update(base_step=7), "base step"),
         (lambda h: h["tensors"]["scale"].update(dtype="F12"), "tensor 'scale'.*'F12' - at `\\$.dtype`"),
         (lambda h: h["tensors"]["scale"].update(checksum="12"), "tensor 'scale'.*checksum"),
-        (lambda h: h["tensors"]["embed.weight"].update(changed=10**9), "tensor 'embed.weight'.*1000000000 changed elements"),
+        (lambda h: h["tensors"]["embed.weight"].update(changed=10**9),
+         "tensor 'embed.weight'.*1000000000 changed elements"),
         (lambda h: h.update(aliases={"lm_head.weight": "nope"}), "alias"),
     ],
 )
@@ -173,7 +174,8 @@ def test_writer_hashes_what_it_writes_and_memory_holds_the_same_object(tmp_path,
     if kind == "delta":
         changes = [c for c in snap.diff({k: perturb(v, 0.3, gen) for k, v in state.items()}) if c.changed]
         assert changes
-    kw = dict(kind=kind, step=3, base_step=2 if kind == "delta" else None, headers=snapshot_headers(snap), changes=changes,
+    kw = dict(kind=kind, step=3, base_step=2 if kind == "delta" else None, headers=snapshot_headers(snap),
+              changes=changes,
               anchor_tensors=snap.tensors if kind == "anchor" else None)
     path = tmp_path / "o.safetensors"
     header, written = write_step_object(path, **kw)

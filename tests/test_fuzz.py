@@ -37,7 +37,8 @@ def pristine(corpus):
 
 def test_fuzz_short_run_finds_no_failure(corpus, pristine, tmp_path):
     must_run = len(directed_cases(pristine)) + len(MUTATORS)
-    report = run(Options(seed=CI_SEED, budget_s=CI_BUDGET_S, workers=2, min_cases=must_run), corpus=corpus, work_dir=tmp_path)
+    report = run(Options(seed=CI_SEED, budget_s=CI_BUDGET_S, workers=2, min_cases=must_run), corpus=corpus,
+                 work_dir=tmp_path)
     assert report.cases >= must_run
     assert set(report.cases_by_mutator) >= set(MUTATORS)
     assert report.failures == 0, f"{report.table()}\n\n{report.failure_text()}"

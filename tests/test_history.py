@@ -8,7 +8,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from deltasync import compare, DeltaPublisher, push_checkpoint, replay_to_folder, StreamReader
+from deltasync import DeltaPublisher, StreamReader, compare, push_checkpoint, replay_to_folder
 from deltasync.errors import (
     ChecksumMismatchError,
     CorruptObjectError,
@@ -19,10 +19,9 @@ from deltasync.errors import (
     StreamNotFoundError,
     TensorMismatchError,
 )
-from deltasync.history import reconstruct_state_dict, reconstruct_tensor
-from deltasync.history.checkpoints import FILES_INDEX
 from deltasync.format.patch import Patch
-from deltasync.history import replay
+from deltasync.history import reconstruct_state_dict, reconstruct_tensor, replay
+from deltasync.history.checkpoints import FILES_INDEX
 from deltasync.history.compare import layer_of
 from deltasync.store import Store
 from tests.conftest import bits_equal, states_equal
@@ -56,7 +55,8 @@ def test_xor_patches_equals_patches_applied_one_by_one(block_bytes):
     for k in range(7):
         if k == 3:  # a dense patch among sparse ones, zeros where nothing changes
             xor = rng.integers(0, 1 << 16, n, dtype=np.uint16) * (rng.random(n) < 0.3)
-            patches.append(Patch(name="w", dtype="BF16", shape=(10, 100), positions=None, xor=xor.astype(np.uint16), checksum=0))
+            patches.append(Patch(name="w", dtype="BF16", shape=(10, 100), positions=None, xor=xor.astype(np.uint16),
+                                 checksum=0))
             continue
         count = [1, 40, 300, 999][k % 4]
         pos = np.sort(rng.choice(n, count, replace=False)).astype(np.int64)
@@ -67,7 +67,7 @@ def test_xor_patches_equals_patches_applied_one_by_one(block_bytes):
         if p.positions is None:
             want ^= p.xor
         else:
-            for i, x in zip(p.positions.tolist(), p.xor.tolist()):
+            for i, x in zip(p.positions.tolist(), p.xor.tolist(), strict=True):
                 want[i] ^= x
     t = torch.from_numpy(start.copy()).view(torch.bfloat16).reshape(10, 100)
     replay.xor_patches(t, patches, block_bytes=block_bytes)
@@ -91,7 +91,8 @@ def test_replayed_folder_loads_in_transformers_with_the_trainers_logits(qwen_str
         out = tmp_path / f"step{step}"
         result = replay_to_folder(qwen_stream.url, step, out, reread=True)
         assert result.chain == ((4, 5, 6) if step == 6 else (8, 9))
-        assert set(result.model_files) == {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+        assert set(result.model_files) == {"config.json", "generation_config.json", "tokenizer.json",
+                                           "tokenizer_config.json"}
         with safetensors.safe_open(str(out / "model.safetensors"), framework="pt") as f:
             assert "lm_head.weight" not in f.keys()  # tied: left out, as save_pretrained does
             assert f.metadata()["deltasync_step"] == str(step)
@@ -114,7 +115,8 @@ def test_replay_writes_nothing_unless_verified(stream_copy, tmp_path):
     store = Store(stream_copy)
     rewrite_header(store, 7, wrong_checksum)  # consistent object and manifest: only replaying finds it
     out = tmp_path / "out"
-    with pytest.raises(ChecksumMismatchError, match="step 7: tensor .* does not match the trainer's checksum after step 7"):
+    with pytest.raises(ChecksumMismatchError,
+                       match="step 7: tensor .* does not match the trainer's checksum after step 7"):
         replay_to_folder(stream_copy, 7, out)
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["stream"]
@@ -142,7 +144,8 @@ def test_replay_replaces_an_existing_folder_only_when_asked(qwen_stream, tmp_pat
 
 
 def test_missing_steps_name_their_neighbours(stream_copy, tmp_path):
-    with pytest.raises(StepNotFoundError, match=r"step 42 is not committed \(nearest committed: 9; stream holds 0..9\)"):
+    with pytest.raises(StepNotFoundError,
+                       match=r"step 42 is not committed \(nearest committed: 9; stream holds 0..9\)"):
         reconstruct_state_dict(stream_copy, 42)
     Store(stream_copy).delete("steps/000000000005", recursive=True)  # collected, or never published
     with pytest.raises(StepNotFoundError, match=r"step 5 is not committed \(nearest committed: 4, 6"):
@@ -188,7 +191,8 @@ def test_push_checkpoints_into_a_browsable_history(qwen_stream, tmp_path):
     url = str(tmp_path / "imported")
     for step in (0, 3, 6):  # an existing run's saved checkpoints, one file each
         path = tmp_path / f"ckpt-{step}.safetensors"
-        safetensors.torch.save_file({n: t for n, t in qwen_stream.truth[step].items() if n != "lm_head.weight"}, str(path))
+        safetensors.torch.save_file({n: t for n, t in qwen_stream.truth[step].items() if n != "lm_head.weight"},
+                                    str(path))
         m = push_checkpoint(url, step, path)
         assert (m.kind, m.base_step) == (("anchor", None) if step == 0 else ("delta", step - 3))
     for step in (0, 3, 6):

@@ -34,7 +34,8 @@ from transformers.distributed import DistributedConfig
 from deltasync.integrations.transformers import DeltaSyncCallback
 
 model_dir, url, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-model = Qwen3ForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(fsdp_size=2), dtype=torch.float32)
+model = Qwen3ForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(fsdp_size=2),
+                                         dtype=torch.float32)
 rank = int(os.environ["RANK"])
 
 
@@ -63,9 +64,9 @@ class Reference(TrainerCallback):
         self.logs.append(dict(logs or {}))
 
 
-args = TrainingArguments(output_dir=os.path.join(out, f"trainer-{rank}"), max_steps=steps, per_device_train_batch_size=2,
-                         learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                         disable_tqdm=True, seed=0)
+args = TrainingArguments(output_dir=os.path.join(out, f"trainer-{rank}"), max_steps=steps,
+                         per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+                         report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
 callback, reference = DeltaSyncCallback(url, anchor_every=2), Reference()
 trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback, reference])
 trainer.train()
@@ -105,7 +106,8 @@ def test_fsdp2_trainer_publishes_from_every_rank_bit_exactly(tmp_path: Path) -> 
             assert set(got) == set(ref)
             bad = [n for n in ref if got[n].dtype != ref[n].dtype or not torch.equal(_bits(got[n]), _bits(ref[n]))]
             assert not bad, f"step {s}: tensors differ from the trainer's full state: {bad}"
-        assert not all(torch.equal(a, b) for a, b in zip(reader.state_dict(0).values(), reader.state_dict(3).values()))
+        assert not all(torch.equal(a, b)
+                       for a, b in zip(reader.state_dict(0).values(), reader.state_dict(3).values(), strict=True))
 
         # every rank's training logs carry the newest committed step's figures; the whole step's bytes agree
         for r in ranks:

@@ -164,8 +164,10 @@ def test_fsdp1_is_refused_on_every_rank_before_anything_is_created(tmp_path):
     try:
         model = FullyShardedDataParallel(tiny_qwen3(hidden_size=64, layers=1).float(), device_id=torch.device("cpu"))
         for zero in (True, False):  # every rank refuses alike (none waits in a collective for the others)
-            with pytest.raises(ConfigError, match=r"FSDP1 \(a FullyShardedDataParallel module\).*no DTensor state dict.*FSDP2"):
-                DeltaSyncCallback(str(tmp_path / "stream")).on_train_begin(_Args(), _state(zero=zero), None, model=model)
+            with pytest.raises(ConfigError,
+                               match=r"FSDP1 \(a FullyShardedDataParallel module\).*no DTensor state dict.*FSDP2"):
+                DeltaSyncCallback(str(tmp_path / "stream")).on_train_begin(_Args(), _state(zero=zero), None,
+                                                                           model=model)
     finally:
         dist.destroy_process_group()
     assert not (tmp_path / "stream").exists()
@@ -206,7 +208,8 @@ def test_fully_sharded_model_publishes_its_shards(tmp_path):
         callback.on_train_begin(_Args(), _state(zero=True), None, model=model)
         assert callback.mode == "sharded"
         for step in (1, 2):
-            model(input_ids=torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(step))).logits.square().mean().backward()
+            ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(step))
+            model(input_ids=ids).logits.square().mean().backward()
             opt.step()
             opt.zero_grad()
             callback.on_step_end(_Args(), _state(zero=True, step=step), None)
@@ -255,7 +258,8 @@ def test_trl_grpo_trainer_publishes_bit_exactly(tmp_path):
     with StreamReader(url) as reader:
         assert reader.steps() == [0, 1, 2]
         assert_bit_exact(reader.state_dict(2), model, torch.float32)
-        assert not all(torch.equal(a, b) for a, b in zip(reader.state_dict(0).values(), reader.state_dict(2).values()))
+        assert not all(torch.equal(a, b)
+                       for a, b in zip(reader.state_dict(0).values(), reader.state_dict(2).values(), strict=True))
     train_logs = [log for log in recorder.logs if "reward" in log]
     assert len(train_logs) == 2 and all("deltasync/bytes" in log for log in train_logs)
 

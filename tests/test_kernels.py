@@ -36,7 +36,8 @@ def _state(rng: np.random.Generator, n: int) -> dict[str, torch.Tensor]:
         for shape in ((n,), (3, 7), (1,), (0,)):
             numel = int(np.prod(shape))
             raw = rng.integers(0, 2 if dtype == torch.bool else 256, numel * width, dtype=np.uint8)
-            out[f"{dtype}.{shape}"] = torch.from_numpy(raw).view(dtype).reshape(shape) if numel else torch.empty(shape, dtype=dtype)
+            out[f"{dtype}.{shape}"] = (torch.from_numpy(raw).view(dtype).reshape(shape) if numel
+                                       else torch.empty(shape, dtype=dtype))
     return out
 
 
@@ -114,7 +115,8 @@ def test_after_warm_kernels_nothing_compiles(tmp_path):
 
 def _shuffle_ref(x: np.ndarray) -> np.ndarray:
     """Byte k of every element (little-endian), for k = 0 .. width-1, concatenated."""
-    return np.ascontiguousarray(x.astype(x.dtype.newbyteorder("<")).view(np.uint8).reshape(x.size, x.itemsize).T).ravel()
+    rows = x.astype(x.dtype.newbyteorder("<")).view(np.uint8).reshape(x.size, x.itemsize)
+    return np.ascontiguousarray(rows.T).ravel()
 
 
 def _gap16_ref(entries: np.ndarray) -> list[int]:
@@ -177,7 +179,8 @@ def test_a_long_first_use_says_it_compiles_and_a_slow_load_says_nothing(monkeypa
     monkeypatch.setattr(_kernels, "_warm", lambda: time.sleep(0.4))
     for misses, said in ((Counter({"sig": 1}), True), (Counter(), False)):
         monkeypatch.setattr(_kernels, "_warmed", False)
-        monkeypatch.setattr(_kernels, "dispatchers", lambda m=misses: {"k": SimpleNamespace(stats=SimpleNamespace(cache_misses=m))})
+        monkeypatch.setattr(_kernels, "dispatchers",
+                            lambda m=misses: {"k": SimpleNamespace(stats=SimpleNamespace(cache_misses=m))})
         caplog.clear()
         _kernels.warm_kernels()
         messages = [r.getMessage() for r in caplog.records if "compiling its CPU kernels" in r.getMessage()]

@@ -2,13 +2,11 @@ import json
 
 import pytest
 
-from deltasync.errors import ConfigError, FormatError
-
-from deltasync import collect_garbage, StreamReader, verify
+from deltasync import StreamReader, collect_garbage, verify
 from deltasync.engine import read_heartbeats, write_heartbeat
-from deltasync.errors import StepNotFoundError
-from deltasync.history import plan_gc
+from deltasync.errors import ConfigError, FormatError, StepNotFoundError
 from deltasync.format.documents import ConsumerPosition
+from deltasync.history import plan_gc
 from deltasync.store import Manifest, Store, step_dir
 from rollout_loader import Follower, StateDictTarget
 from tests.conftest import states_equal
@@ -63,16 +61,23 @@ def _anchor_checksum_does_not_replay(store):
 @pytest.mark.parametrize(
     "plant,step,kind,message,dependents",
     [
-        (_missing_object, 6, "object", "step 6 object delta-[0-9a-f]{16}.safetensors: missing, though the step is committed", [7]),
-        (_truncated_object, 6, "object", r"step 6 object delta-[0-9a-f]{16}.safetensors: \d+ bytes, manifest says \d+", [7]),
+        (_missing_object, 6, "object",
+         "step 6 object delta-[0-9a-f]{16}.safetensors: missing, though the step is committed", [7]),
+        (_truncated_object, 6, "object", r"step 6 object delta-[0-9a-f]{16}.safetensors: \d+ bytes, manifest says \d+",
+         [7]),
         (_garbage_object, 6, "object", "step 6 object delta-[0-9a-f]{16}.safetensors: SHA-256", [7]),
         (_missing_manifest_mid_chain, 6, "chain",
-         "step 6 is a delta on step 5, which is not committed \\(its folder holds objects but no manifest.json\\)", [7]),
-        (_manifest_disagrees_with_header, 6, "header", "step 6: the object header's state checksum .* disagrees with its manifest", [7]),
-        (_header_names_another_step, 6, "header", r"step 6: object header \(step 9, delta\) disagrees with its manifest", [7]),
-        (_checksum_does_not_replay, 6, "checksum", "step 6: tensor .* does not match the trainer's checksum after step 6", [7]),
+         "step 6 is a delta on step 5, which is not committed \\(its folder holds objects but no manifest.json\\)",
+         [7]),
+        (_manifest_disagrees_with_header, 6, "header",
+         "step 6: the object header's state checksum .* disagrees with its manifest", [7]),
+        (_header_names_another_step, 6, "header",
+         r"step 6: object header \(step 9, delta\) disagrees with its manifest", [7]),
+        (_checksum_does_not_replay, 6, "checksum",
+         "step 6: tensor .* does not match the trainer's checksum after step 6", [7]),
         (_blob_does_not_decode, 6, "object", "step 6 tensor '.*' values", [7]),
-        (_anchor_checksum_does_not_replay, 4, "checksum", "step 4: tensor .* does not match the trainer's checksum after step 4", [5, 6, 7]),
+        (_anchor_checksum_does_not_replay, 4, "checksum",
+         "step 4: tensor .* does not match the trainer's checksum after step 4", [5, 6, 7]),
     ],
 )
 def test_verify_finds_planted_damage(stream_copy, plant, step, kind, message, dependents):
@@ -84,7 +89,9 @@ def test_verify_finds_planted_damage(stream_copy, plant, step, kind, message, de
     assert __import__("re").search(message, first.message), first.message
     everything = verify(stream_copy, all_problems=True)
     assert [(p.step, p.kind) for p in everything.problems] == [(step, kind)] + [(s, "chain") for s in dependents]
-    assert set(everything.verified) == set(range(10)) - {step, *dependents} - ({5} if plant is _missing_manifest_mid_chain else set())
+    assert set(everything.verified) == set(range(10)) - {step, *dependents} - ({5}
+                                                                               if plant is _missing_manifest_mid_chain
+                                                                               else set())
     assert verify(stream_copy, first=8).ok  # the next anchor starts a sound chain
 
 
@@ -174,7 +181,8 @@ def test_heartbeats(tmp_path, small_state):
     store.write_bytes("consumers/broken.json", b"{")
     with pytest.raises(FormatError, match="consumers/broken.json: not valid JSON"):
         read_heartbeats(store)
-    store.write_bytes("consumers/broken.json", json.dumps({"consumer_id": "other", "step": 1, "updated_unix_s": 1.0}).encode())
+    store.write_bytes("consumers/broken.json",
+                      json.dumps({"consumer_id": "other", "step": 1, "updated_unix_s": 1.0}).encode())
     with pytest.raises(FormatError, match="names consumer 'other'"):
         read_heartbeats(store)
     with pytest.raises(ValueError, match="consumer id '../x'"):

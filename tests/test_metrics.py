@@ -96,7 +96,8 @@ def test_follower_serves_held_newest_lag_bytes_and_errors(tmp_path):
 
         applied = follower.sync()  # retried from the nearest anchor (step 0) after the failure
         got = scrape(url)
-        assert applied[-1] == 5 and got["deltasync_follower_held_step"] == 5 and got["deltasync_follower_lag_steps"] == 0
+        assert applied[-1] == 5
+        assert got["deltasync_follower_held_step"] == 5 and got["deltasync_follower_lag_steps"] == 0
         assert got["deltasync_follower_steps_applied_total"] == 3 + len(applied)
         assert got["deltasync_follower_applied_bytes_total"] == object_bytes(stream, [0, 1, 2, *applied])
         status = follower.status()
@@ -135,8 +136,9 @@ def test_serve_takes_any_status_source_and_several_run_at_once():
     with serve(Source(a, 4), 0) as sa, serve(Source(b, 7), 0) as sb:
         assert sa.port != sb.port
         ga, gb = scrape(sa.url), scrape(sb.url)
-    assert (ga["deltasync_follower_held_step"], ga["deltasync_follower_lag_steps"], ga["deltasync_follower_last_pause_seconds"]) == (4, 0, 0.25)
-    assert (gb["deltasync_follower_newest_step"], gb["deltasync_follower_lag_steps"], gb["deltasync_follower_errors_total"]) == (9, 2, 1)
+    p = "deltasync_follower_"
+    assert (ga[p + "held_step"], ga[p + "lag_steps"], ga[p + "last_pause_seconds"]) == (4, 0, 0.25)
+    assert (gb[p + "newest_step"], gb[p + "lag_steps"], gb[p + "errors_total"]) == (9, 2, 1)
     assert gb["deltasync_follower_applied_bytes_total"] == 10
 
 

@@ -19,8 +19,11 @@ from deltasync import NodeCache, StreamReader
 from deltasync.errors import ConfigError, CorruptObjectError
 from deltasync.node_cache import node_cache_from_env
 from deltasync.store import step_dir
+from tests import test_reader
 from tests.conftest import states_equal
-from tests.test_reader import remote  # noqa: F401 - fixture: a stream on a remote store, 7 steps, anchors every 3
+
+# the fixture: a stream on a remote store, 7 steps, anchors every 3 (bound here, so pytest finds it)
+remote = test_reader.remote
 
 CTX = mp.get_context("fork")  # the peers need no fresh interpreter: forked, they start at once (POSIX, as flock)
 
@@ -126,7 +129,8 @@ def test_a_digest_from_a_manifest_must_be_a_digest(tmp_path):
 def test_a_bad_byte_bound_is_refused(tmp_path, monkeypatch, value):
     monkeypatch.setenv("DELTASYNC_NODE_CACHE", str(tmp_path / "node"))
     monkeypatch.setenv("DELTASYNC_NODE_CACHE_BYTES", value)
-    with pytest.raises(ConfigError, match=f"DELTASYNC_NODE_CACHE_BYTES: expected a positive number of bytes, got '{value}'"):
+    with pytest.raises(ConfigError,
+                       match=f"DELTASYNC_NODE_CACHE_BYTES: expected a positive number of bytes, got '{value}'"):
         node_cache_from_env()
 
 

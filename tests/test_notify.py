@@ -22,6 +22,7 @@ from rollout_loader import Follower, StateDictTarget
 from tests.conftest import states_equal
 from tests.http_server import serving
 
+
 def _state(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return {"w": torch.randn(20_000, generator=g).bfloat16(), "b": torch.randn(16, generator=g).bfloat16()}
@@ -181,7 +182,7 @@ def test_a_region_follows_a_mirror_by_its_events_bit_exactly(tmp_path):
                 pub.source = truth[step] = _state(step)
                 pub.publish(step)
                 pub.flush()
-                _until(lambda: follower.step == step, timeout_s=60)  # no wait_for: it would poke a poll
+                _until(lambda: follower.step == step, timeout_s=60)  # noqa: B023 - _until() calls it at once; no wait_for: it would poke a poll
                 assert states_equal(target.state_dict(), truth[follower.step])
             assert len(hints) <= 1  # the thread's first poll at most: every step came by push
             assert follower.last_error is None
@@ -197,7 +198,8 @@ def test_a_region_follows_a_mirror_by_its_events_bit_exactly(tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["mirror", "SRC", "DST", "--events", "8901"], "--events: expected HOST:PORT (e.g. 0.0.0.0:8901), got '8901'"),
     (["mirror", "SRC", "DST", "--events", "host:99999"], "got 'host:99999'"),
-    (["mirror", "SRC", "DST", "--notify", "mirror:8901"], "expected an http(s) URL of a mirror's /events, got 'mirror:8901'"),
+    (["mirror", "SRC", "DST", "--notify", "mirror:8901"],
+     "expected an http(s) URL of a mirror's /events, got 'mirror:8901'"),
     (["follow", "SRC", "--server", "http://127.0.0.1:9", "--notify", "ftp://m/events"], "got 'ftp://m/events'"),
 ])
 def test_event_options_of_the_cli_are_checked_before_anything_runs(tmp_path, monkeypatch, capsys, args, needle):

@@ -114,9 +114,9 @@ def consumer_peer(address: str, url: str, cid: str, engine: str, steps: list[int
     from deltasync.errors import RdmaError, StaleMetadataError
     from deltasync.format.objects import StepObject
     from deltasync.rdma.agent import Agent
+    from deltasync.rdma.inbox import Inbox
     from deltasync.rdma.link import ConsumerLink
     from deltasync.rdma.messages import ConsumerHello
-    from deltasync.rdma.inbox import Inbox
     from deltasync.store import Store
 
     agent = Agent(f"{cid}-{uuid.uuid4().hex[:8]}")

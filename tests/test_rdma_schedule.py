@@ -10,7 +10,7 @@ import random
 import pytest
 
 from deltasync.errors import ScheduleError
-from deltasync.rdma.schedule import Consumer, TensorSlice, TensorInfo, TrainerRank, plan
+from deltasync.rdma.schedule import Consumer, TensorInfo, TensorSlice, TrainerRank, plan
 
 
 def _qwen_like(layers: int = 3) -> dict[str, TensorInfo]:
@@ -42,7 +42,8 @@ def _check_exact_cover(tensors, trainers, consumers, schedule):
 
 def test_replicated_tensors_are_balanced_across_ranks():
     tensors = _qwen_like()
-    trainers = [TrainerRank(r, f"trainer-{r}", tuple(TensorSlice(n, 0, i.numel) for n, i in tensors.items())) for r in range(4)]
+    trainers = [TrainerRank(r, f"trainer-{r}", tuple(TensorSlice(n, 0, i.numel) for n, i in tensors.items()))
+                for r in range(4)]
     consumers = [Consumer(f"engine0-tp{r}", "engine0", frozenset(tensors)) for r in range(2)]
     s = plan(tensors, trainers, consumers)
     _check_exact_cover(tensors, trainers, consumers, s)
@@ -55,7 +56,8 @@ def test_replicated_tensors_are_balanced_across_ranks():
 
 def test_sharded_tensors_are_read_from_every_shard_owner():
     tensors = {"w": TensorInfo(100, 2), "b": TensorInfo(10, 4)}
-    trainers = [TrainerRank(0, "a", (TensorSlice("w", 0, 50), TensorSlice("b", 0, 10))), TrainerRank(1, "b", (TensorSlice("w", 50, 100),))]
+    trainers = [TrainerRank(0, "a", (TensorSlice("w", 0, 50), TensorSlice("b", 0, 10))),
+                TrainerRank(1, "b", (TensorSlice("w", 50, 100),))]
     consumers = [Consumer("c0", "e", frozenset({"w"})), Consumer("c1", "e", frozenset({"w", "b"}))]
     s = plan(tensors, trainers, consumers)
     _check_exact_cover(tensors, trainers, consumers, s)
@@ -82,7 +84,8 @@ def test_random_layouts_cover_exactly(seed):
     ranks = rng.randint(1, 5)
     parts: dict[int, list[TensorSlice]] = {r: [] for r in range(ranks)}
     for name, info in tensors.items():
-        cuts = sorted(rng.sample(range(1, info.numel), min(info.numel - 1, rng.randint(0, 3)))) if info.numel > 1 else []
+        cuts = sorted(rng.sample(range(1, info.numel), min(info.numel - 1, rng.randint(0, 3)))) \
+            if info.numel > 1 else []
         edges = [0, *cuts, info.numel]
         for a, b in itertools.pairwise(edges):
             for r in rng.sample(range(ranks), rng.randint(1, ranks)):  # replicated on 1..ranks ranks
@@ -98,8 +101,10 @@ def test_random_layouts_cover_exactly(seed):
 @pytest.mark.parametrize(
     ("trainers", "needs", "match"),
     [
-        ([TrainerRank(0, "a", (TensorSlice("w", 0, 40),)), TrainerRank(1, "b", (TensorSlice("w", 60, 100),))], {"w"}, "a gap at element 40"),
-        ([TrainerRank(0, "a", (TensorSlice("w", 0, 60),)), TrainerRank(1, "b", (TensorSlice("w", 50, 100),))], {"w"}, "overlapping"),
+        ([TrainerRank(0, "a", (TensorSlice("w", 0, 40),)), TrainerRank(1, "b", (TensorSlice("w", 60, 100),))], {"w"},
+         "a gap at element 40"),
+        ([TrainerRank(0, "a", (TensorSlice("w", 0, 60),)), TrainerRank(1, "b", (TensorSlice("w", 50, 100),))], {"w"},
+         "overlapping"),
         ([TrainerRank(0, "a", (TensorSlice("w", 0, 80),))], {"w"}, "only up to element 80"),
         ([TrainerRank(0, "a", (TensorSlice("w", 0, 101),))], {"w"}, "outside 0:100"),
         ([TrainerRank(0, "a", (TensorSlice("x", 0, 1),))], {"w"}, "'x', which the tensor list lacks"),

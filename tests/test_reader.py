@@ -278,7 +278,8 @@ def test_a_caught_up_follower_never_downloads_an_anchor(tmp_path):
     m = Store(url).manifest(3)
     assert m.kind == "anchor" and m.delta is not None and m.delta.base_step == 2
     assert m.delta.object_bytes * 20 < m.object_bytes  # a few bytes instead of the dense anchor
-    assert [n.split("-")[0] for n in got if n.endswith(".safetensors")] == ["anchor", "delta", "delta", "delta", "delta", "delta"]
+    assert [n.split("-")[0] for n in got if n.endswith(".safetensors")] == ["anchor", "delta", "delta", "delta",
+                                                                            "delta", "delta"]
     assert torch.equal(follower.target.state_dict()["w"].view(torch.int16), states[-1].view(torch.int16))
     follower.close()
     joiner = StateDictTarget()
@@ -304,7 +305,8 @@ def test_a_caught_up_follower_never_downloads_an_anchor(tmp_path):
     assert [(p.step, p.kind) for p in report.problems] == [(3, "checksum")]
 
     plain = str(tmp_path / "plain")
-    with DeltaPublisher(plain, {"w": states[0].clone()}, anchor_every=3, anchor_deltas=False, on_backlog="block") as pub:
+    with DeltaPublisher(plain, {"w": states[0].clone()}, anchor_every=3, anchor_deltas=False,
+                        on_backlog="block") as pub:
         for s, w in enumerate(states):
             pub.source = {"w": w}
             pub.publish(s)

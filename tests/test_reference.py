@@ -383,8 +383,10 @@ def test_both_compilations_of_each_kernel(dtype, parallel):
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # parallel=True: really on every thread
     block = 1 << 15
     # parallel launches are slow on a busy machine (the reason for the twins): fewer tiny cases there
-    sizes = [0, 1, 9, 33, block + 1, 2 * block + 5] if parallel else [0, 1, 7, 9, 33, 300, block - 1, block + 1, 2 * block + 5]
-    cases = pattern_cases(dtype, sizes, seed=24) + single_change_cases(dtype, range(0, 10 if parallel else 17), 16, seed=25)
+    sizes = [0, 1, 9, 33, block + 1, 2 * block + 5] if parallel else [0, 1, 7, 9, 33, 300, block - 1, block + 1,
+                                                                      2 * block + 5]
+    cases = pattern_cases(dtype, sizes, seed=24) + single_change_cases(dtype, range(0, 10 if parallel else 17), 16,
+                                                                       seed=25)
     scratch = _Scratch()
     for c in cases:
         label = f"{'parallel' if parallel else 'serial'} {c.dtype} {c.name}"
@@ -400,7 +402,8 @@ def test_both_compilations_of_each_kernel(dtype, parallel):
         assert (ref_checksum(c.old) + int(_kernels.xor_at(u, pos, x, parallel=parallel))) % 2**64 == want_after, label
         assert np.array_equal(u, c.new), label
         u = c.old.copy()
-        assert (ref_checksum(c.old) + int(_kernels.xor_dense(u, c.old ^ c.new, 0, parallel=parallel))) % 2**64 == want_after
+        delta = int(_kernels.xor_dense(u, c.old ^ c.new, 0, parallel=parallel))
+        assert (ref_checksum(c.old) + delta) % 2**64 == want_after
         assert np.array_equal(u, c.new), label
         u, kept = c.old.copy(), np.empty(pos.size, c.old.dtype)
         delta = int(_kernels.xor_at_indexed(u, pos, x, pos + base, kept, parallel=parallel))
@@ -434,7 +437,10 @@ def test_xor_apply_reports_reference_checksums(dtype):
                 assert (ref_checksum(c.old) + delta) % 2**64 == want_after, label
                 assert np.array_equal(bits_of(t), c.new), label
                 # checksum=False only writes; applying the same patch again restores the old bits
-                assert patch(t, None, c.old ^ c.new, checksum=False) == 0 if dense else patch(t, pos, xor, checksum=False) == 0
+                if dense:
+                    assert patch(t, None, c.old ^ c.new, checksum=False) == 0
+                else:
+                    assert patch(t, pos, xor, checksum=False) == 0
                 assert np.array_equal(bits_of(t), c.old), label
 
 
@@ -454,11 +460,12 @@ def test_xor_apply_on_slices_hashes_global_indices(dtype):
             x = (old[s:] ^ new[s:])[local]
             for name, patch in {"kernels": xor_apply, "torch ops": _torch_ops}.items():
                 calls = {
-                    "dense, base": lambda t: patch(t, None, old[s:] ^ new[s:], index=s),
-                    "local, base": lambda t: patch(t, local, x, index=s),
-                    "local, indices": lambda t: patch(t, local, x, index=local + s),
-                    "torch inputs": lambda t: patch(t, torch.from_numpy(local), torch.from_numpy(x.view(f"i{x.itemsize}")),
-                                                    index=torch.from_numpy(local + s)),
+                    "dense, base": lambda t: patch(t, None, old[s:] ^ new[s:], index=s),  # noqa: B023 - called in this iteration
+                    "local, base": lambda t: patch(t, local, x, index=s),  # noqa: B023 - called in this iteration
+                    "local, indices": lambda t: patch(t, local, x, index=local + s),  # noqa: B023 - called in this iteration
+                    "torch inputs": lambda t: patch(t, torch.from_numpy(local),  # noqa: B023 - called in this iteration
+                                                    torch.from_numpy(x.view(f"i{x.itemsize}")),  # noqa: B023 - called in this iteration
+                                                    index=torch.from_numpy(local + s)),  # noqa: B023 - called in this iteration
                 }
                 for how, call in calls.items():
                     t = tensor_of(old[s:], dtype)

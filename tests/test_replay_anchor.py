@@ -6,13 +6,13 @@ import hashlib
 import pytest
 import torch
 
-from deltasync import replay_to_folder, StreamReader
+from deltasync import StreamReader, replay_to_folder
 from deltasync.errors import ChecksumMismatchError, CorruptObjectError, FormatError
 from deltasync.history import reconstruct_state_dict
 from deltasync.history.replay import Chain
 from deltasync.store import Store
 from tests.conftest import states_equal
-from tests.damage import damage_blob, object_path, rewrite_header, wrong_checksum, write_manifest
+from tests.damage import damage_blob, object_path, rewrite_header, write_manifest, wrong_checksum
 
 
 def both_refuse(url, step, tmp_path, error, match):
@@ -45,7 +45,8 @@ def test_a_corrupt_anchor_is_named_as_such(stream_copy, tmp_path, where):
     path = object_path(Store(stream_copy), 4)
     size = path.stat().st_size
     flip(path, {"data": size // 2, "header": 40, "end": size - 1}[where])
-    both_refuse(stream_copy, 6, tmp_path, CorruptObjectError, r"step 4 object anchor-[0-9a-f]{16}\.safetensors: SHA-256")
+    both_refuse(stream_copy, 6, tmp_path, CorruptObjectError,
+                r"step 4 object anchor-[0-9a-f]{16}\.safetensors: SHA-256")
 
 
 def test_a_truncated_anchor_is_named_as_such(stream_copy, tmp_path):
@@ -66,7 +67,8 @@ def test_a_corrupt_delta_in_the_middle_of_a_chain(stream_copy, tmp_path):
 def test_a_lying_anchor_header_fails_its_own_step_only(qwen_stream, stream_copy, tmp_path):
     store = Store(stream_copy)
     rewrite_header(store, 4, wrong_checksum)  # the anchor's header lies about a tensor, consistently
-    both_refuse(stream_copy, 4, tmp_path, ChecksumMismatchError, "step 4: tensor .* does not match the trainer's checksum")
+    both_refuse(stream_copy, 4, tmp_path, ChecksumMismatchError,
+                "step 4: tensor .* does not match the trainer's checksum")
     # a later step is proven by its own checksums, of the bits returned: the anchor's are not needed
     assert states_equal(reconstruct_state_dict(stream_copy, 6), qwen_stream.truth[6])
 
@@ -77,7 +79,8 @@ def test_anchor_bits_changed_with_a_matching_manifest_fail_the_checksum(stream_c
     flip(path, path.stat().st_size - 3)  # a tensor's bits (the data buffer ends the file), manifest made to agree
     data = path.read_bytes()
     write_manifest(store, 8, object_bytes=len(data), object_sha256=hashlib.sha256(data).hexdigest())
-    both_refuse(stream_copy, 9, tmp_path, ChecksumMismatchError, "step 9: tensor .* does not match the trainer's checksum")
+    both_refuse(stream_copy, 9, tmp_path, ChecksumMismatchError,
+                "step 9: tensor .* does not match the trainer's checksum")
 
 
 def test_closing_a_chain_early_stops_the_feed(qwen_stream):

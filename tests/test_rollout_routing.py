@@ -142,7 +142,8 @@ def expected_local(ckpt: dict[str, torch.Tensor], tp: int, rank: int) -> dict[st
         P + "moe.experts.w13_weight": torch.stack([
             torch.cat([col(expert(e, "gate_proj"), tp, rank), col(expert(e, "up_proj"), tp, rank)])
             for e in range(EXPERTS)]),
-        P + "moe.experts.w2_weight": torch.stack([expert(e, "down_proj").chunk(tp, dim=1)[rank] for e in range(EXPERTS)]),
+        P + "moe.experts.w2_weight": torch.stack([expert(e, "down_proj").chunk(tp, dim=1)[rank]
+                                                  for e in range(EXPERTS)]),
         P + "input_layernorm.weight": ckpt[P + "input_layernorm.weight"],
         "model.norm.weight": ckpt["model.norm.weight"],
     }
@@ -287,7 +288,8 @@ def test_unroutable_loaders_fail_at_build_time_naming_the_tensor(loader, match: 
 def test_checkpoint_tensors_the_engine_drops_are_named_unless_ignored() -> None:
     ckpt = {**checkpoint(), "model.rotary_emb.inv_freq": torch.zeros(8)}
     with pytest.raises(RoutingError, match="'model.rotary_emb.inv_freq': the engine drops this tensor"):
-        table(1, 0, ckpt=ckpt, loader=lambda p, c, tp, r: load(p, {k: v for k, v in c.items() if "rotary" not in k}, tp, r))
+        table(1, 0, ckpt=ckpt, loader=lambda p, c, tp,
+              r: load(p, {k: v for k, v in c.items() if "rotary" not in k}, tp, r))
     t = table(1, 0, ckpt=ckpt, ignore=["model.rotary_emb.inv_freq"],
               loader=lambda p, c, tp, r: load(p, {k: v for k, v in c.items() if "rotary" not in k}, tp, r))
     assert "model.rotary_emb.inv_freq" not in t.routes
@@ -310,7 +312,7 @@ def test_a_fused_checkpoint_tensor_split_by_the_loader_routes_in_pieces() -> Non
 
     def loader(params, c, tp, rank):
         rows = [HEADS * HD, KV * HD, KV * HD]
-        parts = dict(zip("qkv", c[fused].split(rows)))  # views of the fused tensor
+        parts = dict(zip("qkv", c[fused].split(rows), strict=True))  # views of the fused tensor
         load(params, {**{k: v for k, v in c.items() if k != fused},
                       **{P + f"self_attn.{n}_proj.weight": t for n, t in parts.items()}}, tp, rank)
 

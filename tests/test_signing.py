@@ -216,8 +216,10 @@ def test_the_cli_makes_keys_and_verify_says_what_it_checked(tmp_path):
     (_step_dir(stream, 2) / SIGNATURE).unlink()
     r = _cli("verify", str(stream), "--trusted-key", str(tmp_path / "k.pub"))
     assert r.returncode == 1 and "step 2: signature: " in r.stdout and "not signed" in r.stdout, r.stdout + r.stderr
-    r = _cli("replay", str(stream), "--step", "2", "-o", str(tmp_path / "out"), "--trusted-key", str(tmp_path / "k.pub"))
-    assert r.returncode == 2 and r.stderr.startswith("error: UnsignedStepError") and not (tmp_path / "out").exists(), r.stderr
+    r = _cli("replay", str(stream), "--step", "2", "-o", str(tmp_path / "out"), "--trusted-key",
+             str(tmp_path / "k.pub"))
+    assert r.returncode == 2 and r.stderr.startswith("error: UnsignedStepError"), r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_exported_checkpoint_is_signed_for_openssf_model_signing(signed, tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from deltasync.engine import apply_staged, layout_of, stage, StagedStep, StepObject, TensorSpec
+from deltasync.engine import StagedStep, StepObject, TensorSpec, apply_staged, layout_of, stage
 from deltasync.errors import BaseStepMismatchError, ChecksumMismatchError, FormatError, TensorMismatchError
 from tests.conftest import states_equal
 from tests.test_apply import _chain
@@ -31,7 +31,8 @@ def test_stage_decodes_everything_and_writes_nothing(tmp_path, small_state, gen)
         changed = {n for n, t in obj.header.tensors.items() if t.changed}
     assert isinstance(staged, StagedStep) and staged.step == 2 and staged.base_step == 1
     assert {p.name for p in staged.patches} == changed and changed
-    assert staged.nbytes == sum(p.xor.nbytes + (0 if p.positions is None else p.positions.nbytes) for p in staged.patches)
+    assert staged.nbytes == sum(p.xor.nbytes + (0 if p.positions is None else p.positions.nbytes)
+                                for p in staged.patches)
     assert states_equal(held, truth[1])  # staging wrote nothing, and the object is closed: the patches stay usable
     after = apply_staged(staged, held, checksums=_ref(truth[1]))
     assert states_equal(held, truth[2])
@@ -103,5 +104,6 @@ def test_stage_refuses_a_patch_that_changes_nothing_it_lists(tmp_path, small_sta
     bad = replace(changes[0], xor=np.zeros_like(changes[0].xor))
     path = tmp_path / "1.safetensors"
     write_step(path, kind="delta", step=1, base_step=0, headers=snapshot_headers(snap), changes=[bad, *changes[1:]])
-    with StepObject(path, where="1") as obj, pytest.raises(FormatError, match=f"{bad.name!r}: header says {bad.changed} changed"):
+    with StepObject(path, where="1") as obj, pytest.raises(FormatError,
+                                                           match=f"{bad.name!r}: header says {bad.changed} changed"):
         stage(obj, layout_of(small_state), base_step=0)

@@ -1,6 +1,6 @@
 import pytest
 
-from deltasync import stream_stats, StreamReader
+from deltasync import StreamReader, stream_stats
 from deltasync.errors import StepNotFoundError
 from deltasync.history import layer_density, plot_stats
 from deltasync.history.stats import read_step_header

@@ -1,11 +1,10 @@
 """The store contract on the backends that need no server (S3 runs it in tests/integration)."""
 
-from tests.store_contract import TestFileUrlStore, TestFsspecStore, TestLocalStore, TestMemoryStore  # noqa: F401
-
 import pytest
 
 from deltasync.errors import StoreError
 from deltasync.store import Store
+from tests.store_contract import TestFileUrlStore, TestFsspecStore, TestLocalStore, TestMemoryStore  # noqa: F401
 
 
 def test_unknown_protocol_names_the_url():
@@ -71,7 +70,7 @@ def test_a_local_store_reads_only_regular_files(tmp_path, small_state):
     builtin error. Now: a hint that cannot be read is ignored, anything else is a FormatError naming the path."""
     import os
 
-    from deltasync import collect_garbage, DeltaPublisher, StreamReader
+    from deltasync import DeltaPublisher, StreamReader, collect_garbage
     from deltasync.errors import FormatError
     from deltasync.store import step_dir
     from rollout_loader import Follower, StateDictTarget

@@ -77,11 +77,12 @@ def _publish(url: str, transport: Any, out: Any | None) -> dict[int, dict[str, s
 def trainer_peer(address: str, url: str, opts: dict[str, Any], stop: Any, out: Any) -> None:
     from deltasync.transports.nixl import NixlTransport
 
-    rdma = {"secret": SECRET, "controller": address, "slot_bytes": opts.get("slot_bytes", 1 << 20), "chunk_bytes": 16 << 10,
+    rdma = {"secret": SECRET, "controller": address, "slot_bytes": opts.get("slot_bytes", 1 << 20),
+            "chunk_bytes": 16 << 10,
             "plan_wait_s": 30.0, "ack_deadline_s": 5.0}
     with NixlTransport.trainer(url, rdma=rdma) as transport:
         _publish(url, transport, out)
-        stats = transport.trainer.stats
+        stats = transport.rdma_trainer.stats
         stop.wait(60)  # the ring stays up until the consumer is done (a slow consumer would read the store)
     out.put(("trainer", {"announced": stats.announced, "store_only": [s for s, _ in stats.store_only]}))
 
@@ -226,9 +227,10 @@ def test_every_step_commits_when_the_rdma_path_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(Outbox, "offer", broken)
     url = str(tmp_path / "store")
     with Controller(trainers=1, consumers=0, secret=SECRET) as controller, NixlTransport.trainer(
-            url, rdma={"secret": SECRET, "controller": controller.address, "slot_bytes": 1 << 20, "plan_wait_s": 10.0}) as transport:
+            url, rdma={"secret": SECRET, "controller": controller.address, "slot_bytes": 1 << 20,
+                       "plan_wait_s": 10.0}) as transport:
         truth = _publish(url, transport, None)
-        stats = transport.trainer.stats
+        stats = transport.rdma_trainer.stats
     assert stats.announced == [] and [s for s, _ in stats.store_only] == STEPS
     assert all("the NIC is gone" in why for _, why in stats.store_only)
     _store_holds_truth(url, truth)
@@ -244,10 +246,11 @@ def test_every_step_commits_without_a_controller(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = str(tmp_path / "store")
-    with NixlTransport.trainer(url, rdma={"secret": SECRET, "controller": f"tcp://127.0.0.1:{port}", "slot_bytes": 1 << 20,
+    with NixlTransport.trainer(url,
+                               rdma={"secret": SECRET, "controller": f"tcp://127.0.0.1:{port}", "slot_bytes": 1 << 20,
                                           "plan_wait_s": 0.2}) as transport:
         truth = _publish(url, transport, None)
-        stats = transport.trainer.stats
+        stats = transport.rdma_trainer.stats
     assert stats.announced == [] and [s for s, _ in stats.store_only] == STEPS
     _store_holds_truth(url, truth)
 

@@ -122,7 +122,8 @@ def test_a_missing_package_names_the_extra(package, url, extra):
         """)
     assert r.returncode == 0, r.stderr
     line = r.stdout.strip()
-    assert line.startswith(f"MissingDependencyError cannot open store {url!r}: the package {package!r} is not installed")
+    assert line.startswith(f"MissingDependencyError cannot open store {url!r}: the package {package!r} is not "
+                           "installed")
     assert f"pip install 'deltasync[{extra}]'" in line
 
 

@@ -132,7 +132,8 @@ def test_a_session_left_open_by_a_dead_client_is_closed_first():
 @pytest.mark.parametrize(
     ("replies", "error", "needles"),
     [
-        ({"/weight_info": (404, {"detail": "Not Found"})}, EngineConfigError, ["VLLM_SERVER_DEV_MODE=1", "/weight_info"]),
+        ({"/weight_info": (404, {"detail": "Not Found"})}, EngineConfigError,
+         ["VLLM_SERVER_DEV_MODE=1", "/weight_info"]),
         ({"/init_weight_transfer_engine": _vllm_500(_WORKER_FAILED.format(
             "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."))},
          EngineConfigError, ["--weight-transfer-config '{\"backend\": \"deltasync\"}'"]),
@@ -145,7 +146,8 @@ def test_a_session_left_open_by_a_dead_client_is_closed_first():
         ({"/weight_info": (200, {"weight_version": 5})}, EngineError, ["expected {'weight_version': str}"]),
         ({"/weight_info": (200, b"<html>")}, EngineError, ["not JSON"]),
     ],
-    ids=["no-dev-mode", "no-weight-transfer-config", "bad-init-info", "unknown-init-key", "version-not-str", "not-json"],
+    ids=["no-dev-mode", "no-weight-transfer-config", "bad-init-info", "unknown-init-key", "version-not-str",
+         "not-json"],
 )
 def test_a_server_not_set_up_is_named_before_anything_pauses(replies, error, needles, tmp_path):
     url = str(tmp_path / "stream")
@@ -205,7 +207,8 @@ def test_a_follower_retries_a_failed_step_and_asks_the_server_again(tmp_path):
     with DeltaPublisher(url, {"w": torch.zeros(8)}) as pub:
         pub.publish(0)
     with fake_server() as (fake, base):
-        fake.replies["/update_weights"] = _vllm_500(_WORKER_FAILED.format("CorruptObjectError: step 0: SHA-256 differs"))
+        fake.replies["/update_weights"] = _vllm_500(_WORKER_FAILED.format("CorruptObjectError: step 0: SHA-256 "
+                                                                          "differs"))
         f = Follower(url, VllmTarget(base), poll_s=0.05)
         with pytest.raises(Exception, match="step 0 not live within 1.0s") as e:
             f.wait_for(0, timeout_s=1.0)
@@ -247,7 +250,8 @@ def test_an_offline_engine_is_driven_through_the_same_calls():
     assert [c for c, _ in llm.calls] == ["init", "start", "update", "finish", "reset"]
     assert llm.calls[2][1] == {"update_info": {"step": 4}} and client.held_step() == 4
     # an error relayed from a worker process comes back by its class: permanent ones as EngineConfigError
-    for text, error in [(_WORKER_FAILED.format("PatchError: step 5: the step does not fit the engine"), EngineConfigError),
+    for text, error in [(_WORKER_FAILED.format("PatchError: step 5: the step does not fit the engine"),
+                         EngineConfigError),
                         (_WORKER_FAILED.format("ChecksumMismatchError: rolled back to step 4"), EngineError),
                         ("Weight transfer not configured. Please set weight_transfer_config", EngineConfigError)]:
         llm.fail = text
@@ -273,7 +277,8 @@ def test_engine_info_is_checked():
     assert DeltasyncInitInfo(url="s3://b/run").verify == "incremental"
     for bad, needle in [(dict(url=""), "url must be"), (dict(url="x", verify="some"), "verify must be one of"),
                         (dict(url="x", mode="fast"), "mode must be one of"), (dict(url="x", step=-1), "step must be"),
-                        (dict(url="x", step=True), "step must be"), (dict(url="x", storage_options=[]), "storage_options"),
+                        (dict(url="x", step=True), "step must be"),
+                        (dict(url="x", storage_options=[]), "storage_options"),
                         # issue 19, item 12: every value typed and bounded here, not later in a thread
                         (dict(url="x", step=10**12), "step must be a step number"),
                         (dict(url="x", prefetch="yes"), "prefetch must be true or false"),
@@ -382,7 +387,8 @@ def test_an_update_the_server_does_not_name_afterwards_is_an_error():
 
 @pytest.mark.parametrize("bad", [
     {"held_step": 3, "arrived": {"v": "rdma"}, "pauses_s": [], "checksums": {}},           # a step that is no number
-    {"held_step": 3, "arrived": {}, "pauses_s": [], "checksums": {"w": {}}},               # a checksum that is no number
+    # a checksum that is no number
+    {"held_step": 3, "arrived": {}, "pauses_s": [], "checksums": {"w": {}}},
     {"held_step": [1], "arrived": {}, "pauses_s": [], "checksums": {}},                    # unhashable held step
     {"held_step": 1, "arrived": {}, "pauses_s": [], "checksums": {"w": 2**64}},            # past 64 bits
     {"held_step": 1, "arrived": {}, "pauses_s": ["x"], "checksums": {}},

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # CI has no GPU; a GPU machine runs both
 
 
@@ -51,7 +50,8 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> Non
     def held(name: str) -> tuple[np.ndarray, np.ndarray]:
         """This rank's elements of checkpoint tensor ``name`` (unsigned bits) and their global flat indices."""
         r = routes[name]
-        rows = params[r.param_name].view(torch.int16).cpu().numpy().view(np.uint16)[r.param_start[0]:r.param_start[0] + r.extent[0]]
+        bits = params[r.param_name].view(torch.int16).cpu().numpy().view(np.uint16)
+        rows = bits[r.param_start[0]:r.param_start[0] + r.extent[0]]
         return rows.reshape(-1).copy(), np.arange(r.hf_start[0] * 40, (r.hf_start[0] + r.extent[0]) * 40)
 
     def patch(name: str, density: float) -> tuple[str, np.ndarray, np.ndarray]:
@@ -76,7 +76,8 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> Non
     want = reference(step1)
     staged = route_patches(state, step1)
     sealed = seal(state, staged)
-    assert {n: held(n)[0].tolist() for n in routes} == {n: b.tolist() for n, (b, _) in before.items()}  # sealing writes nothing
+    # sealing writes nothing
+    assert {n: held(n)[0].tolist() for n in routes} == {n: b.tolist() for n, (b, _) in before.items()}
     sums = write_sealed(state, staged, sealed)
     assert sums == {n: s for n, (_, s) in want.items()}
     assert {n: held(n)[0].tolist() for n in routes} == {n: b.tolist() for n, (b, _) in want.items()}

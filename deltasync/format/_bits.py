@@ -6,10 +6,13 @@ Deltas compare and patch bit patterns, never values: that is what makes them exa
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import torch
 
 from deltasync.errors import FormatError
+from deltasync.format.documents import DtypeName
 
 # safetensors dtype names <-> torch dtypes (docs/FORMAT.md section 2)
 DTYPES: dict[str, torch.dtype] = {
@@ -29,13 +32,13 @@ DTYPES: dict[str, torch.dtype] = {
 for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
     if hasattr(torch, _attr):
         DTYPES[_name] = getattr(torch, _attr)
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES: dict[torch.dtype, DtypeName] = {v: cast(DtypeName, k) for k, v in DTYPES.items()}  # the format's names
 
 _SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 UNSIGNED_NP = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> DtypeName:
     try:
         return DTYPE_NAMES[dtype]
     except KeyError:

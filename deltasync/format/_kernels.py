@@ -265,7 +265,8 @@ def _gap16_decode(shuffled: np.ndarray, max_count: np.int64) -> np.ndarray:
     entries = shuffled.size // 2
     if max_count < 0:
         return np.full(1, -1, np.int64)
-    out = np.empty(min(entries, max_count), np.int64)  # one pass: no entry yields more than one position
+    # one pass: no entry yields more than one position (the ignore: numpy's stubs miss min(int, np.int64))
+    out = np.empty(min(entries, max_count), np.int64)  # type: ignore[call-overload]
     pos = np.int64(-1)
     k = 0
     for e in range(entries):
@@ -361,7 +362,8 @@ def _hash_change(hashed: np.ndarray, old: np.ndarray, xor: np.ndarray) -> np.uin
     return acc
 
 
-def _xor_at_indexed(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: np.ndarray, old_out: np.ndarray) -> np.uint64:
+def _xor_at_indexed(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: np.ndarray,
+                    old_out: np.ndarray) -> np.uint64:
     """``u[local] ^= xor``, keeping the old bits in ``old_out``; returns the checksum change hashed with the
     elements' global indices ``hashed`` (a slice of a larger tensor: a fused or sharded parameter).
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import zstandard
@@ -15,7 +16,7 @@ import zstandard
 from deltasync.errors import FormatError
 from deltasync.format import _kernels
 from deltasync.format._bits import UNSIGNED_NP
-from deltasync.format.documents import TensorHeader
+from deltasync.format.documents import PositionCodec, TensorHeader, ValueCodec
 from deltasync.format.patch import Patch
 
 DENSE_FRACTION = 0.25  # above this share of changed elements, list every element (no positions)
@@ -35,8 +36,8 @@ class EncodedTensor:
 
     positions: bytes | None
     values: bytes
-    positions_chain: tuple[str, ...]
-    values_chain: tuple[str, ...]
+    positions_chain: tuple[PositionCodec, ...]
+    values_chain: tuple[ValueCodec, ...]
 
     @property
     def nbytes(self) -> int:
@@ -139,7 +140,8 @@ def decode_change(
     if positions is None:
         raise FormatError(f"{where}: positions are missing")
     max_entries = changed + numel // _ESCAPE_GAP + 1
-    entries = np.frombuffer(_unpack(positions, positions_chain[1:], at_most=2 * max_entries, where=f"{where} positions"), np.uint8)
+    raw = _unpack(positions, positions_chain[1:], at_most=2 * max_entries, where=f"{where} positions")
+    entries = np.frombuffer(raw, np.uint8)
     if entries.size % 2:
         raise FormatError(f"{where}: positions hold an odd number of bytes ({entries.size})")
     if "shuffle" not in positions_chain:
@@ -151,17 +153,20 @@ def decode_change(
         raise FormatError(f"{where}: position {int(pos[-1])} is out of range for {numel} elements")
     nonzero = int(np.count_nonzero(xor))
     if nonzero != changed:  # a listed element whose bits do not change: the header's count is wrong
-        raise FormatError(f"{where}: header says {changed} changed elements, {changed - nonzero} of the listed values change nothing")
+        raise FormatError(f"{where}: header says {changed} changed elements, {changed - nonzero} of the listed values "
+                          "change nothing")
     return pos, xor
 
 
-def _shuffled(arr: np.ndarray) -> tuple[np.ndarray, tuple[str, ...]]:
+def _shuffled(arr: np.ndarray) -> tuple[np.ndarray, tuple[Literal["shuffle"], ...]]:
     if arr.itemsize == 1:
         return arr.view(np.uint8), ()
     return _kernels.shuffle_bytes(arr), ("shuffle",)
 
 
-def _pack(data: np.ndarray, chain: tuple[str, ...], zstd_level: int) -> tuple[bytes, tuple[str, ...]]:
+def _pack(
+    data: np.ndarray, chain: tuple[Literal["shuffle"], ...], zstd_level: int
+) -> tuple[bytes, tuple[Literal["shuffle", "zstd"], ...]]:
     raw = data.tobytes()
     if raw:
         packed = _compressor(zstd_level).compress(raw)
@@ -170,7 +175,8 @@ def _pack(data: np.ndarray, chain: tuple[str, ...], zstd_level: int) -> tuple[by
     return raw, chain
 
 
-def _unpack(data: bytes | bytearray, chain: list[str], *, where: str, exact: int | None = None, at_most: int | None = None) -> bytes | bytearray:
+def _unpack(data: bytes | bytearray, chain: list[str], *, where: str, exact: int | None = None,
+            at_most: int | None = None) -> bytes | bytearray:
     """Undo the byte codecs of a chain, producing ``exact`` bytes or at most ``at_most`` bytes.
 
     A zstd frame's declared content size is checked against that bound before anything is allocated, and
@@ -183,16 +189,22 @@ def _unpack(data: bytes | bytearray, chain: list[str], *, where: str, exact: int
     assert bound is not None
     if "zstd" not in chain:
         if len(data) != exact and (exact is not None or len(data) > bound):
-            raise FormatError(f"{where}: {len(data)} bytes, expected {'exactly' if exact is not None else 'at most'} {bound}")
+            raise FormatError(f"{where}: {len(data)} bytes, expected {'exactly' if exact is not None else 'at most'} "
+                              f"{bound}")
         return data
     limit = min(bound, len(data) * ZSTD_MAX_RATIO)
     if exact is not None and exact > limit:
-        raise FormatError(f"{where}: a zstd frame of {len(data)} bytes cannot hold the {exact} bytes the header implies")
+        raise FormatError(f"{where}: a zstd frame of {len(data)} bytes cannot hold the {exact} bytes the header "
+                          "implies")
     try:
         declared = zstandard.frame_content_size(data)
         if declared > limit or (exact is not None and declared not in (-1, exact)):
-            raise FormatError(f"{where}: zstd frame claims {declared} bytes, expected {'' if exact is not None else 'at most '}{bound if exact is not None else limit}")
-        out = _decompressor().decompress(data) if declared >= 0 else _decompressor().decompress(data, max_output_size=limit)
+            raise FormatError(f"{where}: zstd frame claims {declared} bytes, expected "
+                              f"{'' if exact is not None else 'at most '}{bound if exact is not None else limit}")
+        if declared >= 0:
+            out = _decompressor().decompress(data)
+        else:
+            out = _decompressor().decompress(data, max_output_size=limit)
     except zstandard.ZstdError as e:
         raise FormatError(f"{where}: zstd frame is corrupt or larger than expected ({e})") from None
     if exact is not None and len(out) != exact:

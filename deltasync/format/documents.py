@@ -13,7 +13,7 @@ import json
 import math
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 
@@ -23,8 +23,8 @@ from deltasync.format.names import whole
 
 T = TypeVar("T")
 
-FORMAT_VERSION = 1
-CHECKSUM_ALGORITHM = "mix64-sum"
+FORMAT_VERSION: Final = 1
+CHECKSUM_ALGORITHM: Final = "mix64-sum"
 MAX_STEP = 10**12 - 1  # step folders have 12 digits (FORMAT.md section 5)
 MAX_DOCUMENT_BYTES = 1 << 20  # manifests, hints, leases, heartbeats, files.json, stream.json
 MAX_HEADER_BYTES = 100 << 20  # a step header (safetensors' own limit for a whole header)
@@ -64,7 +64,8 @@ Range = tuple[Count, Count]
 _DECODE_LOCK = threading.Lock()
 
 
-def decode(data: bytes | bytearray | memoryview | str, kind: type[T], *, where: str, max_bytes: int = MAX_DOCUMENT_BYTES) -> T:
+def decode(data: bytes | bytearray | memoryview | str, kind: type[T], *, where: str,
+           max_bytes: int = MAX_DOCUMENT_BYTES) -> T:
     """Parse and validate one stored document; every problem is a ``FormatError`` naming ``where``."""
     size = len(data)
     if size > max_bytes:
@@ -78,8 +79,6 @@ def decode(data: bytes | bytearray | memoryview | str, kind: type[T], *, where: 
         raise FormatError(f"{where}: not valid JSON ({e})") from None
     except RecursionError:
         raise FormatError(f"{where}: JSON nested too deeply") from None
-    except UnicodeDecodeError as e:
-        raise FormatError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
 def encode(doc: Any, *, indent: int | None = None) -> bytes:
@@ -114,7 +113,8 @@ class TensorHeader:
             if not 0 <= start <= stop <= numel or (start == stop and numel):
                 raise ValueError(f"range {list(self.range)} is not a non-empty element range of a tensor of {numel}")
         if self.changed > self.count:
-            raise ValueError(f"{self.changed} changed elements in a {'tensor' if self.range is None else 'range'} of {self.count}")
+            raise ValueError(f"{self.changed} changed elements in a {'tensor' if self.range is None else 'range'} of "
+                             f"{self.count}")
         if (self.positions is None) != (self.values is None):
             raise ValueError("positions and values codec chains come together")
 
@@ -146,7 +146,8 @@ class TensorHeader:
         return DTYPES[self.dtype]
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "changed": self.changed, "checksum": self.checksum}
+        d: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "changed": self.changed,
+                             "checksum": self.checksum}
         if self.positions is not None:
             d["positions"] = list(self.positions)
             d["values"] = list(self.values or ())
@@ -176,7 +177,8 @@ class StepHeader:
         _check_base(self.kind, self.step, self.base_step)
         ranged = sum(t.range is not None for t in self.tensors.values())
         if self.format_version == 2 and (ranged != len(self.tensors) or self.aliases):
-            raise ValueError("$.format_version is 2: a part's header gives every tensor a range and no aliases (docs/FORMAT.md section 5b)")
+            raise ValueError("$.format_version is 2: a part's header gives every tensor a range and no aliases "
+                             "(docs/FORMAT.md section 5b)")
         if self.format_version == 1 and ranged:
             raise ValueError("$.format_version is 1: element ranges need format_version 2")
         for alias, target in self.aliases.items():
@@ -288,7 +290,8 @@ class Part:
                 raise ValueError(f"the range [{start}, {stop}) of {name!r} ends before it starts")
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"object": self.object, "object_bytes": self.object_bytes, "object_sha256": self.object_sha256}
+        d: dict[str, Any] = {"object": self.object, "object_bytes": self.object_bytes,
+                             "object_sha256": self.object_sha256}
         if self.tensors is not None:
             d["tensors"] = {n: list(r) for n, r in self.tensors.items()}
         return d
@@ -344,10 +347,12 @@ class Manifest:
                 raise ValueError("$.delta.object names the anchor's own object")
         if self.format_version == 1:
             if self.object is None or self.object_sha256 is None or self.parts is not None or self.aliases is not None:
-                raise ValueError("$.format_version is 1: a version-1 manifest names one object (object, object_sha256) and no parts")
+                raise ValueError("$.format_version is 1: a version-1 manifest names one object (object, object_sha256) "
+                                 "and no parts")
             return
         if self.parts is None or self.object is not None or self.object_sha256 is not None:
-            raise ValueError("$.format_version is 2: a version-2 manifest lists parts instead of one object (docs/FORMAT.md section 5b)")
+            raise ValueError("$.format_version is 2: a version-2 manifest lists parts instead of one object "
+                             "(docs/FORMAT.md section 5b)")
         names = [p.object for p in self.parts]
         if len(set(names)) != len(names):
             raise ValueError("two parts name the same object")
@@ -366,7 +371,8 @@ class Manifest:
         d = self.delta
         if d is None:
             raise ValueError(f"step {self.step} carries no delta")
-        return Manifest(step=self.step, base_step=d.base_step, kind="delta", object=d.object, object_bytes=d.object_bytes,
+        return Manifest(step=self.step, base_step=d.base_step, kind="delta", object=d.object,
+                        object_bytes=d.object_bytes,
                         object_sha256=d.object_sha256, state_checksum=self.state_checksum,
                         created_unix_s=self.created_unix_s, stats=self.stats)
 

@@ -30,7 +30,6 @@ import torch
 from deltasync.errors import FormatError, ResourceLimitError
 from deltasync.format._bits import dtype_name
 from deltasync.format.codecs import EncodedTensor, decode_patch
-from deltasync.threads import parallel_map
 from deltasync.format.documents import (
     FORMAT_VERSION,
     ITEMSIZE,
@@ -44,6 +43,7 @@ from deltasync.format.documents import (
     decode,
 )
 from deltasync.format.patch import Patch
+from deltasync.threads import parallel_map
 
 __all__ = [
     "FORMAT_VERSION",
@@ -102,7 +102,7 @@ def write_anchor(dest: Destination, header: StepHeader, tensors: Mapping[str, to
     for name, t in tensors.items():
         cpu = t.detach().to("cpu").contiguous()
         raw = cpu.reshape(-1).view(torch.uint8).numpy() if cpu.numel() else np.empty(0, np.uint8)
-        entries.append((name, dtype_name(cpu.dtype), tuple(cpu.shape), memoryview(raw)))
+        entries.append((name, dtype_name(cpu.dtype), tuple(cpu.shape), memoryview(raw)))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on Python >= 3.12 only
     return _write_safetensors(dest, entries, header)
 
 
@@ -122,7 +122,8 @@ def _write_safetensors(
     text += b" " * (-len(text) % 8)
     hasher = hashlib.sha256()
     with _opened(dest) as f:
-        for chunk in (len(text).to_bytes(8, "little"), text, *(e[3] for e in entries)):
+        chunks: list[bytes | memoryview] = [len(text).to_bytes(8, "little"), text, *(e[3] for e in entries)]
+        for chunk in chunks:
             hasher.update(chunk)
             f.write(chunk)
     return WrittenObject(nbytes=8 + len(text) + offset, sha256=hasher.hexdigest())
@@ -144,7 +145,8 @@ def _opened(dest: Destination) -> Iterator[BinaryIO]:
 class _Entry:
     dtype: DtypeName
     shape: Annotated[tuple[Count, ...], msgspec.Meta(max_length=16)]
-    data_offsets: tuple[Annotated[int, msgspec.Meta(ge=0, le=MAX_OBJECT_BYTES)], Annotated[int, msgspec.Meta(ge=0, le=MAX_OBJECT_BYTES)]]
+    data_offsets: tuple[Annotated[int, msgspec.Meta(ge=0, le=MAX_OBJECT_BYTES)],
+                        Annotated[int, msgspec.Meta(ge=0, le=MAX_OBJECT_BYTES)]]
 
 
 class _Descriptors:
@@ -306,7 +308,8 @@ def _resource_error(e: OSError, path: str) -> OSError:
     return e
 
 
-def parse_header(read: Callable[[int, int], bytes | bytearray], size: int, *, where: str) -> tuple[int, dict[str, _Entry], StepHeader]:
+def parse_header(read: Callable[[int, int], bytes | bytearray], size: int, *,
+                 where: str) -> tuple[int, dict[str, _Entry], StepHeader]:
     """Parse an object's safetensors header with safetensors' own rules, then its step header.
 
     ``read(offset, size)`` reads bytes of the object (a file, a buffer, or ranged GETs of a remote object of
@@ -339,13 +342,15 @@ def parse_header(read: Callable[[int, int], bytes | bytearray], size: int, *, wh
             )
         end = stop
     if end != data_bytes:
-        raise FormatError(f"{where}: tensors cover {end} bytes of a {data_bytes}-byte data buffer (truncated or padded)")
+        raise FormatError(f"{where}: tensors cover {end} bytes of a {data_bytes}-byte data buffer (truncated or "
+                          "padded)")
     if METADATA_KEY not in metadata:
         raise FormatError(f"{where}: safetensors file has no '{METADATA_KEY}' header metadata")
     return 8 + n, entries, StepHeader.from_json(metadata[METADATA_KEY], where=where)
 
 
-def _read_exactly(read: Callable[[int, int], bytes | bytearray], offset: int, size: int, where: str) -> bytes | bytearray:
+def _read_exactly(read: Callable[[int, int], bytes | bytearray], offset: int, size: int,
+                  where: str) -> bytes | bytearray:
     try:
         data = read(offset, size)
     except EOFError:
@@ -423,7 +428,8 @@ class StepObject:
             else:
                 ok, want = e.dtype == "U8" and len(e.shape) == 1, "a 1-D U8 blob"
             if not ok:
-                raise FormatError(f"{self.where}: tensor {key!r} is stored as {e.dtype} {list(e.shape)}, expected {want}")
+                raise FormatError(f"{self.where}: tensor {key!r} is stored as {e.dtype} {list(e.shape)}, expected "
+                                  f"{want}")
 
     def keys(self) -> list[str]:
         return list(self._entries)
@@ -440,7 +446,8 @@ class StepObject:
     tensor = read_tensor
 
     def read_tensors_hashed(
-        self, landed: Callable[[str, torch.Tensor], None], *, stop: threading.Event | None = None, chunk_bytes: int = 1 << 20
+        self, landed: Callable[[str, torch.Tensor], None], *, stop: threading.Event | None = None,
+        chunk_bytes: int = 1 << 20,
     ) -> str | None:
         """Read every tensor of an anchor once, in file order, each into fresh memory, hashing the object's
         bytes as they pass (the header, then the tensors: parsing checked that they fill the data buffer with
@@ -453,7 +460,9 @@ class StepObject:
         for key, e in sorted(self._entries.items(), key=lambda kv: kv[1].data_offsets):
             h = self.header.tensors[key]
             t = torch.empty(h.shape if h.range is None else (h.count,), dtype=h.torch_dtype)
-            view = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+            raw = t.reshape(-1).view(torch.uint8).numpy()
+            # numpy types ndarray as a Buffer on Python >= 3.12 only
+            view = memoryview(raw).cast("B") if t.numel() else memoryview(b"")  # type: ignore[arg-type]
             begin, end = e.data_offsets
             if end - begin != view.nbytes:
                 raise FormatError(f"{self.where}: tensor {key!r} holds {end - begin} bytes, expected {view.nbytes}")
@@ -469,7 +478,7 @@ class StepObject:
 
     def _read_into(self, key: str, out: np.ndarray | bytearray) -> None:
         begin, end = self._entries[key].data_offsets
-        view = memoryview(out).cast("B")
+        view = memoryview(out).cast("B")  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on Python >= 3.12 only
         if end - begin != view.nbytes:
             raise FormatError(f"{self.where}: tensor {key!r} holds {end - begin} bytes, expected {view.nbytes}")
         if self._src.read_into(self._data_start + begin, view) != view.nbytes:

@@ -18,10 +18,10 @@ import torch
 
 from deltasync.errors import ChecksumMismatchError, FormatError
 from deltasync.format.checksum import MASK64, format_checksum, state_checksum
-from deltasync.threads import parallel_map
-from deltasync.format.documents import Manifest, Part, StepHeader, TensorHeader
+from deltasync.format.documents import Manifest, Part, PositionCodec, StepHeader, TensorHeader, ValueCodec
 from deltasync.format.objects import StepObject
 from deltasync.format.patch import Patch
+from deltasync.threads import parallel_map
 
 __all__ = ["PartedObject", "combine_headers"]
 
@@ -46,14 +46,17 @@ def combine_headers(
     if len(parts) != len(headers):
         raise ValueError("one header per part")
     pieces: dict[str, list[tuple[int, int, TensorHeader]]] = {}
-    for part, h in zip(parts, headers):
+    for part, h in zip(parts, headers, strict=True):
         at = f"{where} part {part.object}"
         if not h.is_part:
             raise FormatError(f"{at}: a part's header must have format_version 2, got {h.format_version}")
-        if (h.step, h.kind, h.base_step, h.state_checksum) != (manifest.step, manifest.kind, manifest.base_step, manifest.state_checksum):
+        if (h.step, h.kind, h.base_step, h.state_checksum) != (manifest.step, manifest.kind, manifest.base_step,
+                                                               manifest.state_checksum):
             raise FormatError(
-                f"{at}: header (step {h.step}, {h.kind} on {h.base_step}, state {h.state_checksum[:16]}…) disagrees with the "
-                f"manifest (step {manifest.step}, {manifest.kind} on {manifest.base_step}, state {manifest.state_checksum[:16]}…)"
+                f"{at}: header (step {h.step}, {h.kind} on {h.base_step}, state {h.state_checksum[:16]}…) disagrees "
+                "with the "
+                f"manifest (step {manifest.step}, {manifest.kind} on {manifest.base_step}, state "
+                f"{manifest.state_checksum[:16]}…)"
             )
         listed = part.tensors or {}
         ranges = {n: t.range for n, t in h.tensors.items()}
@@ -78,7 +81,8 @@ def combine_headers(
         got = state_checksum(header.checksums())
         if got != manifest.state_checksum:
             raise ChecksumMismatchError(
-                f"{where}: the parts' checksums add up to state {got[:16]}…, the manifest commits to {manifest.state_checksum[:16]}…"
+                f"{where}: the parts' checksums add up to state {got[:16]}…, the manifest commits to "
+                f"{manifest.state_checksum[:16]}…"
             )
     return header
 
@@ -90,7 +94,8 @@ def _combine(name: str, pieces: list[tuple[int, int, TensorHeader]], where: str)
     end = 0
     for start, stop, t in pieces:
         if (t.dtype, t.shape) != (first.dtype, first.shape):
-            raise FormatError(f"{where}: parts disagree on tensor {name!r}: {t.dtype} {list(t.shape)} and {first.dtype} {list(first.shape)}")
+            raise FormatError(f"{where}: parts disagree on tensor {name!r}: {t.dtype} {list(t.shape)} and "
+                              f"{first.dtype} {list(first.shape)}")
         if start != end:
             raise FormatError(f"{where}: tensor {name!r}: elements {min(start, end)}..{max(start, end)} are "
                               f"{'held twice' if start < end else 'in no part'}")
@@ -99,11 +104,14 @@ def _combine(name: str, pieces: list[tuple[int, int, TensorHeader]], where: str)
         raise FormatError(f"{where}: tensor {name!r}: elements {end}..{first.numel} are in no part")
     changed = sum(t.changed for _, _, t in pieces)
     checksum = sum(int(t.checksum, 16) for _, _, t in pieces) & MASK64
-    chains: dict[str, tuple[str, ...] | None] = {"positions": None, "values": None}
+    positions: tuple[PositionCodec, ...] | None = None
+    values: tuple[ValueCodec, ...] | None = None
     if changed:  # the combined patch is listed sparse unless one part holds the whole tensor dense
         whole = len(pieces) == 1 and first.positions is not None
-        chains = {"positions": first.positions if whole else ("gap16",), "values": first.values if whole else ("xor",)}
-    return TensorHeader(dtype=first.dtype, shape=first.shape, changed=changed, checksum=format_checksum(checksum), **chains)
+        positions = first.positions if whole else ("gap16",)
+        values = first.values if whole else ("xor",)
+    return TensorHeader(dtype=first.dtype, shape=first.shape, changed=changed, checksum=format_checksum(checksum),
+                        positions=positions, values=values)
 
 
 class PartedObject(StepObject):
@@ -127,7 +135,8 @@ class PartedObject(StepObject):
         self.path = None
         self._objects = list(objects)
         try:
-            self.header = combine_headers(manifest, [o.header for o in self._objects], where=where, parts=parts, names=names)
+            self.header = combine_headers(manifest, [o.header for o in self._objects], where=where, parts=parts,
+                                          names=names)
         except BaseException:
             self.close()
             raise

@@ -50,7 +50,8 @@ class Patch:
             )
         count = self.numel if self.positions is None else self.positions.size
         if self.positions is not None and (self.positions.ndim != 1 or self.positions.dtype != np.int64):
-            raise FormatError(f"patch {self.name!r}: positions must be 1-D int64, got {self.positions.ndim}-D {self.positions.dtype}")
+            raise FormatError(f"patch {self.name!r}: positions must be 1-D int64, got {self.positions.ndim}-D "
+                              f"{self.positions.dtype}")
         if self.xor.size != count:
             raise FormatError(f"patch {self.name!r}: {self.xor.size} xor values for {count} positions")
 

@@ -50,7 +50,8 @@ def collect_model_files(source: str | Path | ModelFiles) -> dict[str, bytes]:
         folder = Path(source)
         if not folder.is_dir():
             raise FileNotFoundError(f"{folder}: not a folder of model files")
-        files = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and not _NOT_MODEL_FILES.match(p.name)}
+        files = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()
+                 and not _NOT_MODEL_FILES.match(p.name)}
     for name in files:
         check_file_name(name, what="model file name")
     return files
@@ -118,7 +119,8 @@ class CheckpointWriter:
     tensor's bytes as it arrives; the file is an ordinary safetensors checkpoint.
     """
 
-    def __init__(self, path: str | Path, layout: Mapping[str, TensorHeader], *, metadata: Mapping[str, str] | None = None) -> None:
+    def __init__(self, path: str | Path, layout: Mapping[str, TensorHeader], *,
+                 metadata: Mapping[str, str] | None = None) -> None:
         self.path = Path(path)
         self._order = list(layout)
         self._next = 0
@@ -138,7 +140,8 @@ class CheckpointWriter:
             expected = self._order[self._next] if self._next < len(self._order) else "nothing more"
             raise ValueError(f"{self.path}: expected tensor {expected!r} next, got {name!r}")
         if tensor.numel():
-            self._file.write(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            self._file.write(memoryview(raw))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on Python >= 3.12 only
         self._next += 1
 
     def close(self) -> None:

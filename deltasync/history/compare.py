@@ -76,7 +76,8 @@ class Comparison:
 
 
 def compare(
-    url: str | StreamReader, a: int, b: int, *, storage_options: dict[str, Any] | None = None, progress: ProgressFn | None = None
+    url: str | StreamReader, a: int, b: int, *, storage_options: dict[str, Any] | None = None,
+    progress: ProgressFn | None = None
 ) -> Comparison:
     """What changed from step ``a`` to step ``b`` (either order): elements, relative L2, largest change.
 
@@ -90,6 +91,7 @@ def compare(
             at = chain.steps.index(a)
             for rebuilt in chain.rebuild(keep=at, progress=progress):
                 chain.check(rebuilt)
+                assert rebuilt.kept is not None  # keep=at: the tensor at step a
                 diffs[rebuilt.name] = _difference(rebuilt.name, rebuilt.kept, rebuilt.tensor)
     else:
         with Chain.open(reader, a, progress=progress) as ca, Chain.open(reader, b, progress=progress) as cb:
@@ -97,9 +99,10 @@ def compare(
                 raise TensorMismatchError(f"{reader.url}: steps {a} and {b} hold different tensor names")
             names = list(cb.header.tensors)
             order = cb.order()
-            for (name, ta), (_, tb) in zip(ca.tensors(order), cb.tensors(order, progress=progress)):
+            for (name, ta), (_, tb) in zip(ca.tensors(order), cb.tensors(order, progress=progress), strict=True):
                 if ta.shape != tb.shape or ta.dtype != tb.dtype:
-                    raise TensorMismatchError(f"{reader.url}: tensor {name!r} is {ta.shape} {ta.dtype} at step {a}, {tb.shape} {tb.dtype} at step {b}")
+                    raise TensorMismatchError(f"{reader.url}: tensor {name!r} is {ta.shape} {ta.dtype} at step {a}, "
+                                              f"{tb.shape} {tb.dtype} at step {b}")
                 diffs[name] = _difference(name, ta, tb)
     ordered = [diffs[name] for name in names]  # the trainer's order
     return Comparison(url=reader.url, a=a, b=b, tensors=tuple(ordered), layers=tuple(_by_layer(ordered)))
@@ -115,7 +118,8 @@ def _difference(name: str, a: torch.Tensor, b: torch.Tensor) -> Difference:
         d = b.to(wide) - fa
         l2_change = float(torch.linalg.vector_norm(d))
         max_abs = float(d.abs().max())
-    return Difference(name=name, numel=a.numel(), changed=changed, l2_base=l2_base, l2_change=l2_change, max_abs_change=max_abs)
+    return Difference(name=name, numel=a.numel(), changed=changed, l2_base=l2_base, l2_change=l2_change,
+                      max_abs_change=max_abs)
 
 
 def _by_layer(diffs: Iterable[Difference]) -> list[Difference]:

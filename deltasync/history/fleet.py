@@ -14,8 +14,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deltasync.errors import ConfigError
 from deltasync.consumers import read_heartbeats
+from deltasync.errors import ConfigError
 from deltasync.store import Store
 
 __all__ = ["ConsumerStatus", "FleetStatus", "fleet_status", "prometheus_text"]
@@ -80,7 +80,8 @@ def fleet_status(store: Store, *, stale_after_s: float = 900.0, now_unix_s: floa
                                         stale=age > stale_after_s, newest_seen=p.newest_step,
                                         weight_version=p.weight_version, errors=p.errors))
     consumers.sort(key=lambda c: (c.step, c.consumer_id))
-    return FleetStatus(url=store.url, newest_step=newest, stale_after_s=float(stale_after_s), consumers=tuple(consumers))
+    return FleetStatus(url=store.url, newest_step=newest, stale_after_s=float(stale_after_s),
+                       consumers=tuple(consumers))
 
 
 def _label(value: str) -> str:
@@ -107,7 +108,8 @@ def prometheus_text(status: FleetStatus) -> str:
     family("consumer_step", "Step the consumer holds.", [(lab, c.step) for c, lab in per])
     family("consumer_lag_steps", "Committed steps after the one the consumer holds.",
            [(lab, c.lag_steps) for c, lab in per if c.lag_steps is not None])
-    family("consumer_heartbeat_age_seconds", "Seconds since the consumer's last heartbeat.", [(lab, c.age_s) for c, lab in per])
+    family("consumer_heartbeat_age_seconds", "Seconds since the consumer's last heartbeat.",
+           [(lab, c.age_s) for c, lab in per])
     family("consumer_stale", "1 if the consumer's last heartbeat is older than stale_after_s.",
            [(lab, float(c.stale)) for c, lab in per])
     return "\n".join(lines) + "\n"

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from deltasync.consumers import read_heartbeats
 from deltasync.errors import ConfigError
 from deltasync.format.documents import ConsumerPosition
-from deltasync.consumers import read_heartbeats
 from deltasync.history.replay import ProgressFn, require_steps
 from deltasync.reader import StreamReader
 from deltasync.store import MANIFEST, Manifest, Store, step_dir
@@ -109,14 +109,15 @@ def plan_gc(
     for c in live:
         for s in steps:
             if s >= c.step:
-                roots.setdefault(s, f"consumer {c.consumer_id} holds step {c.step}" if s == c.step else f"consumer {c.consumer_id} may catch up through it")
+                roots.setdefault(s, f"consumer {c.consumer_id} holds step {c.step}" if s == c.step
+                                 else f"consumer {c.consumer_id} may catch up through it")
     keep: dict[int, str] = {}
     for root in sorted(roots):
-        s: int | None = root
+        at: int | None = root
         why = roots[root]
-        while s is not None and s in by_step and s not in keep:
-            keep[s] = why if s == root else roots.get(s, f"in the chain of step {root}")
-            s = None if by_step[s].kind == "anchor" else by_step[s].base_step
+        while at is not None and at in by_step and at not in keep:
+            keep[at] = why if at == root else roots.get(at, f"in the chain of step {root}")
+            at = None if by_step[at].kind == "anchor" else by_step[at].base_step
     delete = tuple(sorted((s for s in steps if s not in keep), reverse=True))
     latest = steps[-1] if steps else -1
     return GcPlan(

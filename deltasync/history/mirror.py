@@ -21,8 +21,8 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from deltasync.errors import (
@@ -48,7 +48,8 @@ __all__ = ["MirrorReport", "mirror", "mirror_follow"]
 
 # what retrying cannot mend: credentials, settings, a source object that does not match its manifest (a
 # committed step is never rewritten), two different streams under one name
-_PERMANENT = (StoreAuthError, StoreConfigError, ConfigError, MissingDependencyError, CorruptObjectError, StepExistsError)
+_PERMANENT = (StoreAuthError, StoreConfigError, ConfigError, MissingDependencyError, CorruptObjectError,
+              StepExistsError)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,7 +153,8 @@ def _same_stream(source: Store, info: Any, target: Store) -> None:
     """``StepExistsError`` when the destination is another stream (its id differs from the source's)."""
     theirs = source.stream_id()
     if theirs is not None and info.stream_id is not None and info.stream_id != theirs:
-        raise StepExistsError(f"{target.url} holds another stream (id {info.stream_id}) than {source.url} (id {theirs}): "
+        raise StepExistsError(f"{target.url} holds another stream (id {info.stream_id}) than {source.url} (id "
+                              f"{theirs}): "
                               "two different streams under one name (mirror into an empty location, or an earlier "
                               "copy of this stream)")
 
@@ -173,9 +175,9 @@ def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder, 
     local: list[tuple[Part, Path]] = []
     made: list[Path] = []
     try:
-        for manifest, part in objects:
-            path = source.fetch_object(manifest, part=part, hold=True)  # checked: size and SHA-256
-            held.append((manifest, part))
+        for owner, part in objects:
+            path = source.fetch_object(owner, part=part, hold=True)  # checked: size and SHA-256
+            held.append((owner, part))
             if target.is_local:  # a local destination takes files over (moves them): hand it a copy of its own
                 made.append(scratch.path / f"{step}-{part.object}")
                 shutil.copyfile(path, made[-1])
@@ -189,8 +191,8 @@ def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder, 
         _same_step(source, target, step, m)
         return None
     finally:
-        for manifest, part in held:
-            source.release_object(manifest, part)
+        for owner, part in held:
+            source.release_object(owner, part)
         for path in made:
             path.unlink(missing_ok=True)
     return sum(part.object_bytes for part, _ in local)

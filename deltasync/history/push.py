@@ -15,7 +15,7 @@ import torch
 
 from deltasync.errors import StepOrderError, TensorMismatchError
 from deltasync.format._bits import int_view
-from deltasync.format.documents import check_step
+from deltasync.format.documents import Kind, check_step
 from deltasync.history.checkpoints import (
     ModelFiles,
     collect_model_files,
@@ -80,7 +80,7 @@ def push_checkpoint(
         if model_files and read_model_file_index(store) is None:
             write_model_files(store, model_files)
         with tempfile.TemporaryDirectory(prefix="deltasync-push-") as tmp:
-            kind = "delta" if delta else "anchor"
+            kind: Kind = "delta" if delta else "anchor"
             local = Path(tmp) / f"{kind}.safetensors"
             t1 = time.perf_counter()
             header, written = write_step_object(
@@ -100,13 +100,15 @@ def push_checkpoint(
         store.release_lease(owner)
 
 
-def _without_aliases(tensors: dict[str, torch.Tensor], aliases: Mapping[str, str], where: object) -> dict[str, torch.Tensor]:
+def _without_aliases(tensors: dict[str, torch.Tensor], aliases: Mapping[str, str],
+                     where: object) -> dict[str, torch.Tensor]:
     """Drop the stream's tied names from a loaded checkpoint (saved once, or twice with equal bits)."""
     out = dict(tensors)
     for alias, target in aliases.items():
         if alias in out:
             if target in out and not torch.equal(int_view(out[alias].contiguous()), int_view(out[target].contiguous())):
-                raise TensorMismatchError(f"{where}: {alias!r} is tied to {target!r} in the stream, but differs from it here")
+                raise TensorMismatchError(f"{where}: {alias!r} is tied to {target!r} in the stream, but differs from "
+                                          "it here")
             del out[alias]
     return out
 

@@ -66,7 +66,8 @@ def reconstruct_tensor(
         target = chain.header.aliases.get(name, name)
         if target not in chain.header.tensors:
             some = ", ".join(list(chain.header.tensors)[:3])
-            raise TensorMismatchError(f"{reader.url} step {step}: no tensor {name!r} (it has {len(chain.header.tensors)}: {some}, ...)")
+            raise TensorMismatchError(f"{reader.url} step {step}: no tensor {name!r} (it has "
+                                      f"{len(chain.header.tensors)}: {some}, ...)")
         return next(chain.tensors([target]))[1]
 
 
@@ -181,7 +182,8 @@ def _check_written(path: Path, header: StepHeader, progress: ProgressFn | None) 
             got = tensor_checksum(f.get_tensor(name))
             if got != parse_checksum(th.checksum):
                 raise ChecksumMismatchError(
-                    f"{path}: tensor {name!r} as written has checksum {format_checksum(got)}, step {header.step} says {th.checksum}"
+                    f"{path}: tensor {name!r} as written has checksum {format_checksum(got)}, step {header.step} says "
+                    f"{th.checksum}"
                 )
             if progress:
                 progress("re-read and check", k + 1, len(header.tensors))

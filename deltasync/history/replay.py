@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import numba
 import numpy as np
@@ -66,8 +66,8 @@ from deltasync.format.checksum import (
 )
 from deltasync.format.objects import StepHeader, StepObject
 from deltasync.format.patch import Patch
-from deltasync.reader import StreamReader
 from deltasync.history._anchor import AnchorFeed
+from deltasync.reader import StreamReader
 from deltasync.stages.apply import host_arrays, xor_apply
 
 T = TypeVar("T")
@@ -196,12 +196,14 @@ class Chain:
         # kernels run single-threaded inside each worker: one numba thread pool shared by two busy threads
         # stalls whenever another process holds a core; the workers split the tensors between the cores
         pool = ThreadPoolExecutor(
-            max_workers=_WORKERS, thread_name_prefix="deltasync-replay", initializer=numba.set_num_threads, initargs=(1,)
+            max_workers=_WORKERS, thread_name_prefix="deltasync-replay", initializer=numba.set_num_threads,
+            initargs=(1,)
         )
         # a fed anchor is in memory whole anyway: its tensors are rebuilt with no bound while it is hashed
         depth = len(names) if self._feed else 2 * _WORKERS + 2
         try:
-            for k, rebuilt in enumerate(_ahead(pool, lambda n: self._rebuild(n, check, keep), names, depth=depth)):
+            for k, rebuilt in enumerate(_ahead(pool, lambda n: self._rebuild(n, check, keep), names,
+                                               depth=depth)):
                 if self._feed and k == 0:
                     self._feed.wait()  # nothing leaves before the anchor's SHA-256 matched, errors included
                 yield rebuilt
@@ -263,7 +265,8 @@ class Chain:
                 return link, ChecksumMismatchError(
                     f"{self.objects[link].where}: tensor {rebuilt.name!r} does not match the trainer's checksum after "
                     f"step {h.step}: expected {expected}, got {format_checksum(checksum)}"
-                    + ("" if len(rebuilt.checksums) == len(self.objects) else " (`deltasync verify` names the step that broke it)")
+                    + ("" if len(rebuilt.checksums) == len(self.objects)
+                       else " (`deltasync verify` names the step that broke it)")
                 )
         return rebuilt.error
 
@@ -273,7 +276,8 @@ class Chain:
         if failed:
             raise failed[1]
 
-    def tensors(self, names: Iterable[str] | None = None, *, progress: ProgressFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, names: Iterable[str] | None = None, *,
+                progress: ProgressFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Each tensor at the chain's last step, its checksum checked against that step's header."""
         for rebuilt in self.rebuild(names, progress=progress):
             self.check(rebuilt)
@@ -302,12 +306,13 @@ def xor_patches(t: torch.Tensor, patches: list[Patch], *, block_bytes: int = BLO
             xor_apply(t, p.positions, p.xor, checksum=False)
     if whole:
         return
-    arrays = [host_arrays(t, p.positions, p.xor) for p in sparse]  # each patch checked once, in full
+    # each patch checked once, in full (``sparse``: positions set)
+    arrays = [host_arrays(t, cast(np.ndarray, p.positions), p.xor) for p in sparse]
     step = max(1, block_bytes // t.element_size())
     bounds = np.arange(0, t.numel() + step, step, dtype=np.int64)
-    cuts = [np.searchsorted(p.positions, bounds) for p in sparse]
+    cuts = [np.searchsorted(cast(np.ndarray, p.positions), bounds) for p in sparse]
     for b in range(len(bounds) - 1):
-        for (u, pos, xor), cut in zip(arrays, cuts):
+        for (u, pos, xor), cut in zip(arrays, cuts, strict=True):
             i, j = int(cut[b]), int(cut[b + 1])
             if j > i:  # global positions into the whole tensor: no rebased copy
                 _kernels.xor_plain_at(u, pos[i:j], xor[i:j])
@@ -329,7 +334,8 @@ def check_layout(anchor: StepObject, obj: StepObject) -> None:
     """Raise ``TensorMismatchError`` unless ``obj`` holds the tensor names, shapes and dtypes of ``anchor``."""
     a, h = anchor.header.tensors, obj.header.tensors
     if h.keys() != a.keys() or any((t.dtype, t.shape) != (a[n].dtype, a[n].shape) for n, t in h.items()):
-        raise TensorMismatchError(f"{obj.where}: tensor names, shapes or dtypes differ from those of its anchor, step {anchor.header.step}")
+        raise TensorMismatchError(f"{obj.where}: tensor names, shapes or dtypes differ from those of its anchor, step "
+                                  f"{anchor.header.step}")
     if obj.header.aliases != anchor.header.aliases:
         raise TensorMismatchError(f"{obj.where}: tied names {obj.header.aliases} differ from those of its anchor, step "
                                   f"{anchor.header.step}: {anchor.header.aliases}")

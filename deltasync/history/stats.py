@@ -96,7 +96,8 @@ def _spread(values: Any) -> dict[str, float] | None:
 
 
 def stream_stats(
-    url: str | StreamReader, *, first: int | None = None, last: int | None = None, storage_options: dict[str, Any] | None = None
+    url: str | StreamReader, *, first: int | None = None, last: int | None = None,
+    storage_options: dict[str, Any] | None = None
 ) -> StreamStats:
     """Figures of every committed step in ``first..last``, from the manifests alone."""
     reader = open_reader(url, storage_options)
@@ -129,7 +130,8 @@ def stream_stats(
             )
         )
     if not rows:
-        raise StepNotFoundError(f"{reader.url}: no committed steps in {first}..{last} (the stream holds {committed[0]}..{committed[-1]})")
+        raise StepNotFoundError(f"{reader.url}: no committed steps in {first}..{last} (the stream holds "
+                                f"{committed[0]}..{committed[-1]})")
     return StreamStats(url=reader.url, steps=tuple(rows))
 
 
@@ -214,7 +216,8 @@ def plot_stats(stats: StreamStats, density: LayerDensity, path: str | Path) -> P
 
     path = Path(path)
     n_layers, n_steps = len(density.layers), len(density.steps)
-    grid = np.array([[np.nan if v is None else v for v in row] for row in density.density], dtype=float).reshape(n_layers, n_steps)
+    grid = np.array([[np.nan if v is None else v for v in row] for row in density.density], dtype=float)
+    grid = grid.reshape(n_layers, n_steps)
     positive = grid[np.isfinite(grid) & (grid > 0)]
     low = positive.min() if positive.size else 1e-6
     high = max(positive.max(), low * 1.01) if positive.size else 1.0
@@ -222,10 +225,12 @@ def plot_stats(stats: StreamStats, density: LayerDensity, path: str | Path) -> P
     shown = np.where(grid == 0, low / 10, grid)  # below the colour scale, so drawn in the "under" colour
     percent = FuncFormatter(lambda v, _: f"{v * 100:.3g}%")
 
-    fig = Figure(figsize=(max(6.0, min(18.0, 2.0 + 0.25 * n_steps)), 2.5 + max(2.0, 0.22 * n_layers)), layout="constrained")
+    fig = Figure(figsize=(max(6.0, min(18.0, 2.0 + 0.25 * n_steps)), 2.5 + max(2.0, 0.22 * n_layers)),
+                 layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[max(2.0, 0.22 * n_layers), 1.6])
     image = top.imshow(
-        np.ma.masked_invalid(shown), aspect="auto", interpolation="nearest", cmap=cmap, norm=LogNorm(vmin=low, vmax=high)
+        np.ma.masked_invalid(shown), aspect="auto", interpolation="nearest", cmap=cmap,
+        norm=LogNorm(vmin=low, vmax=high)
     )
     top.set_yticks(range(n_layers), [layer.removeprefix("model.") for layer in density.layers], fontsize=7)
     top.set_title(f"{stats.url}: share of elements changed per layer (grey: anchor, black: unchanged)", fontsize=9)

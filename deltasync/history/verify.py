@@ -17,7 +17,6 @@ from deltasync.errors import (
     TensorMismatchError,
 )
 from deltasync.format.objects import StepObject
-from deltasync.signing import TrustedKeys
 from deltasync.history.replay import (
     Chain,
     ProgressFn,
@@ -27,6 +26,7 @@ from deltasync.history.replay import (
     require_steps,
 )
 from deltasync.reader import StreamReader
+from deltasync.signing import TrustedKeys
 from deltasync.store import MANIFEST
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,8 @@ def verify(
     hi = committed[-1] if last is None else last
     targets = [s for s in committed if lo <= s <= hi]
     if not targets:
-        raise StepNotFoundError(f"{reader.url}: no committed steps in {lo}..{hi} (the stream holds {committed[0]}..{committed[-1]})")
+        raise StepNotFoundError(f"{reader.url}: no committed steps in {lo}..{hi} (the stream holds "
+                                f"{committed[0]}..{committed[-1]})")
     run = _Verification(reader, set(committed), all_problems)
     segments = run.segments(targets)
     for k, segment in enumerate(segments):
@@ -144,7 +145,8 @@ class _Verification:
             elif out and out[-1][-1] == m.base_step:
                 out[-1].append(s)
             elif m.base_step not in self.committed:
-                self.report(s, "chain", f"{self.reader.url}: step {s} is a delta on step {m.base_step}, which is not committed{self._leftover(m.base_step)}")
+                self.report(s, "chain", f"{self.reader.url}: step {s} is a delta on step {m.base_step}, which is not "
+                                        f"committed{self._leftover(m.base_step)}")
             else:
                 try:
                     out.append(self.reader.chain(s))
@@ -190,7 +192,8 @@ class _Verification:
             reported = {p.step for p in self.problems}
             for s in segment[first + 1 :]:
                 if s not in reported:
-                    self.report(s, "chain", f"{self.reader.url}: step {s} builds on step {segment[first]}, which failed verification")
+                    self.report(s, "chain", f"{self.reader.url}: step {s} builds on step {segment[first]}, which "
+                                            "failed verification")
             self.replayed.update(segment[:first])
         finally:
             for o in objects:

@@ -122,7 +122,8 @@ class DeltaSyncCallback(TrainerCallback):
             self._publish(state.global_step)
 
     def on_log(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict | None = None, **kwargs: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict | None = None,
+        **kwargs: Any
     ) -> None:
         """Add the newest committed step's metrics, and how many steps uploads run behind, to ``logs`` and to the
         matching ``state.log_history`` entry (saved in the Trainer's checkpoints).
@@ -137,7 +138,8 @@ class DeltaSyncCallback(TrainerCallback):
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
         """Flush every captured step to the store, then release the stream."""
         self.close()
 

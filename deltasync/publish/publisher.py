@@ -22,8 +22,7 @@ from typing import Any, Literal
 import torch
 
 from deltasync.errors import DeltaSyncError, PublishError, StepOrderError
-from deltasync.format.documents import check_step
-from deltasync.format.documents import Kind
+from deltasync.format.documents import Kind, check_step
 from deltasync.format.objects import TensorHeader
 from deltasync.format.patch import Patch
 from deltasync.history.checkpoints import (
@@ -154,7 +153,8 @@ class DeltaPublisher:
             raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
         # read (and its file's mode checked) before anything is written; None on the ranks of a sharded trainer
         # other than rank 0 is fine: rank 0 signs every commit
-        self.signing_key = signing_key if signing_key is None or isinstance(signing_key, SigningKey) else SigningKey(signing_key)
+        self.signing_key = (signing_key if signing_key is None or isinstance(signing_key, SigningKey)
+                            else SigningKey(signing_key))
         self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
         self.source = source
         self.names = names
@@ -182,7 +182,8 @@ class DeltaPublisher:
         self.lease_s = lease_s
         if sharded is None:
             # a function is not called before the first publish: it may not be ready yet (say sharded=True)
-            sharded = not callable(source) and is_sharded(source) or isinstance(source, torch.nn.Module) and is_sharded(source.state_dict())
+            sharded = (not callable(source) and is_sharded(source)
+                       or isinstance(source, torch.nn.Module) and is_sharded(source.state_dict()))
         self._sharded = ShardedWriter(self, ShardGroup()) if sharded else None
         self._holds_lease = self._sharded is None or self._sharded.rank == 0  # one lease per stream: rank 0's
         start_error = None
@@ -199,7 +200,8 @@ class DeltaPublisher:
                     raise
                 start_error, self.last_committed_step = e, None
         if self._sharded is not None:  # every rank starts where rank 0 found the stream, or fails with it
-            start_error, self.last_committed_step = self._sharded.group.broadcast((start_error, self.last_committed_step if self._holds_lease else None))
+            mine = self.last_committed_step if self._holds_lease else None
+            start_error, self.last_committed_step = self._sharded.group.broadcast((start_error, mine))
             if start_error is not None:
                 self._sharded.group.destroy()
                 raise start_error
@@ -234,9 +236,11 @@ class DeltaPublisher:
     def _check_order(self, step: int) -> None:
         check_step(step, what=f"{self.store.url}: step", error=StepOrderError)
         if self._last_captured is not None and step <= self._last_captured:
-            raise StepOrderError(f"{self.store.url}: step {step} is not after the last published step {self._last_captured}")
+            raise StepOrderError(f"{self.store.url}: step {step} is not after the last published step "
+                                 f"{self._last_captured}")
         if self._skipped and step <= self._skipped[-1]:
-            raise StepOrderError(f"{self.store.url}: step {step} is not after the last coalesced step {self._skipped[-1]}")
+            raise StepOrderError(f"{self.store.url}: step {step} is not after the last coalesced step "
+                                 f"{self._skipped[-1]}")
 
     def _publish_sharded(self, step: int, *, anchor: bool) -> bool:
         """Every rank's part of ``step``, committed by rank 0 (publish/sharded.py); always published."""
@@ -247,7 +251,8 @@ class DeltaPublisher:
             self._check_order(step)
         except DeltaSyncError as e:
             precheck = e
-        kind: Kind = "anchor" if (anchor or self._force_anchor or self._since_anchor + 1 >= self.anchor_every) else "delta"
+        due = anchor or self._force_anchor or self._since_anchor + 1 >= self.anchor_every
+        kind: Kind = "anchor" if due else "delta"
         t0 = time.perf_counter()
         try:
             nbytes = self._sharded.publish(step, kind=kind, base_step=None if kind == "anchor" else self._last_captured,
@@ -317,7 +322,8 @@ class DeltaPublisher:
             changes = self._snapshot.diff(tensors)
         self._aliases = aliases
         with self._lock:
-            kind: Kind = "anchor" if (anchor or self._force_anchor or self._since_anchor + 1 >= self.anchor_every) else "delta"
+            due = anchor or self._force_anchor or self._since_anchor + 1 >= self.anchor_every
+            kind: Kind = "anchor" if due else "delta"
             self._force_anchor = False
         headers = snapshot_headers(self._snapshot)
         job = _Job(

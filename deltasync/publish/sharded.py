@@ -35,7 +35,6 @@ from deltasync.errors import (
 from deltasync.format._bits import dtype_name
 from deltasync.format.checksum import MASK64, format_checksum, state_checksum
 from deltasync.format.codecs import encode_patch
-from deltasync.threads import parallel_map
 from deltasync.format.documents import (
     Kind,
     Manifest,
@@ -47,7 +46,8 @@ from deltasync.format.documents import (
 from deltasync.format.objects import write_anchor, write_delta
 from deltasync.format.patch import Patch
 from deltasync.publish.names import NameMap, source_state
-from deltasync.stages.diff import Snapshot
+from deltasync.stages.diff import Snapshot, SnapshotDevice
+from deltasync.threads import parallel_map
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,8 @@ def local_shards(source: Any, rank: int, names: NameMap | None = None) -> LocalS
         else:
             local, (start, stop), owner = t.detach(), (0, t.numel()), rank == 0
         if owner and (stop > start or math.prod(t.shape) == 0):
-            out.tensors[name] = local.detach().reshape(-1) if local.is_contiguous() else local.detach().contiguous().reshape(-1)
+            local = local.detach()
+            out.tensors[name] = (local if local.is_contiguous() else local.contiguous()).reshape(-1)
             out.ranges[name] = (start, stop)
     return out
 
@@ -127,7 +128,8 @@ def _shard_range(name: str, t: Any) -> tuple[torch.Tensor, tuple[int, int], bool
     local = t.to_local()
     shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
     if tuple(local.shape) != tuple(shape):
-        raise ConfigError(f"tensor {name!r}: local shard has shape {tuple(local.shape)}, its placements give {tuple(shape)}")
+        raise ConfigError(f"tensor {name!r}: local shard has shape {tuple(local.shape)}, its placements give "
+                          f"{tuple(shape)}")
     row = math.prod(t.shape[1:]) if t.dim() else 1
     start = (offset[0] if t.dim() else 0) * row
     return local, (start, start + local.numel()), owner
@@ -183,12 +185,13 @@ class ShardedCapture:
 
 
 def capture(snapshot: Snapshot | None, shards: LocalShards, *, step: int, kind: Kind, base_step: int | None,
-            device: str, max_chunk_bytes: int, dtype: torch.dtype | None) -> tuple[Snapshot, ShardedCapture]:
+            device: SnapshotDevice, max_chunk_bytes: int, dtype: torch.dtype | None) -> tuple[Snapshot, ShardedCapture]:
     """Diff this rank's shards against its snapshot (made on the first call); returns both."""
     t0 = time.perf_counter()
     offsets = {n: r[0] for n, r in shards.ranges.items()}
     if snapshot is None:
-        snapshot = Snapshot(shards.tensors, device=device, max_chunk_bytes=max_chunk_bytes, dtype=dtype, offsets=offsets)
+        snapshot = Snapshot(shards.tensors, device=device, max_chunk_bytes=max_chunk_bytes, dtype=dtype,
+                            offsets=offsets)
         changes: list[Patch] = []
     else:
         if snapshot.offsets != offsets:
@@ -198,21 +201,24 @@ def capture(snapshot: Snapshot | None, shards: LocalShards, *, step: int, kind: 
                                     checksums=dict(snapshot.checksums), capture_s=time.perf_counter() - t0)
 
 
-def write_part(dest: Any, cap: ShardedCapture, snapshot: Snapshot, *, state: str, zstd_level: int) -> tuple[StepHeader, Any]:
+def write_part(dest: Any, cap: ShardedCapture, snapshot: Snapshot, *, state: str,
+               zstd_level: int) -> tuple[StepHeader, Any]:
     """Encode this rank's part (docs/FORMAT.md section 5b) into ``dest``; returns its header and what was written."""
     dtypes = {n: dtype_name(snapshot.tensors[n].dtype) for n in cap.shards.ranges}
     headers = {
-        n: TensorHeader(dtype=dtypes[n], shape=cap.shards.shapes[n], changed=0, checksum=format_checksum(cap.checksums[n]), range=r)
+        n: TensorHeader(dtype=dtypes[n], shape=cap.shards.shapes[n], changed=0,
+                        checksum=format_checksum(cap.checksums[n]), range=r)
         for n, r in cap.shards.ranges.items()
     }
     encoded = {}
     if cap.kind == "delta":
         for c, enc in zip(cap.changes, parallel_map(lambda c: encode_patch(c, zstd_level=zstd_level), cap.changes,
-                                                             cost=lambda c: c.changed)):
+                                                             cost=lambda c: c.changed), strict=True):
             encoded[c.name] = enc
             h = headers[c.name]
-            headers[c.name] = TensorHeader(dtype=h.dtype, shape=h.shape, changed=c.changed, checksum=h.checksum, range=h.range,
-                                           positions=enc.positions_chain, values=enc.values_chain)  # type: ignore[arg-type]
+            headers[c.name] = TensorHeader(dtype=h.dtype, shape=h.shape, changed=c.changed, checksum=h.checksum,
+                                           range=h.range,
+                                           positions=enc.positions_chain, values=enc.values_chain)
     header = StepHeader(kind=cap.kind, step=cap.step, base_step=cap.base_step, state_checksum=state, tensors=headers,
                         format_version=2)
     if cap.kind == "anchor":
@@ -279,7 +285,8 @@ class ShardedWriter:
             try:
                 shards = local_shards(pub.source, self.rank, pub.names)
                 self.snapshot, cap = capture(self.snapshot, shards, step=step, kind=kind, base_step=base_step,
-                                             device=pub.snapshot_device, max_chunk_bytes=pub.max_chunk_bytes, dtype=pub.dtype)
+                                             device=pub.snapshot_device, max_chunk_bytes=pub.max_chunk_bytes,
+                                             dtype=pub.dtype)
             except Exception as e:  # noqa: BLE001 - any rank's failure must reach every rank (collectives), not hang them
                 error = e
         sent = None if cap is None else (cap.kind, cap.base_step, cap.checksums, len(cap.shards.shapes))

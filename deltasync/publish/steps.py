@@ -16,7 +16,6 @@ import torch
 from deltasync.format._bits import dtype_name
 from deltasync.format.checksum import format_checksum, state_checksum
 from deltasync.format.codecs import EncodedTensor, encode_patch
-from deltasync.threads import parallel_map
 from deltasync.format.documents import AnchorDelta, ManifestStats
 from deltasync.format.objects import (
     Destination,
@@ -30,6 +29,7 @@ from deltasync.format.objects import (
 from deltasync.format.patch import Patch
 from deltasync.stages.diff import Snapshot
 from deltasync.store import Manifest, sha256_file
+from deltasync.threads import parallel_map
 
 __all__ = ["anchor_delta", "snapshot_headers", "step_manifest", "write_step", "write_step_object"]
 
@@ -75,9 +75,10 @@ def write_step_object(
     headers = dict(headers)
     encoded: dict[str, EncodedTensor] = {}
     encodings = parallel_map(lambda c: encode_patch(c, zstd_level=zstd_level), changes, cost=lambda c: c.changed)
-    for c, enc in zip(changes, encodings):
+    for c, enc in zip(changes, encodings, strict=True):
         encoded[c.name] = enc
-        headers[c.name] = replace(headers[c.name], changed=c.changed, positions=enc.positions_chain, values=enc.values_chain)
+        headers[c.name] = replace(headers[c.name], changed=c.changed, positions=enc.positions_chain,
+                                  values=enc.values_chain)
     header = StepHeader(
         kind=kind,
         step=step,
@@ -141,7 +142,8 @@ def snapshot_headers(snapshot: Snapshot) -> dict[str, TensorHeader]:
     """Unchanged-tensor header entries for the snapshot's current state."""
     return {
         name: TensorHeader(
-            dtype=dtype_name(t.dtype), shape=tuple(t.shape), changed=0, checksum=format_checksum(snapshot.checksums[name])
+            dtype=dtype_name(t.dtype), shape=tuple(t.shape), changed=0,
+            checksum=format_checksum(snapshot.checksums[name])
         )
         for name, t in snapshot.tensors.items()
     }

@@ -91,11 +91,12 @@ def serve(ctx: zmq.Context, sock: zmq.Socket, secret: bytes) -> object:
     """Make ``sock`` (not yet bound) a CURVE server under the controller's key, with a ZAP handler that
     accepts any client key (each message is then checked against the key of the name it claims) and records
     it as the message's ``User-Id``. Returns the handler, to stop when the socket closes."""
+    from zmq.auth import CURVE_ALLOW_ANY
     from zmq.auth.thread import ThreadAuthenticator
 
     auth = ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+    auth.configure_curve(domain="*", location=CURVE_ALLOW_ANY)
     public, private = keypair(secret, CONTROLLER)
     sock.curve_secretkey, sock.curve_publickey, sock.curve_server = private, public, True
     return auth

@@ -27,9 +27,9 @@ from typing_extensions import Self
 from deltasync.errors import RdmaError, StaleMetadataError
 from deltasync.notify import Announcements
 from deltasync.rdma.agent import Agent
+from deltasync.rdma.inbox import Inbox, SlotLease
 from deltasync.rdma.link import ConsumerLink
 from deltasync.rdma.messages import ConsumerHello
-from deltasync.rdma.inbox import Inbox, SlotLease
 from deltasync.rdma.trainer import RdmaOptions, rdma_options
 from deltasync.reader import StreamReader
 from deltasync.store import Store
@@ -164,7 +164,8 @@ class RdmaConsumer(Announcements):
         self._stop = threading.Event()
         try:
             backing = open_transport(url, storage_options)
-            self.store = Store(url, transport=NixlTransport(backing, consumer=self.ring), storage_options=storage_options)
+            self.store = Store(url, transport=NixlTransport(backing, consumer=self.ring),
+                               storage_options=storage_options)
             self.reader = StreamReader(self.store, memory_object_bytes=options.capacity_bytes)
             if plan_wait_s:
                 self.ring.wait_plan(plan_wait_s)

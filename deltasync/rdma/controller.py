@@ -28,7 +28,6 @@ from typing_extensions import Self
 
 from deltasync.errors import ControlMessageError, ControlRefusedError, RdmaError, ScheduleError
 from deltasync.rdma import auth
-from deltasync.rdma.messages import zmq  # pyzmq, or the error that names the rdma extra
 from deltasync.rdma.messages import (
     Applied,
     ConsumerHello,
@@ -46,6 +45,7 @@ from deltasync.rdma.messages import (
     encoder,
     socket,
     to_controller,
+    zmq,  # pyzmq, or the error that names the rdma extra
 )
 from deltasync.rdma.schedule import (
     Consumer,
@@ -124,7 +124,7 @@ class Controller:
             key = frame.get("User-Id")  # the sender's public key, as the CURVE handshake proved it
             try:
                 msg = decode_message(frame.bytes, to_controller, where=f"controller: peer {peer.hex()}")
-                self._check_sender(key, msg)
+                self._check_sender(key, msg)  # type: ignore[arg-type]  # pyzmq: User-Id is a str property
                 self._handle(peer, msg)
             except (ControlMessageError, ControlRefusedError, ScheduleError) as e:
                 log.warning("%s", e)
@@ -167,7 +167,8 @@ class Controller:
         if self.schedule is not None and msg.rank not in self.schedule.rank_bytes:
             raise ControlRefusedError(f"controller: trainer rank {msg.rank} is not in the static schedule")
         if self.schedule is None and msg.rank not in self._trainers and len(self._trainers) == self.expected_trainers:
-            raise ControlRefusedError(f"controller: already {self.expected_trainers} trainer ranks; {msg.rank} is one too many")
+            raise ControlRefusedError(f"controller: already {self.expected_trainers} trainer ranks; {msg.rank} is one "
+                                      "too many")
         try:
             msg.ring.check(f"controller: trainer rank {msg.rank}")
         except RdmaError as e:
@@ -188,7 +189,8 @@ class Controller:
             raise ControlRefusedError(f"controller: consumer {msg.id!r} was planned for another engine than "
                                       f"{msg.engine!r}; it may come back only as it was planned")
         if self.schedule is None and msg.id not in self._consumers and len(self._consumers) == self.expected_consumers:
-            raise ControlRefusedError(f"controller: already {self.expected_consumers} consumers; {msg.id!r} is one too many")
+            raise ControlRefusedError(f"controller: already {self.expected_consumers} consumers; {msg.id!r} is one too "
+                                      "many")
         self._consumers[msg.id] = (peer, msg)
         if self.schedule is None:
             self._maybe_plan()
@@ -207,7 +209,8 @@ class Controller:
             for peer, _ in [*self._trainers.values(), *self._consumers.values()]:
                 self._send(peer, Refused(reason=f"no plan: {e}"[:2000]))
             return
-        log.info("controller: planned %d consumer(s) over %d trainer rank(s)", len(self._consumers), len(self._trainers))
+        log.info("controller: planned %d consumer(s) over %d trainer rank(s)", len(self._consumers),
+                 len(self._trainers))
         for rank, (peer, _) in self._trainers.items():
             self._send(peer, self._trainer_plan(rank))
         for cid, (peer, _) in self._consumers.items():
@@ -252,7 +255,8 @@ class Controller:
     def _applied(self, peer: bytes, msg: Applied) -> None:
         known = self._consumers.get(msg.id)
         if known is None or known[0] != peer or self.schedule is None:
-            raise ControlRefusedError(f"controller: {msg.id!r} reported step {msg.step} but is not that registered consumer")
+            raise ControlRefusedError(f"controller: {msg.id!r} reported step {msg.step} but is not that registered "
+                                      "consumer")
         if msg.step <= self._latest.get(msg.id, -1):
             return  # a repeat, or an older step applied late: versions never go back
         self._latest[msg.id] = msg.step

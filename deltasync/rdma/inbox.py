@@ -224,7 +224,7 @@ class Inbox:
                 local, remote = self._indices(ring, lease, a, b)
                 handles.append(self.agent.post_read(ring.local, local, ring.remote, remote,
                                                     notif=info.ack() if one else b"", where=where))
-            for (a, b), handle in zip(pieces, handles):
+            for (a, b), handle in zip(pieces, handles, strict=True):
                 t0 = time.perf_counter()
                 self.agent.wait(handle, deadline=deadline, where=where)
                 t1 = time.perf_counter()
@@ -263,8 +263,8 @@ class Inbox:
         """Bytes ``lo:hi`` of the buffer on the host: a view (CPU), or a copy (a GPU consumer would hash and
         decode on the device: docs/RDMA.md)."""
         if self._np is not None:
-            return memoryview(self._np[lo:hi])
-        return memoryview(self._buffer[lo:hi].cpu().numpy())
+            return memoryview(self._np[lo:hi])  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on Python >= 3.12 only
+        return memoryview(self._buffer[lo:hi].cpu().numpy())  # type: ignore[arg-type]  # as above
 
 
 def _ring_chunks(layout: RingLayout) -> np.ndarray:

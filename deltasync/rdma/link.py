@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from typing import TypeVar
 
 from typing_extensions import Self
 
 from deltasync.errors import ConfigError, ControlMessageError, ControlRefusedError, RdmaError, RdmaTimeoutError
 from deltasync.rdma import auth
-from deltasync.rdma.messages import zmq  # pyzmq, or the error that names the rdma extra
 from deltasync.rdma.messages import (
     Applied,
     ConsumerHello,
@@ -26,6 +26,7 @@ from deltasync.rdma.messages import (
     encoder,
     socket,
     to_peer,
+    zmq,  # pyzmq, or the error that names the rdma extra
 )
 from deltasync.rdma.outbox import SlotInfo
 
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 
 MAX_ANNOUNCED = 1024  # steps a consumer keeps announcements of (and engines it keeps versions of): bounded
 
+
+M = TypeVar("M")
 
 class _Link:
     """A peer's connection to the controller as ``name`` (its CURVE key derives from ``secret`` and the name,
@@ -117,10 +120,11 @@ class TrainerLink(_Link):
         except RdmaTimeoutError:
             return None
 
-    def _expect(self, kind: type, timeout_s: float) -> TrainerPlan:
+    def _expect(self, kind: type[M], timeout_s: float) -> M:
         msg = self.receive(timeout_s)
         if not isinstance(msg, kind):
-            raise ControlMessageError(f"controller at {self.address}: expected {kind.__name__}, got {type(msg).__name__}")
+            raise ControlMessageError(f"controller at {self.address}: expected {kind.__name__}, got "
+                                      f"{type(msg).__name__}")
         return msg
 
 

@@ -61,7 +61,8 @@ class RdmaOptions:
         otherwise surface later as a builtin ``TypeError`` or a ``ZMQError`` deep in a thread."""
         if not (isinstance(self.controller, str) and self.controller.startswith(("tcp://", "ipc://", "inproc://"))
                 and len(self.controller) <= 1024):
-            raise ConfigError(f"rdma: controller must be a ZMQ address such as 'tcp://host:5555', got {self.controller!r}")
+            raise ConfigError("rdma: controller must be a ZMQ address such as 'tcp://host:5555', got "
+                              f"{self.controller!r}")
         for name, low, high in (("rank", 0, 1 << 20), ("slots", 1, 1 << 16), ("slot_bytes", 1, 1 << 40),
                                 ("chunk_bytes", 1, 1 << 40), ("capacity_bytes", 1, 1 << 40)):
             value = getattr(self, name)
@@ -69,7 +70,8 @@ class RdmaOptions:
                 raise ConfigError(f"rdma: {name} must be a whole number in [{low}, {high}], got {value!r}")
         if self.max_inflight_bytes is not None and (isinstance(self.max_inflight_bytes, bool) or not isinstance(
                 self.max_inflight_bytes, int) or self.max_inflight_bytes < 1):
-            raise ConfigError(f"rdma: max_inflight_bytes must be a positive whole number or null, got {self.max_inflight_bytes!r}")
+            raise ConfigError("rdma: max_inflight_bytes must be a positive whole number or null, got "
+                              f"{self.max_inflight_bytes!r}")
         for name in ("ack_deadline_s", "read_timeout_s", "announce_wait_s", "plan_wait_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 86400:

@@ -60,11 +60,13 @@ class RdmaTrainer:
                 self._register(data, where=f"step {step}")
             self._poll()
             if not self.planned:
-                return self.skip(step, "no plan from the controller yet")
+                self.skip(step, "no plan from the controller yet")
+                return None
             info = self.outbox.offer(step, data, sha256=sha256)
             self.link.ready(info)
         except (DeltaSyncError, OSError) as e:  # RingFullError, a controller gone: the store has the step
-            return self.skip(step, f"{type(e).__name__}: {e}")
+            self.skip(step, f"{type(e).__name__}: {e}")
+            return None
         self.stats.announced.append(step)
         return info
 

@@ -76,7 +76,7 @@ def diff_device(
     def flush() -> None:
         counts = _to_host(torch.stack([r[0] for *_, r in pending])).tolist() if pending else []
         out: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for (i, s, cap, (_, g, x, d)), n in zip(pending, counts):
+        for (i, s, cap, (_, g, x, d)), n in zip(pending, counts, strict=True):
             caps[(items[i][0], s)] = max(_MIN_CAP, 2 * n)
             out.append((i, g[: min(n, cap)], x[: min(n, cap)], d))
             if n > cap:  # the first ``cap`` changes are in the snapshot already: the rest, exactly counted
@@ -86,11 +86,11 @@ def diff_device(
         if out:
             host = _unpack(_to_host(_pack([g for _, g, _, _ in out], [x for *_, x, _ in out], [d for *_, d in out])),
                            [g.numel() for _, g, _, _ in out], [x.element_size() for *_, x, _ in out])
-            for (i, *_), part in zip(out, host):
+            for (i, *_), part in zip(out, host, strict=True):
                 pieces[i].append(part)
         pending.clear()
 
-    for i, (key, cur, snap, base) in enumerate(items):
+    for i, (key, _, snap, base) in enumerate(items):
         for s in range(0, snap.numel(), step_elems):
             c, o = segment(i, s)
             cap = min(o.numel(), caps.get((key, s), max(_MIN_CAP, o.numel() // 16)))
@@ -100,7 +100,7 @@ def diff_device(
                 flush()
                 held = 0
     flush()
-    return [_join(p, snap.element_size()) for p, (_, _, snap, _) in zip(pieces, items)]
+    return [_join(p, snap.element_size()) for p, (_, _, snap, _) in zip(pieces, items, strict=True)]
 
 
 def _join(parts: list[tuple[np.ndarray, np.ndarray, int]], width: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -181,7 +181,7 @@ def xor_apply_many(
     sparse = [p is not None for _, p, _, _ in items]
     indexed = [ix is not None and not isinstance(ix, int) for *_, ix in items]
     host = [np.ascontiguousarray(p, dtype=np.int64) for _, p, _, _ in items if p is not None]
-    host += [np.ascontiguousarray(ix, dtype=np.int64) for (*_, ix), k in zip(items, indexed) if k]
+    host += [np.ascontiguousarray(ix, dtype=np.int64) for (*_, ix), k in zip(items, indexed, strict=True) if k]
     n64 = sum(a.size for a in host)
     order = [j for w in _WIDTHS for j, it in enumerate(items) if it[0].element_size() == w]
     buf = np.empty(8 * n64 + sum(items[j][0].element_size() * counts[j] for j in order), np.uint8)
@@ -231,7 +231,7 @@ def xor_apply_many(
         landed.append(j)
         if checksum:
             new = bits[idx]  # read back what landed
-            g = idx_d[j] if indexed[j] else idx + (index or 0)
+            g = idx_d[j] if indexed[j] else idx + (index if isinstance(index, int) else 0)  # else: None or an int
             deltas.append((_torch_hash(_unsigned64(new), g) - _torch_hash(_unsigned64(old), g)).sum())
     if not checksum:
         return [0] * len(items)

@@ -32,11 +32,11 @@ from deltasync.format.checksum import (
     parse_checksum,
     tensor_checksum,
 )
-from deltasync.threads import parallel_map, submit_all
 from deltasync.format.objects import StepHeader, StepObject
 from deltasync.format.patch import Patch
 from deltasync.stages._device import Scatter, xor_apply_many
 from deltasync.stages.staging import StagedStep, check_layout, layout_of, stage
+from deltasync.threads import parallel_map, submit_all
 
 __all__ = ["Replica", "StagedStep", "Verify", "apply_staged", "stage", "xor_apply", "xor_apply_all", "xor_into"]
 
@@ -72,7 +72,8 @@ class Replica:
         _kernels.warm_kernels()
         h = obj.header
         if h.kind != "anchor":
-            raise BaseStepMismatchError(f"{obj.where}: a fresh replica needs an anchor, this is a delta on step {h.base_step}")
+            raise BaseStepMismatchError(f"{obj.where}: a fresh replica needs an anchor, this is a delta on step "
+                                        f"{h.base_step}")
         tensors = {name: obj.tensor(name).to(device) for name in h.tensors}
         checksums = {name: tensor_checksum(t) for name, t in tensors.items()}
         _check(h, checksums, obj.where, names=h.tensors)
@@ -91,7 +92,8 @@ class Replica:
             return
         if h.base_step != self.step:
             raise BaseStepMismatchError(
-                f"{obj.where}: delta to step {h.step} is based on step {h.base_step}, but the replica holds step {self.step}"
+                f"{obj.where}: delta to step {h.step} is based on step {h.base_step}, but the replica holds step "
+                f"{self.step}"
             )
         staged = stage(obj, layout_of(self.tensors), base_step=self.step)  # decodes and validates before any write
         unchanged = {n for n in h.tensors if not h.tensors[n].changed}
@@ -147,25 +149,27 @@ def apply_staged(
         on_host = all(tensors[p.name].device.type == "cpu" for p in staged.patches)
         futures = submit_all(write, staged.patches, cost=lambda p: p.xor.size) if on_host else []
         if on_host:
-            deltas = {p.name: f.result() for p, f in zip(staged.patches, futures)}
+            deltas = {p.name: f.result() for p, f in zip(staged.patches, futures, strict=True)}
         else:  # accelerator tensors: one transfer for the step (xor_apply_all)
             landed: list[int] = []
             try:
-                found = xor_apply_all([(tensors[p.name], p.positions, p.xor, None) for p in staged.patches], landed=landed)
+                found = xor_apply_all([(tensors[p.name], p.positions, p.xor, None) for p in staged.patches],
+                                      landed=landed)
             finally:
                 written.extend(staged.patches[j] for j in landed)
-            deltas = {p.name: d for p, d in zip(staged.patches, found)}
+            deltas = {p.name: d for p, d in zip(staged.patches, found, strict=True)}
         if checksums is not None:
             after = {p.name: (checksums[p.name] + deltas[p.name]) & MASK64 for p in staged.patches}
         else:
             after = dict(zip((p.name for p in staged.patches),
                              parallel_map(lambda p: tensor_checksum(tensors[p.name]), staged.patches,
-                                          cost=lambda p: tensors[p.name].numel())))
+                                          cost=lambda p: tensors[p.name].numel()), strict=True))
         bad = [p for p in staged.patches if after[p.name] != p.checksum]
         if bad:
             raise ChecksumMismatchError(
                 f"{staged.where}: {len(bad)} tensor(s) do not match the trainer's checksums after step {staged.step}, "
-                f"first {bad[0].name!r}: expected {format_checksum(bad[0].checksum)}, got {format_checksum(after[bad[0].name])}"
+                f"first {bad[0].name!r}: expected {format_checksum(bad[0].checksum)}, got "
+                f"{format_checksum(after[bad[0].name])}"
             )
     except BaseException:
         for f in futures:
@@ -209,7 +213,8 @@ def xor_apply(
     if not bits.is_contiguous():
         raise TensorMismatchError(f"cannot patch a non-contiguous tensor of shape {tuple(bits.shape)} in place")
     width, numel = bits.element_size(), bits.numel()
-    count = numel if positions is None else int(positions.numel() if isinstance(positions, torch.Tensor) else positions.size)
+    count = numel if positions is None else int(positions.numel() if isinstance(positions, torch.Tensor)
+                                                else positions.size)
     _check_patch(width, numel, positions, xor, index, count)
     if bits.device.type == "cpu":
         return _xor_apply_np(np_bits(bits), positions, _np_unsigned(xor, width), index, checksum)
@@ -250,7 +255,8 @@ def xor_apply_all(
     return xor_apply_many(checked, checksum=checksum, landed=landed, scatter=scatter)
 
 
-def host_arrays(bits: torch.Tensor, positions: np.ndarray, xor: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def host_arrays(bits: torch.Tensor, positions: np.ndarray,
+                xor: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``bits`` (a contiguous CPU tensor), ``positions`` and ``xor`` checked as ``xor_apply`` checks them, as
     the arrays the CPU kernels take: for a caller that writes one patch in many slices (replay, block by
     block), checked once in full (every slice is then in range) instead of once per slice."""
@@ -291,7 +297,8 @@ def _np_int64(x: Indices) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.int64).reshape(-1)
 
 
-def _xor_apply_np(u: np.ndarray, positions: Indices | None, xor: np.ndarray, index: Indices | int | None, checksum: bool) -> int:
+def _xor_apply_np(u: np.ndarray, positions: Indices | None, xor: np.ndarray, index: Indices | int | None,
+                  checksum: bool) -> int:
     """The CPU kernels (one pass, the checksum change folded into the scatter)."""
     if positions is None and (index is None or isinstance(index, int)):
         if not checksum:
@@ -309,7 +316,8 @@ def _xor_apply_np(u: np.ndarray, positions: Indices | None, xor: np.ndarray, ind
 
 
 def _xor_apply_torch(
-    bits: torch.Tensor, positions: Indices | None, xor: np.ndarray | torch.Tensor, index: Indices | int | None, checksum: bool
+    bits: torch.Tensor, positions: Indices | None, xor: np.ndarray | torch.Tensor, index: Indices | int | None,
+    checksum: bool
 ) -> int:
     """``xor_apply`` on flat integer bits with torch ops (accelerators; the same numbers as the CPU kernels)."""
     dev = bits.device
@@ -317,7 +325,10 @@ def _xor_apply_torch(
         x = torch.from_numpy(np.ascontiguousarray(xor).view(f"i{xor.itemsize}")).to(dev)
     else:
         x = xor.detach().reshape(-1).view(bits.dtype).to(dev)
-    idx = torch.arange(bits.numel(), device=dev) if positions is None else torch.as_tensor(positions, device=dev).reshape(-1)
+    if positions is None:
+        idx = torch.arange(bits.numel(), device=dev)
+    else:
+        idx = torch.as_tensor(positions, device=dev).reshape(-1)
     old = bits[idx]
     bits[idx] = old ^ x
     if not checksum:

@@ -18,9 +18,9 @@ from deltasync.errors import TensorMismatchError
 from deltasync.format import _kernels
 from deltasync.format._bits import UNSIGNED_NP, dtype_name, int_view, np_bits, np_words
 from deltasync.format.checksum import MASK64, tensor_checksum
-from deltasync.threads import parallel_map
 from deltasync.format.patch import Patch
 from deltasync.stages._device import diff_device
+from deltasync.threads import parallel_map
 
 SnapshotDevice = Literal["same", "cpu"]
 
@@ -61,7 +61,8 @@ class Snapshot:
             t = self._cast(t.detach())
             copy = t.to("cpu", copy=True) if device == "cpu" else t.clone(memory_format=torch.contiguous_format)
             self.tensors[name] = copy
-        self.checksums: dict[str, int] = {name: tensor_checksum(t, self.offsets.get(name, 0)) for name, t in self.tensors.items()}
+        self.checksums: dict[str, int] = {name: tensor_checksum(t, self.offsets.get(name, 0))
+                                          for name, t in self.tensors.items()}
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         """Floating tensors in the published dtype (e.g. fp32 master weights published as bf16)."""
@@ -104,7 +105,8 @@ class Snapshot:
         for name, t in tensors.items():
             snap = self.tensors[name]
             if snap.device.type == "cpu" and t.device.type == "cpu" and t.is_contiguous():
-                host += [(name, s, min(s + _RANGE_ELEMS, snap.numel())) for s in range(0, max(snap.numel(), 1), _RANGE_ELEMS)]
+                host += [(name, s, min(s + _RANGE_ELEMS, snap.numel()))
+                         for s in range(0, max(snap.numel(), 1), _RANGE_ELEMS)]
             elif snap.device.type != "cpu":  # the snapshot on the accelerator: every such tensor in one batch
                 device.append((name, t.to(snap.device), int_view(snap), self.offsets.get(name, 0)))
             else:  # a device tensor against a host snapshot: through host chunks, one tensor at a time
@@ -112,7 +114,8 @@ class Snapshot:
                                            self.offsets.get(name, 0))
         if device:
             step = max(1, self.max_chunk_bytes // 2)
-            found.update(zip((d[0] for d in device), diff_device(device, step_elems=step, cast=self._cast, caps=self._caps)))
+            found.update(zip((d[0] for d in device),
+                             diff_device(device, step_elems=step, cast=self._cast, caps=self._caps), strict=True))
 
         def diff_range(r: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, int]:
             name, start, stop = r
@@ -121,10 +124,11 @@ class Snapshot:
             return _diff_np(np_bits(cur), snap, self.offsets.get(name, 0) + start, self._scratch, parallel=False)
 
         ranges: dict[str, list[tuple[int, tuple[np.ndarray, np.ndarray, int]]]] = {}
-        for r, part in zip(host, parallel_map(diff_range, host, cost=lambda r: r[2] - r[1])):
+        for r, part in zip(host, parallel_map(diff_range, host, cost=lambda r: r[2] - r[1]), strict=True):
             ranges.setdefault(r[0], []).append((r[1], part))
         for name, parts in ranges.items():
-            found[name] = _concat([p for _, p in sorted(parts, key=lambda sp: sp[0])], self.tensors[name].element_size())
+            found[name] = _concat([p for _, p in sorted(parts, key=lambda sp: sp[0])],
+                                  self.tensors[name].element_size())
         changes = []
         for name in tensors:
             snap = self.tensors[name]
@@ -143,7 +147,8 @@ class Snapshot:
 def _diff_tensor(
     cur: torch.Tensor, snap: torch.Tensor, max_chunk_bytes: int, scratch: _Scratch, base: int = 0
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Positions (global: from ``base``), xor bits and checksum delta of ``cur`` vs ``snap``; sets ``snap`` to ``cur``."""
+    """Positions (global: from ``base``), xor bits and checksum delta of ``cur`` vs ``snap``; sets ``snap`` to
+    ``cur``."""
     if not cur.is_contiguous():
         cur = cur.contiguous()
     step = max(1, max_chunk_bytes // snap.element_size())
@@ -237,7 +242,8 @@ def _scan(
     return parts
 
 
-def _diff_torch(cur: torch.Tensor, snap: torch.Tensor, step: int, width: int, base: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+def _diff_torch(cur: torch.Tensor, snap: torch.Tensor, step: int, width: int,
+                base: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
     """Flat bits ``cur`` vs ``snap`` (any one device; ``snap`` updated) by the device path, segments of ``step``."""
     assert snap.element_size() == width
     return diff_device([(None, cur, snap, base)], step_elems=step)[0]

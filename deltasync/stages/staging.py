@@ -79,7 +79,8 @@ def stage(obj: StepObject, layout: Layout, *, base_step: int | None, partial: bo
     """
     h = obj.header
     if h.kind != "delta":
-        raise BaseStepMismatchError(f"{obj.where}: an anchor replaces the whole state; only a delta is staged as patches")
+        raise BaseStepMismatchError(f"{obj.where}: an anchor replaces the whole state; only a delta is staged as "
+                                    "patches")
     if base_step is not None and h.base_step != base_step:
         raise BaseStepMismatchError(
             f"{obj.where}: delta to step {h.step} is based on step {h.base_step}, but the target holds step {base_step}"
@@ -95,7 +96,8 @@ def check_layout(h: StepHeader, layout: Layout, where: str, *, partial: bool = F
     if partial:
         missing = sorted(n for n, t in h.tensors.items() if t.changed and n not in held)
         if missing:
-            raise TensorMismatchError(f"{where}: changed tensors the target does not hold: {missing[:5]} ({len(missing)} in all)")
+            raise TensorMismatchError(f"{where}: changed tensors the target does not hold: {missing[:5]} "
+                                      f"({len(missing)} in all)")
     elif names != held:
         raise TensorMismatchError(
             f"{where}: tensor names differ from the target's: unknown {sorted(names - held)[:5]}, "
@@ -108,5 +110,6 @@ def check_layout(h: StepHeader, layout: Layout, where: str, *, partial: bool = F
         dtype = t.dtype if isinstance(t.dtype, str) else dtype_name(t.dtype)
         if tuple(t.shape) != th.shape or dtype != th.dtype:
             raise TensorMismatchError(
-                f"{where}: tensor {name!r} is {th.dtype} {list(th.shape)} in the step, {dtype} {list(t.shape)} in the target"
+                f"{where}: tensor {name!r} is {th.dtype} {list(th.shape)} in the step, {dtype} {list(t.shape)} in the "
+                "target"
             )

@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Any, Union
+from typing import Any
 
 from deltasync.errors import MissingDependencyError, StoreConfigError
 from deltasync.transports.base import Capabilities, Data, Entry, Transport
@@ -71,7 +71,7 @@ _BUILTIN: dict[str, tuple[str, str | None]] = {
     "s3a": ("deltasync.transports.s3:open_s3", "s3"),
     "hf": ("deltasync.transports.hf_bucket:open_hf", "hf"),
 }
-_REGISTRY: dict[str, Union[TransportFactory, tuple[str, str | None]]] = dict(_BUILTIN)
+_REGISTRY: dict[str, TransportFactory | tuple[str, str | None]] = dict(_BUILTIN)
 _LOCK = threading.Lock()
 _ENTRY_POINTS_LOADED = [False]
 

@@ -17,6 +17,7 @@ Every ``put`` is all or nothing for readers: an object is visible complete or no
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import os
 import shutil
@@ -24,12 +25,12 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from deltasync.notify import Notifier
 
-Data = Union[bytes, bytearray, memoryview, Path]
+Data = bytes | bytearray | memoryview | Path
 """What ``put`` takes: bytes-like objects are written as they are; a ``Path`` is a local file, streamed
 (a local transport may move it into place instead of copying it: the caller hands the file over)."""
 
@@ -126,14 +127,15 @@ class Transport(ABC):
     def exists(self, key: str) -> bool:
         """Whether ``key`` is an object, or a folder holding any object."""
         folder = key.rstrip("/") + "/"
-        return any(e.key == key or e.key.startswith(folder) for e in self.list(key.rsplit("/", 1)[0] if "/" in key else ""))
+        return any(e.key == key or e.key.startswith(folder)
+                   for e in self.list(key.rsplit("/", 1)[0] if "/" in key else ""))
 
     def delete_tree(self, prefix: str) -> None:
         """Delete every object under the folder ``prefix``."""
         for entry in self.list(prefix):
             self.delete(entry.key)
 
-    def children(self, prefix: str = "") -> list[str]:
+    def children(self, prefix: str = "") -> builtins.list[str]:
         """The names directly under the folder ``prefix`` (objects and folders), sorted."""
         start = len(prefix.rstrip("/")) + 1 if prefix else 0
         return sorted({e.key[start:].split("/", 1)[0] for e in self.list(prefix)})
@@ -147,7 +149,7 @@ class Transport(ABC):
         backend pushes its changes (a Hugging Face bucket's event feed); None (the default): followers poll."""
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook, not abstract: most transports hold nothing
         """Release connections and clients (the default holds none)."""
 
     def __repr__(self) -> str:

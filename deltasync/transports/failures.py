@@ -179,7 +179,8 @@ def is_throttling(error: BaseException) -> bool:
     error or what caused it: a poller should slow down, not only retry."""
     for e in _causes(error):
         status, code, _ = _http_status(e)
-        if status in (429, 503) or code in _THROTTLE_CODES or any(c in str(e) for c in ("SlowDown", "reduce your request rate")):
+        if status in (429, 503) or code in _THROTTLE_CODES or any(c in str(e)
+                                                                  for c in ("SlowDown", "reduce your request rate")):
             return True
     return False
 

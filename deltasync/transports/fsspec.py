@@ -8,6 +8,7 @@ their backend (s3.py, memory.py) say more.
 
 from __future__ import annotations
 
+import builtins
 import threading
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,7 @@ class FsspecTransport(Transport):
         self.fs.invalidate_cache()
         return self.fs.exists(self.path(key))
 
-    def children(self, prefix: str = "") -> list[str]:
+    def children(self, prefix: str = "") -> builtins.list[str]:
         self.fs.invalidate_cache()
         found = self.fs.ls(self.path(prefix.rstrip("/")), detail=False)
         return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found)
@@ -106,7 +107,7 @@ class FsspecTransport(Transport):
 def listed_mtime(info: dict[str, Any]) -> float | None:
     """When a listed file was last written (unix seconds), from whatever the backend reports; None if nothing."""
     t = info.get("mtime") or info.get("LastModified") or info.get("last_modified") or info.get("created")
-    if hasattr(t, "timestamp"):
+    if t is not None and hasattr(t, "timestamp"):  # a datetime
         t = t.timestamp()
     return float(t) if isinstance(t, (int, float)) else None
 

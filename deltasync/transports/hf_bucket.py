@@ -75,7 +75,8 @@ class HfBucketTransport(FsspecTransport):
         from huggingface_hub.errors import EntryNotFoundError
 
         try:
-            self.api.download_bucket_files(self.bucket_id, [(self.bucket_key(key), str(local))], raise_on_missing_files=True)
+            self.api.download_bucket_files(self.bucket_id, [(self.bucket_key(key), str(local))],
+                                           raise_on_missing_files=True)
         except EntryNotFoundError as e:
             raise FileNotFoundError(self.path(key)) from e
 

@@ -7,6 +7,7 @@ file); compare-and-swap holds an ``flock`` on a sibling lock file (atomic among 
 
 from __future__ import annotations
 
+import builtins
 import fcntl
 import os
 import shutil
@@ -59,7 +60,8 @@ def _open_regular(path: str) -> BinaryIO:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             kind = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a folder", stat.S_IFSOCK: "a socket",
-                    stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}.get(stat.S_IFMT(mode), "not a file")
+                    stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}.get(stat.S_IFMT(mode), "not a "
+                                                                                                               "file")
             raise FormatError(f"{path}: expected a regular file, found {kind}")
         return os.fdopen(fd, "rb")
     except BaseException:
@@ -159,7 +161,7 @@ class LocalTransport(Transport):
     def exists(self, key: str) -> bool:
         return os.path.exists(self._path(key))
 
-    def children(self, prefix: str = "") -> list[str]:
+    def children(self, prefix: str = "") -> builtins.list[str]:
         try:
             return sorted(os.listdir(self._path(prefix.rstrip("/"))))
         except NotADirectoryError:

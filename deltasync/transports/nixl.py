@@ -25,6 +25,7 @@ Everything but step objects (manifests, hints, leases, heartbeats) passes straig
 
 from __future__ import annotations
 
+import builtins
 import logging
 import re
 from dataclasses import replace
@@ -57,7 +58,7 @@ class NixlTransport(Transport):
         if (trainer is None) == (consumer is None):
             raise ValueError("a NixlTransport serves either a trainer or a consumer")
         self.backing = backing
-        self.trainer = trainer
+        self.rdma_trainer = trainer
         self.consumer = consumer
         self.root = backing.root
         # a consumer must read objects through get (never in place); it hears of steps from the controller
@@ -82,14 +83,14 @@ class NixlTransport(Transport):
     # --- the trainer's hook: objects kept, offered once their manifest committed ---
 
     def put(self, key: str, data: Data, *, if_absent: bool = False, if_version: str | None = None) -> None:
-        obj = OBJECT_KEY.match(key) if self.trainer is not None else None
+        obj = OBJECT_KEY.match(key) if self.rdma_trainer is not None else None
         payload = self._payload(data) if obj else None  # read first: a local backend may move a file away
         self.backing.put(key, data, if_absent=if_absent, if_version=if_version)
         if obj and payload is not None:
             self._pending[int(obj.group(1))] = (obj.group(2), payload)
             while len(self._pending) > MAX_PENDING:
                 self._pending.pop(min(self._pending))
-        committed = MANIFEST_KEY.match(key) if self.trainer is not None else None
+        committed = MANIFEST_KEY.match(key) if self.rdma_trainer is not None else None
         if committed:
             try:  # never raises: the commit happened, and a retried manifest put would find it taken
                 self._offer(int(committed.group(1)), data)
@@ -98,14 +99,14 @@ class NixlTransport(Transport):
                               committed.group(1))
 
     def _payload(self, data: Data) -> bytes | None:
-        assert self.trainer is not None
-        size = Path(data).stat().st_size if isinstance(data, Path) else as_buffer(data).nbytes
-        if size > self.trainer.outbox.capacity:
+        assert self.rdma_trainer is not None
+        size = Path(data).stat().st_size if isinstance(data, Path) else len(as_buffer(data))  # bytes have no nbytes
+        if size > self.rdma_trainer.outbox.capacity:
             return None  # the offer says why (RingFullError) without holding the bytes
         return Path(data).read_bytes() if isinstance(data, Path) else bytes(as_buffer(data))
 
     def _offer(self, step: int, manifest_data: Data) -> None:
-        assert self.trainer is not None
+        assert self.rdma_trainer is not None
         pending = self._pending.pop(step, None)
         for old in [s for s in self._pending if s < step]:
             del self._pending[old]
@@ -113,20 +114,20 @@ class NixlTransport(Transport):
             raw = manifest_data.read_bytes() if isinstance(manifest_data, Path) else as_buffer(manifest_data)
             manifest = decode(bytes(raw), Manifest, where=f"{self.root} step {step} manifest", max_bytes=len(raw))
         except (FormatError, OSError) as e:
-            self.trainer.skip(step, f"manifest unreadable: {e}")
+            self.rdma_trainer.skip(step, f"manifest unreadable: {e}")
             return
         if pending is None:
-            self.trainer.skip(step, f"object of {manifest.object_bytes} bytes larger than a ring slot "
-                                           f"({self.trainer.outbox.capacity}) or not seen")
+            self.rdma_trainer.skip(step, f"object of {manifest.object_bytes} bytes larger than a ring slot "
+                                           f"({self.rdma_trainer.outbox.capacity}) or not seen")
             return
         name, payload = pending
         objects = [(p.object, p.object_bytes) for p in manifest.objects] if hasattr(manifest, "objects") else [
             (manifest.object, manifest.object_bytes)]
         if objects != [(name, len(payload))]:  # a multi-part step (one object per rank) goes by the store here
-            self.trainer.skip(step, f"the object put ({name}, {len(payload)} bytes) is not the step's only object "
+            self.rdma_trainer.skip(step, f"the object put ({name}, {len(payload)} bytes) is not the step's only object "
                                     f"({objects[:3]})")
             return
-        self.trainer.offer(step, payload, sha256=manifest.objects[0].object_sha256)  # hashed once, by the writer
+        self.rdma_trainer.offer(step, payload, sha256=manifest.objects[0].object_sha256)  # hashed once, by the writer
 
     # --- the consumer's hook: a step's object from the ring, asked for by a reader that holds its manifest ---
 
@@ -176,7 +177,7 @@ class NixlTransport(Transport):
     def delete_tree(self, prefix: str) -> None:
         self.backing.delete_tree(prefix)
 
-    def children(self, prefix: str = "") -> list[str]:
+    def children(self, prefix: str = "") -> builtins.list[str]:
         return self.backing.children(prefix)
 
     def local_path(self, key: str) -> Path | None:
@@ -185,8 +186,8 @@ class NixlTransport(Transport):
     def close(self) -> None:
         """Close the trainer's fast path (waiting for reads in flight, at most the ack deadline) and the store."""
         try:
-            if self.trainer is not None:
-                self.trainer.close()
+            if self.rdma_trainer is not None:
+                self.rdma_trainer.close()
         finally:
             self.backing.close()
 
@@ -197,4 +198,4 @@ class NixlTransport(Transport):
         self.close()
 
     def __repr__(self) -> str:
-        return f"NixlTransport({self.backing!r}, {'trainer' if self.trainer is not None else 'consumer'})"
+        return f"NixlTransport({self.backing!r}, {'trainer' if self.rdma_trainer is not None else 'consumer'})"

@@ -19,7 +19,7 @@ from .client import (
     LocalWeightTransfer,
     WeightTransfer,
 )
-from .target import Mode, EngineVerify, VllmTarget, start_engine
+from .target import EngineVerify, Mode, VllmTarget, start_engine
 
 __all__ = [
     "WEIGHT_TRANSFER_CONFIG",

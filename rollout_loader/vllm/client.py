@@ -73,7 +73,8 @@ def _relayed(where: str, text: str, *, engine: str, setup: str) -> EngineError |
     if remote is None:
         return None
     kind, verb = (EngineConfigError, "refused") if remote.group(1) in PERMANENT_REMOTE else (EngineError, "failed")
-    return kind(f"{where}: {engine}'s deltasync engine {verb}: {remote.group(1)}: {' '.join(remote.group(2)[:600].split())}")
+    return kind(f"{where}: {engine}'s deltasync engine {verb}: {remote.group(1)}: "
+                f"{' '.join(remote.group(2)[:600].split())}")
 
 
 def _step_of(version: Any) -> int | None:
@@ -146,7 +147,8 @@ class _RankStatus(msgspec.Struct, forbid_unknown_fields=False):
     held_step: Annotated[int, msgspec.Meta(ge=0, le=10**12 - 1)] | None
     arrived: dict[Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,12}$")], Annotated[str, msgspec.Meta(max_length=2000)]]
     pauses_s: list[Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]]
-    checksums: dict[Annotated[str, msgspec.Meta(min_length=1, max_length=1024)], Annotated[int, msgspec.Meta(ge=0)]]  # and < 2**64
+    # and < 2**64
+    checksums: dict[Annotated[str, msgspec.Meta(min_length=1, max_length=1024)], Annotated[int, msgspec.Meta(ge=0)]]
 
 
 def worker_module() -> Any:
@@ -167,7 +169,8 @@ def worker_module() -> Any:
 
 def _read_bounded(reply: Any, url: str, deadline: float, timeout_s: float) -> bytes:
     """The reply's body, at most ``MAX_REPLY_BYTES``, read before ``deadline``; else an ``EngineError``."""
-    chunks, total = [], 0
+    chunks: list[bytes] = []
+    total = 0
     while True:
         if time.monotonic() > deadline:
             raise EngineError(f"{url}: the reply did not arrive whole within {timeout_s:g}s")
@@ -195,7 +198,8 @@ class HttpWeightTransfer:
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"{base_url!r} is not a server URL: expected http://host:port (a vLLM OpenAI server)")
         if pause_mode not in get_args(PauseMode):
-            raise ConfigError(f"{type(self).__name__}: pause_mode must be one of {get_args(PauseMode)}, not {pause_mode!r}")
+            raise ConfigError(f"{type(self).__name__}: pause_mode must be one of {get_args(PauseMode)}, not "
+                              f"{pause_mode!r}")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.check_timeout_s = check_timeout_s
@@ -238,7 +242,8 @@ class HttpWeightTransfer:
     def reset_prefix_cache(self) -> None:
         reply = self._post("/reset_prefix_cache")
         if isinstance(reply, dict) and reply.get("success") is False:  # blocks still held by paused requests
-            log.warning("%s: the prefix cache could not be reset now (blocks in use); vLLM resets it when free", self.base_url)
+            log.warning("%s: the prefix cache could not be reset now (blocks in use); vLLM resets it when free",
+                        self.base_url)
 
     def pause(self) -> None:
         self._post("/pause", mode=self.pause_mode)
@@ -269,7 +274,8 @@ class HttpWeightTransfer:
         reply = self._request("GET", "/weight_info", timeout_s=self.check_timeout_s)
         version = reply.get("weight_version") if isinstance(reply, dict) else None
         if not isinstance(version, str):
-            raise EngineError(f"{self.base_url}/weight_info: expected {{'weight_version': str}}, got {str(reply)[:200]}")
+            raise EngineError(f"{self.base_url}/weight_info: expected {{'weight_version': str}}, got "
+                              f"{str(reply)[:200]}")
         return version
 
     def held_step(self) -> int | None:
@@ -321,7 +327,8 @@ class HttpWeightTransfer:
 
     def status(self, *, checksums: bool = True) -> dict[str, Any]:
         """What the server's deltasync engine holds (see :func:`rollout_loader.vllm.worker.transfer_status`),
-        through ``/collective_rpc``; needs ``--worker-extension-cls rollout_loader.vllm.worker.DeltaWorkerExtension``."""
+        through ``/collective_rpc``; needs ``--worker-extension-cls
+        rollout_loader.vllm.worker.DeltaWorkerExtension``."""
         reply = self._post("/collective_rpc", {"method": "deltasync_transfer_status", "args": [checksums]})
         ranks = reply.get("results") if isinstance(reply, dict) else None
         if not (isinstance(ranks, list) and ranks and all(isinstance(r, dict) for r in ranks)):
@@ -417,5 +424,6 @@ def weight_transfer(engine: Any) -> WeightTransfer:
     if all(callable(getattr(engine, m, None)) for m in ("held_step", "init", "update", "status")):
         return engine
     raise ConfigError(
-        f"VllmTarget: expected a vllm.LLM, a server URL (http://host:port) or a weight-transfer client, got {type(engine).__name__}"
+        "VllmTarget: expected a vllm.LLM, a server URL (http://host:port) or a weight-transfer client, got "
+        f"{type(engine).__name__}"
     )

@@ -44,7 +44,16 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from deltasync import DeltaSyncError, StreamReader
-from deltasync.engine import add_checksums, CONSUMER_ID, EventFeed, MAX_STEP, name_matches, rdma_options, TrustedKeys, warm_kernels
+from deltasync.engine import (
+    CONSUMER_ID,
+    MAX_STEP,
+    EventFeed,
+    TrustedKeys,
+    add_checksums,
+    name_matches,
+    rdma_options,
+    warm_kernels,
+)
 from deltasync.errors import (
     BaseStepMismatchError,
     ChecksumMismatchError,
@@ -54,13 +63,10 @@ from deltasync.errors import (
     StepNotFoundError,
 )
 
-
 from .layout import checkpoint_layout
 from .plan import build_state
-from .shadow import reload_as_loaded
-from .trace import all_gather_tp as _all_gather
-from .trace import refuse_moving_experts
 from .prefetch import Prefetcher, Prepared, prepare
+from .shadow import reload_as_loaded
 from .state import (
     Mode,
     Staged,
@@ -74,6 +80,8 @@ from .state import (
     write_sealed,
 )
 from .target import EngineVerify
+from .trace import all_gather_tp as _all_gather
+from .trace import refuse_moving_experts
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +129,8 @@ class DeltasyncInitInfo(WeightTransferInitInfo):
             raise _refuse(f"deltasync init_info: prefetch must be true or false, got {self.prefetch!r}")
         if self.rdma is not None:
             if not (isinstance(self.rdma, dict) and isinstance(self.rdma.get("controller"), str)):
-                raise _refuse(f"deltasync init_info: rdma must be an object naming a 'controller' address, got {self.rdma!r}")
+                raise _refuse("deltasync init_info: rdma must be an object naming a 'controller' address, got "
+                              f"{self.rdma!r}")
             engine = self.rdma.get("engine", "vllm")  # names this engine's consumers to the controller
             if not name_matches(CONSUMER_ID, engine):
                 raise _refuse(f"deltasync init_info: rdma.engine must be a name (letters, digits, '.', '_', '-'), "
@@ -222,7 +231,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             init_info.url, init_info.storage_options, init_info.rdma, init_info.trusted_keys)
         if same:
             if init_info.step is not None and self._held is not None and init_info.step != self._held:
-                log.warning("deltasync: init_info says step %d, this engine holds step %d (kept)", init_info.step, self._held)
+                log.warning("deltasync: init_info says step %d, this engine holds step %d (kept)", init_info.step,
+                            self._held)
             self._stop_prefetch()
         else:
             self._close_stream()
@@ -241,6 +251,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         if init_info.prefetch:
             reader = self._rdma.reader if self._rdma is not None else StreamReader(
                 init_info.url, storage_options=init_info.storage_options)
+            assert self._reader is not None  # opened above, or by the init this one continues (same stream)
             reader.trusted = self._reader.trusted  # the prefetcher's reader checks with the engine's own key set
             # over NIXL the trainer announces each step, or a mirror does: the prefetcher hears of it at once (a
             # hint it checks); otherwise the store's own feed where it has one, else polls by the stream's cadence
@@ -341,9 +352,11 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         h = prepared.header
         if h.kind == "delta" and h.base_step != self._held:
             raise BaseStepMismatchError(
-                f"{prepared.where}: delta to step {step} is based on step {h.base_step}, the engine holds step {self._held}"
+                f"{prepared.where}: delta to step {step} is based on step {h.base_step}, the engine holds step "
+                f"{self._held}"
             )
-        staged = prepared.staged if prepared.anchor is None else route_patches(state, anchor_patches(state, prepared.anchor))
+        staged = (prepared.staged if prepared.anchor is None
+                  else route_patches(state, anchor_patches(state, prepared.anchor)))
         assert staged is not None
         t0 = time.perf_counter()
         parts["staging"] += t0 - t_stage
@@ -363,8 +376,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             if error is None:
                 rollback(state)
             rank, text = failed[0]
-            msg = f"{prepared.where}: writing step {step} failed on {len(failed)} of {len(outcome)} rank(s), rank {rank}: " \
-                  f"{text}; every rank holds step {self._held} again"
+            msg = (f"{prepared.where}: writing step {step} failed on {len(failed)} of {len(outcome)} rank(s), "
+                   f"rank {rank}: {text}; every rank holds step {self._held} again")
             if error is not None:
                 raise error
             raise EngineError(msg)
@@ -374,7 +387,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         self._held = step
         if self._rdma is not None:
             self._rdma.applied(step)  # the controller advances this engine's version once every rank did
-        log.info("deltasync: engine at step %d (%s, written and verified in %.1f ms)", step, h.kind, 1e3 * self.pauses_s[-1])
+        log.info("deltasync: engine at step %d (%s, written and verified in %.1f ms)", step, h.kind,
+                 1e3 * self.pauses_s[-1])
         return list(staged)
 
     def _prove_held(self, step: int) -> set[str]:
@@ -389,7 +403,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                 reader.manifest(step, nearby=False)
             except StepNotFoundError:
                 raise HeldStepError(f"{reader.url}: init_info says the engine holds step {step}, which this stream has "
-                                    f"not committed: start the engine from one of its steps, or name no step (the first "
+                                    "not committed: start the engine from one of its steps, or name no step (the "
+                                    "first "
                                     f"update then writes an anchor)") from None
             with reader.open(step) as obj:
                 check_header(state, obj.header, obj.where)

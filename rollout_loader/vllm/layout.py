@@ -51,11 +51,13 @@ def read_checkpoint(path: str | Path, names: list[str], shapes: Mapping[str, lis
     missing = [n for n in names if n not in out]
     if missing:
         raise RoutingError(
-            f"reload mode needs host copies of {missing[:5]} (and {max(0, len(missing) - 5)} more), not in {str(path)!r}"
+            f"reload mode needs host copies of {missing[:5]} (and {max(0, len(missing) - 5)} more), not in "
+            f"{str(path)!r}"
         )
     for n in names:
         if list(out[n].shape) != list(shapes[n]):
-            raise RoutingError(f"{n!r}: checkpoint at {str(path)!r} has shape {list(out[n].shape)}, expected {shapes[n]}")
+            raise RoutingError(f"{n!r}: checkpoint at {str(path)!r} has shape {list(out[n].shape)}, expected "
+                               f"{shapes[n]}")
     return out
 
 

@@ -51,7 +51,7 @@ def install_dispatch_hook() -> None:
     @functools.wraps(original)
     def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
         if os.environ.get(LIVE_ENV) == "1" and not layer.weight.is_meta and layer.weight.ndim == 2:
-            layer.cpu_linear = live_linear
+            layer.cpu_linear = live_linear  # type: ignore[assignment]  # torch types Module attributes as Tensor | Module
             return
         original(layer, remove_weight)
 

@@ -27,6 +27,7 @@ def register() -> None:
     if BACKEND in WeightTransferEngineFactory._registry:  # registered already (by this plugin or the user)
         return
     try:
-        WeightTransferEngineFactory.register_engine(BACKEND, "rollout_loader.vllm.engine", "DeltasyncWeightTransferEngine")
+        WeightTransferEngineFactory.register_engine(BACKEND, "rollout_loader.vllm.engine",
+                                                    "DeltasyncWeightTransferEngine")
     except ValueError as e:  # another thread or plugin won the race: what is registered stays
         log.debug("deltasync engine already registered: %s", e)

@@ -56,7 +56,8 @@ def prepare(reader: StreamReader, state: WorkerState, step: int, *, base: int | 
         if h.kind == "anchor":
             tensors = {name: obj.read_tensor(name) for name in state.homes}
             return Prepared(step=step, header=h, where=obj.where, anchor=tensors)
-        return Prepared(step=step, header=h, where=obj.where, staged=route_patches(state, obj.patches()))
+        patches = [(p.name, p.positions, p.xor) for p in obj.patches()]
+        return Prepared(step=step, header=h, where=obj.where, staged=route_patches(state, patches))
 
 
 class Prefetcher:
@@ -132,7 +133,7 @@ class Prefetcher:
             for s in list(self._ready):
                 if s not in wanted:  # the engine moved past it, or the chain changed
                     del self._ready[s]
-        for before, s in zip([held, *wanted], wanted):
+        for before, s in zip([held, *wanted], wanted, strict=False):  # each step after the one before it
             if self._stop.is_set():
                 return
             with self._lock:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping
 from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -27,6 +28,9 @@ from rollout_loader.routing import Route, RoutingError, RoutingTable
 
 from .layout import safetensors_files
 from .trace import Trace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 SAMPLE_ROUTES = 2  # routes of a parameter whose bits are compared with the checkpoint's
 SAMPLE_ROWS = 4  # rows of each such route
@@ -98,7 +102,7 @@ def moe_modules(model: torch.nn.Module) -> list[str]:
             if getattr(getattr(m, "quant_method", None), "moe_kernel", None) is not None]
 
 
-def reload_as_loaded(vllm_config: object, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+def reload_as_loaded(vllm_config: VllmConfig, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                      modules: Iterable[str]) -> None:
     """Re-load checkpoint tensors ``weights`` (every one feeding ``modules``) through vLLM's layerwise reload,
     each of ``modules`` processed as at first load.
@@ -110,10 +114,10 @@ def reload_as_loaded(vllm_config: object, model: torch.nn.Module, weights: Itera
     """
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-    kernels = []
+    kernels: list[tuple[Any, Any]] = []
     for name in modules:
         method = getattr(model.get_submodule(name), "quant_method", None)
-        if getattr(method, "moe_kernel", None) is not None:
+        if method is not None and getattr(method, "moe_kernel", None) is not None:
             kernels.append((method, method.moe_kernel))
             method.moe_kernel = None
     try:
@@ -131,10 +135,10 @@ def _matches(reader: object, route: Route, live: torch.Tensor, rng: random.Rando
     sl = reader.get_slice(route.hf_name)  # type: ignore[attr-defined]
     bits = int_bits(live.data)
     if not route.hf_shape:
-        rows = [None]
+        rows: list[int | None] = [None]
     else:
         first, n = route.hf_start[0], route.extent[0]
-        rows = rng.sample(range(first, first + n), min(SAMPLE_ROWS, n)) if n else []
+        rows = [*rng.sample(range(first, first + n), min(SAMPLE_ROWS, n))] if n else []
     for row in rows:
         if row is None:  # a 0-d tensor
             data, hf_idx = reader.get_tensor(route.hf_name).reshape(-1), torch.zeros(1, dtype=torch.int64)  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """One rank's deltasync state inside a vLLM worker: where each checkpoint tensor lives, and the apply.
 
-Built once from the loaded model (:func:`rollout_loader.vllm.plan.build_state`); afterwards every step is: :func:`stage` (validate a
-decoded patch against the engine and map it to this rank's elements: before any pause), :func:`write` (the
+Built once from the loaded model (:func:`rollout_loader.vllm.plan.build_state`); afterwards every step is: :func:`stage`
+(validate a decoded patch against the engine and map it to this rank's elements: before any pause), :func:`write` (the
 in-place XOR, all or nothing, with the old bits kept for :func:`rollback`), and checksums of this rank's
 parts (:func:`checksums`, or the running ones :func:`write` keeps). The weight-transfer engine
 (:mod:`rollout_loader.vllm.engine`) drives it; the status extension (:mod:`rollout_loader.vllm.worker`) only reads it.
@@ -45,7 +45,8 @@ _CHUNK = 1 << 20
 MASK64 = (1 << 64) - 1
 SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # vLLM logs these on every partial reload, for each layer it was not asked to reload
-_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace", "vllm.model_executor.model_loader.reload.layerwise")
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace",
+                   "vllm.model_executor.model_loader.reload.layerwise")
 
 
 def int_bits(t: torch.Tensor) -> torch.Tensor:
@@ -217,7 +218,8 @@ def _localize(home: TensorHome, pos: torch.Tensor | None, xor: torch.Tensor) -> 
     return out
 
 
-def _piece(route: Route, pos: torch.Tensor | None, xor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _piece(route: Route, pos: torch.Tensor | None,
+           xor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(param indices, xor values, checkpoint indices) of the elements of one piece of a checkpoint tensor."""
     if pos is None:
         if route.whole and route.hf_shape == route.param_shape:
@@ -282,7 +284,8 @@ def write_sealed(state: WorkerState, staged: Sequence[Staged], sealed: Seal) -> 
 
 # not the codec pool (deltasync.format.codecs): the prefetcher decodes the next step there, and a pause must
 # not queue behind that work
-_SCATTER_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="deltasync-write")
+_SCATTER_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+                                   thread_name_prefix="deltasync-write")
 
 
 def _scatter_all(state: WorkerState, staged: Sequence[Staged], *, landed: list[tuple[torch.Tensor, Staged]]) -> None:
@@ -297,7 +300,8 @@ def _scatter_all(state: WorkerState, staged: Sequence[Staged], *, landed: list[t
     if bits and len({b.device for b in bits}) == 1 and bits[0].device.type != "cpu":
         done: list[int] = []
         try:
-            xor_apply_all([(b, s.idx, s.x, None) for b, s in zip(bits, staged)], checksum=False, landed=done)
+            xor_apply_all([(b, s.idx, s.x, None) for b, s in zip(bits, staged, strict=True)], checksum=False,
+                          landed=done)
         finally:
             landed += [(bits[j], staged[j]) for j in done]
         return
@@ -319,10 +323,10 @@ def _scatter_all(state: WorkerState, staged: Sequence[Staged], *, landed: list[t
         for f in futures:
             f.cancel()
         wait(futures)
-        for s, f in zip(staged, futures):
+        for s, f in zip(staged, futures, strict=True):
             if not f.cancelled() and f.exception() is None:
                 landed.append((state.homes[s.name].bits, s))
-    errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
+    errors = [e for f in futures if not f.cancelled() and (e := f.exception()) is not None]
     if errors:
         raise errors[0]
 
@@ -459,7 +463,7 @@ def sync_kernels(state: WorkerState, modules: set[str]) -> None:
     with torch.inference_mode():
         for m in sorted(modules - set(reload)):
             module = state.model.get_submodule(m)
-            module.quant_method.process_weights_after_loading(module)
+            module.quant_method.process_weights_after_loading(module)  # type: ignore[union-attr, operator]  # vLLM's
 
 
 def _restore(state: WorkerState, undo: list[tuple[torch.Tensor, Staged]], modules: set[str]) -> None:

@@ -72,7 +72,8 @@ class VllmTarget:
 
     reads_store = True  # the Follower sends step numbers, not objects
 
-    def __init__(self, engine: Any, *, step: int | None = None, verify: EngineVerify = "incremental", mode: Mode = "auto",
+    def __init__(self, engine: Any, *, step: int | None = None, verify: EngineVerify = "incremental",
+                 mode: Mode = "auto",
                  notify: str | None = None, trusted_keys: Any = None) -> None:
         _choice("mode", mode, Mode)
         _choice("verify", verify, EngineVerify)

@@ -115,7 +115,7 @@ def _trace_once(model: torch.nn.Module, layers: list[torch.nn.Module], sources: 
             loader = getattr(p, "weight_loader", None)
             if loader is not None and getattr(loader, "__name__", "") == "online_process_loader":
                 wrapped.append((p, loader))
-                p.weight_loader = _get_original_loader(p)
+                p.weight_loader = _get_original_loader(p)  # type: ignore[attr-defined]  # vLLM's own attribute
         recorder = CopyRecorder(params, sources)
 
         def feed() -> Iterator[tuple[str, torch.Tensor]]:
@@ -131,8 +131,8 @@ def _trace_once(model: torch.nn.Module, layers: list[torch.nn.Module], sources: 
         text = f"{type(e).__name__}: {e}"
         raise _LoaderError(current[0], text if len(text) <= 300 else text[:300] + "...") from e
     finally:
-        for p, loader in wrapped:
-            p.weight_loader = loader
+        for param, loader in wrapped:
+            param.weight_loader = loader  # type: ignore[attr-defined]  # vLLM's own attribute
         for layer in restored:
             _place_kernel_tensors(layer, LAYERWISE_INFO[layer])
             LAYERWISE_INFO[layer].reset()

@@ -49,7 +49,8 @@ class DeltaWorkerExtension:
                              "--weight-transfer-config '{\"backend\": \"deltasync\"}'"}
         state = engine._state  # the routes the engine writes through: its checksums are the engine's bits
         if state is None:
-            return {"error": "the deltasync weight-transfer engine is not initialised: call init_weight_transfer_engine"}
+            return {"error": "the deltasync weight-transfer engine is not initialised: call "
+                             "init_weight_transfer_engine"}
         rdma = engine._rdma  # its RdmaConsumer (None without init_info rdma)
         return {
             "held_step": engine.held_step,

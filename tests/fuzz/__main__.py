@@ -27,11 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rss-limit-mib", type=int, default=512, help="peak resident memory one operation may add")
     ap.add_argument("--no-tail-changes", action="store_true",
                     help="publish the corpus without changes in tensors' tails (for code with issue 8's defect 1)")
-    ap.add_argument("--json", default=None, help="where to write the results (default bench/results/fuzz-SEED-DATE.json)")
+    ap.add_argument("--json", default=None,
+                    help="where to write the results (default bench/results/fuzz-SEED-DATE.json)")
     ap.add_argument("--replay", metavar="CASE_ID", help="run one case (SEED-INDEX) and print every operation's outcome")
     ap.add_argument("--show", metavar="CASE_ID", help="print one case's mutation and exit")
     ap.add_argument("--inputs", type=int, metavar="N", default=None,
-                    help="instead: N cases of the input fuzzer (manifests v2, RDMA messages, init/update_info, HTTP replies)")
+                    help="instead: N cases of the input fuzzer (manifests v2, RDMA messages, init/update_info, HTTP "
+                         "replies)")
     args = ap.parse_args(argv)
     if args.inputs is not None:
         signal.signal(signal.SIGTERM, _stop)

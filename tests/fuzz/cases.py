@@ -12,8 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from .edits import TRAVERSAL, TYPE_GROUPS, ZSTD_FRAMES, SafetensorsFile, get, json_type, paths
-from .mutations import BYTE_MUTATORS, JSON_KINDS, KINDS, ROOT_VALUES, Document, documents, other_type_values
-from .mutations import read_document, region_bytes
+from .mutations import (
+    BYTE_MUTATORS,
+    JSON_KINDS,
+    KINDS,
+    ROOT_VALUES,
+    Document,
+    documents,
+    other_type_values,
+    read_document,
+    region_bytes,
+)
 
 # mutator -> the document kinds it applies to
 MUTATORS: dict[str, tuple[str, ...]] = {
@@ -28,10 +37,12 @@ MUTATORS: dict[str, tuple[str, ...]] = {
     "huge_header": ("object",),
 }
 HEADER_EDITS = (
-    "base_step = step", "base_step = step + 1", "base_step = -1", "base_step = null", "base_step = 0", 'base_step = "1"',
+    "base_step = step", "base_step = step + 1", "base_step = -1", "base_step = null", "base_step = 0",
+    'base_step = "1"',
     "base_step = 1.0", "kind flipped", 'kind = "full"', "step + 1", "step = -1", "step = 10**12", "step = 2**63",
     "format_version = 2", 'format_version = "1"', 'checksum_algorithm = "crc32"', "state_checksum = 64 zeros",
-    'state_checksum = "x"', "tensors = []", "tensors = {}", "aliases = list", "aliases = null", "alias -> missing tensor",
+    'state_checksum = "x"', "tensors = []", "tensors = {}", "aliases = list", "aliases = null",
+    "alias -> missing tensor",
     "alias -> itself", "alias -> alias", "alias = a stored name", "alias name = ../../x", "alias added",
 )
 TENSOR_EDITS = (
@@ -112,7 +123,8 @@ def directed_cases(p: Pristine) -> list[dict[str, Any]]:
     hdr = {"resha": True, "restate": True}
     return [
         _spec(m4, "json_set", "whole", {"path": ["base_step"], "raw": "4"}, directed="manifest base_step == step"),
-        _spec(m4, "json_set", "whole", {"path": ["base_step"], "raw": "5"}, directed="manifests in a cycle 4 -> 5 -> 4"),
+        _spec(m4, "json_set", "whole", {"path": ["base_step"], "raw": "5"},
+              directed="manifests in a cycle 4 -> 5 -> 4"),
         _spec(o4, "header_edit", "step_header", {"edit": "base_step = step", "sync_manifest": True}, **hdr,
               directed="step header base_step == step"),
         _spec(m4, "json_utf8", "whole", {"path": ["object"], "where": "value"}, directed="invalid UTF-8"),
@@ -127,11 +139,15 @@ def directed_cases(p: Pristine) -> list[dict[str, Any]]:
         _spec(beat, "json_path", "whole", {"path": ["consumer_id"], "name": "../../x", "rename": False},
               directed="consumer id traversal"),
         *[_spec(o4, "zstd_bomb", "data", {"blob": bomb, "frame": frame}, resha=True, directed="zstd bomb")
-          for frame in ("1 GiB of zeros, size declared", "18 bytes declaring 1 TiB", "1 GiB of zeros, no size declared")],
-        _spec(o4, "huge_header", "step_header", {"mib": 85, "how": "padding"}, resha=True, directed="85 MiB step header"),
-        _spec(o4, "header_edit", "step_header", {"edit": "shape = [2**45]", "tensor": "model.embed_tokens.weight"}, **hdr,
+          for frame in ("1 GiB of zeros, size declared", "18 bytes declaring 1 TiB",
+                        "1 GiB of zeros, no size declared")],
+        _spec(o4, "huge_header", "step_header", {"mib": 85, "how": "padding"}, resha=True,
+              directed="85 MiB step header"),
+        _spec(o4, "header_edit", "step_header", {"edit": "shape = [2**45]", "tensor": "model.embed_tokens.weight"},
+              **hdr,
               directed="shape of 2**45 elements (delta)"),
-        _spec(o3, "header_edit", "step_header", {"edit": "shape = [2**45]", "tensor": "model.layers.1.attn.weight"}, **hdr,
+        _spec(o3, "header_edit", "step_header", {"edit": "shape = [2**45]", "tensor": "model.layers.1.attn.weight"},
+              **hdr,
               directed="shape of 2**45 elements (anchor)"),
         _spec(o3, "st_edit", "st_header", {"edit": "entry shape flattened", "key": "model.layers.1.attn.weight"},
               resha=True, directed="anchor layout disagrees with its header"),
@@ -180,7 +196,8 @@ def _args(rng: random.Random, m: str, doc: Document, region: str, target: bytes,
     if m == "bitflips":
         return {"flips": [[rng.randrange(n), rng.randrange(8)] for _ in range(rng.randint(2, 32))]}
     if m == "byteset":
-        values = [rng.choice(INTERESTING_BYTES) if rng.random() < 0.7 else rng.randrange(256) for _ in range(rng.randint(1, 8))]
+        values = [rng.choice(INTERESTING_BYTES) if rng.random() < 0.7 else rng.randrange(256)
+                  for _ in range(rng.randint(1, 8))]
         offset = rng.randrange(max(1, n - len(values) + 1))
         return {"offset": offset, "values": values[: n - offset]}
     if m == "truncate":
@@ -220,7 +237,8 @@ def _json_args(rng: random.Random, m: str, doc: Document, region: str, value: An
             options = [("tensors", k) for k in h["tensors"]] + [("aliases", k) for k in h.get("aliases") or {}]
             return {"path": list(rng.choice(options)), "name": rng.choice(TRAVERSAL), "rename": True}
         if doc.kind == "files_index":
-            return {"path": ["files", rng.choice(sorted(value["files"]))], "name": rng.choice(TRAVERSAL), "rename": True}
+            return {"path": ["files", rng.choice(sorted(value["files"]))], "name": rng.choice(TRAVERSAL),
+                    "rename": True}
         return {"path": list(rng.choice(NAME_FIELDS[doc.kind])), "name": rng.choice(TRAVERSAL), "rename": False}
     path = list(rng.choice(keyed if m in ("json_remove", "json_dupkey", "json_utf8") else all_paths))
     current = get(value, tuple(path))

@@ -117,10 +117,12 @@ def _change(state: dict[str, torch.Tensor], gen: torch.Generator, *, tail_change
             pos = torch.arange(limit)
         else:
             picked = [p % numel for p in fixed]
-            pos = torch.cat([torch.randint(0, limit, (n_random,), generator=gen), torch.tensor(picked, dtype=torch.int64)])
+            pos = torch.cat([torch.randint(0, limit, (n_random,), generator=gen),
+                             torch.tensor(picked, dtype=torch.int64)])
             pos = torch.unique(pos[pos < limit])
         bits = t.reshape(-1).view(torch.uint8).view(-1, t.element_size())  # element-major bytes
-        bits[pos, 0] ^= 1 if t.dtype == torch.bool else torch.randint(1, 8, (pos.numel(),), generator=gen, dtype=torch.uint8)
+        bits[pos, 0] ^= 1 if t.dtype == torch.bool else torch.randint(1, 8, (pos.numel(),), generator=gen,
+                                                                      dtype=torch.uint8)
 
 
 def build_corpus(root: Path, *, tail_changes: bool = True) -> Corpus:

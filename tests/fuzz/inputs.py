@@ -28,7 +28,6 @@ from typing import Any
 import msgspec
 
 from deltasync.errors import DeltaSyncError
-
 from tests.http_server import serving
 
 from .operations import library_frame
@@ -76,7 +75,8 @@ class InputsReport:
     def to_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "seconds": self.seconds, "cases": self.cases, "failures": self.failures,
                 "interrupted": self.interrupted,
-                "targets": {n: {"cases": t.cases, **t.outcomes, "failure_classes": {c: list(v) for c, v in t.failures.items()}}
+                "targets": {n: {"cases": t.cases, **t.outcomes,
+                                "failure_classes": {c: list(v) for c, v in t.failures.items()}}
                             for n, t in self.targets.items()}}
 
 
@@ -130,15 +130,18 @@ def mutate_value(value: Any, rng: random.Random) -> Any:
         elif what < 0.7:
             target = _get(value, path)
             if isinstance(target, dict):
-                value = _set(value, path, {**target, rng.choice(["extra", "__proto__", "type", "step", ""]): rng.choice(HOSTILE)})
+                value = _set(value, path, {**target,
+                                           rng.choice(["extra", "__proto__", "type", "step", ""]): rng.choice(HOSTILE)})
             elif isinstance(target, list):
-                value = _set(value, path, target + [rng.choice(target) if target else rng.choice(HOSTILE)] * rng.randint(1, 3))
+                value = _set(value, path, target
+                             + [rng.choice(target) if target else rng.choice(HOSTILE)] * rng.randint(1, 3))
         elif what < 0.85:
             target = _get(value, path)
             if isinstance(target, int) and not isinstance(target, bool):
                 value = _set(value, path, rng.choice([target + 1, target - 1, -target, target * 2**20, 2**62]))
             elif isinstance(target, str):
-                value = _set(value, path, rng.choice([target + "\n", target[:-1], target * 3, target.upper(), "../" + target]))
+                value = _set(value, path, rng.choice([target + "\n", target[:-1], target * 3, target.upper(),
+                                                      "../" + target]))
         else:
             target = _get(value, path)
             value = _set(value, path, [target] if rng.random() < 0.5 else {"v": target})
@@ -170,7 +173,8 @@ def mutate_bytes(data: bytes, rng: random.Random) -> bytes:
 
 def _json(value: Any) -> bytes:
     """JSON text of ``value`` as a hostile writer could send it (NaN and infinities included; bytes as text)."""
-    return json.dumps(value, allow_nan=True, default=lambda o: o.decode("latin-1") if isinstance(o, bytes) else str(o)).encode()
+    return json.dumps(value, allow_nan=True,
+                      default=lambda o: o.decode("latin-1") if isinstance(o, bytes) else str(o)).encode()
 
 
 # --- targets ---
@@ -248,7 +252,8 @@ def _to_controller_seeds() -> list[Any]:
 def _to_peer_seeds() -> list[Any]:
     plan = {"type": "ConsumerPlan", "reads": [{"source": {"rank": 0, "ring": _ring(), "metadata": b"m"},
                                               "parts": [["w", 0, 100]]}]}
-    return [plan, {"type": "StepReady", "rank": 0, "slot": _slot(7)}, {"type": "EngineVersion", "engine": "e", "step": 7},
+    return [plan, {"type": "StepReady", "rank": 0, "slot": _slot(7)},
+            {"type": "EngineVersion", "engine": "e", "step": 7},
             {"type": "TrainerPlan", "consumers": ["agent-c0"]}, {"type": "RankMetadata", "rank": 0, "ring": _ring(),
                                                                  "metadata": b"m"},
             {"type": "Refused", "reason": "no"}]

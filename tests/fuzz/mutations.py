@@ -16,8 +16,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .edits import TYPE_GROUPS, VALUES, ZSTD_FRAMES, Dup, Raw, SafetensorsFile, dump, get, json_type, sha256
-from .edits import state_checksum, with_root
+from .edits import (
+    TYPE_GROUPS,
+    VALUES,
+    ZSTD_FRAMES,
+    Dup,
+    Raw,
+    SafetensorsFile,
+    dump,
+    get,
+    json_type,
+    sha256,
+    state_checksum,
+    with_root,
+)
 
 JSON_KINDS = ("manifest", "latest", "lease", "heartbeat", "files_index", "stream")
 KINDS = ("object", *JSON_KINDS, "model_file")
@@ -62,7 +74,8 @@ def documents(stream: Path) -> list[Document]:
         elif parts[0] == "consumers":
             out.append(Document(rel, "heartbeat"))
         else:
-            kind = {"latest.json": "latest", "writer.json": "lease", "files.json": "files_index", "stream.json": "stream"}
+            kind = {"latest.json": "latest", "writer.json": "lease", "files.json": "files_index",
+                    "stream.json": "stream"}
             if rel in kind:
                 out.append(Document(rel, kind[rel]))
     if not any(d.kind == "stream" for d in out):
@@ -79,7 +92,9 @@ def region_bytes(raw: bytes, kind: str, region: str) -> bytes:
     if kind != "object" or region == "whole":
         return raw
     st = SafetensorsFile.parse(raw)
-    return {"length": raw[:8], "st_header": raw[8 : 8 + st.header_len], "step_header": st.step_header, "data": st.data}[region]
+    regions = {"length": raw[:8], "st_header": raw[8 : 8 + st.header_len], "step_header": st.step_header,
+               "data": st.data}
+    return regions[region]
 
 
 # --- applying ---
@@ -167,7 +182,8 @@ def mutate(raw: bytes, spec: dict[str, Any], root: str, manifest_updates: dict[s
                 h["padding"] = pad
             else:  # many aliases of one tensor: a header that looks like a huge model
                 target = next(iter(h["tensors"]))
-                h.setdefault("aliases", {}).update({f"alias.{i}.{pad[:40]}": target for i in range((args["mib"] << 20) // 64)})
+                h.setdefault("aliases", {}).update({f"alias.{i}.{pad[:40]}": target
+                                                    for i in range((args["mib"] << 20) // 64)})
         if spec["restate"]:
             _restate(h, manifest_updates)
         return st.build(step_header=json.dumps(h).encode())
@@ -224,7 +240,8 @@ def byte_edit(data: bytes, m: str, args: dict[str, Any]) -> bytes:
 
 # --- JSON mutators ---
 
-JSON_MUTATORS = ("json_type", "json_number", "json_deep", "json_utf8", "json_remove", "json_dupkey", "json_path", "json_root",
+JSON_MUTATORS = ("json_type", "json_number", "json_deep", "json_utf8", "json_remove", "json_dupkey", "json_path",
+                 "json_root",
                  "json_set")
 
 
@@ -290,7 +307,8 @@ def header_edit(h: dict[str, Any], edit: str, tensor: str | None, root: str) -> 
         'base_step = "1"': ("base_step", "1"), "base_step = 1.0": ("base_step", 1.0),
         "step + 1": ("step", step + 1), "step = -1": ("step", -1), "step = 10**12": ("step", 10**12),
         "step = 2**63": ("step", 2**63), 'kind = "full"': ("kind", "full"), "format_version = 2": ("format_version", 2),
-        'format_version = "1"': ("format_version", "1"), 'checksum_algorithm = "crc32"': ("checksum_algorithm", "crc32"),
+        'format_version = "1"': ("format_version", "1"),
+        'checksum_algorithm = "crc32"': ("checksum_algorithm", "crc32"),
         "state_checksum = 64 zeros": ("state_checksum", "0" * 64), 'state_checksum = "x"': ("state_checksum", "x"),
         "tensors = []": ("tensors", []), "tensors = {}": ("tensors", {}), "aliases = list": ("aliases", [["a", "b"]]),
         "aliases = null": ("aliases", None),
@@ -418,7 +436,8 @@ def describe(spec: dict[str, Any]) -> str:
     m, a = spec["mutator"], spec["args"]
     what = {
         "bitflip": lambda: f"flip bit {a.get('bit')} of byte {a.get('offset')}",
-        "bitflips": lambda: f"flip {len(a.get('flips', []))} bits at bytes {sorted(o for o, _ in a.get('flips', []))[:6]}",
+        "bitflips": lambda: f"flip {len(a.get('flips', []))} bits at bytes "
+                            f"{sorted(o for o, _ in a.get('flips', []))[:6]}",
         "byteset": lambda: f"set bytes {a.get('offset')}.. to {bytes(a.get('values', [])).hex()}",
         "truncate": lambda: f"truncate to {a.get('length')} bytes",
         "extend": lambda: f"append {a.get('size')} bytes of {a.get('style')} garbage",
@@ -428,7 +447,8 @@ def describe(spec: dict[str, Any]) -> str:
         "json_set": lambda: f"{jsonpath(a['path'])} := {a['raw']}",
         "json_utf8": lambda: f"invalid UTF-8 in the {a['where']} at {jsonpath(a['path'])}",
         "json_remove": lambda: f"remove {jsonpath(a['path'])}",
-        "json_dupkey": lambda: f"duplicate key {jsonpath(a['path'])} := {a['value']} {'before' if a['first'] else 'after'} it",
+        "json_dupkey": lambda: f"duplicate key {jsonpath(a['path'])} := {a['value']} "
+                               f"{'before' if a['first'] else 'after'} it",
         "json_path": lambda: (f"rename {jsonpath(a['path'])} to {a['name']!r}" if a["rename"]
                               else f"{jsonpath(a['path'])} := {a['name']!r}"),
         "json_root": lambda: f"whole document := {a['value']}",

@@ -27,8 +27,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from .corpus import ANCHOR_EVERY, CONSUMER_ID, CONSUMER_STEP, FAR_FUTURE_UNIX_S, LAYER_OF, LEASE_OWNER, MODEL_FILES, TIED
-from .corpus import Corpus
+from .corpus import (
+    ANCHOR_EVERY,
+    CONSUMER_ID,
+    CONSUMER_STEP,
+    FAR_FUTURE_UNIX_S,
+    LAYER_OF,
+    LEASE_OWNER,
+    MODEL_FILES,
+    TIED,
+    Corpus,
+)
 
 _CONSUMER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # README: 1-128 letters, digits, '.', '_', '-'
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
@@ -89,7 +98,9 @@ class CaseContext:
 
 def bits(t: torch.Tensor) -> np.ndarray:
     t = t.detach().contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().reshape(t.numel(), t.element_size()) if t.numel() else np.zeros((0, 1), np.uint8)
+    if not t.numel():
+        return np.zeros((0, 1), np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy().reshape(t.numel(), t.element_size())
 
 
 def changed_elements(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -114,7 +125,8 @@ def same_state(got: Any, want: dict[str, torch.Tensor], what: str, *, aliases_ma
     if aliases_may_differ:
         expected = set(stored) | (names - set(stored))
         # an alias shares its target's storage (checked against the truth below); else compare its bits
-        shared = {(t.data_ptr(), t.dtype, t.shape) for n, t in got.items() if n in stored and isinstance(t, torch.Tensor)}
+        shared = {(t.data_ptr(), t.dtype, t.shape) for n, t in got.items() if n in stored
+                  and isinstance(t, torch.Tensor)}
         for name in names - set(stored):
             g = got[name]
             if isinstance(g, torch.Tensor) and (g.data_ptr(), g.dtype, g.shape) in shared:
@@ -124,14 +136,17 @@ def same_state(got: Any, want: dict[str, torch.Tensor], what: str, *, aliases_ma
                 raise Failed("returned an alias that is no stored tensor", f"{what}: {name!r}")
         want = stored  # the aliases are checked
     if names != expected:
-        raise Failed("returned the wrong tensor names", f"{what}: returned {sorted(names)[:8]}, expected {sorted(expected)[:8]}")
+        raise Failed("returned the wrong tensor names",
+                     f"{what}: returned {sorted(names)[:8]}, expected {sorted(expected)[:8]}")
     for name, w in want.items():
         g = got[name]
         if not isinstance(g, torch.Tensor) or g.dtype != w.dtype or tuple(g.shape) != tuple(w.shape):
             desc = (g.dtype, tuple(g.shape)) if isinstance(g, torch.Tensor) else type(g).__name__
-            raise Failed("returned a tensor of the wrong dtype or shape", f"{what}: {name!r} is {desc}, expected {(w.dtype, tuple(w.shape))}")
+            raise Failed("returned a tensor of the wrong dtype or shape",
+                         f"{what}: {name!r} is {desc}, expected {(w.dtype, tuple(w.shape))}")
         if not np.array_equal(bits(g), bits(w)):
-            raise Failed("returned wrong bits", f"{what}: {name!r} differs from the truth in {changed_elements(g, w)} elements")
+            raise Failed("returned wrong bits",
+                         f"{what}: {name!r} differs from the truth in {changed_elements(g, w)} elements")
 
 
 @dataclass
@@ -151,7 +166,8 @@ class Reference:
         numel = sum(self.corpus.truth[0][n].numel() for n in names)
         for s in self.steps:
             anchor = s % ANCHOR_EVERY == 0
-            changed = numel if anchor else sum(changed_elements(self.corpus.truth[s - 1][n], self.corpus.truth[s][n]) for n in names)
+            changed = numel if anchor else sum(changed_elements(self.corpus.truth[s - 1][n], self.corpus.truth[s][n])
+                                               for n in names)
             rows.append((s, "anchor" if anchor else "delta", None if anchor else s - 1, self.object_bytes[s],
                          self.object_bytes[anchor_of(s)], numel, changed))
         return rows
@@ -245,9 +261,11 @@ def op_verify(c: CaseContext, r: Reference) -> None:
         raise _Rejected(f"verify found {len(report.problems)} problem(s): {report.problems[0].message[:200]}")
     broken = [s for s in r.steps if not c.state_dict_exact.get(s)]
     if broken:
-        raise Failed("verify passed a stream that a reader refuses or reads wrong", f"state_dict({broken[0]}) does not give the truth")
+        raise Failed("verify passed a stream that a reader refuses or reads wrong",
+                     f"state_dict({broken[0]}) does not give the truth")
     if tuple(report.verified) != r.steps:
-        raise Failed("verify is ok without verifying every step", f"verified {report.verified}, the stream holds {r.steps}")
+        raise Failed("verify is ok without verifying every step",
+                     f"verified {report.verified}, the stream holds {r.steps}")
 
 
 class _Rejected(Exception):
@@ -263,7 +281,8 @@ def op_replay(c: CaseContext, r: Reference, step: int) -> None:
     out.parent.mkdir(parents=True)
     result = replay_to_folder(c.url, step, out)
     if Path(result.path) != out or result.step != step:
-        raise Failed("replay reported another path or step", f"{result.path} step {result.step}, asked for {out} step {step}")
+        raise Failed("replay reported another path or step",
+                     f"{result.path} step {result.step}, asked for {out} step {step}")
     names = {p.name for p in out.iterdir()}
     weights = out / "model.safetensors"
     if not weights.is_file():
@@ -291,7 +310,8 @@ def op_gc(c: CaseContext, r: Reference) -> None:
     if not (c.changed_kind("steps/", "manifest.json") or c.changed_kind("consumers/")):
         want_keep, want_delete = r.gc_plan()
         if keep != want_keep or delete != want_delete:
-            raise Failed("gc plan differs from the truth", f"keeps {sorted(keep)} deletes {sorted(delete)}; expected keep {sorted(want_keep)}")
+            raise Failed("gc plan differs from the truth",
+                         f"keeps {sorted(keep)} deletes {sorted(delete)}; expected keep {sorted(want_keep)}")
 
 
 def op_follow(c: CaseContext, r: Reference) -> None:
@@ -300,7 +320,8 @@ def op_follow(c: CaseContext, r: Reference) -> None:
     follower = Follower(c.url, StateDictTarget())
     follower.sync()
     if follower.step != r.corpus.last:
-        raise Failed("follower sync() stopped short of the latest step", f"holds {follower.step}, latest is {r.corpus.last}")
+        raise Failed("follower sync() stopped short of the latest step",
+                     f"holds {follower.step}, latest is {r.corpus.last}")
     same_state(follower.target.state_dict(), r.corpus.truth[r.corpus.last], "follower state",
                aliases_may_differ=c.forged_header)
 
@@ -340,7 +361,8 @@ def op_stats(c: CaseContext, r: Reference) -> None:
     for s in stats.steps:
         ok = (s.kind in ("anchor", "delta") and _count(s.step) and (s.base_step is None or _count(s.base_step))
               and _count(s.object_bytes) and _count(s.numel) and _count(s.changed) and _finite(s.density)
-              and _finite(s.capture_s, optional=True) and _finite(s.encode_s, optional=True) and _finite(s.created_unix_s)
+              and _finite(s.capture_s, optional=True) and _finite(s.encode_s, optional=True)
+              and _finite(s.created_unix_s)
               and all(_count(x) for x in s.coalesced_steps))
         if not ok:
             raise Failed("stream_stats accepted a malformed manifest", str(s)[:300])
@@ -366,7 +388,8 @@ def op_compare(c: CaseContext, r: Reference, a: int, b: int) -> None:
     got = compare(c.url, a, b)
     rows = [(t.name, t.numel, t.changed) for t in got.tensors]
     if rows != r.compare(a, b):
-        raise Failed("compare differs from the truth", f"({a}, {b}) per tensor (name, numel, changed) {rows[:3]}... expected {r.compare(a, b)[:3]}...")
+        raise Failed("compare differs from the truth",
+                     f"({a}, {b}) per tensor (name, numel, changed) {rows[:3]}... expected {r.compare(a, b)[:3]}...")
     if sum(layer.changed for layer in got.layers) != sum(x[2] for x in rows):
         raise Failed("compare's layers do not add up to its tensors", f"({a}, {b})")
 
@@ -399,7 +422,8 @@ def op_lease(c: CaseContext, r: Reference) -> None:
     # an unreadable lease may come back as a placeholder held forever (inf): it claims nothing false
     if lease is not None and not (isinstance(lease.owner, str) and 0 < len(lease.owner) <= 256
                                   and isinstance(lease.expires_unix_s, float) and not math.isnan(lease.expires_unix_s)):
-        raise Failed("lease() accepted an invalid writer.json", f"owner={str(lease.owner)[:80]!r} expires_unix_s={lease.expires_unix_s!r}")
+        raise Failed("lease() accepted an invalid writer.json",
+                     f"owner={str(lease.owner)[:80]!r} expires_unix_s={lease.expires_unix_s!r}")
 
 
 # --- classification ---
@@ -439,7 +463,8 @@ def classify(op: str, run: Callable[[], None]) -> Outcome:
         if where == "outside the library":  # raised by the checks on a result (or a bug of the fuzzer)
             where = f"{library_frame(frames, ('/tests/fuzz/',))} (the fuzzer's check of the result)"
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        return Outcome(op, "failure", why=f"{type(e).__name__} at {where}", detail=f"{type(e).__name__}: {str(e)[:500]}",
+        return Outcome(op, "failure", why=f"{type(e).__name__} at {where}",
+                       detail=f"{type(e).__name__}: {str(e)[:500]}",
                        trace=_tail(text))
     return Outcome(op, "exact")
 

@@ -88,14 +88,17 @@ class Report:
         lines = [f"{'mutator':<14}{'cases':>7}{'rejected':>10}{'exact':>8}{'failure':>9}{'failed cases':>14}"]
         for m in sorted(self.cases_by_mutator):
             lines.append(f"{m:<14}{self.cases_by_mutator[m]:>7}" + "".join(
-                f"{self.by_mutator[m, o]:>{w}}" for o, w in zip(OUTCOMES, (10, 8, 9))) + f"{self.failed_cases_by_mutator[m]:>14}")
+                f"{self.by_mutator[m, o]:>{w}}" for o, w in zip(OUTCOMES, (10, 8, 9), strict=True))
+                         + f"{self.failed_cases_by_mutator[m]:>14}")
         totals = [sum(n for (_, o2), n in self.by_mutator.items() if o2 == o) for o in OUTCOMES]
-        lines.append(f"{'total':<14}{self.cases:>7}" + "".join(f"{t:>{w}}" for t, w in zip(totals, (10, 8, 9)))
+        lines.append(f"{'total':<14}{self.cases:>7}"
+                     + "".join(f"{t:>{w}}" for t, w in zip(totals, (10, 8, 9), strict=True))
                      + f"{sum(self.failed_cases_by_mutator.values()):>14}")
         lines.append("")
         lines.append(f"{'document':<14}{'':>7}{'rejected':>10}{'exact':>8}{'failure':>9}")
         for kind in sorted({k for k, _ in self.by_kind}):
-            lines.append(f"{kind:<14}{'':>7}" + "".join(f"{self.by_kind[kind, o]:>{w}}" for o, w in zip(OUTCOMES, (10, 8, 9))))
+            lines.append(f"{kind:<14}{'':>7}"
+                         + "".join(f"{self.by_kind[kind, o]:>{w}}" for o, w in zip(OUTCOMES, (10, 8, 9), strict=True)))
         return "\n".join(lines)
 
     def failure_text(self, *, traces: bool = True) -> str:

@@ -174,7 +174,8 @@ class _Worker:
         problem = None
         if outcome.peak_mib > self.options.rss_limit_mib:
             problem = (f"memory: peak resident memory grew by more than {self.options.rss_limit_mib} MiB",
-                       f"+{outcome.peak_mib:.0f} MiB ({outcome.outcome}{': ' + outcome.detail[:200] if outcome.detail else ''})")
+                       f"+{outcome.peak_mib:.0f} MiB "
+                       f"({outcome.outcome}{': ' + outcome.detail[:200] if outcome.detail else ''})")
         elif in_store:
             problem = ("modified the store", f"{in_store[:5]}")
         elif stray and outcome.outcome == "rejected":
@@ -266,7 +267,8 @@ def hang_location(trace: str) -> str:
     threads = [re.findall(r'File "([^"]+)", line (\d+) in (\S+)', b) for b in blocks]
     busy = [fr for fr in threads if fr and any(p in fr[0][0] for p in packages)]
     for frames in busy + threads:
-        where = library_frame([(f, int(n), fn) for f, n, fn in reversed(frames)], packages)  # faulthandler: innermost first
+        # faulthandler: innermost first
+        where = library_frame([(f, int(n), fn) for f, n, fn in reversed(frames)], packages)
         if where != "outside the library":
             return where
     return "an unknown place"
@@ -285,7 +287,8 @@ class _Pool:
 
     def _start(self) -> _Slot:
         parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=worker_main, args=(child, str(self.root), str(self.truth), self.options), daemon=True)
+        proc = self.ctx.Process(target=worker_main, args=(child, str(self.root), str(self.truth), self.options),
+                                daemon=True)
         proc.start()
         child.close()
         return _Slot(proc=proc, conn=parent, started=time.monotonic())
@@ -319,7 +322,8 @@ class _Pool:
                 self._read(slot, report)  # a result that arrived just in time still counts
                 if slot.spec is not None:
                     trace = Path(slot.trace).read_text() if slot.trace and Path(slot.trace).exists() else ""
-                    self._lost(report, slot, f"timeout in {hang_location(trace)}", f"no result within {limit:.0f}s", trace)
+                    self._lost(report, slot, f"timeout in {hang_location(trace)}", f"no result within {limit:.0f}s",
+                               trace)
             elif slot.proc.is_alive():
                 if not slot.ready and not slot.leaving and now - slot.started > 300:
                     raise CorpusError("a fuzz worker did not start within 300 s")
@@ -356,7 +360,8 @@ class _Pool:
             pass
 
     def _lost(self, report: Report, slot: _Slot, why: str, detail: str, trace: str) -> None:
-        outcomes = [asdict(Outcome(slot.op, "failure", why=why, detail=detail, trace="\n".join(trace.splitlines()[:40])))]
+        outcomes = [asdict(Outcome(slot.op, "failure", why=why, detail=detail,
+                                   trace="\n".join(trace.splitlines()[:40])))]
         report.add(slot.spec, outcomes, keep=self.options.keep_results)
         shutil.rmtree(self.root / "cases" / slot.spec["id"], ignore_errors=True)
         slot.spec = None

@@ -90,7 +90,8 @@ MATRIX: list[dict[str, str]] = [
      "path": f"in place, each rank its slices; {SHADOW_EXPERTS}",
      "test": "test_vllm_models::test_moe_tensor_parallel_2_bit_exact_against_a_fresh_engine (outside CI: "
              "`./run.sh test -m outside_ci`)"},
-    {"family": "qwen3 (dense, tied and untied)", "tp": "1, 2", "ep": "-", "dtype": "bf16, fp32", "kernels": "live, stock",
+    {"family": "qwen3 (dense, tied and untied)", "tp": "1, 2", "ep": "-", "dtype": "bf16, fp32",
+     "kernels": "live, stock",
      "path": "in place (live); linears shadowed (stock)",
      "test": "test_vllm_worker, test_vllm_engine, test_vllm_follow"},
 ]

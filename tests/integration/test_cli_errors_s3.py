@@ -31,7 +31,8 @@ def _require_credentials(server: SeaweedFS, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         refused = accepted = False
-        with Store("s3://deltasync-tests/probe", storage_options={**server.storage_options, "secret": "wrong"}) as store:
+        wrong = {**server.storage_options, "secret": "wrong"}
+        with Store("s3://deltasync-tests/probe", storage_options=wrong) as store:
             try:
                 store.exists("x")
             except StoreAuthError:

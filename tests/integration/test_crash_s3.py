@@ -11,16 +11,6 @@ from typing import Any
 
 import pytest
 
-from tests.integration.seaweedfs import s3_server  # noqa: F401 - fixture
-from tests.test_commit_races import (  # noqa: F401 - the races, run here against the S3 backend below
-    Backend,
-    test_commit_by_a_writer_that_lost_the_lease_writes_no_manifest,
-    test_commit_never_replaces_a_committed_object_of_the_same_name,
-    test_commit_never_replaces_a_committed_step,
-    test_lease_is_checked_right_before_the_manifest,
-    test_restart_after_a_stale_hint_resumes_after_the_newest_manifest,
-    test_writer_that_lost_its_lease_during_an_upload_cannot_replace_the_step,
-)
 from tests.crash import (
     KILLS,
     MANIFEST,
@@ -31,6 +21,16 @@ from tests.crash import (
     crash_publishers,
     crash_timeout_s,
     write_report,
+)
+from tests.integration.seaweedfs import s3_server  # noqa: F401 - fixture
+from tests.test_commit_races import (  # noqa: F401 - the races, run here against the S3 backend below
+    Backend,
+    test_commit_by_a_writer_that_lost_the_lease_writes_no_manifest,
+    test_commit_never_replaces_a_committed_object_of_the_same_name,
+    test_commit_never_replaces_a_committed_step,
+    test_lease_is_checked_right_before_the_manifest,
+    test_restart_after_a_stale_hint_resumes_after_the_newest_manifest,
+    test_writer_that_lost_its_lease_during_an_upload_cannot_replace_the_step,
 )
 
 pytestmark = pytest.mark.s3

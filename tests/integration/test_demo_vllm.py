@@ -25,7 +25,8 @@ pytestmark = pytest.mark.vllm
 def test_demo_with_vllm_engine_is_bit_exact(tmp_path, caplog):
     lines = []
     caplog.set_level(logging.WARNING)
-    rows = run_demo(str(tmp_path / "s"), DemoConfig(steps=5, anchor_every=3, hidden_size=128, layers=2), echo=lines.append)
+    rows = run_demo(str(tmp_path / "s"), DemoConfig(steps=5, anchor_every=3, hidden_size=128, layers=2),
+                    echo=lines.append)
     assert [r["kind"] for r in rows] == ["anchor", "delta", "delta", "anchor", "delta"]
     assert taken_or_skipped_for_an_anchor(rows)
     assert all(r["engine_paused_ms"] is not None for r in rows if r["exact"])

@@ -160,7 +160,8 @@ def test_consumer_killed_mid_fetch_restarts_and_converges(s3_server, tmp_path): 
     cache = tmp_path / "cache"
     cache.mkdir()
     for delay in (0.3, 0.8, 1.5):
-        proc = subprocess.Popen([sys.executable, "-c", CONSUMER, url, json.dumps(opts), str(cache)], stdout=subprocess.PIPE)
+        proc = subprocess.Popen([sys.executable, "-c", CONSUMER, url, json.dumps(opts), str(cache)],
+                                stdout=subprocess.PIPE)
         proc.stdout.readline()
         time.sleep(delay)
         proc.kill()

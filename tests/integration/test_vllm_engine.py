@@ -21,9 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltasync import DeltaPublisher, replay_to_folder, StreamReader
+from deltasync import DeltaPublisher, StreamReader, replay_to_folder
 from deltasync.engine import tensor_checksum
-from tests.integration.conftest import PROMPTS, build_checkpoint, engine, load_state, perturb, perturbed_names, save_like
+from tests.integration.conftest import (
+    PROMPTS,
+    build_checkpoint,
+    engine,
+    load_state,
+    perturb,
+    perturbed_names,
+    save_like,
+)
 from tests.integration.seaweedfs import s3_server  # noqa: F401 - fixture
 from tests.integration.test_vllm_server import _completions
 from tests.integration.test_vllm_server_errors import vllm_server
@@ -190,7 +198,8 @@ def test_offline_llm_follows_through_weight_transfer_methods(tmp_path):
     assert res["errors"][0].startswith("StepNotFoundError") or "step 99" in res["errors"][0]
     assert "step must be a step number" in res["errors"][1]
     assert "Invalid update_info" in res["errors"][2]
-    assert "notify must be a mirror's event feed URL (http://HOST:PORT/events), got 'ftp://mirror/events'" in res["errors"][3]
+    want = "notify must be a mirror's event feed URL (http://HOST:PORT/events), got 'ftp://mirror/events'"
+    assert want in res["errors"][3]
     assert res["feed"] == ["EventFeed", True, 5]  # init_info's notify: the prefetcher listens to the mirror's feed
     assert res["after_errors"] == res["tokens"][2]
     assert res["tokens"][0] != res["tokens"][1] != res["tokens"][2]

@@ -21,7 +21,8 @@ from tests.integration.conftest import build_checkpoint, engine, generate, save_
 pytestmark = pytest.mark.vllm
 
 
-def train_and_publish(model_dir, url, steps: int, *, lr: float = 3e-4, signing_key=None) -> dict[int, dict[str, torch.Tensor]]:
+def train_and_publish(model_dir, url, steps: int, *, lr: float = 3e-4,
+                      signing_key=None) -> dict[int, dict[str, torch.Tensor]]:
     """Train the checkpoint's model (fp32 master weights) and publish every step as bf16 (signed, with a key)."""
     from transformers import AutoModelForCausalLM
 

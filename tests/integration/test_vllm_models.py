@@ -29,7 +29,8 @@ pytestmark = pytest.mark.vllm
 STEPS = (1, 2, 3)  # 1, 2: deltas; 3: an anchor (anchor_every=3)
 COMPARED = (2, 3)  # a delta on a delta, and an anchor: each against a fresh engine
 CASES = [pytest.param(*case, marks=pytest.mark.outside_ci) if case in OUTSIDE_CI else case
-         for case in [(f, "live", "bf16") for f in FAMILIES] + [(f, "stock", "bf16") for f in MOE] + [("llama", "live", "fp8")]]
+         for case in [(f, "live", "bf16") for f in FAMILIES] + [(f, "stock", "bf16") for f in MOE]
+         + [("llama", "live", "fp8")]]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,8 @@ def trainer(address: str, url: str, model_dir: str, out) -> None:
 
     state = load_state(Path(model_dir))
     committed: list[float] = []  # when each step was committed and offered (unix time, for a failure's story)
-    rdma = {"secret": SECRET, "controller": address, "slot_bytes": 4 << 20, "plan_wait_s": 600.0, "ack_deadline_s": 30.0}
+    rdma = {"secret": SECRET, "controller": address, "slot_bytes": 4 << 20, "plan_wait_s": 600.0,
+            "ack_deadline_s": 30.0}
     with NixlTransport.trainer(url, rdma=rdma) as transport:
         with DeltaPublisher(Store(url, transport=transport), state, anchor_every=100, on_backlog="block") as pub:
             for step in range(STEPS + 1):
@@ -59,8 +60,8 @@ def trainer(address: str, url: str, model_dir: str, out) -> None:
                 pub.flush()
                 committed.append(round(time.time(), 2))
                 time.sleep(0.2)
-        out.put({"announced": list(transport.trainer.stats.announced), "committed_at": committed,
-                 "store_only": list(transport.trainer.stats.store_only),
+        out.put({"announced": list(transport.rdma_trainer.stats.announced), "committed_at": committed,
+                 "store_only": list(transport.rdma_trainer.stats.store_only),
                  "checksums": {n: tensor_checksum(t) for n, t in state.items()}})
 
 

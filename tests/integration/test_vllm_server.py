@@ -35,7 +35,8 @@ def _get(url: str, timeout: float = 5) -> bytes:
 def _completions(base: str, prompts: list[str]) -> list[str]:
     out = []
     for p in prompts:
-        body = json.dumps({"model": "m", "prompt": p, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}).encode()
+        request = {"model": "m", "prompt": p, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+        body = json.dumps(request).encode()
         req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             out.append(json.loads(r.read())["choices"][0]["text"])
@@ -50,7 +51,8 @@ def server(tmp_path):
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", DELTASYNC_CPU_LIVE_WEIGHTS="1", VLLM_CPU_KVCACHE_SPACE="1")
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", "m",
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
+         "m",
          "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port),
          "--worker-extension-cls", "rollout_loader.vllm.worker.DeltaWorkerExtension",
          "--weight-transfer-config", '{"backend": "deltasync"}'],
@@ -87,7 +89,8 @@ def test_follow_keeps_a_running_server_in_sync(server, tmp_path):
     # relative stream path reaches the server as an absolute one
     repo = str(Path(__file__).resolve().parents[2])
     cli = subprocess.run(
-        [sys.executable, "-m", "deltasync_cli", "follow", "stream", "--server", base, "--until", "5", "--verify", "all"],
+        [sys.executable, "-m", "deltasync_cli", "follow", "stream", "--server", base, "--until", "5", "--verify",
+         "all"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))},
     )

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from deltasync import DeltaPublisher, StreamReader
-from deltasync.format.checksum import parse_checksum
 from deltasync.errors import EngineConfigError, StoreError
+from deltasync.format.checksum import parse_checksum
 from rollout_loader import Follower
 from rollout_loader.vllm import VllmTarget
 from tests.integration.conftest import PROMPTS, build_checkpoint, load_state, perturb, perturbed_names
@@ -58,7 +58,8 @@ def model_and_stream(tmp_path_factory) -> tuple[Path, str, dict[str, int]]:
 
 
 @contextmanager
-def vllm_server(model_dir: Path, log_dir: Path, *, dev_mode: bool, extension: bool, weight_transfer: bool = False) -> Iterator[str]:
+def vllm_server(model_dir: Path, log_dir: Path, *, dev_mode: bool, extension: bool,
+                weight_transfer: bool = False) -> Iterator[str]:
     """A vLLM OpenAI server process started as a user would, with or without what deltasync needs: dev mode and
     the weight-transfer engine (``deltasync follow --server``), and the read-only status extension."""
     port = _free_port()
@@ -66,8 +67,10 @@ def vllm_server(model_dir: Path, log_dir: Path, *, dev_mode: bool, extension: bo
     env.update(DELTASYNC_CPU_LIVE_WEIGHTS="1", VLLM_CPU_KVCACHE_SPACE="1")
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", "m",
-           "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
+           "m",
+           "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1", "--port",
+           str(port)]
     if extension:
         cmd += ["--worker-extension-cls", "rollout_loader.vllm.worker.DeltaWorkerExtension"]
     if weight_transfer:

@@ -69,7 +69,8 @@ ENGINE = textwrap.dedent(
         engine = llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine
         llm.finish_weight_update(weight_version=str(engine.held_step))
         sums = checksums(engine._state)
-        json.dump({"version": llm.get_weight_version(), "checksums": {n: str(v) for n, v in sums.items()}}, open(out, "w"))
+        json.dump({"version": llm.get_weight_version(), "checksums": {n: str(v) for n, v in sums.items()}},
+                  open(out, "w"))
     """
 )
 
