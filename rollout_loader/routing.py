@@ -19,8 +19,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -443,3 +443,27 @@ def _box_indices(shape: Sequence[int], start: Sequence[int], extent: Sequence[in
     for stride, s, e in zip(_strides(shape), start, extent, strict=True):
         idx = idx.unsqueeze(-1) + (torch.arange(s, s + e, dtype=torch.int64) * stride)
     return idx.reshape(-1)
+
+
+def chunks(route: Route, max_elements: int = 1 << 20) -> Iterator[Route]:
+    """Split a route's box along its first dim of extent > 1 (on both sides) so index tensors stay bounded."""
+    if route.numel <= max_elements:
+        yield route
+        return
+    hd = next(d for d, e in enumerate(route.extent) if e != 1)
+    pd = next(d for d, e in enumerate(route.param_extent) if e != 1)
+    row = route.numel // route.extent[hd]
+    step = max(1, max_elements // max(row, 1))
+    for off in range(0, route.extent[hd], step):
+        n = min(step, route.extent[hd] - off)
+        yield replace(
+            route,
+            hf_start=_bump(route.hf_start, hd, off),
+            param_start=_bump(route.param_start, pd, off),
+            extent=_bump(route.extent, hd, n - route.extent[hd]),
+            param_extent=_bump(route.param_extent, pd, n - route.param_extent[pd]),
+        )
+
+
+def _bump(t: tuple[int, ...], d: int, by: int) -> tuple[int, ...]:
+    return (*t[:d], t[d] + by, *t[d + 1:])

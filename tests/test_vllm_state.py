@@ -18,16 +18,7 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> Non
     import numpy as np
 
     from rollout_loader.routing import Route
-    from rollout_loader.vllm.state import (
-        TensorHome,
-        WorkerState,
-        checksums,
-        rollback,
-        route_patches,
-        seal,
-        write,
-        write_sealed,
-    )
+    from rollout_loader.vllm.state import TensorHome, WorkerState
     from tests.test_reference import ref_checksum
 
     def route(*values: object) -> Route:
@@ -70,30 +61,30 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> Non
             out[name] = (bits, ref_checksum(bits, idx))
         return out
 
-    checksums(state)  # the running parts incremental verification starts from
+    state.checksums()  # the running parts incremental verification starts from
     before = {n: held(n) for n in routes}
     step1 = [patch("a", 0.3), patch("b", 0.5), patch("c", 0.2)]  # "c": positions on both ranks' rows
     want = reference(step1)
-    staged = route_patches(state, step1)
-    sealed = seal(state, staged)
+    staged = state.route_patches(step1)
+    sealed = state.seal(staged)
     # sealing writes nothing
     assert {n: held(n)[0].tolist() for n in routes} == {n: b.tolist() for n, (b, _) in before.items()}
-    sums = write_sealed(state, staged, sealed)
+    sums = state.write_sealed(staged, sealed)
     assert sums == {n: s for n, (_, s) in want.items()}
     assert {n: held(n)[0].tolist() for n in routes} == {n: b.tolist() for n, (b, _) in want.items()}
 
-    assert rollback(state)
+    assert state.rollback()
     assert {n: held(n)[0].tolist() for n in routes} == {n: b.tolist() for n, (b, _) in before.items()}
     assert {n: state.sums[n] for n in routes} == {n: ref_checksum(b, i) for n, (b, i) in before.items()}
-    assert write_sealed(state, staged, sealed) is None  # the rollback moved the bits since the seal: stale
+    assert state.write_sealed(staged, sealed) is None  # the rollback moved the bits since the seal: stale
     assert {n: held(n)[0].tolist() for n in routes} == {n: b.tolist() for n, (b, _) in before.items()}
 
     # sealed again against the bits held now; another write in between makes it stale, and nothing is written
-    sealed = seal(state, staged)
+    sealed = state.seal(staged)
     other = [patch("a", 0.1)]
     after_other = reference(other)
-    write(state, route_patches(state, other))
-    assert write_sealed(state, staged, sealed) is None
+    state.write(state.route_patches(other))
+    assert state.write_sealed(staged, sealed) is None
     assert held("a")[0].tolist() == after_other["a"][0].tolist()
     assert state.sums["a"] == after_other["a"][1]
 
@@ -103,9 +94,9 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> Non
     from deltasync.errors import TensorMismatchError
 
     now = {n: held(n)[0].tolist() for n in routes}
-    staged = route_patches(state, [patch("a", 0.3), patch("b", 0.5), patch("c", 0.2)])
-    sealed = seal(state, staged)
+    staged = state.route_patches([patch("a", 0.3), patch("b", 0.5), patch("c", 0.2)])
+    sealed = state.seal(staged)
     bad = dataclasses.replace(staged[1], idx=staged[1].idx + 10**6)  # past the end of its home
     with pytest.raises(TensorMismatchError):
-        write_sealed(state, [staged[0], bad, staged[2]], sealed)
+        state.write_sealed([staged[0], bad, staged[2]], sealed)
     assert {n: held(n)[0].tolist() for n in routes} == now

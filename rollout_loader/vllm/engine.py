@@ -67,18 +67,7 @@ from .layout import checkpoint_layout
 from .plan import build_state
 from .prefetch import Prefetcher, Prepared, prepare
 from .shadow import reload_as_loaded
-from .state import (
-    Mode,
-    Staged,
-    WorkerState,
-    anchor_patches,
-    check_header,
-    checksums,
-    rollback,
-    route_patches,
-    write,
-    write_sealed,
-)
+from .state import Mode, Staged, WorkerState
 from .target import EngineVerify
 from .trace import all_gather_tp as _all_gather
 from .trace import refuse_moving_experts
@@ -245,7 +234,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         self._info = init_info
         warm_kernels()  # every kernel compiled or loaded now: nothing compiles inside a pause
         if init_info.verify == "incremental" and self._held is not None and not summed.issuperset(self._state.homes):
-            checksums(self._state)  # the base of incremental verification: computed now, not inside a pause
+            self._state.checksums()  # the base of incremental verification: computed now, not inside a pause
         if init_info.rdma is not None and self._rdma is None:
             self._rdma = self._rdma_consumer(init_info)
         if init_info.prefetch:
@@ -311,7 +300,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         _, state = self._require()
         try:
             for _, staged in reversed(done):
-                write(state, staged)
+                state.write(staged)
         except Exception as e:  # noqa: BLE001 - reported in the error being raised
             self._held = None
             return (f"undoing steps {[s for s, _ in done]} failed too ({type(e).__name__}: {e}): the engine's weights "
@@ -356,14 +345,14 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                 f"{self._held}"
             )
         staged = (prepared.staged if prepared.anchor is None
-                  else route_patches(state, anchor_patches(state, prepared.anchor)))
+                  else state.route_patches(state.anchor_patches(prepared.anchor)))
         assert staged is not None
         t0 = time.perf_counter()
         parts["staging"] += t0 - t_stage
         error: BaseException | None = None
         try:
-            sealed = write_sealed(state, staged, prepared.seal) if prepared.seal is not None else None
-            sums = sealed if sealed is not None else write(state, staged)
+            sealed = state.write_sealed(staged, prepared.seal) if prepared.seal is not None else None
+            sums = sealed if sealed is not None else state.write(staged)
             if sealed is not None:
                 self.sealed_steps.append(step)
         except Exception as e:  # every rank must learn of it before any raises
@@ -374,7 +363,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         failed = [(rank, text) for rank, text in enumerate(outcome) if text is not None]
         if failed:
             if error is None:
-                rollback(state)
+                state.rollback()
             rank, text = failed[0]
             msg = (f"{prepared.where}: writing step {step} failed on {len(failed)} of {len(outcome)} rank(s), "
                    f"rank {rank}: {text}; every rank holds step {self._held} again")
@@ -407,9 +396,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                                     "first "
                                     f"update then writes an anchor)") from None
             with reader.open(step) as obj:
-                check_header(state, obj.header, obj.where)
+                state.check_header(obj.header, obj.where)
                 want, where = {n: int(t.checksum, 16) for n, t in obj.header.tensors.items()}, obj.where
-            parts = checksums(state, list(want))
+            parts = state.checksums(list(want))
             gathered = _all_gather(parts)
             bad = [n for n in want if add_checksums(*(g[n] for g in gathered)) != want[n]]
         except BaseException:
@@ -440,9 +429,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         assert self._info is not None
         t0 = time.perf_counter()
         if prepared.anchor is not None or self._info.verify == "all":
-            parts = checksums(state, list(h.tensors))
+            parts = state.checksums(list(h.tensors))
         elif self._info.verify == "changed":
-            parts = checksums(state, [n for n, t in h.tensors.items() if t.changed])
+            parts = state.checksums([n for n, t in h.tensors.items() if t.changed])
         else:
             parts = sums
         t1 = time.perf_counter()
@@ -452,7 +441,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         timing["compare"] += (t1 - t0) + (time.perf_counter() - t2)
         timing["all_gather"] += t2 - t1
         if bad:
-            rollback(state)
+            state.rollback()
             n = bad[0]
             got = add_checksums(*(g[n] for g in gathered))
             raise ChecksumMismatchError(

@@ -25,7 +25,7 @@ import torch
 from deltasync import StreamReader
 from deltasync.engine import Notifier, PollPolicy, StepHeader, StepWatch
 
-from .state import Seal, Staged, WorkerState, check_header, route_patches, seal
+from .state import Seal, Staged, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,12 @@ def prepare(reader: StreamReader, state: WorkerState, step: int, *, base: int | 
     will hold before it (an anchor that carries its delta from there is prepared as that delta)."""
     with reader.open(step, base=base) as obj:
         h = obj.header
-        check_header(state, h, obj.where)
+        state.check_header(h, obj.where)
         if h.kind == "anchor":
             tensors = {name: obj.read_tensor(name) for name in state.homes}
             return Prepared(step=step, header=h, where=obj.where, anchor=tensors)
         patches = [(p.name, p.positions, p.xor) for p in obj.patches()]
-        return Prepared(step=step, header=h, where=obj.where, staged=route_patches(state, patches))
+        return Prepared(step=step, header=h, where=obj.where, staged=state.route_patches(patches))
 
 
 class Prefetcher:
@@ -154,7 +154,7 @@ class Prefetcher:
             return
         if prepared.header.base_step != held or held is None:
             return
-        sealed = seal(self.state, prepared.staged)
+        sealed = self.state.seal(prepared.staged)
         with self._lock:
             if self.held() == held and self._ready.get(step) is prepared:
                 self._ready[step] = replace(prepared, seal=sealed)

@@ -1,15 +1,16 @@
 """One rank's deltasync state inside a vLLM worker: where each checkpoint tensor lives, and the apply.
 
-Built once from the loaded model (:func:`rollout_loader.vllm.plan.build_state`); afterwards every step is: :func:`stage`
-(validate a decoded patch against the engine and map it to this rank's elements: before any pause), :func:`write` (the
-in-place XOR, all or nothing, with the old bits kept for :func:`rollback`), and checksums of this rank's
-parts (:func:`checksums`, or the running ones :func:`write` keeps). The weight-transfer engine
-(:mod:`rollout_loader.vllm.engine`) drives it; the status extension (:mod:`rollout_loader.vllm.worker`) only reads it.
+Built once from the loaded model (:func:`rollout_loader.vllm.plan.build_state`) as a :class:`WorkerState`;
+afterwards every step is: ``route_patches`` (validate a decoded patch against the engine and map it to this
+rank's elements: before any pause), ``write`` (the in-place XOR, all or nothing, with the old bits kept for
+``rollback``), and checksums of this rank's parts (``checksums``, or the running ones ``write`` keeps). The
+weight-transfer engine (:mod:`rollout_loader.vllm.engine`) drives it; the status extension
+(:mod:`rollout_loader.vllm.worker`) only reads it.
 
-The engine also seals a staged step before the pause (:func:`seal`: each patched tensor's checksum after the
-write, computed from the bits held now and the patch), so that the pause holds only a plain XOR scatter
-(:func:`write_sealed`) and the comparison. Every write and rollback bumps ``WorkerState.version`` under
-``WorkerState.lock``; a seal taken at another version is stale and the write falls back to :func:`write`.
+The engine also seals a staged step before the pause (``seal``: each patched tensor's checksum after the write,
+computed from the bits held now and the patch), so that the pause holds only a plain XOR scatter
+(``write_sealed``) and the comparison. Every write and rollback bumps ``WorkerState.version`` under
+``WorkerState.lock``; a seal taken at another version is stale and the write falls back to ``write``.
 
 Two ways a write reaches the kernels: "live" (the kernel reads the parameter: GPU, or CPU with live
 weights, :mod:`rollout_loader.vllm.live_cpu`) and "reload" (the stock CPU path: layers whose weight was
@@ -26,7 +27,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -34,14 +35,13 @@ import torch
 
 from deltasync.engine import StepHeader, checksum_elements, xor_apply, xor_apply_all
 from deltasync.errors import TensorMismatchError
-from rollout_loader.routing import Route, RoutingTable
+from rollout_loader.routing import Route, RoutingTable, chunks
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["auto", "live", "reload"]
 Reload = Callable[[list[tuple[str, torch.Tensor]], set[str]], None]  # (checkpoint tensors, modules they feed)
 RawPatch = tuple[str, "np.ndarray | torch.Tensor | None", "np.ndarray | torch.Tensor"]
-_CHUNK = 1 << 20
 MASK64 = (1 << 64) - 1
 SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # vLLM logs these on every partial reload, for each layer it was not asked to reload
@@ -92,6 +92,11 @@ class Staged:
 
 @dataclass
 class WorkerState:
+    """One rank's deltasync state in a vLLM worker, and everything done to it: ``check_header`` and
+    ``route_patches`` before the pause (nothing written), ``seal`` (checksums ahead), ``write``/``write_sealed``
+    inside it (all or nothing, undoable), ``rollback`` of the last write, ``checksums`` of what the rank holds.
+    Built by :func:`rollout_loader.vllm.plan.build_state`; one lock orders writes against seals."""
+
     model: torch.nn.Module
     reload: Reload
     table: RoutingTable
@@ -108,31 +113,277 @@ class WorkerState:
     version: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def check_header(self, header: StepHeader, where: str) -> None:
+        """The step's tensors are this engine's checkpoint tensors, same shapes and element widths."""
+        names = set(header.tensors)
+        problems = [f"{n!r}: not a checkpoint tensor of this model" for n in sorted(names - set(self.homes))[:5]]
+        missing = sorted(set(self.homes) - names)
+        if missing:
+            problems.append(f"the step has no {missing[:5]} "
+                            f"(the engine's checkpoint has {len(missing)} more tensor(s))")
+        for name in sorted(names & set(self.homes)):
+            th, t = header.tensors[name], self.homes[name]
+            if tuple(th.shape) != t.hf_shape or th.itemsize != t.bits.element_size():
+                problems.append(f"{name!r}: the step has {th.dtype} {list(th.shape)}, the engine "
+                                f"{8 * t.bits.element_size()}-bit {list(t.hf_shape)}")
+        if problems:
+            raise PatchError(f"{where}: the step does not fit the engine, weights untouched "
+                             f"({len(problems)} problem(s)): " + "; ".join(problems[:8]))
+
+    def route_patches(self, patches: Iterable[RawPatch]) -> list[Staged]:
+        """Validate every patch against the engine and map it to this rank's elements; writes nothing.
+
+        A patch is ``(name, positions, xor)`` (numpy or torch; positions int64 ascending or None for dense;
+        xor as wide as the tensor's dtype), which is what ``StepObject.patches()`` yields.
+        """
+        staged: list[Staged] = []
+        problems: list[str] = []
+        for name, pos, xor in patches:
+            p, x = _as_torch(pos, signed=False), _as_torch(xor, signed=True)
+            assert x is not None
+            problem = self._problem(name, p, x)
+            if problem:
+                problems.append(f"{name!r}: {problem}")
+                continue
+            home = self.homes[name]
+            for idx, xs, hf, owned in _localize(home, p, x):
+                staged.append(Staged(name=name, idx=idx, x=xs, hf_idx=hf, owned=owned))
+        if problems:
+            raise PatchError(f"patch rejected, weights untouched ({len(problems)} problem(s)):\n  "
+                             + "\n  ".join(problems))
+        return staged
+
+    def write(self, staged: Sequence[Staged]) -> dict[str, int]:
+        """XOR staged patches in place, all or nothing on this rank; returns this rank's checksum part of each
+        patched tensor after the write (owned elements only; read back from what landed).
+
+        If a write or a kernel sync fails, the old bits are put back before raising. The old bits of a
+        successful write stay recorded until the next write, for ``rollback``.
+        """
+        with self.lock:
+            self.version += 1
+            return self._write(staged)
+
+    def seal(self, staged: Sequence[Staged]) -> Seal:
+        """This rank's checksum part of each patched tensor after ``staged`` is written over the bits held now
+        (owned elements only): the old bits at the patched positions are read, the new ones are old ^ xor.
+
+        O(change) plus, the first time a tensor is seen, one pass over it (its running part). Runs before the pause
+        (the prefetcher's thread); ``write_sealed`` uses it only while no other write happened since.
+        """
+        with self.lock:
+            sums: dict[str, int] = {}
+            for s in staged:
+                home = self.homes[s.name]
+                total = sums[s.name] if s.name in sums else self.part(s.name)
+                if s.owned and s.idx.numel():
+                    old = _gather(home.bits, s.idx)
+                    new = old ^ s.x.to(old.device)
+                    total += checksum_elements(new, s.hf_idx) - checksum_elements(old, s.hf_idx)
+                sums[s.name] = total & MASK64
+            return Seal(version=self.version, sums=sums)
+
+    def write_sealed(self, staged: Sequence[Staged], sealed: Seal) -> dict[str, int] | None:
+        """``write`` for a sealed step: a plain XOR scatter (no hashing inside the pause), this rank's parts
+        taken from the seal. None, with nothing written, when the bits changed since the seal (write it unsealed).
+
+        The seal's parts are exact for the bits written: they were computed from the same old bits (no write
+        happened since: same version, under the lock) and the same xor; a mismatch with the trainer's checksums
+        still rolls the write back (:meth:`rollback`).
+        """
+        with self.lock:
+            if self.version != sealed.version or any(s.name not in sealed.sums for s in staged):
+                return None
+            self.version += 1
+            return self._undoable({s.name: sealed.sums[s.name] for s in staged},
+                             lambda landed: self._scatter_all(staged, landed=landed))
+
+    def rollback(self) -> bool:
+        """Put back the bits the last write changed; False when there is nothing to undo."""
+        with self.lock:
+            if not self.undo:
+                return False
+            self.version += 1
+            self._restore(self.undo, self.undo_modules)
+            self.sums.update(self.undo_sums)
+            self.undo, self.undo_modules, self.undo_sums = [], set(), {}
+            return True
+
+    def checksums(self, names: Iterable[str] | None = None) -> dict[str, int]:
+        """``mix64-sum`` of each checkpoint tensor over the elements this rank owns, from the bits as they are.
+
+        Each element is owned by one rank, so the ranks' values add up (mod 2**64) to the tensor's checksum.
+        """
+        out: dict[str, int] = {}
+        for name in list(self.homes) if names is None else names:
+            home = self.homes.get(name)
+            if home is None:
+                raise PatchError(f"{name!r} is not a checkpoint tensor of this model")
+            total = 0
+            for route in home.routes:
+                if not route.owner:
+                    continue
+                for box in chunks(route):
+                    hf_idx = box.hf_indices()
+                    bits = home.bits[hf_idx] if home.host else home.bits[box.param_indices()]
+                    total += checksum_elements(bits, hf_idx)
+            out[name] = total & MASK64
+        self.sums.update(out)  # exact for the bits as they are now: the base of incremental verification
+        return out
+
+    def part(self, name: str) -> int:
+        """This rank's running checksum part for ``name`` (computed from the bits the first time)."""
+        if name not in self.sums:
+            self.checksums([name])
+        return self.sums[name]
+
+    def anchor_patches(self, tensors: Mapping[str, torch.Tensor]) -> list[RawPatch]:
+        """An anchor's tensors (already checked with :func:`check_header`) as dense XOR patches against the bits
+        this rank holds now: each xor is the anchor's bits with this rank's held bits XORed in over the box it
+        holds (elements of other ranks are dropped when staged). Writing them makes the engine hold the anchor;
+        rolling back restores the previous step. Consumes ``tensors`` (their memory becomes the xor)."""
+        out: list[RawPatch] = []
+        for name, home in self.homes.items():
+            x = int_bits(tensors[name].contiguous())
+            if home.host:
+                x ^= home.bits
+            else:
+                for route in home.routes:
+                    for box in chunks(route):
+                        hf = box.hf_indices()
+                        x[hf] ^= home.bits[box.param_indices()].to(x.device)
+            out.append((name, None, x))
+        return out
+
+    def sync_kernels(self, modules: set[str]) -> None:
+        """Make the kernels of ``modules`` see the new bits: reload from host copies, or rebuild."""
+        if not modules:
+            return
+        reload = sorted(m for m in modules if m in self.feeds)
+        if reload:
+            names = sorted({n for m in reload for n in self.feeds[m]})
+            with _quiet(_RELOAD_LOGGERS):
+                self.reload([(n, self.host[n]) for n in names], set(reload))
+        with torch.inference_mode():
+            for m in sorted(modules - set(reload)):
+                module = self.model.get_submodule(m)
+                module.quant_method.process_weights_after_loading(module)  # type: ignore[union-attr, operator]  # vLLM's
+
+    def _problem(self, name: str, pos: torch.Tensor | None, xor: torch.Tensor) -> str | None:
+        home = self.homes.get(name)
+        if home is None:
+            return "not a checkpoint tensor of this model"
+        n, width = home.hf_numel, home.bits.element_size()
+        if xor.is_floating_point() or xor.is_complex() or xor.dtype == torch.bool or xor.element_size() != width:
+            return f"xor is {xor.dtype}, the engine holds {width}-byte elements (use int{8 * width})"
+        if pos is None:
+            return None if xor.numel() == n else f"a dense xor needs {n} elements, got {xor.numel()}"
+        if pos.dtype != torch.int64 or pos.numel() != xor.numel():
+            return f"positions must be int64 and as many as xor ({pos.dtype}, {pos.numel()} vs {xor.numel()})"
+        if pos.numel() and (int(pos[0]) < 0 or int(pos[-1]) >= n):
+            return f"positions run from {int(pos[0])} to {int(pos[-1])}, the tensor has {n} elements"
+        if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
+            return "positions are not strictly ascending"
+        return None
+
+    def _scatter_all(self, staged: Sequence[Staged], *, landed: list[tuple[torch.Tensor, Staged]]) -> None:
+        """XOR every staged patch into its home (each checked before its write), appending each write that landed
+        to ``landed`` (the caller undoes them if any failed); raises the first error once no write runs any more.
+
+        Host tensors are written on a small pool, dynamically across tensors (the kernel is serial: a busy core
+        delays one tensor, never a barrier), so the scatter uses the memory bandwidth of more than one core; tensors
+        on one accelerator with one transfer for the step and no host sync per tensor (``xor_apply_all``).
+        """
+        bits = [self.homes[s.name].bits for s in staged]
+        if bits and len({b.device for b in bits}) == 1 and bits[0].device.type != "cpu":
+            done: list[int] = []
+            try:
+                xor_apply_all([(b, s.idx, s.x, None) for b, s in zip(bits, staged, strict=True)], checksum=False,
+                              landed=done)
+            finally:
+                landed += [(bits[j], staged[j]) for j in done]
+            return
+
+        def one(s: Staged) -> None:
+            home = self.homes[s.name]
+            idx, x, _ = _host_args(home.bits, s)
+            xor_apply(home.bits, idx, x, checksum=False)  # checks, then writes: a failed one wrote nothing
+
+        if not (len(staged) > 1 and all(self.homes[s.name].bits.device.type == "cpu" for s in staged)):
+            for s in staged:
+                one(s)
+                landed.append((self.homes[s.name].bits, s))
+            return
+        futures = [_SCATTER_POOL.submit(one, s) for s in staged]
+        try:
+            wait(futures)
+        finally:  # also on an interrupt: what runs lands first, then everything that landed is known
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            for s, f in zip(staged, futures, strict=True):
+                if not f.cancelled() and f.exception() is None:
+                    landed.append((self.homes[s.name].bits, s))
+        errors = [e for f in futures if not f.cancelled() and (e := f.exception()) is not None]
+        if errors:
+            raise errors[0]
+
+    def _write(self, staged: Sequence[Staged]) -> dict[str, int]:
+        sums = {s.name: self.part(s.name) for s in staged}
+
+        def write_all(landed: list[tuple[torch.Tensor, Staged]]) -> None:
+            for s in staged:
+                home = self.homes[s.name]
+                idx, x, hf_idx = _host_args(home.bits, s)
+                delta = xor_apply(home.bits, idx, x, index=hf_idx, checksum=s.owned)  # checks, writes; read back
+                landed.append((home.bits, s))
+                if s.owned:
+                    sums[s.name] = (sums[s.name] + delta) & MASK64
+
+        return self._undoable(sums, write_all)
+
+    def _undoable(self, sums: dict[str, int],
+                  write_all: Callable[[list[tuple[torch.Tensor, Staged]]], None]) -> dict[str, int]:
+        """Run ``write_all`` (it appends each patch that landed) and sync the kernels; on any failure put back what
+        landed and raise; else keep what the next ``rollback`` undoes and take ``sums`` as this rank's parts.
+        ``sums`` may be filled in by ``write_all``."""
+        self.undo, self.undo_modules, self.undo_sums = [], set(), {}  # a failed write leaves nothing to undo
+        undo: list[tuple[torch.Tensor, Staged]] = []
+        try:
+            with torch.inference_mode():
+                write_all(undo)
+            self.sync_kernels(self._modules(undo))
+        except BaseException:
+            try:
+                self._restore(undo, self._modules(undo))
+            except Exception:
+                log.exception("deltasync: restoring the old weights after a failed write failed too")
+            raise
+        self.undo, self.undo_modules = undo, self._modules(undo)
+        self.undo_sums = {name: self.sums[name] for name in sums}
+        self.sums.update(sums)
+        return sums
+
+    def _modules(self, written: list[tuple[torch.Tensor, Staged]]) -> set[str]:
+        """The modules whose kernels read the written tensors."""
+        return {m for _, s in written for m in self.homes[s.name].modules}
+
+    def _restore(self, undo: list[tuple[torch.Tensor, Staged]], modules: set[str]) -> None:
+        """XOR the same patches in again: XOR undoes itself, so the bits are exactly the previous ones."""
+        with torch.inference_mode():
+            for bits, s in reversed(undo):
+                idx, x, _ = _host_args(bits, s)
+                xor_apply(bits, idx, x, checksum=False)
+        self.sync_kernels(modules)
+
 
 @dataclass(frozen=True)
 class Seal:
     """This rank's checksum part of each tensor a staged step patches, as it will be once the step is written
-    over the bits held at ``version`` (computed before the pause: :func:`seal`)."""
+    over the bits held at ``version`` (computed before the pause: ``seal``)."""
 
     version: int
     sums: dict[str, int]
-
-
-def check_header(state: WorkerState, header: StepHeader, where: str) -> None:
-    """The step's tensors are this engine's checkpoint tensors, same shapes and element widths."""
-    names = set(header.tensors)
-    problems = [f"{n!r}: not a checkpoint tensor of this model" for n in sorted(names - set(state.homes))[:5]]
-    missing = sorted(set(state.homes) - names)
-    if missing:
-        problems.append(f"the step has no {missing[:5]} (the engine's checkpoint has {len(missing)} more tensor(s))")
-    for name in sorted(names & set(state.homes)):
-        th, t = header.tensors[name], state.homes[name]
-        if tuple(th.shape) != t.hf_shape or th.itemsize != t.bits.element_size():
-            problems.append(f"{name!r}: the step has {th.dtype} {list(th.shape)}, the engine "
-                            f"{8 * t.bits.element_size()}-bit {list(t.hf_shape)}")
-    if problems:
-        raise PatchError(f"{where}: the step does not fit the engine, weights untouched ({len(problems)} problem(s)): "
-                         + "; ".join(problems[:8]))
 
 
 def _as_torch(a: np.ndarray | torch.Tensor | None, *, signed: bool) -> torch.Tensor | None:
@@ -141,47 +392,6 @@ def _as_torch(a: np.ndarray | torch.Tensor | None, *, signed: bool) -> torch.Ten
     if signed and a.dtype.kind == "u":
         a = a.view(f"i{a.itemsize}")
     return torch.from_numpy(np.ascontiguousarray(a))
-
-
-def route_patches(state: WorkerState, patches: Iterable[RawPatch]) -> list[Staged]:
-    """Validate every patch against the engine and map it to this rank's elements; writes nothing.
-
-    A patch is ``(name, positions, xor)`` (numpy or torch; positions int64 ascending or None for dense;
-    xor as wide as the tensor's dtype), which is what ``StepObject.patches()`` yields.
-    """
-    staged: list[Staged] = []
-    problems: list[str] = []
-    for name, pos, xor in patches:
-        p, x = _as_torch(pos, signed=False), _as_torch(xor, signed=True)
-        assert x is not None
-        problem = _problem(state, name, p, x)
-        if problem:
-            problems.append(f"{name!r}: {problem}")
-            continue
-        home = state.homes[name]
-        for idx, xs, hf, owned in _localize(home, p, x):
-            staged.append(Staged(name=name, idx=idx, x=xs, hf_idx=hf, owned=owned))
-    if problems:
-        raise PatchError(f"patch rejected, weights untouched ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
-    return staged
-
-
-def _problem(state: WorkerState, name: str, pos: torch.Tensor | None, xor: torch.Tensor) -> str | None:
-    home = state.homes.get(name)
-    if home is None:
-        return "not a checkpoint tensor of this model"
-    n, width = home.hf_numel, home.bits.element_size()
-    if xor.is_floating_point() or xor.is_complex() or xor.dtype == torch.bool or xor.element_size() != width:
-        return f"xor is {xor.dtype}, the engine holds {width}-byte elements (use int{8 * width})"
-    if pos is None:
-        return None if xor.numel() == n else f"a dense xor needs {n} elements, got {xor.numel()}"
-    if pos.dtype != torch.int64 or pos.numel() != xor.numel():
-        return f"positions must be int64 and as many as xor ({pos.dtype}, {pos.numel()} vs {xor.numel()})"
-    if pos.numel() and (int(pos[0]) < 0 or int(pos[-1]) >= n):
-        return f"positions run from {int(pos[0])} to {int(pos[-1])}, the tensor has {n} elements"
-    if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
-        return "positions are not strictly ascending"
-    return None
 
 
 Group = tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]
@@ -234,101 +444,10 @@ def _piece(route: Route, pos: torch.Tensor | None,
     return idx, xor[keep], pos.reshape(-1)[keep]
 
 
-def write(state: WorkerState, staged: Sequence[Staged]) -> dict[str, int]:
-    """XOR staged patches in place, all or nothing on this rank; returns this rank's checksum part of each
-    patched tensor after the write (owned elements only; read back from what landed).
-
-    If a write or a kernel sync fails, the old bits are put back before raising. The old bits of a
-    successful write stay recorded until the next write, for :func:`rollback`.
-    """
-    with state.lock:
-        state.version += 1
-        return _write(state, staged)
-
-
-def seal(state: WorkerState, staged: Sequence[Staged]) -> Seal:
-    """This rank's checksum part of each patched tensor after ``staged`` is written over the bits held now
-    (owned elements only): the old bits at the patched positions are read, the new ones are old ^ xor.
-
-    O(change) plus, the first time a tensor is seen, one pass over it (its running part). Runs before the pause
-    (the prefetcher's thread); :func:`write_sealed` uses it only while no other write happened since.
-    """
-    with state.lock:
-        sums: dict[str, int] = {}
-        for s in staged:
-            home = state.homes[s.name]
-            total = sums[s.name] if s.name in sums else part(state, s.name)
-            if s.owned and s.idx.numel():
-                old = _gather(home.bits, s.idx)
-                new = old ^ s.x.to(old.device)
-                total += checksum_elements(new, s.hf_idx) - checksum_elements(old, s.hf_idx)
-            sums[s.name] = total & MASK64
-        return Seal(version=state.version, sums=sums)
-
-
-def write_sealed(state: WorkerState, staged: Sequence[Staged], sealed: Seal) -> dict[str, int] | None:
-    """:func:`write` for a sealed step: a plain XOR scatter (no hashing inside the pause), this rank's parts
-    taken from the seal. None, with nothing written, when the bits changed since the seal (write it unsealed).
-
-    The seal's parts are exact for the bits written: they were computed from the same old bits (no write
-    happened since: same version, under the lock) and the same xor; a mismatch with the trainer's checksums
-    still rolls the write back (:func:`rollback`).
-    """
-    with state.lock:
-        if state.version != sealed.version or any(s.name not in sealed.sums for s in staged):
-            return None
-        state.version += 1
-        return _undoable(state, {s.name: sealed.sums[s.name] for s in staged},
-                         lambda landed: _scatter_all(state, staged, landed=landed))
-
-
-# not the codec pool (deltasync.format.codecs): the prefetcher decodes the next step there, and a pause must
+# not deltasync's work pool (deltasync/threads.py): the prefetcher decodes the next step there, and a pause must
 # not queue behind that work
 _SCATTER_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                    thread_name_prefix="deltasync-write")
-
-
-def _scatter_all(state: WorkerState, staged: Sequence[Staged], *, landed: list[tuple[torch.Tensor, Staged]]) -> None:
-    """XOR every staged patch into its home (each checked before its write), appending each write that landed
-    to ``landed`` (the caller undoes them if any failed); raises the first error once no write runs any more.
-
-    Host tensors are written on a small pool, dynamically across tensors (the kernel is serial: a busy core
-    delays one tensor, never a barrier), so the scatter uses the memory bandwidth of more than one core; tensors
-    on one accelerator with one transfer for the step and no host sync per tensor (``xor_apply_all``).
-    """
-    bits = [state.homes[s.name].bits for s in staged]
-    if bits and len({b.device for b in bits}) == 1 and bits[0].device.type != "cpu":
-        done: list[int] = []
-        try:
-            xor_apply_all([(b, s.idx, s.x, None) for b, s in zip(bits, staged, strict=True)], checksum=False,
-                          landed=done)
-        finally:
-            landed += [(bits[j], staged[j]) for j in done]
-        return
-
-    def one(s: Staged) -> None:
-        home = state.homes[s.name]
-        idx, x, _ = _host_args(home.bits, s)
-        xor_apply(home.bits, idx, x, checksum=False)  # checks, then writes: a failed one wrote nothing
-
-    if not (len(staged) > 1 and all(state.homes[s.name].bits.device.type == "cpu" for s in staged)):
-        for s in staged:
-            one(s)
-            landed.append((state.homes[s.name].bits, s))
-        return
-    futures = [_SCATTER_POOL.submit(one, s) for s in staged]
-    try:
-        wait(futures)
-    finally:  # also on an interrupt: what runs lands first, then everything that landed is known
-        for f in futures:
-            f.cancel()
-        wait(futures)
-        for s, f in zip(staged, futures, strict=True):
-            if not f.cancelled() and f.exception() is None:
-                landed.append((state.homes[s.name].bits, s))
-    errors = [e for f in futures if not f.cancelled() and (e := f.exception()) is not None]
-    if errors:
-        raise errors[0]
 
 
 def _host_args(bits: torch.Tensor, s: Staged) -> tuple[Any, Any, Any]:
@@ -345,158 +464,6 @@ def _gather(bits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     if bits.device.type != "cpu":
         return bits[idx.to(bits.device)]
     return torch.from_numpy(np.take(bits.numpy(), idx.numpy()))
-
-
-def _write(state: WorkerState, staged: Sequence[Staged]) -> dict[str, int]:
-    sums = {s.name: part(state, s.name) for s in staged}
-
-    def write_all(landed: list[tuple[torch.Tensor, Staged]]) -> None:
-        for s in staged:
-            home = state.homes[s.name]
-            idx, x, hf_idx = _host_args(home.bits, s)
-            delta = xor_apply(home.bits, idx, x, index=hf_idx, checksum=s.owned)  # checks, writes; read back
-            landed.append((home.bits, s))
-            if s.owned:
-                sums[s.name] = (sums[s.name] + delta) & MASK64
-
-    return _undoable(state, sums, write_all)
-
-
-def _undoable(state: WorkerState, sums: dict[str, int],
-              write_all: Callable[[list[tuple[torch.Tensor, Staged]]], None]) -> dict[str, int]:
-    """Run ``write_all`` (it appends each patch that landed) and sync the kernels; on any failure put back what
-    landed and raise; else keep what the next :func:`rollback` undoes and take ``sums`` as this rank's parts.
-    ``sums`` may be filled in by ``write_all``."""
-    state.undo, state.undo_modules, state.undo_sums = [], set(), {}  # a failed write leaves nothing to undo
-    undo: list[tuple[torch.Tensor, Staged]] = []
-    try:
-        with torch.inference_mode():
-            write_all(undo)
-        sync_kernels(state, _modules(state, undo))
-    except BaseException:
-        try:
-            _restore(state, undo, _modules(state, undo))
-        except Exception:
-            log.exception("deltasync: restoring the old weights after a failed write failed too")
-        raise
-    state.undo, state.undo_modules = undo, _modules(state, undo)
-    state.undo_sums = {name: state.sums[name] for name in sums}
-    state.sums.update(sums)
-    return sums
-
-
-def _modules(state: WorkerState, written: list[tuple[torch.Tensor, Staged]]) -> set[str]:
-    """The modules whose kernels read the written tensors."""
-    return {m for _, s in written for m in state.homes[s.name].modules}
-
-
-def rollback(state: WorkerState) -> bool:
-    """Put back the bits the last write changed; False when there is nothing to undo."""
-    with state.lock:
-        if not state.undo:
-            return False
-        state.version += 1
-        _restore(state, state.undo, state.undo_modules)
-        state.sums.update(state.undo_sums)
-        state.undo, state.undo_modules, state.undo_sums = [], set(), {}
-        return True
-
-
-def checksums(state: WorkerState, names: Iterable[str] | None = None) -> dict[str, int]:
-    """``mix64-sum`` of each checkpoint tensor over the elements this rank owns, from the bits as they are.
-
-    Each element is owned by one rank, so the ranks' values add up (mod 2**64) to the tensor's checksum.
-    """
-    out: dict[str, int] = {}
-    for name in list(state.homes) if names is None else names:
-        home = state.homes.get(name)
-        if home is None:
-            raise PatchError(f"{name!r} is not a checkpoint tensor of this model")
-        total = 0
-        for route in home.routes:
-            if not route.owner:
-                continue
-            for box in chunks(route):
-                hf_idx = box.hf_indices()
-                bits = home.bits[hf_idx] if home.host else home.bits[box.param_indices()]
-                total += checksum_elements(bits, hf_idx)
-        out[name] = total & MASK64
-    state.sums.update(out)  # exact for the bits as they are now: the base of incremental verification
-    return out
-
-
-def part(state: WorkerState, name: str) -> int:
-    """This rank's running checksum part for ``name`` (computed from the bits the first time)."""
-    if name not in state.sums:
-        checksums(state, [name])
-    return state.sums[name]
-
-
-def anchor_patches(state: WorkerState, tensors: Mapping[str, torch.Tensor]) -> list[RawPatch]:
-    """An anchor's tensors (already checked with :func:`check_header`) as dense XOR patches against the bits
-    this rank holds now: each xor is the anchor's bits with this rank's held bits XORed in over the box it
-    holds (elements of other ranks are dropped when staged). Writing them makes the engine hold the anchor;
-    rolling back restores the previous step. Consumes ``tensors`` (their memory becomes the xor)."""
-    out: list[RawPatch] = []
-    for name, home in state.homes.items():
-        x = int_bits(tensors[name].contiguous())
-        if home.host:
-            x ^= home.bits
-        else:
-            for route in home.routes:
-                for box in chunks(route):
-                    hf = box.hf_indices()
-                    x[hf] ^= home.bits[box.param_indices()].to(x.device)
-        out.append((name, None, x))
-    return out
-
-
-def sync_kernels(state: WorkerState, modules: set[str]) -> None:
-    """Make the kernels of ``modules`` see the new bits: reload from host copies, or rebuild."""
-    if not modules:
-        return
-    reload = sorted(m for m in modules if m in state.feeds)
-    if reload:
-        names = sorted({n for m in reload for n in state.feeds[m]})
-        with _quiet(_RELOAD_LOGGERS):
-            state.reload([(n, state.host[n]) for n in names], set(reload))
-    with torch.inference_mode():
-        for m in sorted(modules - set(reload)):
-            module = state.model.get_submodule(m)
-            module.quant_method.process_weights_after_loading(module)  # type: ignore[union-attr, operator]  # vLLM's
-
-
-def _restore(state: WorkerState, undo: list[tuple[torch.Tensor, Staged]], modules: set[str]) -> None:
-    """XOR the same patches in again: XOR undoes itself, so the bits are exactly the previous ones."""
-    with torch.inference_mode():
-        for bits, s in reversed(undo):
-            idx, x, _ = _host_args(bits, s)
-            xor_apply(bits, idx, x, checksum=False)
-    sync_kernels(state, modules)
-
-
-def chunks(route: Route, max_elements: int = _CHUNK) -> Iterator[Route]:
-    """Split a route's box along its first dim of extent > 1 (on both sides) so index tensors stay bounded."""
-    if route.numel <= max_elements:
-        yield route
-        return
-    hd = next(d for d, e in enumerate(route.extent) if e != 1)
-    pd = next(d for d, e in enumerate(route.param_extent) if e != 1)
-    row = route.numel // route.extent[hd]
-    step = max(1, max_elements // max(row, 1))
-    for off in range(0, route.extent[hd], step):
-        n = min(step, route.extent[hd] - off)
-        yield replace(
-            route,
-            hf_start=_bump(route.hf_start, hd, off),
-            param_start=_bump(route.param_start, pd, off),
-            extent=_bump(route.extent, hd, n - route.extent[hd]),
-            param_extent=_bump(route.param_extent, pd, n - route.param_extent[pd]),
-        )
-
-
-def _bump(t: tuple[int, ...], d: int, by: int) -> tuple[int, ...]:
-    return (*t[:d], t[d] + by, *t[d + 1:])
 
 
 @contextmanager

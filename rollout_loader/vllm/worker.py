@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import state as st
 from .client import LocalWeightTransfer
 from .live_cpu import LIVE_ENV, install_dispatch_hook
 
@@ -56,7 +55,7 @@ class DeltaWorkerExtension:
             "held_step": engine.held_step,
             "arrived": {str(s): how for s, how in (rdma.arrived if rdma is not None else {}).items()},
             "pauses_s": list(engine.pauses_s),
-            "checksums": st.checksums(state) if checksums else {},
+            "checksums": state.checksums() if checksums else {},
         }
 
 

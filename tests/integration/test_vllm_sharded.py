@@ -57,7 +57,6 @@ ENGINE = textwrap.dedent(
     """
     import json, sys
     from rollout_loader.vllm import start_engine
-    from rollout_loader.vllm.state import checksums
 
     if __name__ == "__main__":
         model, url, out = sys.argv[1:4]
@@ -68,7 +67,7 @@ ENGINE = textwrap.dedent(
         llm.update_weights({"update_info": {"step": "latest"}})
         engine = llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine
         llm.finish_weight_update(weight_version=str(engine.held_step))
-        sums = checksums(engine._state)
+        sums = engine._state.checksums()
         json.dump({"version": llm.get_weight_version(), "checksums": {n: str(v) for n, v in sums.items()}},
                   open(out, "w"))
     """
