@@ -62,9 +62,10 @@ class Snapshot:
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         """Floating tensors in the published dtype (e.g. fp32 master weights published as bf16)."""
-        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
-            return t.to(self.dtype)
-        return t
+        return t.to(self.dtype) if self._needs_cast(t) else t
+
+    def _needs_cast(self, t: torch.Tensor) -> bool:
+        return self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype
 
     @property
     def nbytes(self) -> int:
@@ -96,24 +97,29 @@ class Snapshot:
         """
         self.check_same_layout(tensors)
         found: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
-        host: list[tuple[str, int, int]] = []
+        host: list[_Range] = []
         for name, t in tensors.items():
             snap = self.tensors[name]
             if snap.device.type == "cpu" and t.device.type == "cpu" and t.is_contiguous():
-                host += [(name, s, min(s + _RANGE_ELEMS, snap.numel())) for s in range(0, max(snap.numel(), 1), _RANGE_ELEMS)]
+                # views made once per tensor: a range is then a slice (the Python per range is most of a no-change diff)
+                cur = _HostBits(np_bits(t.detach())) if not self._needs_cast(t) else None
+                views = (cur, _HostBits(np_bits(snap)), self.offsets.get(name, 0))
+                host += [(name, views, s, min(s + _RANGE_ELEMS, snap.numel()))
+                         for s in range(0, max(snap.numel(), 1), _RANGE_ELEMS)]
             else:  # device paths (torch ops, host chunks): one tensor at a time
                 found[name] = _diff_tensor(self._cast(t.detach()), snap, self.max_chunk_bytes, self._scratch,
                                            self.offsets.get(name, 0))
 
-        def diff_range(r: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, int]:
-            name, start, stop = r
-            cur = self._cast(tensors[name].detach().reshape(-1)[start:stop])
-            snap = np_bits(self.tensors[name].reshape(-1)[start:stop])
-            return _diff_np(np_bits(cur), snap, self.offsets.get(name, 0) + start, self._scratch, parallel=False)
+        def diff_range(r: _Range) -> tuple[np.ndarray, np.ndarray, int]:
+            name, (cur, snap, base), start, stop = r
+            if cur is None:  # cast a range at a time (bounded memory)
+                a = np_bits(self._cast(tensors[name].detach().reshape(-1)[start:stop]))
+                return _diff_np(a, snap.bits[start:stop], base + start, self._scratch, parallel=False)
+            return _diff_range(cur, snap, start, stop, base, self._scratch)
 
         ranges: dict[str, list[tuple[int, tuple[np.ndarray, np.ndarray, int]]]] = {}
-        for r, part in zip(host, parallel_map(diff_range, host, cost=lambda r: r[2] - r[1])):
-            ranges.setdefault(r[0], []).append((r[1], part))
+        for r, part in zip(host, parallel_map(diff_range, host, cost=lambda r: r[3] - r[2])):
+            ranges.setdefault(r[0], []).append((r[2], part))
         for name, parts in ranges.items():
             found[name] = _concat([p for _, p in sorted(parts, key=lambda sp: sp[0])], self.tensors[name].element_size())
         changes = []
@@ -177,6 +183,38 @@ class _Scratch:
             n = _SUPER_BLOCKS * _BLOCK_ELEMS
             arrays[width] = (np.empty(n, np.int64), np.empty(n, UNSIGNED_NP[width]))
         return arrays[width]
+
+
+class _HostBits:
+    """A host tensor's bits (flat) and, where they are 8-byte aligned, their 8-byte word view (see ``np_words``)."""
+
+    __slots__ = ("bits", "words", "group")
+
+    def __init__(self, bits: np.ndarray) -> None:
+        self.bits = bits
+        self.words, self.group = np_words(bits)
+
+
+_Range = tuple[str, tuple["_HostBits | None", _HostBits, int], int, int]  # name, (new, snapshot, global base), start, stop
+
+
+def _diff_range(
+    cur: _HostBits, snap: _HostBits, start: int, stop: int, base: int, scratch: _Scratch
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """``_diff_np`` of elements ``start .. stop`` of one host tensor (``start`` a multiple of its word size), from
+    views made once per tensor."""
+    a, b, group = cur.bits, snap.bits, cur.group
+    parts = []
+    covered = start
+    if cur.words is not None and snap.words is not None:
+        w0, w1 = start // group, min(stop // group, cur.words.size)
+        if w1 > w0:
+            covered = w1 * group
+            parts += _scan(cur.words[w0:w1], snap.words[w0:w1], a[start:covered], group, base + start, scratch, False)
+    if covered < stop:
+        ta, tb = a[covered:stop], b[covered:stop]
+        parts += _scan(ta, tb, ta, 1, base + covered, scratch, False)
+    return _concat(parts, a.itemsize)
 
 
 def _diff_np(
