@@ -133,7 +133,7 @@ def _diff_scan(
     scratch_xor: np.ndarray,
     counts: np.ndarray,
     sums: np.ndarray,
-) -> None:
+) -> tuple[np.int64, np.uint64]:
     """One read pass over blocks ``first_block .. first_block + nblocks`` of ``a`` (new) vs the snapshot.
 
     ``aw``/``bw`` are 8-byte word views of ``a``/the snapshot holding ``group`` elements each (or the element
@@ -142,7 +142,7 @@ def _diff_scan(
     flat index ``base``. Block ``k`` writes its changed elements' global indices and ``a ^ b`` to its own
     scratch region (``block_words * group`` entries), its count to ``counts`` and its checksum change
     (hashed with the global indices, as the format defines) to ``sums``; it also sets ``bw = aw`` where they
-    differ.
+    differ. Returns the changed elements' count and the checksum change, summed over the blocks.
 
     Per run of ``_RUN`` words: a pure compare (an OR of XORs, no writes) skips an unchanged run at the cost of
     reading it; in a changed run a second pass, over words now in cache, marks the changed words; a sparse run (under 1 word in 32)
@@ -210,6 +210,12 @@ def _diff_scan(
             acc += mix64(x ^ m) - mix64((x ^ np.uint64(scratch_xor[k])) ^ m)
         counts[kk] = c
         sums[kk] = acc
+    total = 0
+    delta = np.uint64(0)
+    for kk in range(nblocks):
+        total += counts[kk]
+        delta += sums[kk]
+    return total, delta
 
 
 @_jit
@@ -439,10 +445,10 @@ def checksum_range(u: np.ndarray, base: int, *, parallel: bool | None = None) ->
 
 def diff_scan(aw: np.ndarray, bw: np.ndarray, a: np.ndarray, group: int, block_words: int,
               first_block: int, nblocks: int, base: int, scratch_pos: np.ndarray, scratch_xor: np.ndarray,
-              counts: np.ndarray, sums: np.ndarray, *, parallel: bool | None = None) -> None:
+              counts: np.ndarray, sums: np.ndarray, *, parallel: bool | None = None) -> tuple[int, int]:
     """See ``_diff_scan``; ``parallel`` as in ``checksum_range`` (sized by the blocks scanned)."""
     size = min(nblocks * block_words, aw.size) * group
-    _pick(_diff_scan_serial, _diff_scan_parallel, size, parallel)(
+    return _pick(_diff_scan_serial, _diff_scan_parallel, size, parallel)(
         _ro(aw), bw, _ro(a), group, block_words, first_block, nblocks, base, scratch_pos, scratch_xor, counts, sums
     )
 
