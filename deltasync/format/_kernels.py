@@ -133,7 +133,7 @@ def _diff_scan(
     scratch_xor: np.ndarray,
     counts: np.ndarray,
     sums: np.ndarray,
-) -> None:
+) -> tuple[np.int64, np.uint64]:
     """One read pass over blocks ``first_block .. first_block + nblocks`` of ``a`` (new) vs the snapshot.
 
     ``aw``/``bw`` are 8-byte word views of ``a``/the snapshot holding ``group`` elements each (or the element
@@ -142,9 +142,11 @@ def _diff_scan(
     flat index ``base``. Block ``k`` writes its changed elements' global indices and ``a ^ b`` to its own
     scratch region (``block_words * group`` entries), its count to ``counts`` and its checksum change
     (hashed with the global indices, as the format defines) to ``sums``; it also sets ``bw = aw`` where they
-    differ.
+    differ. Returns the changed elements' count and the checksum change, summed over the blocks.
 
-    Per run of ``_RUN`` words: a compare pass marks the changed words; a sparse run (under 1 word in 32)
+    Per run of ``_RUN`` words: a pure compare (an OR of XORs, no writes) skips an unchanged run at the cost of
+    reading it; in a changed run a second pass, over words now in cache, marks the changed words; a sparse run
+    (under 1 word in 32)
     visits the marks 8 at a time and only the set ones; a denser run first lists its changed words without
     a branch per word. Each changed word then yields all its lanes without a branch (a lane that did not
     change is written and not counted), and the checksum change is hashed in a last pass over the block's
@@ -164,13 +166,18 @@ def _diff_scan(
         c = 0
         for r in range(s, e, _RUN):
             n = min(r + _RUN, e) - r
+            ra = aw[r : r + n]  # indexed from 0: vectorised (an index ``r + k`` might wrap, and that check stops it)
+            rb = bw[r : r + n]
+            d = np.uint64(0)
+            for k in range(n):
+                d |= np.uint64(ra[k] ^ rb[k])
+            if d == 0:  # the common case: a pure read, no writes
+                continue
             nz = 0
             for k in range(n):
-                f = np.uint8(aw[r + k] != bw[r + k])
+                f = np.uint8(ra[k] != rb[k])
                 marks[k] = f
                 nz += f
-            if nz == 0:
-                continue
             if nz * 32 < n:  # sparse: visit set marks only
                 marks[n:] = 0
                 nc = 0
@@ -204,6 +211,12 @@ def _diff_scan(
             acc += mix64(x ^ m) - mix64((x ^ np.uint64(scratch_xor[k])) ^ m)
         counts[kk] = c
         sums[kk] = acc
+    total = 0
+    delta = np.uint64(0)
+    for kk in range(nblocks):
+        total += counts[kk]
+        delta += sums[kk]
+    return total, delta
 
 
 @_jit
@@ -435,10 +448,10 @@ def checksum_range(u: np.ndarray, base: int, *, parallel: bool | None = None) ->
 
 def diff_scan(aw: np.ndarray, bw: np.ndarray, a: np.ndarray, group: int, block_words: int,
               first_block: int, nblocks: int, base: int, scratch_pos: np.ndarray, scratch_xor: np.ndarray,
-              counts: np.ndarray, sums: np.ndarray, *, parallel: bool | None = None) -> None:
+              counts: np.ndarray, sums: np.ndarray, *, parallel: bool | None = None) -> tuple[int, int]:
     """See ``_diff_scan``; ``parallel`` as in ``checksum_range`` (sized by the blocks scanned)."""
     size = min(nblocks * block_words, aw.size) * group
-    _pick(_diff_scan_serial, _diff_scan_parallel, size, parallel)(
+    return _pick(_diff_scan_serial, _diff_scan_parallel, size, parallel)(
         _ro(aw), bw, _ro(a), group, block_words, first_block, nblocks, base, scratch_pos, scratch_xor, counts, sums
     )
 

@@ -57,6 +57,7 @@ class Snapshot:
         self.tensors: dict[str, torch.Tensor] = {}
         self._scratch = _Scratch()
         self._caps: dict[tuple[str, int], int] = {}  # room reserved per device segment (learned, _device.py)
+        self._bits: dict[str, tuple[torch.Tensor, _HostBits]] = {}
         for name, t in tensors.items():
             t = self._cast(t.detach())
             copy = t.to("cpu", copy=True) if device == "cpu" else t.clone(memory_format=torch.contiguous_format)
@@ -66,9 +67,17 @@ class Snapshot:
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         """Floating tensors in the published dtype (e.g. fp32 master weights published as bf16)."""
-        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
-            return t.to(self.dtype)
-        return t
+        return t.to(self.dtype) if self._needs_cast(t) else t
+
+    def _host_bits(self, name: str, snap: torch.Tensor) -> _HostBits:
+        """The bit views of a host snapshot tensor, made once (the diff advances the snapshot in place)."""
+        kept = self._bits.get(name)
+        if kept is None or kept[0] is not snap:
+            kept = self._bits[name] = (snap, _HostBits(np_bits(snap)))
+        return kept[1]
+
+    def _needs_cast(self, t: torch.Tensor) -> bool:
+        return self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype
 
     @property
     def nbytes(self) -> int:
@@ -100,12 +109,16 @@ class Snapshot:
         """
         self.check_same_layout(tensors)
         found: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
-        host: list[tuple[str, int, int]] = []
+        host: list[_Range] = []
         device: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
         for name, t in tensors.items():
             snap = self.tensors[name]
             if snap.device.type == "cpu" and t.device.type == "cpu" and t.is_contiguous():
-                host += [(name, s, min(s + _RANGE_ELEMS, snap.numel()))
+                # views made once per tensor: a range is then a slice (the Python per range is most of a no-change
+                # diff)
+                cur = _HostBits(np_bits(t.detach())) if not self._needs_cast(t) else None
+                views = (cur, self._host_bits(name, snap), self.offsets.get(name, 0))
+                host += [(name, views, s, min(s + _RANGE_ELEMS, snap.numel()))
                          for s in range(0, max(snap.numel(), 1), _RANGE_ELEMS)]
             elif snap.device.type != "cpu":  # the snapshot on the accelerator: every such tensor in one batch
                 device.append((name, t.to(snap.device), int_view(snap), self.offsets.get(name, 0)))
@@ -117,15 +130,19 @@ class Snapshot:
             found.update(zip((d[0] for d in device),
                              diff_device(device, step_elems=step, cast=self._cast, caps=self._caps), strict=True))
 
-        def diff_range(r: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, int]:
-            name, start, stop = r
-            cur = self._cast(tensors[name].detach().reshape(-1)[start:stop])
-            snap = np_bits(self.tensors[name].reshape(-1)[start:stop])
-            return _diff_np(np_bits(cur), snap, self.offsets.get(name, 0) + start, self._scratch, parallel=False)
+        def diff_range(r: _Range) -> tuple[np.ndarray, np.ndarray, int]:
+            name, (cur, snap, base), start, stop = r
+            if cur is None:  # cast a range at a time (bounded memory)
+                a = np_bits(self._cast(tensors[name].detach().reshape(-1)[start:stop]))
+                return _diff_np(a, snap.bits[start:stop], base + start, self._scratch, parallel=False)
+            return _diff_range(cur, snap, start, stop, base, self._scratch)
 
+        items = _pack(host)
+        done = parallel_map(lambda rs: [diff_range(r) for r in rs], items,
+                            cost=lambda rs: sum(r[3] - r[2] for r in rs))
         ranges: dict[str, list[tuple[int, tuple[np.ndarray, np.ndarray, int]]]] = {}
-        for r, part in zip(host, parallel_map(diff_range, host, cost=lambda r: r[2] - r[1]), strict=True):
-            ranges.setdefault(r[0], []).append((r[1], part))
+        for r, part in zip([r for rs in items for r in rs], [p for ps in done for p in ps], strict=True):
+            ranges.setdefault(r[0], []).append((r[2], part))
         for name, parts in ranges.items():
             found[name] = _concat([p for _, p in sorted(parts, key=lambda sp: sp[0])],
                                   self.tensors[name].element_size())
@@ -175,7 +192,28 @@ def _diff_host_chunks(
 
 _BLOCK_ELEMS = 1 << 15  # elements per parallel work item
 _RANGE_ELEMS = 1 << 22  # elements per work item of a host diff (a multiple of the block: keeps words aligned)
+_SMALL_ELEMS = 1 << 18  # smaller ranges share a work item (a pool task costs more than scanning them)
 _SUPER_BLOCKS = 64  # work items per kernel call: bounds the scratch memory to ~20 MB
+
+
+def _pack(ranges: list[_Range]) -> list[list[_Range]]:
+    """Work items for the pool: a range of at least ``_SMALL_ELEMS`` elements alone, smaller ones together."""
+    items: list[list[_Range]] = []
+    small: list[_Range] = []
+    size = 0
+    for r in ranges:
+        n = r[3] - r[2]
+        if n >= _SMALL_ELEMS:
+            items.append([r])
+            continue
+        small.append(r)
+        size += n
+        if size >= _SMALL_ELEMS:
+            items.append(small)
+            small, size = [], 0
+    if small:
+        items.append(small)
+    return items
 
 
 class _Scratch:
@@ -185,12 +223,47 @@ class _Scratch:
     def __init__(self) -> None:
         self._local = threading.local()
 
-    def get(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+    def get(self, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Positions, xor bits (``width`` bytes), per-block counts and per-block checksum changes."""
         arrays = self._local.__dict__.setdefault("arrays", {})
         if width not in arrays:
             n = _SUPER_BLOCKS * _BLOCK_ELEMS
-            arrays[width] = (np.empty(n, np.int64), np.empty(n, UNSIGNED_NP[width]))
+            arrays[width] = (np.empty(n, np.int64), np.empty(n, UNSIGNED_NP[width]),
+                             np.zeros(_SUPER_BLOCKS, np.int64), np.zeros(_SUPER_BLOCKS, np.uint64))
         return arrays[width]
+
+
+class _HostBits:
+    """A host tensor's bits (flat) and, where they are 8-byte aligned, their 8-byte word view (see ``np_words``)."""
+
+    __slots__ = ("bits", "words", "group")
+
+    def __init__(self, bits: np.ndarray) -> None:
+        self.bits = bits
+        self.words, self.group = np_words(bits)
+
+
+# name, (new, snapshot, global base), start, stop
+_Range = tuple[str, tuple["_HostBits | None", _HostBits, int], int, int]
+
+
+def _diff_range(
+    cur: _HostBits, snap: _HostBits, start: int, stop: int, base: int, scratch: _Scratch
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """``_diff_np`` of elements ``start .. stop`` of one host tensor (``start`` a multiple of its word size), from
+    views made once per tensor."""
+    a, b, group = cur.bits, snap.bits, cur.group
+    parts = []
+    covered = start
+    if cur.words is not None and snap.words is not None:
+        w0, w1 = start // group, min(stop // group, cur.words.size)
+        if w1 > w0:
+            covered = w1 * group
+            parts += _scan(cur.words[w0:w1], snap.words[w0:w1], a[start:covered], group, base + start, scratch, False)
+    if covered < stop:
+        ta, tb = a[covered:stop], b[covered:stop]
+        parts += _scan(ta, tb, ta, 1, base + covered, scratch, False)
+    return _concat(parts, a.itemsize)
 
 
 def _diff_np(
@@ -222,21 +295,17 @@ def _scan(
     """Run the diff kernel over ``a`` (global index of ``a[0]``: ``base``), at most 64 blocks per call."""
     block_words = _BLOCK_ELEMS // group
     total_blocks = -(-aw.size // block_words)
-    scratch_pos, scratch_xor = scratch.get(a.itemsize)
-    counts = np.zeros(_SUPER_BLOCKS, np.int64)
-    sums = np.zeros(_SUPER_BLOCKS, np.uint64)
+    scratch_pos, scratch_xor, counts, sums = scratch.get(a.itemsize)
     parts = []
     for first in range(0, total_blocks, _SUPER_BLOCKS):
         n = min(_SUPER_BLOCKS, total_blocks - first)
-        _kernels.diff_scan(aw, bw, a, group, block_words, first, n, base, scratch_pos, scratch_xor, counts, sums,
-                           parallel=parallel)
-        changed = int(counts[:n].sum())
-        delta = int(sums[:n].sum(dtype=np.uint64))
+        changed, delta = _kernels.diff_scan(aw, bw, a, group, block_words, first, n, base, scratch_pos, scratch_xor,
+                                            counts, sums, parallel=parallel)
         if changed:
             pos = np.empty(changed, np.int64)
             xor = np.empty(changed, a.dtype)
             _kernels.compact(scratch_pos, scratch_xor, counts[:n], block_words * group, pos, xor)
-            parts.append((pos, xor, delta))
+            parts.append((pos, xor, int(delta)))
         elif delta:
             raise AssertionError("checksum changed without a changed element")
     return parts
