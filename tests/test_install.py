@@ -15,13 +15,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import tomllib
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "### Into an environment of your own"
@@ -95,7 +95,8 @@ def _user_env(tmp: Path) -> dict[str, str]:
 
 def _run(args: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
     r = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
-    assert r.returncode == 0, f"{args} exit {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, (f"{args} exit {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n"
+                               f"--- stderr\n{r.stderr[-3000:]}")
     return r
 
 

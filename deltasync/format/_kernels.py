@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numba
@@ -211,7 +211,7 @@ def _diff_scan(
             acc += mix64(x ^ m) - mix64((x ^ np.uint64(scratch_xor[k])) ^ m)
         counts[kk] = c
         sums[kk] = acc
-    total = 0
+    total = np.int64(0)
     delta = np.uint64(0)
     for kk in range(nblocks):
         total += counts[kk]
@@ -512,20 +512,25 @@ _INLINED = ("mix64", "element_hash", "_hash_change")
 _UNSIGNED = (np.uint8, np.uint16, np.uint32, np.uint64)
 
 
-_warmed = False
+_warmed: set[int] = set()  # element widths whose kernels are loaded, and _COMMON
+_COMMON = 0  # the kernels of no element width (positions)
 SAY_AFTER_S = 2.0  # a wait longer than this is explained
 
 
-def warm_kernels() -> None:
+def warm_kernels(itemsizes: Iterable[int] | None = None) -> None:
     """Compile or load from numba's disk cache every kernel signature deltasync's stages use, on tiny inputs.
 
     A kernel's first call with a new signature costs a cache load (milliseconds) or a compilation (seconds);
     calling this when a publisher, replica or engine state is created keeps both out of a diff, a decode and
     above all a paused engine's apply. Idempotent and cheap once done (a few hundred microseconds). When it
     takes longer than two seconds (a first use: compiling), it says so on the log and on stderr, once.
-    ``deltasync warm`` runs it ahead of time (a container image can build the cache in)."""
-    global _warmed
-    if _warmed:
+    ``deltasync warm`` runs it ahead of time (a container image can build the cache in).
+
+    ``itemsizes``: only the kernels for elements of these byte widths (a bf16 model needs 2; the others are
+    never called for it): a first use compiles a quarter of the kernels. None: every width."""
+    want = {np.dtype(t).itemsize for t in _UNSIGNED} if itemsizes is None else set(itemsizes)
+    todo = [t for t in _UNSIGNED if np.dtype(t).itemsize in want - _warmed]
+    if not todo and _COMMON in _warmed:
         return
     import logging
     import threading
@@ -542,10 +547,10 @@ def warm_kernels() -> None:
     timer.daemon = True
     timer.start()
     try:
-        _warm()
+        _warm(todo)
     finally:
         timer.cancel()
-    _warmed = True
+    _warmed.update({np.dtype(t).itemsize for t in todo} | {_COMMON})
 
 
 def kernel_cache_dir() -> str:
@@ -559,10 +564,10 @@ def kernel_cache_dir() -> str:
     return here if os.access(os.path.dirname(__file__), os.W_OK) else os.path.expanduser("~/.cache/numba")
 
 
-def _warm() -> None:
+def _warm(unsigned: Sequence[Any]) -> None:
     n = 64
     idx = np.arange(0, n, 3, dtype=np.int64)
-    for t in _UNSIGNED:  # input-only arrays go to the kernels read-only whatever they were (``_ro``)
+    for t in unsigned:  # input-only arrays go to the kernels read-only whatever they were (``_ro``)
         u = np.zeros(n, t)
         x = np.ones(idx.size, t)
         words = np.zeros(n * np.dtype(t).itemsize // 8, np.uint64)

@@ -67,10 +67,11 @@ class Replica:
     def from_anchor(cls, obj: StepObject, *, device: str | torch.device = "cpu") -> Replica:
         """Load an anchor and check every tensor's checksum.
 
-        Also loads every kernel a later apply may need (``warm_kernels``: once per process, seconds at most),
-        so that no step, and no engine pause built on a replica, waits for a compilation."""
-        _kernels.warm_kernels()
+        Also loads every kernel a later apply may need (``warm_kernels``, for the widths of its tensors: once
+        per process, seconds at most), so that no step, and no engine pause built on a replica, waits for a
+        compilation."""
         h = obj.header
+        _kernels.warm_kernels({t.itemsize for t in h.tensors.values()})
         if h.kind != "anchor":
             raise BaseStepMismatchError(f"{obj.where}: a fresh replica needs an anchor, this is a delta on step "
                                         f"{h.base_step}")

@@ -232,7 +232,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                 summed = self._prove_held(init_info.step)
             log.info("deltasync engine following %s from step %s", init_info.url, self._held)
         self._info = init_info
-        warm_kernels()  # every kernel compiled or loaded now: nothing compiles inside a pause
+        # every kernel its parameters' widths need, compiled or loaded now: nothing compiles inside a pause
+        warm_kernels({h.bits.element_size() for h in self._state.homes.values()})
         if init_info.verify == "incremental" and self._held is not None and not summed.issuperset(self._state.homes):
             self._state.checksums()  # the base of incremental verification: computed now, not inside a pause
         if init_info.rdma is not None and self._rdma is None:
