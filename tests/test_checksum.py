@@ -43,8 +43,8 @@ def test_parts_add_up():
     cols = t[:, 10:20]  # a non-contiguous slice, as a row-parallel shard would be
     idx = (torch.arange(40)[:, None] * 30 + torch.arange(10, 20)[None, :]).reshape(-1)
     rest = torch.cat([t[:, :10], t[:, 20:]], 1)
-    cols = torch.cat([torch.arange(10), torch.arange(20, 30)])
-    idx_rest = (torch.arange(40)[:, None] * 30 + cols[None, :]).reshape(-1)
+    rest_cols = torch.cat([torch.arange(10), torch.arange(20, 30)])
+    idx_rest = (torch.arange(40)[:, None] * 30 + rest_cols[None, :]).reshape(-1)
     assert C.add(C.checksum_elements(cols, idx), C.checksum_elements(rest, idx_rest)) == C.tensor_checksum(t)
 
 
