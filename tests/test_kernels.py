@@ -176,9 +176,9 @@ def test_a_long_first_use_says_it_compiles_and_a_slow_load_says_nothing(monkeypa
     from types import SimpleNamespace
 
     monkeypatch.setattr(_kernels, "SAY_AFTER_S", 0.05)
-    monkeypatch.setattr(_kernels, "_warm", lambda: time.sleep(0.4))
+    monkeypatch.setattr(_kernels, "_warm", lambda unsigned: time.sleep(0.4))
     for misses, said in ((Counter({"sig": 1}), True), (Counter(), False)):
-        monkeypatch.setattr(_kernels, "_warmed", False)
+        monkeypatch.setattr(_kernels, "_warmed", set())
         monkeypatch.setattr(_kernels, "dispatchers",
                             lambda m=misses: {"k": SimpleNamespace(stats=SimpleNamespace(cache_misses=m))})
         caplog.clear()
@@ -188,3 +188,16 @@ def test_a_long_first_use_says_it_compiles_and_a_slow_load_says_nothing(monkeypa
         if said:
             assert _kernels.kernel_cache_dir() in messages[0] and "deltasync warm" in messages[0]
     _kernels.warm_kernels()  # once done, it returns at once
+
+
+def test_warming_for_some_widths_loads_only_those_and_each_once(monkeypatch):
+    """A bf16 model's replica or engine loads the 2-byte kernels only (a first use compiles a quarter of
+    them); a later call for more widths loads just the missing ones; the widthless kernels load once."""
+    calls: list[list[int]] = []
+    monkeypatch.setattr(_kernels, "_warmed", set())
+    monkeypatch.setattr(_kernels, "_warm", lambda unsigned: calls.append([np.dtype(t).itemsize for t in unsigned]))
+    _kernels.warm_kernels({2})
+    _kernels.warm_kernels({2})
+    _kernels.warm_kernels()
+    _kernels.warm_kernels({4, 8})
+    assert calls == [[2], [1, 4, 8]]
