@@ -31,6 +31,7 @@ from deltasync.errors import DeltaSyncError
 # commands import deltasync.store without paying for torch and numba, which the trainer and reader need.
 _HOMES = {
     "DeltaPublisher": "deltasync.publish.publisher",
+    "PublishOptions": "deltasync.publish.options",
     "StreamReader": "deltasync.reader",
     "StepWatch": "deltasync.watch",
     "NodeCache": "deltasync.node_cache",
@@ -59,6 +60,7 @@ __version__ = _version()
 __all__ = [
     # trainer
     "DeltaPublisher",
+    "PublishOptions",
     # consumer
     "StreamReader",
     "StepWatch",
@@ -87,6 +89,7 @@ if TYPE_CHECKING:  # what static checkers and IDEs see
     from deltasync.history.stats import stream_stats
     from deltasync.history.verify import verify
     from deltasync.node_cache import NodeCache
+    from deltasync.publish.options import PublishOptions
     from deltasync.publish.publisher import DeltaPublisher
     from deltasync.rdma.consumer import RdmaConsumer
     from deltasync.reader import StreamReader

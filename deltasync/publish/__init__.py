@@ -8,9 +8,14 @@ from typing import TYPE_CHECKING
 
 from deltasync._lazy import lazy_exports
 
-_HOMES = {"DeltaPublisher": "deltasync.publish.publisher", "StepMetrics": "deltasync.publish.publisher"}
+_HOMES = {
+    "DeltaPublisher": "deltasync.publish.publisher",
+    "PublishOptions": "deltasync.publish.options",
+    "StepMetrics": "deltasync.publish.publisher",
+}
 __all__ = list(_HOMES)
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)
 
 if TYPE_CHECKING:
+    from deltasync.publish.options import PublishOptions
     from deltasync.publish.publisher import DeltaPublisher, StepMetrics

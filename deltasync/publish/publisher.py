@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -25,12 +25,9 @@ from deltasync.errors import DeltaSyncError, PublishError, StepOrderError
 from deltasync.format.documents import Kind, check_step
 from deltasync.format.objects import TensorHeader
 from deltasync.format.patch import Patch
-from deltasync.history.checkpoints import (
-    ModelFiles,
-    collect_model_files,
-    write_model_files,
-)
-from deltasync.publish.names import NameMap, named_tensors
+from deltasync.history.checkpoints import collect_model_files, write_model_files
+from deltasync.publish.names import named_tensors
+from deltasync.publish.options import PublishOptions
 from deltasync.publish.sharded import ShardedWriter, ShardGroup, is_sharded
 from deltasync.publish.steps import (
     anchor_delta,
@@ -40,14 +37,13 @@ from deltasync.publish.steps import (
 )
 from deltasync.scratch import ScratchFolder
 from deltasync.signing import SigningKey
-from deltasync.stages.diff import Snapshot, SnapshotDevice
+from deltasync.stages.diff import Snapshot
 from deltasync.store import Store
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DeltaPublisher", "StepMetrics"]
+__all__ = ["DeltaPublisher", "PublishOptions", "StepMetrics"]
 
-OnBacklog = Literal["coalesce", "block"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +118,9 @@ class DeltaPublisher:
     its own shard as one part of the step (docs/FORMAT.md section 5b; publish/sharded.py), rank 0 holds
     the lease and commits; steps run on the trainer's thread. A function ``source`` needs ``sharded=True``.
 
+    Settings come as ``options`` (a ``PublishOptions``: publish/options.py documents each) or as keyword
+    arguments of the same names; ``ConfigError`` names one that makes no sense, ``TypeError`` an unknown one.
+
     ``signing_key`` (a private key file made by ``deltasync keygen``, mode 0600) signs every step before it
     is committed (docs/FORMAT.md section 5e): followers given its public half accept nothing else.
     """
@@ -130,45 +129,22 @@ class DeltaPublisher:
         self,
         url: str | Store,
         source: Any,
+        options: PublishOptions | None = None,
         *,
-        anchor_every: int = 20,
-        snapshot_device: SnapshotDevice = "same",
-        max_pending: int = 2,
-        on_backlog: OnBacklog = "coalesce",
-        zstd_level: int = 1,
-        max_chunk_bytes: int = 64 << 20,
-        dtype: torch.dtype | None = None,
         storage_options: dict[str, Any] | None = None,
-        spool_dir: str | Path | None = None,
-        writer_id: str | None = None,
-        take_over: bool = False,
-        lease_s: float = 120.0,
-        files: str | Path | ModelFiles | None = None,
-        names: NameMap | None = None,
-        sharded: bool | None = None,
-        anchor_deltas: bool = True,
-        signing_key: str | Path | SigningKey | None = None,
+        **overrides: Any,
     ) -> None:
-        if anchor_every < 1:
-            raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
+        opts = self.options = PublishOptions.build(options, overrides)
         # read (and its file's mode checked) before anything is written; None on the ranks of a sharded trainer
         # other than rank 0 is fine: rank 0 signs every commit
-        self.signing_key = (signing_key if signing_key is None or isinstance(signing_key, SigningKey)
-                            else SigningKey(signing_key))
+        key = opts.signing_key
+        self.signing_key = key if key is None or isinstance(key, SigningKey) else SigningKey(key)
         self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
         self.source = source
-        self.names = names
-        self.anchor_every = anchor_every
-        self.anchor_deltas = anchor_deltas
-        self.snapshot_device = snapshot_device
-        self.on_backlog = on_backlog
-        self.zstd_level = zstd_level
-        self.max_chunk_bytes = max_chunk_bytes
-        self.dtype = dtype
-        self._model_files = collect_model_files(files) if files is not None else None
+        self._model_files = collect_model_files(opts.files) if opts.files is not None else None
         self.metrics: list[StepMetrics] = []
         # where objects are written before upload: made on first use, removed by close() (scratch.py)
-        self._spool_folder = ScratchFolder("spool", spool_dir)
+        self._spool_folder = ScratchFolder("spool", opts.spool_dir)
         self._snapshot: Snapshot | None = None
         self._aliases: dict[str, str] = {}
         self._since_anchor = 0
@@ -177,21 +153,22 @@ class DeltaPublisher:
         self._error: BaseException | None = None
         self._closed = False
         self._lock = threading.Lock()
-        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
-        self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.lease_s = lease_s
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=opts.max_pending)
+        self.writer_id = opts.writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        sharded = opts.sharded
         if sharded is None:
             # a function is not called before the first publish: it may not be ready yet (say sharded=True)
             sharded = (not callable(source) and is_sharded(source)
                        or isinstance(source, torch.nn.Module) and is_sharded(source.state_dict()))
-        self._sharded = ShardedWriter(self, ShardGroup()) if sharded else None
+        self._sharded = (ShardedWriter(source, opts, self.store, writer_id=self.writer_id, signing_key=self.signing_key,
+                                       spool=lambda: self._spool, group=ShardGroup()) if sharded else None)
         self._holds_lease = self._sharded is None or self._sharded.rank == 0  # one lease per stream: rank 0's
         start_error = None
         if self._holds_lease:
             try:
-                self.store.acquire_lease(self.writer_id, ttl_s=lease_s, take_over=take_over)
+                self.store.acquire_lease(self.writer_id, ttl_s=opts.lease_s, take_over=opts.take_over)
                 # leftovers of a writer that died; a young folder may belong to a writer still finishing its upload
-                self.store.remove_uncommitted(older_than_s=lease_s)
+                self.store.remove_uncommitted(older_than_s=opts.lease_s)
                 # resume after the newest committed manifest, never after the latest.json hint (it may be stale)
                 committed = self.store.steps()
                 self.last_committed_step: int | None = committed[-1] if committed else None
@@ -226,7 +203,7 @@ class DeltaPublisher:
             return self._publish_sharded(step, anchor=anchor)
         self._raise_background_error()
         self._check_order(step)
-        if self.on_backlog == "coalesce" and self._queue.full() and not anchor:
+        if self.options.on_backlog == "coalesce" and self._queue.full() and not anchor:
             self._skipped.append(step)
             log.debug("step %d coalesced (upload backlog)", step)
             return False
@@ -251,7 +228,7 @@ class DeltaPublisher:
             self._check_order(step)
         except DeltaSyncError as e:
             precheck = e
-        due = anchor or self._force_anchor or self._since_anchor + 1 >= self.anchor_every
+        due = anchor or self._force_anchor or self._since_anchor + 1 >= self.options.anchor_every
         kind: Kind = "anchor" if due else "delta"
         t0 = time.perf_counter()
         try:
@@ -309,20 +286,21 @@ class DeltaPublisher:
 
     def _capture(self, step: int, *, anchor: bool) -> None:
         t0 = time.perf_counter()
-        tensors, aliases = named_tensors(self.source, self.names)
+        tensors, aliases = named_tensors(self.source, self.options.names)
         coalesced = tuple(s for s in self._skipped if s < step)
         self._skipped = []
         diffed = self._snapshot is not None  # against the bits of this publisher's last captured step
         if self._snapshot is None:
             self._snapshot = Snapshot(
-                tensors, device=self.snapshot_device, max_chunk_bytes=self.max_chunk_bytes, dtype=self.dtype
+                tensors, device=self.options.snapshot_device, max_chunk_bytes=self.options.max_chunk_bytes,
+                dtype=self.options.dtype,
             )
             changes: list[Patch] = []
         else:
             changes = self._snapshot.diff(tensors)
         self._aliases = aliases
         with self._lock:
-            due = anchor or self._force_anchor or self._since_anchor + 1 >= self.anchor_every
+            due = anchor or self._force_anchor or self._since_anchor + 1 >= self.options.anchor_every
             kind: Kind = "anchor" if due else "delta"
             self._force_anchor = False
         headers = snapshot_headers(self._snapshot)
@@ -339,7 +317,7 @@ class DeltaPublisher:
             self._since_anchor = 0
             # the diff ran against what this publisher captured last: ship it beside the anchor (a resumed or
             # new publisher's first anchor has nothing to diff against: the stream's last step is another's bits)
-            if diffed and self._last_captured is not None and self.anchor_deltas:
+            if diffed and self._last_captured is not None and self.options.anchor_deltas:
                 job.changes, job.delta_base = [c for c in changes if c.changed], self._last_captured
         else:
             job.changes = [c for c in changes if c.changed]
@@ -360,7 +338,7 @@ class DeltaPublisher:
         failed_since: int | None = None
         while True:
             try:
-                job = self._queue.get(timeout=self.lease_s / 3)
+                job = self._queue.get(timeout=self.options.lease_s / 3)
             except queue.Empty:
                 self._renew_lease()
                 continue
@@ -386,7 +364,7 @@ class DeltaPublisher:
 
     def _renew_lease(self) -> None:
         try:
-            self.store.renew_lease(self.writer_id, ttl_s=self.lease_s)
+            self.store.renew_lease(self.writer_id, ttl_s=self.options.lease_s)
         except DeltaSyncError as e:
             log.error("%s", e)
             with self._lock:
@@ -406,14 +384,14 @@ class DeltaPublisher:
             changes=job.changes,
             anchor_tensors=job.anchor_tensors,
             aliases=job.aliases,
-            zstd_level=self.zstd_level,
+            zstd_level=self.options.zstd_level,
         )
         delta, delta_local = None, None
         if job.kind == "anchor" and job.delta_base is not None:  # the anchor's own delta (docs/FORMAT.md section 5)
             delta_local = self._spool / f"{job.step:012d}-anchor-delta.safetensors"
             _, dwritten = write_step_object(delta_local, kind="delta", step=job.step, base_step=job.delta_base,
                                             headers=job.headers, changes=job.changes, aliases=job.aliases,
-                                            zstd_level=self.zstd_level)
+                                            zstd_level=self.options.zstd_level)
             delta = anchor_delta(dwritten, job.delta_base)
         t1 = time.perf_counter()
         headers = header.tensors

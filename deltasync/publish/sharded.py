@@ -18,10 +18,11 @@ import logging
 import math
 import pickle
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,11 @@ from deltasync.format.patch import Patch
 from deltasync.publish.names import NameMap, source_state
 from deltasync.stages.diff import Snapshot, SnapshotDevice
 from deltasync.threads import parallel_map
+
+if TYPE_CHECKING:
+    from deltasync.publish.options import PublishOptions
+    from deltasync.signing import SigningKey
+    from deltasync.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -265,8 +271,11 @@ class ShardedWriter:
     rank 0 tells every rank the outcome. An error anywhere raises ``PublishError`` on every rank.
     """
 
-    def __init__(self, pub: Any, group: ShardGroup) -> None:
-        self.pub = pub
+    def __init__(self, source: Any, options: PublishOptions, store: Store, *, writer_id: str,
+                 signing_key: SigningKey | None, spool: Callable[[], Path], group: ShardGroup) -> None:
+        self.source, self.options, self.store = source, options, store
+        self.writer_id, self.signing_key = writer_id, signing_key
+        self.spool = spool  # the publisher's spool folder, made on first use (anchors are written there)
         self.group = group
         self.snapshot: Snapshot | None = None
         self.metrics: list[dict[str, Any]] = []
@@ -278,15 +287,15 @@ class ShardedWriter:
     def publish(self, step: int, *, kind: Kind, base_step: int | None, precheck: BaseException | None = None) -> int:
         """Publish ``step`` from every rank; returns the bytes of the whole step. ``precheck``: an error this
         rank found before capturing (it fails the step on all ranks)."""
-        pub = self.pub
+        opts = self.options
         cap: ShardedCapture | None = None
         error = precheck
         if error is None:
             try:
-                shards = local_shards(pub.source, self.rank, pub.names)
+                shards = local_shards(self.source, self.rank, opts.names)
                 self.snapshot, cap = capture(self.snapshot, shards, step=step, kind=kind, base_step=base_step,
-                                             device=pub.snapshot_device, max_chunk_bytes=pub.max_chunk_bytes,
-                                             dtype=pub.dtype)
+                                             device=opts.snapshot_device, max_chunk_bytes=opts.max_chunk_bytes,
+                                             dtype=opts.dtype)
             except Exception as e:  # noqa: BLE001 - any rank's failure must reach every rank (collectives), not hang them
                 error = e
         sent = None if cap is None else (cap.kind, cap.base_step, cap.checksums, len(cap.shards.shapes))
@@ -296,7 +305,7 @@ class ShardedWriter:
             bad = [(r, f"captured {g[1][0]} on {g[1][1]} with {g[1][3]} tensors") for r, g in enumerate(gathered)]
         if bad:
             self.snapshot = None if error is not None else self.snapshot
-            raise PublishError(f"{pub.store.url}: step {step} failed on ranks {[r for r, _ in bad]}: "
+            raise PublishError(f"{self.store.url}: step {step} failed on ranks {[r for r, _ in bad]}: "
                                + "; ".join(f"rank {r}: {e}" for r, e in bad[:4])) from error
         assert cap is not None and self.snapshot is not None
         checksums = combined_checksums([g[1][2] for g in gathered], cap.shards.shapes)
@@ -313,10 +322,10 @@ class ShardedWriter:
         if outcome is not None:
             if failed and part is not None:  # no manifest will name it: leave nothing behind
                 try:
-                    pub.store.delete(f"steps/{step:012d}/{part.object}")
+                    self.store.delete(f"steps/{step:012d}/{part.object}")
                 except DeltaSyncError as e:
                     log.warning("could not remove the part of failed step %d: %s", step, e)
-            raise PublishError(f"{pub.store.url}: step {step} was not committed: {outcome}") from error
+            raise PublishError(f"{self.store.url}: step {step} was not committed: {outcome}") from error
         total = sum(p[1].object_bytes for p in parts if p[1] is not None)
         self.metrics.append({"step": step, "kind": cap.kind, "part_bytes": 0 if part is None else part.object_bytes,
                              "step_bytes": total, "capture_s": cap.capture_s, "encode_s": encode_s})
@@ -332,16 +341,16 @@ class ShardedWriter:
             assert self.snapshot is not None
             if cap.kind == "delta":  # small: handed to the store as bytes
                 buf = io.BytesIO()
-                _, written = write_part(buf, cap, self.snapshot, state=state, zstd_level=self.pub.zstd_level)
+                _, written = write_part(buf, cap, self.snapshot, state=state, zstd_level=self.options.zstd_level)
                 data: Any = buf.getbuffer()
             else:  # anchors spool to a file
-                local = self.pub._spool / f"{cap.step:012d}-r{self.rank:05d}.safetensors"
-                _, written = write_part(local, cap, self.snapshot, state=state, zstd_level=self.pub.zstd_level)
+                local = self.spool() / f"{cap.step:012d}-r{self.rank:05d}.safetensors"
+                _, written = write_part(local, cap, self.snapshot, state=state, zstd_level=self.options.zstd_level)
                 data = local
             part = Part(object=part_name(cap.kind, self.rank, written.sha256), object_bytes=written.nbytes,
                         object_sha256=written.sha256, tensors=dict(cap.shards.ranges))
             encode_s = time.perf_counter() - t0
-            self.pub.store.put_part(cap.step, part, data)
+            self.store.put_part(cap.step, part, data)
             return part, None, encode_s
         except Exception as e:
             log.exception("rank %d: writing its part of step %d failed", self.rank, cap.step)
@@ -358,7 +367,7 @@ class ShardedWriter:
         try:
             numel = sum(math.prod(s) for s in cap.shards.shapes.values())
             manifest = step_manifest(cap=cap, parts=parts, state=state, numel=numel, changed=changed, encode_s=encode_s)
-            self.pub.store.commit(manifest, None, owner=self.pub.writer_id, signer=self.pub.signing_key)  # rank 0 signs
+            self.store.commit(manifest, None, owner=self.writer_id, signer=self.signing_key)  # rank 0 signs
         except Exception as e:
             log.exception("committing step %d failed", cap.step)
             return describe(e)

@@ -1,0 +1,110 @@
+"""How a ``DeltaPublisher`` publishes: one typed, validated record of its settings.
+
+Given to the publisher as ``options=PublishOptions(...)`` or as keyword arguments of the same names (the
+two-line use: ``DeltaPublisher(url, model, anchor_every=10)``); the publisher hands the record and the store
+to its writer (one process, or the ranks of a sharded model), never itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import torch
+
+from deltasync.errors import ConfigError
+from deltasync.publish.names import NameMap
+from deltasync.stages.diff import SnapshotDevice
+
+if TYPE_CHECKING:
+    from deltasync.history.checkpoints import ModelFiles
+    from deltasync.signing import SigningKey
+
+OnBacklog = Literal["coalesce", "block"]
+
+__all__ = ["OnBacklog", "PublishOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishOptions:
+    """A publisher's settings.
+
+    Args:
+        anchor_every: a full checkpoint (anchor) every this many published steps (>= 1); the others are deltas.
+        anchor_deltas: store an anchor's delta from the step before too, so a follower crosses it cheaply.
+        snapshot_device: where the last-published copy lives: ``"same"`` (the weights' device) or ``"cpu"``.
+        max_pending: steps captured but not yet uploaded before ``on_backlog`` applies (>= 1).
+        on_backlog: ``"coalesce"`` (skip a step while uploads lag: the next one carries its change) or
+            ``"block"`` (the trainer waits).
+        zstd_level: zstd's level for the encoded changes (1-22).
+        max_chunk_bytes: host memory a device tensor's diff may use at once.
+        dtype: the published dtype of floating tensors (e.g. ``torch.bfloat16`` for fp32 master weights).
+        spool_dir: where objects are written before upload (a temp folder by default).
+        writer_id: this writer's name in the stream's lease (host, pid and a random suffix by default).
+        take_over: take the stream's lease from another writer that still holds it.
+        lease_s: how long the lease lasts unless renewed (the publisher renews it at a third of this).
+        names: renames the model's tensor names (after wrapper prefixes are removed).
+        sharded: publish from every rank of a sharded (DTensor) model; None detects it.
+        files: the model's non-weight files (a checkpoint folder, or name -> bytes), stored once per stream.
+        signing_key: a private key (``deltasync keygen``) that signs every step.
+
+    Raises:
+        ConfigError: a value of the wrong type or out of range, naming the option.
+
+    Example::
+
+        opts = PublishOptions(anchor_every=50, dtype=torch.bfloat16)
+        DeltaPublisher("s3://bucket/run1", model, options=opts)
+    """
+
+    anchor_every: int = 20
+    anchor_deltas: bool = True
+    snapshot_device: SnapshotDevice = "same"
+    max_pending: int = 2
+    on_backlog: OnBacklog = "coalesce"
+    zstd_level: int = 1
+    max_chunk_bytes: int = 64 << 20
+    dtype: torch.dtype | None = None
+    spool_dir: str | Path | None = None
+    writer_id: str | None = None
+    take_over: bool = False
+    lease_s: float = 120.0
+    names: NameMap | None = None
+    sharded: bool | None = None
+    files: str | Path | ModelFiles | None = None
+    signing_key: str | Path | SigningKey | None = None
+
+    def __post_init__(self) -> None:
+        def whole(name: str, value: Any, low: int, high: int | None = None) -> None:
+            if (isinstance(value, bool) or not isinstance(value, int) or value < low
+                    or (high is not None and value > high)):
+                span = f"{low}-{high}" if high is not None else f">= {low}"
+                raise ConfigError(f"publish option {name} must be a whole number {span}, got {value!r}")
+
+        whole("anchor_every", self.anchor_every, 1)
+        whole("max_pending", self.max_pending, 1)
+        whole("zstd_level", self.zstd_level, 1, 22)
+        whole("max_chunk_bytes", self.max_chunk_bytes, 1)
+        for name, allowed in (("snapshot_device", SnapshotDevice), ("on_backlog", OnBacklog)):
+            if getattr(self, name) not in get_args(allowed):
+                raise ConfigError(f"publish option {name} must be one of {get_args(allowed)}, got "
+                                  f"{getattr(self, name)!r}")
+        if isinstance(self.lease_s, bool) or not isinstance(self.lease_s, (int, float)) or not 0 < self.lease_s < 1e7:
+            raise ConfigError(f"publish option lease_s must be seconds > 0, got {self.lease_s!r}")
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise ConfigError(f"publish option dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.writer_id is not None and (not isinstance(self.writer_id, str) or not self.writer_id):
+            raise ConfigError(f"publish option writer_id must be a non-empty string, got {self.writer_id!r}")
+
+    @classmethod
+    def build(cls, options: PublishOptions | None, overrides: dict[str, Any]) -> PublishOptions:
+        """``options`` (or the defaults) with ``overrides`` applied; ``TypeError`` naming an unknown one."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"DeltaPublisher got unknown option(s) {unknown}; the options are {sorted(known)}")
+        base = options if options is not None else cls()
+        if not isinstance(base, cls):
+            raise TypeError(f"options must be a PublishOptions, got {type(base).__name__}")
+        return base if not overrides else cls(**{**{f.name: getattr(base, f.name) for f in fields(cls)}, **overrides})

@@ -1,0 +1,57 @@
+"""PublishOptions: one validated record of a publisher's settings, given whole or as keyword arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltasync import DeltaPublisher, PublishOptions, StreamReader
+from deltasync.errors import ConfigError
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("anchor_every", 0, "anchor_every must be a whole number >= 1, got 0"),
+    ("anchor_every", True, "anchor_every must be a whole number >= 1, got True"),
+    ("max_pending", 2.5, "max_pending must be a whole number >= 1, got 2.5"),
+    ("zstd_level", 23, "zstd_level must be a whole number 1-22, got 23"),
+    ("on_backlog", "drop", "on_backlog must be one of ('coalesce', 'block'), got 'drop'"),
+    ("snapshot_device", "cuda", "snapshot_device must be one of ('same', 'cpu'), got 'cuda'"),
+    ("lease_s", 0, "lease_s must be seconds > 0, got 0"),
+    ("dtype", "bfloat16", "dtype must be a torch.dtype, got 'bfloat16'"),
+    ("writer_id", "", "writer_id must be a non-empty string, got ''"),
+])
+def test_a_setting_that_makes_no_sense_is_a_config_error_naming_it_and_nothing_is_written(tmp_path, option, value,
+                                                                                           message):
+    with pytest.raises(ConfigError, match=f"^publish option {message}$".replace("(", r"\(").replace(")", r"\)")):
+        PublishOptions(**{option: value})
+    with pytest.raises(ConfigError, match=option):  # the same check for a keyword argument
+        DeltaPublisher(str(tmp_path / "s"), {"w": torch.zeros(4)}, **{option: value})
+    assert not (tmp_path / "s").exists()  # refused before the store was touched
+
+
+def test_an_unknown_option_is_a_type_error_listing_the_known_ones(tmp_path):
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['anchor_evry'\]; the options are \[.*'anchor_every'"):
+        DeltaPublisher(str(tmp_path / "s"), {"w": torch.zeros(4)}, anchor_evry=5)
+    assert not (tmp_path / "s").exists()
+
+
+def test_options_and_keywords_publish_the_same_stream(tmp_path):
+    """``options=`` and keyword arguments are one mechanism: keywords override the record's fields."""
+    torch.manual_seed(0)
+    w = torch.randn(1000)
+    opts = PublishOptions(anchor_every=3, dtype=torch.bfloat16, on_backlog="block")  # no step coalesced
+    urls = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with DeltaPublisher(urls[0], {"w": w}, options=opts) as a, \
+            DeltaPublisher(urls[1], {"w": w}, options=PublishOptions(anchor_every=7), anchor_every=3,
+                           dtype=torch.bfloat16, on_backlog="block") as b:
+        assert a.options == b.options == opts
+        for step in range(5):
+            w[step * 10: step * 10 + 5] += 0.5
+            a.publish(step)
+            b.publish(step)
+    kinds = []
+    for url in urls:
+        with StreamReader(url) as r:
+            kinds.append([r.store.manifest(s).kind for s in r.store.steps()])
+            assert torch.equal(r.state_dict(4)["w"].view(torch.int16), w.to(torch.bfloat16).view(torch.int16))
+    assert kinds[0] == kinds[1] == ["anchor", "delta", "delta", "anchor", "delta"]
