@@ -20,7 +20,7 @@ much less):
                   reading the anchor's tensors and hashing the same bytes (SHA-256, read once), fetch +
                   SHA-256 of the deltas, reading and decoding the deltas, applying them, the final checksum;
                   then the kernels and calls that took the most time in a profiled pass.
-Targets: replay <= 2x the full load's time and <= 1.2x its peak memory. Prints a table, writes JSON.
+Targets (issue 22): replay <= 1.5x the full load's time and <= 1.1x its peak memory. Prints a table, writes JSON.
 ``--streams DIR`` builds the streams there and keeps them (a later run with the same DIR reuses them: the
 trained model and its deltas stay the same from one measurement to the next).
 """
@@ -317,8 +317,9 @@ def report(args, info: dict, rows: dict[str, list[dict]], stream: str, full: str
     print(f"load average at the end (1, 5, 15 min): {os.getloadavg()}; replay CPU time "
           f"{med('replay', 'cpu_seconds') / full_cpu:.2f}x the full load's")
     print(f"model (bf16 checkpoint): {model_bytes / 1e6:.0f} MB; replay time {replay_s / full_s:.2f}x the full load "
-          f"(target <= 2x: {'met' if replay_s <= 2 * full_s else 'missed'}), peak memory {replay_mem / full_mem:.2f}x "
-          f"(target <= 1.2x: {'met' if replay_mem <= 1.2 * full_mem else 'missed'})")
+          f"(target <= 1.5x: {'met' if replay_s <= 1.5 * full_s else 'missed'}), "
+          f"peak memory {replay_mem / full_mem:.2f}x "
+          f"(target <= 1.1x: {'met' if replay_mem <= 1.1 * full_mem else 'missed'})")
     write_results(args, "replay", {"model_bytes": model_bytes, "anchor_bytes": anchor_bytes, **info, "rows": rows,
                                    "breakdown": parts, "load_average": os.getloadavg()})
 
