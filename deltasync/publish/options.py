@@ -7,7 +7,7 @@ to its writer (one process, or the ranks of a sharded model), never itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -107,4 +107,4 @@ class PublishOptions:
         base = options if options is not None else cls()
         if not isinstance(base, cls):
             raise TypeError(f"options must be a PublishOptions, got {type(base).__name__}")
-        return base if not overrides else cls(**{**{f.name: getattr(base, f.name) for f in fields(cls)}, **overrides})
+        return replace(base, **overrides)  # validated again (__post_init__)
