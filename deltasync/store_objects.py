@@ -189,10 +189,7 @@ class StoreObjects:
                 f"{where}: {len(data)}{'+' if longer else ''} bytes, manifest says {part.object_bytes} "
                 f"({'more than it says: replaced' if longer else 'truncated or replaced'})"
             )
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != part.object_sha256:
-            raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's "
-                                     f"{part.object_sha256[:16]}…")
+        _check_digest(hashlib.sha256(data).hexdigest(), part, where)
 
     def _missing(self, manifest: Manifest, where: str) -> StepNotFoundError | CorruptObjectError:
         """The error for an object that is not there: its step was collected meanwhile (no manifest either),
