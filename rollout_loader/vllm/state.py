@@ -196,7 +196,7 @@ class WorkerState:
                 return None
             self.version += 1
             return self._undoable({s.name: sealed.sums[s.name] for s in staged},
-                             lambda landed: self._scatter_all(staged, landed=landed))
+                                  lambda landed: self._scatter_all(staged, landed=landed))
 
     def rollback(self) -> bool:
         """Put back the bits the last write changed; False when there is nothing to undo."""
