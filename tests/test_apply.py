@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from deltasync.errors import BaseStepMismatchError, ChecksumMismatchError, FormatError, TensorMismatchError
-from deltasync.format.objects import StepObject
+from deltasync.format.objects import StepObject, blob_names
 from deltasync.publish.steps import snapshot_headers, write_step
 from deltasync.stages.apply import Replica
 from deltasync.stages.diff import Snapshot
@@ -86,3 +86,26 @@ def test_corrupt_payload_changes_nothing(tmp_path, small_state, gen, monkeypatch
     with pytest.raises(FormatError):
         rep.apply(obj)
     assert rep.step == 0 and states_equal(rep.state_dict(), truth[0])
+
+
+def test_a_damaged_blob_undoes_the_tensors_already_written(tmp_path, small_state, gen):
+    """Tensors are decoded and written one by one on the pool: when the last one to decode (the smallest)
+    turns out damaged, the others have landed already, and must be XORed back to the exact previous bits."""
+    import safetensors
+    import safetensors.torch
+
+    objs, truth = _chain(tmp_path, small_state, gen, steps=2)
+    with safetensors.safe_open(str(objs[1]), framework="pt") as f:
+        metadata, blobs = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    header = StepObject(objs[1], where="1").header
+    changed = sorted((h.changed, n) for n, h in header.tensors.items() if h.changed)
+    assert len(changed) >= 3
+    smallest = changed[0][1]
+    values = blob_names(smallest)[1]
+    blobs[values] = blobs[values][:-1].clone()  # one byte short: a truncated zstd frame, or too few raw values
+    safetensors.torch.save_file(blobs, str(objs[1]), metadata=metadata)
+    rep = Replica.from_anchor(StepObject(objs[0], where="0"))
+    before = dict(rep.checksums)
+    with pytest.raises(FormatError, match=smallest):
+        rep.apply(StepObject(objs[1], where="1"))
+    assert rep.step == 0 and rep.checksums == before and states_equal(rep.state_dict(), truth[0])

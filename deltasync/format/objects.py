@@ -206,6 +206,8 @@ class _Descriptors:
             os.close(fd)
 
     def _trim(self) -> None:  # under the lock
+        if len(self._open) <= 8:
+            return  # under the least limit (below): no need to read the process's limit on every read
         limit = max(8, min(self.limit, _soft_nofile() // 4))  # a quarter of what the process may open, at most
         for key in list(self._open):
             if len(self._open) <= limit:

@@ -10,9 +10,9 @@ ahead, ``deltasync.stages.staging``), compares checksums, and on a mismatch appl
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, wait
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ from deltasync.format.checksum import (
 from deltasync.format.objects import StepHeader, StepObject
 from deltasync.format.patch import Patch
 from deltasync.stages._device import Scatter, xor_apply_many
-from deltasync.stages.staging import StagedStep, check_layout, layout_of, stage
+from deltasync.stages.staging import StagedStep, check_layout, stage
 from deltasync.threads import parallel_map, submit_all
 
 __all__ = ["Replica", "StagedStep", "Verify", "apply_staged", "stage", "xor_apply", "xor_apply_all", "xor_into"]
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 Verify = Literal["incremental", "full"]
 Indices = np.ndarray | torch.Tensor
+T = TypeVar("T")
 
 class Replica:
     """A consumer's copy of the weights at a known step, with the checksum of every tensor.
@@ -96,10 +97,16 @@ class Replica:
                 f"{obj.where}: delta to step {h.step} is based on step {h.base_step}, but the replica holds step "
                 f"{self.step}"
             )
-        staged = stage(obj, layout_of(self.tensors), base_step=self.step)  # decodes and validates before any write
+        check_layout(h, self.tensors, obj.where)
         unchanged = {n for n in h.tensors if not h.tensors[n].changed}
         _check(h, self.checksums, obj.where, names=unchanged)  # the replica is the base it claims to be
-        changed = apply_staged(staged, self.tensors, checksums=self.checksums if verify == "incremental" else None)
+        # each tensor is written as soon as it is decoded, on the pool: decoding (CPU) overlaps the writes
+        # (memory); a tensor that fails to decode undoes the others' writes, so the step is still all or nothing
+        names = [n for n, t in h.tensors.items() if t.changed]
+        changed = _write_all(names, obj.patch, self.tensors, where=obj.where, step=h.step,
+                             checksums=self.checksums if verify == "incremental" else None,
+                             cost=lambda n: h.tensors[n].changed,
+                             on_host=all(self.tensors[n].device.type == "cpu" for n in names))
         self.checksums = {**self.checksums, **changed}
         self.step = h.step
 
@@ -136,39 +143,52 @@ def apply_staged(
     error while writing, the patches already written are applied again, which restores the exact previous
     bits, and the error is raised (``ChecksumMismatchError`` for a mismatch).
     """
-    written: list[Patch] = []
-    futures: list[Future[int]] = []
+    return _write_all(staged.patches, lambda p: p, tensors, checksums=checksums, where=staged.where,
+                      step=staged.step, cost=lambda p: p.xor.size,
+                      on_host=all(tensors[p.name].device.type == "cpu" for p in staged.patches))
 
-    def write(p: Patch) -> int:
-        delta = xor_apply(tensors[p.name], p.positions, p.xor)
+
+def _write_all(items: Sequence[T], patch_of: Callable[[T], Patch], tensors: Mapping[str, torch.Tensor], *,
+               checksums: Mapping[str, int] | None, where: str, step: int,
+               cost: Callable[[T], int], on_host: bool) -> dict[str, int]:
+    """Write ``patch_of(item)`` for every item (a decoded patch, or a name decoded here), compare checksums,
+    and undo every landed write on any error: ``apply_staged``'s contract, for patches decoded ahead or as
+    they are written."""
+    written: list[Patch] = []
+    futures: list[Future[Patch]] = []
+    deltas: dict[str, int] = {}
+
+    def write(x: T) -> Patch:
+        p = patch_of(x)
+        deltas[p.name] = xor_apply(tensors[p.name], p.positions, p.xor)
         written.append(p)  # list.append is atomic: the undo sees every landed patch
-        return delta
+        return p
 
     try:
         # host tensors are patched in parallel across tensors, largest first (none starts last); device
         # tensors one after another, in order
-        on_host = all(tensors[p.name].device.type == "cpu" for p in staged.patches)
-        futures = submit_all(write, staged.patches, cost=lambda p: p.xor.size) if on_host else []
+        patches: list[Patch]
         if on_host:
-            deltas = {p.name: f.result() for p, f in zip(staged.patches, futures, strict=True)}
-        else:  # accelerator tensors: one transfer for the step (xor_apply_all)
+            futures = submit_all(write, items, cost=cost)
+            patches = [f.result() for f in futures]
+        else:  # accelerator tensors: every patch decoded first, then one transfer for the step (xor_apply_all)
+            patches = [patch_of(x) for x in items]
             landed: list[int] = []
             try:
-                found = xor_apply_all([(tensors[p.name], p.positions, p.xor, None) for p in staged.patches],
-                                      landed=landed)
+                found = xor_apply_all([(tensors[p.name], p.positions, p.xor, None) for p in patches], landed=landed)
             finally:
-                written.extend(staged.patches[j] for j in landed)
-            deltas = {p.name: d for p, d in zip(staged.patches, found, strict=True)}
+                written.extend(patches[j] for j in landed)
+            deltas.update((p.name, d) for p, d in zip(patches, found, strict=True))
         if checksums is not None:
-            after = {p.name: (checksums[p.name] + deltas[p.name]) & MASK64 for p in staged.patches}
+            after = {p.name: (checksums[p.name] + deltas[p.name]) & MASK64 for p in patches}
         else:
-            after = dict(zip((p.name for p in staged.patches),
-                             parallel_map(lambda p: tensor_checksum(tensors[p.name]), staged.patches,
+            after = dict(zip((p.name for p in patches),
+                             parallel_map(lambda p: tensor_checksum(tensors[p.name]), patches,
                                           cost=lambda p: tensors[p.name].numel()), strict=True))
-        bad = [p for p in staged.patches if after[p.name] != p.checksum]
+        bad = [p for p in patches if after[p.name] != p.checksum]
         if bad:
             raise ChecksumMismatchError(
-                f"{staged.where}: {len(bad)} tensor(s) do not match the trainer's checksums after step {staged.step}, "
+                f"{where}: {len(bad)} tensor(s) do not match the trainer's checksums after step {step}, "
                 f"first {bad[0].name!r}: expected {format_checksum(bad[0].checksum)}, got "
                 f"{format_checksum(after[bad[0].name])}"
             )
