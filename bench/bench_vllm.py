@@ -11,7 +11,9 @@ loop does between two rollouts. Per step:
   ``finish_weight_update``, reset), with the engine's own parts (finding the step in the manifest, taking the
   staged step, the in-place write, the ranks' agreement, the checksum comparison; see ``PAUSE_PARTS``) and
   what vLLM itself spends around them;
-* publish() returning -> the step staged in the engine (fetched, verified, decoded in the background);
+* publish() returning -> the step staged in the engine (encoded, committed, announced on the publisher's
+  event feed, then fetched, verified, decoded and sealed by the engine in the background; ``--poll``: found
+  by the engine's polling instead);
 * baseline, same run, same step: a full reload of the step's replayed checkpoint through vLLM's own
   ``reload_weights`` (plus the same prefix-cache reset); and two references: the floor of the pause (the bare
   XOR scatter of the same step's positions, numba's plain kernel, nothing checked or hashed) and one plain
@@ -139,6 +141,9 @@ def _generate(llm: Any) -> None:
 
 def main() -> None:
     ap = parser(__doc__, steps=10)
+    ap.add_argument("--poll", action="store_true",
+                    help="the engine finds each step by polling the store (default: the publisher's event feed, "
+                         "events=HOST:PORT, pushes each commit to it)")
     ap.add_argument("--unsealed", action="store_true",
                     help="the engine does not seal staged steps: the write hashes inside the pause (the path before "
                          "sealing, for the before/after table; results named vllm-unsealed)")
@@ -156,11 +161,15 @@ def main() -> None:
                        max_model_len=256)
     url = str(work / "stream")
     rows = []
-    with DeltaPublisher(url, model, dtype=torch.bfloat16, anchor_every=1000) as pub:
+    with DeltaPublisher(url, model, dtype=torch.bfloat16, anchor_every=1000,
+                        events=None if args.poll else "127.0.0.1:0") as pub:
         pub.publish(0)
         pub.flush()
         t_init = time.perf_counter()
-        llm.init_weight_transfer_engine({"init_info": {"url": url, "step": 0, "verify": "incremental"}})
+        info = {"url": url, "step": 0, "verify": "incremental"}
+        if pub.events_url is not None:  # the publisher's event feed: the engine hears each commit at once
+            info["notify"] = pub.events_url
+        llm.init_weight_transfer_engine({"init_info": info})
         # routes, kernels warmed, the checksums incremental verification starts from
         init_s = time.perf_counter() - t_init
         engine = _engine(llm)
@@ -192,6 +201,11 @@ def main() -> None:
                 "density": m.density if m else None,
                 "object_bytes": m.object_bytes if m else None,
                 "staged_after_publish_s": staged_after,
+                # the publisher's background parts of that interval (the rest: the engine hears, fetches,
+                # verifies, decodes, routes and seals)
+                "publish_encode_s": m.encode_s if m else None,
+                "publish_commit_s": m.write_s + m.upload_s if m else None,
+                **{f"prefetch_{k}_s": v for k, v in engine._prefetcher.timings.get(step, {}).items()},
                 **times,
                 **{f"engine_{k}_s": v for k, v in parts.items()},
                 "vllm_overhead_s": times["paused_s"] - inside - times["reset_s"],
@@ -250,7 +264,18 @@ def _report(args: Any, numel: int, init_s: float, rows: list[dict[str, Any]]) ->
     t.add_row("paused / full reload", f"{paused / full:.1%}", "<= 10%")
     t.add_row("floor / full reload", f"{med('scatter_floor_s') / full:.1%}", "")
     t.add_row("first pause / median pause", f"{first / paused:.2f}x", "<= 1.5x")
-    t.add_row("publish() returned -> step staged", f"{med('staged_after_publish_s') * 1e3:.0f}", "")
+    t.add_row("publish() returned -> step staged", f"{med('staged_after_publish_s') * 1e3:.0f}", "<= 100 (local)")
+    if all(r["publish_encode_s"] is not None for r in rows):
+        engine_side = float(np.median([r["staged_after_publish_s"] - r["publish_encode_s"] - r["publish_commit_s"]
+                                       for r in rows]))
+        t.add_row("  publisher: encode", f"{med('publish_encode_s') * 1e3:.0f}", "")
+        t.add_row("  publisher: write + commit", f"{med('publish_commit_s') * 1e3:.0f}", "")
+        t.add_row(f"  engine: {'poll' if args.poll else 'hear'}, fetch, verify, decode, seal",
+                  f"{engine_side * 1e3:.0f}", "")
+    for part, label in (("find", "poll or pushed step, chain"), ("prepare", "fetch, verify, decode, route"),
+                        ("seal", "seal (checksums ahead)")):
+        if all(f"prefetch_{part}_s" in r for r in rows):
+            t.add_row(f"    engine: {label}", f"{med(f'prefetch_{part}_s') * 1e3:.0f}", "")
     t.add_row("engine init (routes, kernels, base checksums)", f"{init_s * 1e3:.0f}", "")
     Console(width=130).print(t)
     write_results(args, "vllm-unsealed" if args.unsealed else "vllm", {"numel": numel, "init_s": init_s, "rows": rows})

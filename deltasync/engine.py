@@ -20,6 +20,8 @@ The flow, decode ahead, then only write and prove inside the engine's pause::
 A step's checksum is the sum of its tensors' checksums modulo 2**64 (docs/FORMAT.md section 3):
 ``tensor_checksum`` for a whole tensor, ``checksum_elements`` for some of its elements (a shard's),
 ``add_checksums`` to combine them, ``format_checksum``/``parse_checksum`` for the manifest's hex form.
+``parallel_map``/``submit_all`` spread work across tensors on deltasync's thread pool (or, for a pause that
+must not queue behind other work, a pool of the caller's).
 """
 
 from deltasync.consumers import check_consumer_id, read_heartbeats, write_heartbeat
@@ -45,6 +47,7 @@ from deltasync.signing import TrustedKeys, pem_texts
 from deltasync.stages.apply import Replica, Verify, apply_staged, xor_apply, xor_apply_all
 from deltasync.stages.staging import Layout, StagedStep, TensorSpec, layout_of, stage
 from deltasync.store import Manifest, Part
+from deltasync.threads import parallel_map, submit_all
 from deltasync.watch import PollPolicy, StepWatch
 
 __all__ = [
@@ -61,6 +64,8 @@ __all__ = [
     "Verify",
     "Patch",
     "warm_kernels",
+    "parallel_map",
+    "submit_all",
     # bits and checksums
     "DTYPES",
     "dtype_name",

@@ -37,10 +37,19 @@ from deltasync.format.documents import MAX_STEP
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EventFeed", "EventServer", "Notifier"]
+__all__ = ["EventFeed", "EventServer", "Notifier", "host_port"]
 
 MAX_LINE_BYTES = 4096  # an event line longer than this is not ours: the feed is dropped and reconnected
 KEEPALIVE_S = 15.0
+
+
+def host_port(value: object, *, what: str = "--events") -> tuple[str, int]:
+    """``HOST:PORT`` (port 0: any free port; an IPv6 host in brackets) as (host, port), or a ``ConfigError``
+    naming ``what`` and the value."""
+    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not (sep and host and port.isdigit() and port.isascii() and int(port) <= 65535):
+        raise ConfigError(f"{what}: expected HOST:PORT (e.g. 0.0.0.0:8901), got {value!r}")
+    return host.strip("[]"), int(port)
 
 
 class Notifier(Protocol):

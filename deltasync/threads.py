@@ -42,14 +42,18 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], *, cost: Callable[[T]
     return [f.result() for f in _drain_all(fn, items, cost, caller_works=True)]
 
 
-def submit_all(fn: Callable[[T], R], items: Iterable[T], *, cost: Callable[[T], int] | None = None) -> list[Future[R]]:
+def submit_all(fn: Callable[[T], R], items: Iterable[T], *, cost: Callable[[T], int] | None = None,
+               pool: ThreadPoolExecutor | None = None) -> list[Future[R]]:
     """Like ``parallel_map`` (``cost`` included) but returns the futures, in the items' order, for a caller
     that must know which items finished (an apply that undoes what it wrote when another item fails): a
     future cancelled before its item started never starts it. Inside the pool the items run in order right
-    here, and those after a failed one are cancelled (never started); an interrupt propagates."""
+    here, and those after a failed one are cancelled (never started); an interrupt propagates.
+
+    ``pool``: run on these threads instead of the shared pool (an engine's pause must not queue behind the
+    decoding of the next step there)."""
     items = list(items)
-    if len(items) > 1 and not getattr(_local, "in_pool", False):
-        return _drain_all(fn, items, cost, caller_works=False)
+    if len(items) > 1 and (pool is not None or not getattr(_local, "in_pool", False)):
+        return _drain_all(fn, items, cost, caller_works=False, pool=pool)
     futures: list[Future[R]] = [Future() for _ in items]
     for k, (f, x) in enumerate(zip(futures, items, strict=True)):
         try:
@@ -63,7 +67,7 @@ def submit_all(fn: Callable[[T], R], items: Iterable[T], *, cost: Callable[[T], 
 
 
 def _drain_all(fn: Callable[[T], R], items: list[T], cost: Callable[[T], int] | None, *,
-               caller_works: bool) -> list[Future[R]]:
+               caller_works: bool, pool: ThreadPoolExecutor | None = None) -> list[Future[R]]:
     """Run every item on the pool's threads (and the caller's, with ``caller_works``), each thread taking the
     next item until none is left: one hand-over per thread, not one per item. A step's small tensors (norms,
     biases) take microseconds each, and handing each to a pool thread and back cost more than running it and
@@ -89,7 +93,7 @@ def _drain_all(fn: Callable[[T], R], items: list[T], cost: Callable[[T], int] | 
                     rest.cancel()
                 raise
 
-    pool = _executor()
+    pool = pool or _executor()
     helpers = min(pool._max_workers, len(items)) - (1 if caller_works else 0)
     for _ in range(helpers):
         pool.submit(drain)

@@ -133,7 +133,9 @@ class StepWatch:
         self.polls += 1
         now = self._clock()
         pushed, self._pushed = self._pushed, None
-        if pushed is not None and not self._must_list and (self._known is None or pushed > self._known):
+        if pushed is not None and not self._must_list and self._known is not None and pushed <= self._known:
+            return self._known  # a step already seen (a feed that connected or reconnected says its newest): no request
+        if pushed is not None and not self._must_list:
             try:
                 self.reader.manifest(pushed, nearby=False)  # a pushed step is a hint: committed?
             except StepNotFoundError:

@@ -147,7 +147,7 @@ def mirror(
 
     from deltasync.history.mirror import mirror as mirror_once
     from deltasync.history.mirror import mirror_follow
-    from deltasync.notify import EventFeed, EventServer
+    from deltasync.notify import EventFeed, EventServer, host_port
     from deltasync.store import Store
     from deltasync.watch import PollPolicy
 
@@ -176,7 +176,7 @@ def mirror(
     server = feed = None
     try:
         if events is not None:
-            server = EventServer(*_host_port(events))
+            server = EventServer(*host_port(events))
             out.print(f"events at {server.url}", markup=False)
         feed = EventFeed(notify) if notify is not None else None
         mirror_follow(src, dst, src_options=src_options, dst_options=dst_options, until=until, stop=stop,
@@ -188,16 +188,6 @@ def mirror(
         for thing in (feed, server):
             if thing is not None:
                 thing.close()
-
-
-def _host_port(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (port 0: any free port), or a ``ConfigError`` naming what was expected."""
-    from deltasync.errors import ConfigError
-
-    host, sep, port = value.rpartition(":")
-    if not (sep and host and port.isdigit() and port.isascii() and int(port) <= 65535):
-        raise ConfigError(f"--events: expected HOST:PORT (e.g. 0.0.0.0:8901), got {value!r}")
-    return host.strip("[]"), int(port)
 
 
 @app.command()

@@ -5,6 +5,7 @@ event server costs nothing but a reconnect."""
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
@@ -143,7 +144,7 @@ def test_a_pushed_step_is_checked_against_the_commit(tmp_path, caplog):
             _until(lambda: feed.alive)
             server.announce(1)
             watch.wait(30)
-            assert watch.newest() == 1 and hints == [1]  # nothing new: polled as usual
+            assert watch.newest() == 1 and hints == []  # a step already known: not a single request
             with caplog.at_level(logging.INFO, logger="deltasync.watch"):
                 server.announce(40)  # never committed
                 watch.wait(30)
@@ -252,3 +253,52 @@ def test_a_store_that_pushes_its_changes_is_followed_by_its_feed_and_the_feed_cl
                 assert not feeds[0].alive and not feeds[0]._thread.is_alive()
         finally:
             unregister_transport("pushing")
+
+
+def test_a_publisher_serves_its_own_events_and_a_follower_applies_each_step_as_it_commits(tmp_path):
+    """``events=HOST:PORT``: the publisher announces every commit; a follower that would poll once in ten minutes
+    applies each step at once, bit-exactly, and a newcomer hears the newest step. The feed stops with close()."""
+    url = str(tmp_path / "s")
+    truth = {0: _state(0)}
+    pub = DeltaPublisher(url, truth[0], anchor_every=3, on_backlog="block", events="127.0.0.1:0")
+    assert pub.events_url is not None and pub.events_url.startswith("http://127.0.0.1:")
+    pub.publish(0)
+    pub.flush()
+    feed = EventFeed(pub.events_url)
+    target = StateDictTarget(verify="all")
+    follower = Follower(url, target, poll_s=600.0, max_poll_s=600.0, notifier=feed)
+    try:
+        follower.wait_for(0, timeout_s=60)
+        hints = []
+        original = follower.reader.store.latest_hint
+        follower.reader.store.latest_hint = lambda: hints.append(1) or original()  # type: ignore[method-assign]
+        follower.start()
+        for step in range(1, 5):
+            pub.source = truth[step] = _state(step)
+            pub.publish(step)
+            _until(lambda: follower.step == step, timeout_s=60)  # noqa: B023 - _until() calls it at once
+            assert states_equal(target.state_dict(), truth[step])
+        assert len(hints) <= 1  # the thread's first poll at most: every step came by push
+        late = EventFeed(pub.events_url)
+        try:
+            heard = _heard(late)
+            _until(lambda: heard)
+            assert heard == [4]  # a newcomer hears the newest committed step
+        finally:
+            late.close()
+    finally:
+        follower.close()
+        feed.close()
+        pub.close()
+    with pytest.raises(OSError):  # closed with the publisher
+        socket.create_connection(("127.0.0.1", int(pub.events_url.rsplit(":", 1)[1].split("/")[0])), timeout=5)
+
+
+def test_a_publisher_that_cannot_listen_says_so_and_leaves_the_stream_untouched(tmp_path):
+    with EventServer() as taken:
+        port = taken.url.rsplit(":", 1)[1].split("/")[0]
+        with pytest.raises(ConfigError, match=f"publish option events: cannot listen on '127.0.0.1:{port}'"):
+            DeltaPublisher(str(tmp_path / "s"), _state(0), events=f"127.0.0.1:{port}")
+    assert not (tmp_path / "s").exists()
+    with DeltaPublisher(str(tmp_path / "s"), _state(0)) as pub:  # no lease was left behind either
+        pub.publish(0)

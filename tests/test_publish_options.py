@@ -19,6 +19,9 @@ from deltasync.errors import ConfigError
     ("lease_s", 0, "lease_s must be seconds > 0, got 0"),
     ("dtype", "bfloat16", "dtype must be a torch.dtype, got 'bfloat16'"),
     ("writer_id", "", "writer_id must be a non-empty string, got ''"),
+    ("events", "8901", "events: expected HOST:PORT (e.g. 0.0.0.0:8901), got '8901'"),
+    ("events", "host:65536", "events: expected HOST:PORT (e.g. 0.0.0.0:8901), got 'host:65536'"),
+    ("events", 8901, "events: expected HOST:PORT (e.g. 0.0.0.0:8901), got 8901"),
 ])
 def test_a_setting_that_makes_no_sense_is_a_config_error_naming_it_and_nothing_is_written(tmp_path, option, value,
                                                                                            message):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import torch
 
 from deltasync.errors import ConfigError
+from deltasync.notify import host_port
 from deltasync.publish.names import NameMap
 from deltasync.stages.diff import SnapshotDevice
 
@@ -48,6 +49,10 @@ class PublishOptions:
         sharded: publish from every rank of a sharded (DTensor) model; None detects it.
         files: the model's non-weight files (a checkpoint folder, or name -> bytes), stored once per stream.
         signing_key: a private key (``deltasync keygen``) that signs every step.
+        events: ``"HOST:PORT"`` (port 0: any free port): serve an event feed there announcing each step as it
+            is committed (``DeltaPublisher.events_url``), the feed a mirror serves with ``--events``. Followers
+            and engines given it (``notify``) fetch a step as soon as it lands instead of at their next poll.
+            On a sharded trainer, rank 0 serves it.
 
     Raises:
         ConfigError: a value of the wrong type or out of range, naming the option.
@@ -74,6 +79,7 @@ class PublishOptions:
     sharded: bool | None = None
     files: str | Path | ModelFiles | None = None
     signing_key: str | Path | SigningKey | None = None
+    events: str | None = None
 
     def __post_init__(self) -> None:
         def whole(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -94,6 +100,8 @@ class PublishOptions:
             raise ConfigError(f"publish option lease_s must be seconds > 0, got {self.lease_s!r}")
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise ConfigError(f"publish option dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.events is not None:
+            host_port(self.events, what="publish option events")
         if self.writer_id is not None and (not isinstance(self.writer_id, str) or not self.writer_id):
             raise ConfigError(f"publish option writer_id must be a non-empty string, got {self.writer_id!r}")
 

@@ -21,11 +21,12 @@ from typing import Any
 
 import torch
 
-from deltasync.errors import DeltaSyncError, PublishError, StepOrderError
+from deltasync.errors import ConfigError, DeltaSyncError, PublishError, StepOrderError
 from deltasync.format.documents import Kind, check_step
 from deltasync.format.objects import TensorHeader
 from deltasync.format.patch import Patch
 from deltasync.history.checkpoints import collect_model_files, write_model_files
+from deltasync.notify import EventServer, host_port
 from deltasync.publish.names import named_tensors
 from deltasync.publish.options import PublishOptions
 from deltasync.publish.sharded import ShardedWriter, ShardGroup, is_sharded
@@ -163,15 +164,36 @@ class DeltaPublisher:
         self._sharded = (ShardedWriter(source, opts, self.store, writer_id=self.writer_id, signing_key=self.signing_key,
                                        spool=lambda: self._spool, group=ShardGroup()) if sharded else None)
         self._holds_lease = self._sharded is None or self._sharded.rank == 0  # one lease per stream: rank 0's
-        start_error = None
-        if self._holds_lease:
+        # the committer announces each step to followers that listen (before the lease: a port in use fails here;
+        # on a sharded trainer every rank fails with rank 0, below)
+        self._events: EventServer | None = None
+        start_error: DeltaSyncError | None = None
+        if opts.events is not None and self._holds_lease:
+            try:
+                self._events = _event_server(opts.events)
+            except ConfigError as e:
+                if self._sharded is None:
+                    raise
+                start_error = e
+        try:
+            self._start(start_error)
+        except BaseException:
+            if self._events is not None:
+                self._events.close()
+            raise
+
+    def _start(self, start_error: DeltaSyncError | None) -> None:
+        """Take the stream's lease (rank 0), agree on where the stream stands, start the background thread."""
+        opts = self.options
+        self.last_committed_step: int | None = None
+        if self._holds_lease and start_error is None:
             try:
                 self.store.acquire_lease(self.writer_id, ttl_s=opts.lease_s, take_over=opts.take_over)
                 # leftovers of a writer that died; a young folder may belong to a writer still finishing its upload
                 self.store.remove_uncommitted(older_than_s=opts.lease_s)
                 # resume after the newest committed manifest, never after the latest.json hint (it may be stale)
                 committed = self.store.steps()
-                self.last_committed_step: int | None = committed[-1] if committed else None
+                self.last_committed_step = committed[-1] if committed else None
             except DeltaSyncError as e:
                 if self._sharded is None:
                     raise
@@ -185,6 +207,7 @@ class DeltaPublisher:
         self._last_captured = self.last_committed_step
         if self.last_committed_step is not None:
             log.info("%s: resuming after committed step %d", self.store.url, self.last_committed_step)
+            self._announce(self.last_committed_step)
         self._thread = threading.Thread(target=self._run, name="deltasync-publisher", daemon=True)
         if self._holds_lease:  # other ranks of a sharded model hold no lease: nothing to renew
             self._thread.start()
@@ -240,6 +263,7 @@ class DeltaPublisher:
         self._force_anchor = False
         self._since_anchor = 0 if kind == "anchor" else self._since_anchor + 1
         self._last_captured = self.last_committed_step = step
+        self._announce(step)
         log.info("committed sharded %s step %d (%d bytes, %.3f s)", kind, step, nbytes, time.perf_counter() - t0)
         return True
 
@@ -273,6 +297,18 @@ class DeltaPublisher:
                     self._sharded.group.destroy()
             finally:
                 self._spool_folder.remove()  # also after a failed step: nothing stays in the temp folder
+                if self._events is not None:
+                    self._events.close()
+
+    @property
+    def events_url(self) -> str | None:
+        """The event feed's URL (``http://HOST:PORT/events``) with the ``events`` option (on rank 0), else None:
+        give it to followers and engines as ``notify``."""
+        return self._events.url if self._events is not None else None
+
+    def _announce(self, step: int) -> None:
+        if self._events is not None:
+            self._events.announce(step)
 
     @property
     def _spool(self) -> Path:
@@ -414,6 +450,7 @@ class DeltaPublisher:
                 delta_local.unlink(missing_ok=True)
         t3 = time.perf_counter()
         self.last_committed_step = job.step
+        self._announce(job.step)
         full_bytes = sum(h.numel * h.torch_dtype.itemsize for h in headers.values())
         self.metrics.append(
             StepMetrics(
@@ -432,3 +469,12 @@ class DeltaPublisher:
             )
         )
         log.info("committed %s step %d (%d bytes, %d changed)", job.kind, job.step, size, header.changed)
+
+
+def _event_server(events: str) -> EventServer:
+    """An event server on ``events`` (``HOST:PORT``), or a ``ConfigError`` saying why it cannot listen there."""
+    host, port = host_port(events, what="publish option events")
+    try:
+        return EventServer(host, port)
+    except OSError as e:
+        raise ConfigError(f"publish option events: cannot listen on {events!r} ({e.strerror or e})") from None

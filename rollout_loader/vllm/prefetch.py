@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -78,6 +79,9 @@ class Prefetcher:
         self.watch = StepWatch(reader, policy, notifier=notifier)
         self.ahead = ahead
         self._ready: dict[int, Prepared] = {}
+        # seconds per step prepared here, by part ("find": the poll and the chain, "prepare": fetch, verify,
+        # decode and route, "seal"), the last 16 steps: where the time from a commit to a ready step goes
+        self.timings: dict[int, dict[str, float]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = self.watch.wake
@@ -123,11 +127,13 @@ class Prefetcher:
             self.watch.wait(self.watch.delay())
 
     def _prefetch_once(self) -> None:
+        t0 = time.perf_counter()
         latest = self.watch.newest()
         held = self.held()
         if latest is None or latest == held:
             return
         chain = self.reader.chain(latest, start=held)
+        t1 = time.perf_counter()
         wanted = chain[: self.ahead]
         with self._lock:
             for s in list(self._ready):
@@ -139,11 +145,13 @@ class Prefetcher:
             with self._lock:
                 if s in self._ready:
                     continue
+            t2 = time.perf_counter()
             prepared = prepare(self.reader, self.state, s, base=before if self.anchor_deltas else None)
             with self._lock:
                 if self.held() != held:  # the engine moved meanwhile: stage against what it holds now
                     return
                 self._ready[s] = prepared
+                self._timed(s, find=t1 - t0, prepare=time.perf_counter() - t2)
         self._seal_next(wanted[0], held)
 
     def _seal_next(self, step: int, held: int | None) -> None:
@@ -154,7 +162,14 @@ class Prefetcher:
             return
         if prepared.header.base_step != held or held is None:
             return
+        t0 = time.perf_counter()
         sealed = self.state.seal(prepared.staged)
         with self._lock:
             if self.held() == held and self._ready.get(step) is prepared:
                 self._ready[step] = replace(prepared, seal=sealed)
+                self._timed(step, seal=time.perf_counter() - t0)
+
+    def _timed(self, step: int, **parts: float) -> None:  # under the lock
+        self.timings.setdefault(step, {}).update(parts)
+        while len(self.timings) > 16:
+            del self.timings[min(self.timings)]

@@ -33,7 +33,14 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from deltasync.engine import StepHeader, checksum_elements, xor_apply, xor_apply_all
+from deltasync.engine import (
+    StepHeader,
+    checksum_elements,
+    parallel_map,
+    submit_all,
+    xor_apply,
+    xor_apply_all,
+)
 from deltasync.errors import TensorMismatchError
 from rollout_loader.routing import Route, RoutingTable, chunks
 
@@ -136,18 +143,21 @@ class WorkerState:
         A patch is ``(name, positions, xor)`` (numpy or torch; positions int64 ascending or None for dense;
         xor as wide as the tensor's dtype), which is what ``StepObject.patches()`` yields.
         """
-        staged: list[Staged] = []
-        problems: list[str] = []
-        for name, pos, xor in patches:
+        def route(patch: RawPatch) -> list[Staged] | str:
+            name, pos, xor = patch
             p, x = _as_torch(pos, signed=False), _as_torch(xor, signed=True)
             assert x is not None
             problem = self._problem(name, p, x)
             if problem:
-                problems.append(f"{name!r}: {problem}")
-                continue
-            home = self.homes[name]
-            for idx, xs, hf, owned in _localize(home, p, x):
-                staged.append(Staged(name=name, idx=idx, x=xs, hf_idx=hf, owned=owned))
+                return f"{name!r}: {problem}"
+            return [Staged(name=name, idx=idx, x=xs, hf_idx=hf, owned=owned)
+                    for idx, xs, hf, owned in _localize(self.homes[name], p, x)]
+
+        items = list(patches)  # checked and routed in parallel across tensors, largest first; kept in order
+        routed = parallel_map(route, items, cost=lambda r: int(r[2].size if isinstance(r[2], np.ndarray)
+                                                                else r[2].numel()))
+        problems = [r for r in routed if isinstance(r, str)]
+        staged = [s for r in routed if not isinstance(r, str) for s in r]
         if problems:
             raise PatchError(f"patch rejected, weights untouched ({len(problems)} problem(s)):\n  "
                              + "\n  ".join(problems))
@@ -171,16 +181,20 @@ class WorkerState:
         O(change) plus, the first time a tensor is seen, one pass over it (its running part). Runs before the pause
         (the prefetcher's thread); ``write_sealed`` uses it only while no other write happened since.
         """
+        def change(s: Staged) -> int:
+            if not (s.owned and s.idx.numel()):
+                return 0
+            old = _gather(self.homes[s.name].bits, s.idx)
+            new = old ^ s.x.to(old.device)
+            return checksum_elements(new, s.hf_idx) - checksum_elements(old, s.hf_idx)
+
         with self.lock:
+            # the patches' changes in parallel on deltasync's pool (largest first), then added up per tensor
+            changes = parallel_map(change, staged, cost=lambda s: s.idx.numel())
             sums: dict[str, int] = {}
-            for s in staged:
-                home = self.homes[s.name]
+            for s, c in zip(staged, changes, strict=True):
                 total = sums[s.name] if s.name in sums else self.part(s.name)
-                if s.owned and s.idx.numel():
-                    old = _gather(home.bits, s.idx)
-                    new = old ^ s.x.to(old.device)
-                    total += checksum_elements(new, s.hf_idx) - checksum_elements(old, s.hf_idx)
-                sums[s.name] = total & MASK64
+                sums[s.name] = (total + c) & MASK64
             return Seal(version=self.version, sums=sums)
 
     def write_sealed(self, staged: Sequence[Staged], sealed: Seal) -> dict[str, int] | None:
@@ -314,7 +328,8 @@ class WorkerState:
                 one(s)
                 landed.append((self.homes[s.name].bits, s))
             return
-        futures = [_SCATTER_POOL.submit(one, s) for s in staged]
+        # largest first; each pool thread takes the next patch (one hand-over per thread, not per patch)
+        futures = submit_all(one, staged, cost=lambda s: s.x.numel(), pool=_SCATTER_POOL)
         try:
             wait(futures)
         finally:  # also on an interrupt: what runs lands first, then everything that landed is known
