@@ -19,6 +19,7 @@ The flow, decode ahead, then only write and prove inside the engine's pause::
 
 A step's checksum is the sum of its tensors' checksums modulo 2**64 (docs/FORMAT.md section 3):
 ``tensor_checksum`` for a whole tensor, ``checksum_elements`` for some of its elements (a shard's),
+``checksum_change`` for what a write would change (before making it),
 ``add_checksums`` to combine them, ``format_checksum``/``parse_checksum`` for the manifest's hex form.
 ``parallel_map``/``submit_all`` spread work across tensors on deltasync's thread pool (or, for a pause that
 must not queue behind other work, a pool of the caller's).
@@ -29,6 +30,7 @@ from deltasync.format._bits import DTYPES, dtype_from_name, dtype_name, int_view
 from deltasync.format._kernels import warm_kernels
 from deltasync.format.checksum import add as add_checksums
 from deltasync.format.checksum import (
+    checksum_change,
     checksum_elements,
     format_checksum,
     parse_checksum,
@@ -73,6 +75,7 @@ __all__ = [
     "int_view",
     "tensor_checksum",
     "checksum_elements",
+    "checksum_change",
     "add_checksums",
     "format_checksum",
     "parse_checksum",

@@ -65,3 +65,46 @@ def test_format_parse_and_state_digest():
     a = C.state_checksum({"b": "0x1", "a": "0x2"})
     assert a == C.state_checksum({"a": "0x2", "b": "0x1"}) and len(a) == 64
     assert a != C.state_checksum({"a": "0x1", "b": "0x2"})
+
+
+def _reference_at(bits: torch.Tensor, indices: torch.Tensor) -> int:
+    """Section 4 over elements at given global indices, in plain Python."""
+    return sum(_mix(int(u) ^ _mix(int(i))) for u, i in zip(np_bits(bits.contiguous()).tolist(),
+                                                               indices.tolist(), strict=True)) & M
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([torch.bfloat16, torch.float32, torch.int8, torch.float64]), st.integers(1, 400),
+       st.integers(0, 2**31), st.integers(0, 10_000))
+def test_a_change_computed_before_a_write_is_the_one_the_write_makes(dtype, n, seed, base):
+    """``checksum_change`` (one fused pass, nothing written) against the plain-Python checksum of the elements
+    before and after the XOR, each hashed at its global index (a slice of a larger tensor: base + position)."""
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(n, generator=g) * 3).to(dtype)
+    signed = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    positions = torch.randperm(n, generator=g)[: max(1, n // 7)].sort().values
+    xor = torch.randint(-100, 100, (positions.numel(),), generator=g).to(signed)
+    indices = positions + base
+    before = t.clone()
+    change = C.checksum_change(t, positions, xor, indices)
+    assert torch.equal(t.view(signed), before.view(signed))  # nothing written
+    after = t.clone().view(signed).reshape(-1)
+    after[positions] ^= xor
+    want = (_reference_at(after[positions], indices) - _reference_at(before.view(signed)[positions], indices)) & M
+    assert change == want
+    assert C._torch_change(t.reshape(-1), positions, xor, indices) == want  # the accelerators' path, run here
+
+
+def test_a_change_outside_the_tensor_is_refused_before_any_read():
+    import pytest
+
+    from deltasync.errors import TensorMismatchError
+
+    t = torch.zeros(10, dtype=torch.bfloat16)
+    x = torch.ones(2, dtype=torch.int16)
+    with pytest.raises(TensorMismatchError, match="positions run from 3 to 10, the tensor has 10 elements"):
+        C.checksum_change(t, torch.tensor([3, 10]), x, torch.tensor([3, 10]))
+    with pytest.raises(TensorMismatchError, match="2 torch.int64 positions, 2 32-bit values"):
+        C.checksum_change(t, torch.tensor([3, 4]), x.int(), torch.tensor([3, 4]))
+    with pytest.raises(TensorMismatchError, match="1 indices"):
+        C.checksum_change(t, torch.tensor([3, 4]), x, torch.tensor([3]))

@@ -400,6 +400,28 @@ def _xor_at_indexed(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: n
     return total
 
 
+def _change_at(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: np.ndarray) -> np.uint64:
+    """The checksum change that ``u[local] ^= xor`` would make, hashed with the global indices ``hashed``;
+    writes nothing. An engine seals a staged step with it before the pause: one pass gathering the old bits a
+    run at a time, hashed from cache (``_xor_at``'s shape without the writes). Positions must be in range."""
+    n = local.size
+    nblocks = (n + _BLOCK - 1) // _BLOCK
+    parts = np.zeros(nblocks, np.uint64)
+    for k in numba.prange(nblocks):
+        old = np.empty(_RUN, u.dtype)
+        acc = np.uint64(0)
+        for s in range(k * _BLOCK, min(k * _BLOCK + _BLOCK, n), _RUN):
+            e = min(s + _RUN, n)
+            for i in range(s, e):
+                old[i - s] = u[local[i]]
+            acc += _hash_change(hashed[s:e], old, xor[s:e])
+        parts[k] = acc
+    total = np.uint64(0)
+    for k in range(nblocks):
+        total += parts[k]
+    return total
+
+
 def _xor_dense(u: np.ndarray, xor: np.ndarray, base: np.int64) -> np.uint64:
     """``u ^= xor`` for a whole (chunk of a) tensor; returns the change of the checksum."""
     nblocks = (u.size + _BLOCK - 1) // _BLOCK
@@ -437,6 +459,7 @@ _diff_scan_parallel, _diff_scan_serial = _pjit(_diff_scan), _serial_twin(_diff_s
 _xor_at_parallel, _xor_at_serial = _pjit(_xor_at), _serial_twin(_xor_at)
 _xor_at_indexed_parallel, _xor_at_indexed_serial = _pjit(_xor_at_indexed), _serial_twin(_xor_at_indexed)
 _xor_dense_parallel, _xor_dense_serial = _pjit(_xor_dense), _serial_twin(_xor_dense)
+_change_at_parallel, _change_at_serial = _pjit(_change_at), _serial_twin(_change_at)
 
 
 def checksum_range(u: np.ndarray, base: int, *, parallel: bool | None = None) -> np.uint64:
@@ -466,6 +489,13 @@ def xor_at_indexed(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: np
     """See ``_xor_at_indexed``; ``parallel`` as in ``checksum_range`` (sized by the positions)."""
     return _pick(_xor_at_indexed_serial, _xor_at_indexed_parallel, local.size, parallel)(u, _ro(local), _ro(xor),
                                                                                          _ro(hashed), old_out)
+
+
+def change_at(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: np.ndarray,
+              *, parallel: bool | None = None) -> np.uint64:
+    """See ``_change_at``; ``parallel`` as in ``checksum_range`` (sized by the positions)."""
+    return _pick(_change_at_serial, _change_at_parallel, local.size, parallel)(_ro(u), _ro(local), _ro(xor),
+                                                                               _ro(hashed))
 
 
 def xor_dense(u: np.ndarray, xor: np.ndarray, base: int, *, parallel: bool | None = None) -> np.uint64:
@@ -581,6 +611,7 @@ def _warm(unsigned: Sequence[Any]) -> None:
             xor_at(u, idx, x, parallel=parallel)
             xor_at_indexed(u, idx, x, idx, np.empty_like(x), parallel=parallel)
             xor_dense(u, u.copy(), 0, parallel=parallel)
+            change_at(u, idx, x, idx, parallel=parallel)
         checksum_at(u, idx)
         compact(pos, xs, counts, n, pos.copy(), xs.copy())
         xor_plain_at(u, idx, x)

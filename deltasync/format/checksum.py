@@ -41,6 +41,44 @@ def checksum_elements(t: torch.Tensor, indices: torch.Tensor) -> int:
     return _torch_checksum_at(int_view(t.contiguous()), indices.reshape(-1).to(device=t.device, dtype=torch.int64))
 
 
+def checksum_change(bits: torch.Tensor, positions: torch.Tensor, xor: torch.Tensor, indices: torch.Tensor) -> int:
+    """The change of the checksum that ``bits.flat[positions] ^= xor`` would make (mod 2**64), each element
+    hashed with its global flat index from ``indices``; writes nothing. Lets a holder prove a write before
+    making it (an engine seals a staged step ahead of its pause) in one pass over the change.
+
+    ``positions`` (int64) and ``indices`` are as long as ``xor`` (integers as wide as ``bits``' elements);
+    ``TensorMismatchError`` if they are not, or a position is outside ``bits``.
+    """
+    from deltasync.errors import TensorMismatchError
+
+    flat, xor, positions, indices = bits.reshape(-1), xor.reshape(-1), positions.reshape(-1), indices.reshape(-1)
+    n = xor.numel()
+    if xor.element_size() != flat.element_size() or positions.numel() != n or indices.numel() != n \
+            or positions.dtype != torch.int64:
+        raise TensorMismatchError(f"checksum change: {positions.numel()} {positions.dtype} positions, {n} "
+                                  f"{8 * xor.element_size()}-bit values and {indices.numel()} indices for "
+                                  f"{8 * flat.element_size()}-bit elements")
+    if not n:
+        return 0
+    if flat.device.type == "cpu":
+        pos = positions.contiguous().numpy()
+        lo, hi = _kernels.span(pos)
+        if lo < 0 or hi >= flat.numel():
+            raise TensorMismatchError(f"positions run from {lo} to {hi}, the tensor has {flat.numel()} elements")
+        u = np_bits(flat)
+        x = int_view(xor.contiguous()).numpy().view(u.dtype)
+        return int(_kernels.change_at(u, pos, x, indices.to(torch.int64).contiguous().numpy()))
+    return _torch_change(flat, positions, xor, indices)
+
+
+def _torch_change(flat: torch.Tensor, positions: torch.Tensor, xor: torch.Tensor, indices: torch.Tensor) -> int:
+    """``checksum_change`` with torch operations (accelerators; the same number as the CPU kernel)."""
+    old = int_view(flat)[positions.to(flat.device)]
+    new = old ^ int_view(xor.to(flat.device))
+    idx = indices.to(device=flat.device, dtype=torch.int64)
+    return (_torch_checksum_at(new, idx) - _torch_checksum_at(old, idx)) & MASK64
+
+
 def add(*parts: int) -> int:
     """Combine checksums of disjoint parts of one tensor (or apply a checksum delta)."""
     return sum(parts) & MASK64
