@@ -88,6 +88,27 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> Non
     assert held("a")[0].tolist() == after_other["a"][0].tolist()
     assert state.sums["a"] == after_other["a"][1]
 
+    # a write that lands while a seal is being computed (the seal holds no lock then, so that an update never
+    # waits for it) makes that seal stale too
+    import rollout_loader.vllm.state as state_module
+
+    real_change = state_module.checksum_change
+    racing = [patch("b", 0.1)]
+
+    def change_racing_a_write(*args: object) -> int:
+        if racing:
+            state.write(state.route_patches([racing.pop()]))  # an update on another thread, mid-seal
+        return real_change(*args)  # type: ignore[arg-type]
+
+    state_module.checksum_change = change_racing_a_write  # type: ignore[assignment]
+    try:
+        sealed = state.seal(staged)
+    finally:
+        state_module.checksum_change = real_change
+    held_now = {n: held(n)[0].tolist() for n in routes}
+    assert not racing and state.write_sealed(staged, sealed) is None
+    assert {n: held(n)[0].tolist() for n in routes} == held_now  # nothing written
+
     # one patch of a sealed step fails its check (written on the pool beside the others): nothing stays written
     import dataclasses
 

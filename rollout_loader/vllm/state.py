@@ -187,14 +187,17 @@ class WorkerState:
                 return 0
             return checksum_change(self.homes[s.name].bits, s.idx, s.x, s.hf_idx)
 
-        with self.lock:
-            # the patches' changes in parallel on deltasync's pool (largest first), then added up per tensor
-            changes = parallel_map(change, staged, cost=lambda s: s.idx.numel())
-            sums: dict[str, int] = {}
-            for s, c in zip(staged, changes, strict=True):
-                total = sums[s.name] if s.name in sums else self.part(s.name)
-                sums[s.name] = (total + c) & MASK64
-            return Seal(version=self.version, sums=sums)
+        with self.lock:  # the version the seal is for, and the running parts (a first pass over a tensor)
+            version = self.version
+            parts = {s.name: self.part(s.name) for s in staged}
+        # the patches' changes without the lock, so that an update never waits for a seal: any write or rollback
+        # meanwhile bumps the version under the lock, and ``write_sealed`` then refuses this seal. In parallel on
+        # deltasync's pool (largest first), then added up per tensor.
+        changes = parallel_map(change, staged, cost=lambda s: s.idx.numel())
+        sums: dict[str, int] = {}
+        for s, c in zip(staged, changes, strict=True):
+            sums[s.name] = ((sums[s.name] if s.name in sums else parts[s.name]) + c) & MASK64
+        return Seal(version=version, sums=sums)
 
     def write_sealed(self, staged: Sequence[Staged], sealed: Seal) -> dict[str, int] | None:
         """``write`` for a sealed step: a plain XOR scatter (no hashing inside the pause), this rank's parts
