@@ -272,8 +272,9 @@ def _report(args: Any, numel: int, init_s: float, rows: list[dict[str, Any]]) ->
         t.add_row("  publisher: write + commit", f"{med('publish_commit_s') * 1e3:.0f}", "")
         t.add_row(f"  engine: {'poll' if args.poll else 'hear'}, fetch, verify, decode, seal",
                   f"{engine_side * 1e3:.0f}", "")
-    for part, label in (("find", "poll or pushed step, chain"), ("prepare", "fetch, verify, decode, route"),
-                        ("seal", "seal (checksums ahead)")):
+    for part, label in (("find", "poll or pushed step, chain"),
+                        ("prepare", "fetch, verify, decode, route (+ seal, one pass)"),
+                        ("seal", "seal after the engine moved")):
         if all(f"prefetch_{part}_s" in r for r in rows):
             t.add_row(f"    engine: {label}", f"{med(f'prefetch_{part}_s') * 1e3:.0f}", "")
     t.add_row("engine init (routes, kernels, base checksums)", f"{init_s * 1e3:.0f}", "")

@@ -10,7 +10,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # CI has no
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> None:
+def test_sealed_write_lands_the_reference_bits_and_checksums(device: str, tmp_path) -> None:
     """A sealed step (checksums computed before the pause from the bits held and the patch) writes exactly
     ``old ^ xor`` and carries this rank's parts as the FORMAT.md reference computes them from the new bits,
     also for the slices of a fused parameter and for a tensor-parallel shard; a seal older than the last write
@@ -121,3 +121,42 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str) -> Non
     with pytest.raises(TensorMismatchError):
         state.write_sealed([staged[0], bad, staged[2]], sealed)
     assert {n: held(n)[0].tolist() for n in routes} == now
+
+    # a real delta object decoded, routed and sealed in one pass per tensor (the prefetcher's path): the same
+    # staged patches and seal as routing all first and sealing after; its sealed write lands the object's bits
+    from deltasync.format.objects import StepObject
+    from deltasync.publish.steps import snapshot_headers, write_step
+    from deltasync.stages.diff import Snapshot
+    from tests.conftest import perturb
+
+    def checkpoint(name: str) -> torch.Tensor:
+        """The whole checkpoint tensor: this rank's rows as the engine holds them, the other rows random."""
+        r = routes[name]
+        full = torch.from_numpy(rng.integers(-2**15, 2**15, r.hf_shape, dtype=np.int16)).view(torch.bfloat16)
+        full[r.hf_start[0]:r.hf_start[0] + r.extent[0]] = params[r.param_name][
+            r.param_start[0]:r.param_start[0] + r.extent[0]].cpu()
+        return full
+
+    old = {n: checkpoint(n) for n in routes}
+    snap = Snapshot(old)
+    new = {n: perturb(t, 0.2, torch.Generator().manual_seed(3)) for n, t in old.items()}
+    path = tmp_path / "1.safetensors"
+    write_step(path, kind="delta", step=1, base_step=0, headers=snapshot_headers(snap),
+               changes=[c for c in snap.diff(new) if c.changed])
+    with StepObject(path, where="step 1") as obj:
+        staged = state.route_patches([(p.name, p.positions, p.xor) for p in obj.patches()])
+        sealed = state.seal(staged)
+        fused, fused_seal = state.stage_object(obj, seal=True)
+        assert state.stage_object(obj)[1] is None  # no seal unless asked
+    assert fused_seal == sealed
+
+    def flat(st: list) -> list:
+        return [(s.name, s.owned, s.idx.tolist(), s.x.tolist(), s.hf_idx.tolist()) for s in st]
+
+    assert flat(fused) == flat(staged)
+    sums = state.write_sealed(fused, fused_seal)
+    for name, r in routes.items():
+        bits, idx = held(name)
+        rows = new[name][r.hf_start[0]:r.hf_start[0] + r.extent[0]].reshape(-1).view(torch.int16).numpy()
+        assert bits.tolist() == rows.view(np.uint16).tolist()
+        assert sums is not None and sums[name] == ref_checksum(bits, idx)

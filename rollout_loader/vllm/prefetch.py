@@ -48,17 +48,19 @@ class Prepared:
         return self.seal is not None or self.anchor is not None
 
 
-def prepare(reader: StreamReader, state: WorkerState, step: int, *, base: int | None = None) -> Prepared:
+def prepare(reader: StreamReader, state: WorkerState, step: int, *, base: int | None = None,
+            held: int | None = None) -> Prepared:
     """Fetch, verify, decode and stage ``step`` against ``state`` (writes nothing). ``base``: the step the engine
-    will hold before it (an anchor that carries its delta from there is prepared as that delta)."""
+    will hold before it (an anchor that carries its delta from there is prepared as that delta). ``held``: the
+    step the engine holds now: a delta on it is sealed in the same pass as its decoding."""
     with reader.open(step, base=base) as obj:
         h = obj.header
         state.check_header(h, obj.where)
         if h.kind == "anchor":
             tensors = {name: obj.read_tensor(name) for name in state.homes}
             return Prepared(step=step, header=h, where=obj.where, anchor=tensors)
-        patches = [(p.name, p.positions, p.xor) for p in obj.patches()]
-        return Prepared(step=step, header=h, where=obj.where, staged=state.route_patches(patches))
+        staged, sealed = state.stage_object(obj, seal=held is not None and h.base_step == held)
+        return Prepared(step=step, header=h, where=obj.where, staged=staged, seal=sealed)
 
 
 class Prefetcher:
@@ -146,7 +148,9 @@ class Prefetcher:
                 if s in self._ready:
                     continue
             t2 = time.perf_counter()
-            prepared = prepare(self.reader, self.state, s, base=before if self.anchor_deltas else None)
+            # the first step after the one held is sealed as it is decoded (its base is what the engine holds)
+            prepared = prepare(self.reader, self.state, s, base=before if self.anchor_deltas else None,
+                               held=held if before == held else None)
             with self._lock:
                 if self.held() != held:  # the engine moved meanwhile: stage against what it holds now
                     return

@@ -34,7 +34,9 @@ import numpy as np
 import torch
 
 from deltasync.engine import (
+    PartedObject,
     StepHeader,
+    StepObject,
     checksum_change,
     checksum_elements,
     parallel_map,
@@ -144,25 +146,51 @@ class WorkerState:
         A patch is ``(name, positions, xor)`` (numpy or torch; positions int64 ascending or None for dense;
         xor as wide as the tensor's dtype), which is what ``StepObject.patches()`` yields.
         """
-        def route(patch: RawPatch) -> list[Staged] | str:
-            name, pos, xor = patch
-            p, x = _as_torch(pos, signed=False), _as_torch(xor, signed=True)
-            assert x is not None
-            problem = self._problem(name, p, x)
-            if problem:
-                return f"{name!r}: {problem}"
-            return [Staged(name=name, idx=idx, x=xs, hf_idx=hf, owned=owned)
-                    for idx, xs, hf, owned in _localize(self.homes[name], p, x)]
-
         items = list(patches)  # checked and routed in parallel across tensors, largest first; kept in order
-        routed = parallel_map(route, items, cost=lambda r: int(r[2].size if isinstance(r[2], np.ndarray)
-                                                                else r[2].numel()))
-        problems = [r for r in routed if isinstance(r, str)]
-        staged = [s for r in routed if not isinstance(r, str) for s in r]
-        if problems:
-            raise PatchError(f"patch rejected, weights untouched ({len(problems)} problem(s)):\n  "
-                             + "\n  ".join(problems))
-        return staged
+        routed = parallel_map(self._route_one, items, cost=lambda r: int(r[2].size if isinstance(r[2], np.ndarray)
+                                                                         else r[2].numel()))
+        return _staged_or_raise(routed)
+
+    def stage_object(self, obj: StepObject | PartedObject, *, seal: bool = False) -> tuple[list[Staged], Seal | None]:
+        """``route_patches`` over a delta's changed tensors, each decoded, checked and routed in one pool task
+        (largest first: no wait for every tensor's decoding before the routing starts); with ``seal``, each
+        task also computes its tensors' change for a seal over the bits held now (what ``seal`` computes,
+        in the same pass). A tensor that fails to decode raises its error (nothing is written either way)."""
+        names = [n for n, t in obj.header.tensors.items() if t.changed]
+        version, parts = 0, dict[str, int]()
+        if seal:
+            with self.lock:  # as in ``seal``: the version and the running parts, then the changes without the lock
+                version = self.version
+                parts = {n: self.part(n) for n in names if n in self.homes}
+
+        def work(name: str) -> tuple[list[Staged] | str, list[int]]:
+            p = obj.patch(name)
+            routed = self._route_one((p.name, p.positions, p.xor))
+            if isinstance(routed, str) or not seal:
+                return routed, []
+            return routed, [self._change(s) for s in routed]
+
+        results = parallel_map(work, names, cost=lambda n: obj.header.tensors[n].changed)
+        staged = _staged_or_raise([r for r, _ in results])
+        if not seal:
+            return staged, None
+        sums: dict[str, int] = {}
+        for routed, changes in results:
+            assert not isinstance(routed, str)  # a problem raised above
+            for s, c in zip(routed, changes, strict=True):
+                sums[s.name] = ((sums[s.name] if s.name in sums else parts[s.name]) + c) & MASK64
+        return staged, Seal(version=version, sums=sums)
+
+    def _route_one(self, patch: RawPatch) -> list[Staged] | str:
+        """One patch checked and mapped to this rank's elements, or what is wrong with it."""
+        name, pos, xor = patch
+        p, x = _as_torch(pos, signed=False), _as_torch(xor, signed=True)
+        assert x is not None
+        problem = self._problem(name, p, x)
+        if problem:
+            return f"{name!r}: {problem}"
+        return [Staged(name=name, idx=idx, x=xs, hf_idx=hf, owned=owned)
+                for idx, xs, hf, owned in _localize(self.homes[name], p, x)]
 
     def write(self, staged: Sequence[Staged]) -> dict[str, int]:
         """XOR staged patches in place, all or nothing on this rank; returns this rank's checksum part of each
@@ -182,22 +210,23 @@ class WorkerState:
         O(change) plus, the first time a tensor is seen, one pass over it (its running part). Runs before the pause
         (the prefetcher's thread); ``write_sealed`` uses it only while no other write happened since.
         """
-        def change(s: Staged) -> int:
-            if not (s.owned and s.idx.numel()):
-                return 0
-            return checksum_change(self.homes[s.name].bits, s.idx, s.x, s.hf_idx)
-
         with self.lock:  # the version the seal is for, and the running parts (a first pass over a tensor)
             version = self.version
             parts = {s.name: self.part(s.name) for s in staged}
         # the patches' changes without the lock, so that an update never waits for a seal: any write or rollback
         # meanwhile bumps the version under the lock, and ``write_sealed`` then refuses this seal. In parallel on
         # deltasync's pool (largest first), then added up per tensor.
-        changes = parallel_map(change, staged, cost=lambda s: s.idx.numel())
+        changes = parallel_map(self._change, staged, cost=lambda s: s.idx.numel())
         sums: dict[str, int] = {}
         for s, c in zip(staged, changes, strict=True):
             sums[s.name] = ((sums[s.name] if s.name in sums else parts[s.name]) + c) & MASK64
         return Seal(version=version, sums=sums)
+
+    def _change(self, s: Staged) -> int:
+        """The change of this rank's checksum part that writing ``s`` would make (0 for elements it does not own)."""
+        if not (s.owned and s.idx.numel()):
+            return 0
+        return checksum_change(self.homes[s.name].bits, s.idx, s.x, s.hf_idx)
 
     def write_sealed(self, staged: Sequence[Staged], sealed: Seal) -> dict[str, int] | None:
         """``write`` for a sealed step: a plain XOR scatter (no hashing inside the pause), this rank's parts
@@ -412,6 +441,14 @@ def _as_torch(a: np.ndarray | torch.Tensor | None, *, signed: bool) -> torch.Ten
 
 
 Group = tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]
+
+
+def _staged_or_raise(routed: Sequence[list[Staged] | str]) -> list[Staged]:
+    """The routed patches in order, or one ``PatchError`` listing every problem (nothing was written)."""
+    problems = [r for r in routed if isinstance(r, str)]
+    if problems:
+        raise PatchError(f"patch rejected, weights untouched ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
+    return [s for r in routed if not isinstance(r, str) for s in r]
 
 
 def _localize(home: TensorHome, pos: torch.Tensor | None, xor: torch.Tensor) -> list[Group]:
