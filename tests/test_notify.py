@@ -35,6 +35,17 @@ def _heard(feed: EventFeed) -> list[int]:
     return got
 
 
+def _started_counting_hints(follower: Follower) -> list[int]:
+    """Wait for ``follower`` to hold step 0 (its first poll), then start its thread; returns a list that grows by
+    one at each ``latest.json`` read from then on (a follower on push should read it once at most)."""
+    follower.wait_for(0, timeout_s=60)
+    hints: list[int] = []
+    original = follower.reader.store.latest_hint
+    follower.reader.store.latest_hint = lambda: hints.append(1) or original()  # type: ignore[method-assign]
+    follower.start()
+    return hints
+
+
 def _until(condition, timeout_s: float = 30.0) -> None:
     """Wait for ``condition()`` (a hang guard, not a timing check)."""
     deadline = time.monotonic() + timeout_s
@@ -174,11 +185,7 @@ def test_a_region_follows_a_mirror_by_its_events_bit_exactly(tmp_path):
         target = StateDictTarget(verify="all")
         follower = Follower(dst, target, poll_s=600.0, max_poll_s=600.0, notifier=feed)
         try:
-            follower.wait_for(0, timeout_s=60)  # the first poll (the mirror may not have copied it yet)
-            hints = []
-            original = follower.reader.store.latest_hint
-            follower.reader.store.latest_hint = lambda: hints.append(1) or original()  # type: ignore[method-assign]
-            follower.start()
+            hints = _started_counting_hints(follower)  # its first poll: the mirror may not have copied step 0 yet
             for step in range(1, 7):
                 pub.source = truth[step] = _state(step)
                 pub.publish(step)
@@ -268,11 +275,7 @@ def test_a_publisher_serves_its_own_events_and_a_follower_applies_each_step_as_i
     target = StateDictTarget(verify="all")
     follower = Follower(url, target, poll_s=600.0, max_poll_s=600.0, notifier=feed)
     try:
-        follower.wait_for(0, timeout_s=60)
-        hints = []
-        original = follower.reader.store.latest_hint
-        follower.reader.store.latest_hint = lambda: hints.append(1) or original()  # type: ignore[method-assign]
-        follower.start()
+        hints = _started_counting_hints(follower)
         for step in range(1, 5):
             pub.source = truth[step] = _state(step)
             pub.publish(step)
