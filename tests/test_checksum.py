@@ -96,6 +96,7 @@ def test_a_change_computed_before_a_write_is_the_one_the_write_makes(dtype, n, s
 
 
 def test_a_change_outside_the_tensor_is_refused_before_any_read():
+    """``checksum_change`` checks what ``xor_apply`` checks (one shared check), before reading a bit."""
     import pytest
 
     from deltasync.errors import TensorMismatchError
@@ -104,7 +105,7 @@ def test_a_change_outside_the_tensor_is_refused_before_any_read():
     x = torch.ones(2, dtype=torch.int16)
     with pytest.raises(TensorMismatchError, match="positions run from 3 to 10, the tensor has 10 elements"):
         C.checksum_change(t, torch.tensor([3, 10]), x, torch.tensor([3, 10]))
-    with pytest.raises(TensorMismatchError, match="2 torch.int64 positions, 2 32-bit values"):
+    with pytest.raises(TensorMismatchError, match="patch of 2 32-bit values for 2 elements of 16 bits"):
         C.checksum_change(t, torch.tensor([3, 4]), x.int(), torch.tensor([3, 4]))
-    with pytest.raises(TensorMismatchError, match="1 indices"):
+    with pytest.raises(TensorMismatchError, match="1 checksum indices for 2 patched elements"):
         C.checksum_change(t, torch.tensor([3, 4]), x, torch.tensor([3]))

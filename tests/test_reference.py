@@ -495,9 +495,9 @@ def test_xor_apply_refuses_a_patch_that_does_not_fit():
 
 def _checked_torch(t, pos, x, **kw):
     """The accelerator path through ``xor_apply``'s own checks (they run before either path)."""
-    from deltasync.stages.apply import _check_patch
+    from deltasync.format.checksum import check_patch
 
-    _check_patch(t.element_size(), t.numel(), pos, x, kw.get("index"), t.numel() if pos is None else pos.size)
+    check_patch(t.element_size(), t.numel(), pos, x, kw.get("index"), t.numel() if pos is None else pos.size)
     return _torch_ops(t, pos, x, **kw)
 
 

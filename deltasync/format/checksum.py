@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from deltasync.format import _kernels
@@ -47,27 +48,17 @@ def checksum_change(bits: torch.Tensor, positions: torch.Tensor, xor: torch.Tens
     making it (an engine seals a staged step ahead of its pause) in one pass over the change.
 
     ``positions`` (int64) and ``indices`` are as long as ``xor`` (integers as wide as ``bits``' elements);
-    ``TensorMismatchError`` if they are not, or a position is outside ``bits``.
+    ``TensorMismatchError`` if they are not, or a position is outside ``bits`` (the checks of ``xor_apply``).
     """
-    from deltasync.errors import TensorMismatchError
-
     flat, xor, positions, indices = bits.reshape(-1), xor.reshape(-1), positions.reshape(-1), indices.reshape(-1)
-    n = xor.numel()
-    if xor.element_size() != flat.element_size() or positions.numel() != n or indices.numel() != n \
-            or positions.dtype != torch.int64:
-        raise TensorMismatchError(f"checksum change: {positions.numel()} {positions.dtype} positions, {n} "
-                                  f"{8 * xor.element_size()}-bit values and {indices.numel()} indices for "
-                                  f"{8 * flat.element_size()}-bit elements")
-    if not n:
+    check_patch(flat.element_size(), flat.numel(), positions, xor, indices, positions.numel())
+    if not positions.numel():
         return 0
     if flat.device.type == "cpu":
-        pos = positions.contiguous().numpy()
-        lo, hi = _kernels.span(pos)
-        if lo < 0 or hi >= flat.numel():
-            raise TensorMismatchError(f"positions run from {lo} to {hi}, the tensor has {flat.numel()} elements")
         u = np_bits(flat)
         x = int_view(xor.contiguous()).numpy().view(u.dtype)
-        return int(_kernels.change_at(u, pos, x, indices.to(torch.int64).contiguous().numpy()))
+        return int(_kernels.change_at(u, positions.contiguous().numpy(), x,
+                                      indices.to(torch.int64).contiguous().numpy()))
     return _torch_change(flat, positions, xor, indices)
 
 
@@ -77,6 +68,30 @@ def _torch_change(flat: torch.Tensor, positions: torch.Tensor, xor: torch.Tensor
     new = old ^ int_view(xor.to(flat.device))
     idx = indices.to(device=flat.device, dtype=torch.int64)
     return (_torch_checksum_at(new, idx) - _torch_checksum_at(old, idx)) & MASK64
+
+
+def check_patch(width: int, numel: int, positions: np.ndarray | torch.Tensor | None, xor: np.ndarray | torch.Tensor,
+                index: np.ndarray | torch.Tensor | int | None, count: int) -> None:
+    """What every write of a patch (``xor_apply``) and every checksum of one (``checksum_change``) checks first:
+    ``xor`` holds ``count`` values as wide as the tensor's ``width``-byte elements, ``positions`` are int64 within
+    its ``numel`` elements, ``index`` (global indices, when an array) is as long; else ``TensorMismatchError``."""
+    from deltasync.errors import TensorMismatchError
+
+    xsize = int(xor.numel() if isinstance(xor, torch.Tensor) else xor.size)
+    xwidth = xor.element_size() if isinstance(xor, torch.Tensor) else xor.itemsize
+    if xwidth != width or xsize != count:
+        raise TensorMismatchError(f"patch of {xsize} {8 * xwidth}-bit values for {count} elements of {8 * width} bits")
+    if positions is not None and count:
+        if positions.dtype not in (np.int64, torch.int64):
+            raise TensorMismatchError(f"positions must be int64, got {positions.dtype}")
+        lo, hi = (int(v) for v in (torch.aminmax(positions) if isinstance(positions, torch.Tensor)
+                                    else _kernels.span(positions)))
+        if lo < 0 or hi >= numel:
+            raise TensorMismatchError(f"positions run from {lo} to {hi}, the tensor has {numel} elements")
+    if index is not None and not isinstance(index, int):
+        isize = int(index.numel() if isinstance(index, torch.Tensor) else index.size)
+        if isize != count:
+            raise TensorMismatchError(f"{isize} checksum indices for {count} patched elements")
 
 
 def add(*parts: int) -> int:

@@ -28,6 +28,7 @@ from deltasync.format.checksum import (
     MASK64,
     _torch_hash,
     _unsigned64,
+    check_patch,
     format_checksum,
     parse_checksum,
     tensor_checksum,
@@ -236,7 +237,7 @@ def xor_apply(
     width, numel = bits.element_size(), bits.numel()
     count = numel if positions is None else int(positions.numel() if isinstance(positions, torch.Tensor)
                                                 else positions.size)
-    _check_patch(width, numel, positions, xor, index, count)
+    check_patch(width, numel, positions, xor, index, count)
     if bits.device.type == "cpu":
         return _xor_apply_np(np_bits(bits), positions, _np_unsigned(xor, width), index, checksum)
     return _xor_apply_torch(int_view(bits), positions, xor, index, checksum)
@@ -270,7 +271,7 @@ def xor_apply_all(
         if not b.is_contiguous():
             raise TensorMismatchError(f"cannot patch a non-contiguous tensor of shape {tuple(b.shape)} in place")
         count = b.numel() if p is None else int(p.numel() if isinstance(p, torch.Tensor) else p.size)
-        _check_patch(b.element_size(), b.numel(), p, x, ix, count)
+        check_patch(b.element_size(), b.numel(), p, x, ix, count)
         checked.append((int_view(b), None if p is None else _np_int64(p), _np_unsigned(x, b.element_size()),
                         ix if ix is None or isinstance(ix, int) else _np_int64(ix)))
     return xor_apply_many(checked, checksum=checksum, landed=landed, scatter=scatter)
@@ -283,27 +284,8 @@ def host_arrays(bits: torch.Tensor, positions: np.ndarray,
     block), checked once in full (every slice is then in range) instead of once per slice."""
     if not bits.is_contiguous() or bits.device.type != "cpu":
         raise TensorMismatchError(f"cannot patch a non-contiguous or non-CPU tensor of shape {tuple(bits.shape)} here")
-    _check_patch(bits.element_size(), bits.numel(), positions, xor, None, int(positions.size))
+    check_patch(bits.element_size(), bits.numel(), positions, xor, None, int(positions.size))
     return np_bits(bits), _np_int64(positions), _np_unsigned(xor, bits.element_size())
-
-
-def _check_patch(width: int, numel: int, positions: Indices | None, xor: np.ndarray | torch.Tensor,
-                 index: Indices | int | None, count: int) -> None:
-    xsize = int(xor.numel() if isinstance(xor, torch.Tensor) else xor.size)
-    xwidth = xor.element_size() if isinstance(xor, torch.Tensor) else xor.itemsize
-    if xwidth != width or xsize != count:
-        raise TensorMismatchError(f"patch of {xsize} {8 * xwidth}-bit values for {count} elements of {8 * width} bits")
-    if positions is not None and count:
-        if positions.dtype not in (np.int64, torch.int64):
-            raise TensorMismatchError(f"positions must be int64, got {positions.dtype}")
-        lo, hi = (int(v) for v in (torch.aminmax(positions) if isinstance(positions, torch.Tensor)
-                                    else _kernels.span(positions)))
-        if lo < 0 or hi >= numel:
-            raise TensorMismatchError(f"positions run from {lo} to {hi}, the tensor has {numel} elements")
-    if index is not None and not isinstance(index, int):
-        isize = int(index.numel() if isinstance(index, torch.Tensor) else index.size)
-        if isize != count:
-            raise TensorMismatchError(f"{isize} checksum indices for {count} patched elements")
 
 
 def _np_unsigned(x: np.ndarray | torch.Tensor, width: int) -> np.ndarray:

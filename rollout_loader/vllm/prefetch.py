@@ -82,7 +82,8 @@ class Prefetcher:
         self.ahead = ahead
         self._ready: dict[int, Prepared] = {}
         # seconds per step prepared here, by part ("find": the poll and the chain, "prepare": fetch, verify,
-        # decode and route, "seal"), the last 16 steps: where the time from a commit to a ready step goes
+        # decode and route, and seal when the engine held the base; "seal": a seal after the engine moved), the
+        # last 16 steps: where the time from a commit to a ready step goes
         self.timings: dict[int, dict[str, float]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -157,11 +157,7 @@ class WorkerState:
         task also computes its tensors' change for a seal over the bits held now (what ``seal`` computes,
         in the same pass). A tensor that fails to decode raises its error (nothing is written either way)."""
         names = [n for n, t in obj.header.tensors.items() if t.changed]
-        version, parts = 0, dict[str, int]()
-        if seal:
-            with self.lock:  # as in ``seal``: the version and the running parts, then the changes without the lock
-                version = self.version
-                parts = {n: self.part(n) for n in names if n in self.homes}
+        start = self._seal_start(n for n in names if n in self.homes) if seal else None
 
         def work(name: str) -> tuple[list[Staged] | str, list[int]]:
             p = obj.patch(name)
@@ -172,14 +168,10 @@ class WorkerState:
 
         results = parallel_map(work, names, cost=lambda n: obj.header.tensors[n].changed)
         staged = _staged_or_raise([r for r, _ in results])
-        if not seal:
+        if start is None:
             return staged, None
-        sums: dict[str, int] = {}
-        for routed, changes in results:
-            assert not isinstance(routed, str)  # a problem raised above
-            for s, c in zip(routed, changes, strict=True):
-                sums[s.name] = ((sums[s.name] if s.name in sums else parts[s.name]) + c) & MASK64
-        return staged, Seal(version=version, sums=sums)
+        return staged, _sealed(*start, [(s, c) for routed, changes in results if not isinstance(routed, str)
+                                         for s, c in zip(routed, changes, strict=True)])  # (a problem raised above)
 
     def _route_one(self, patch: RawPatch) -> list[Staged] | str:
         """One patch checked and mapped to this rank's elements, or what is wrong with it."""
@@ -210,17 +202,17 @@ class WorkerState:
         O(change) plus, the first time a tensor is seen, one pass over it (its running part). Runs before the pause
         (the prefetcher's thread); ``write_sealed`` uses it only while no other write happened since.
         """
-        with self.lock:  # the version the seal is for, and the running parts (a first pass over a tensor)
-            version = self.version
-            parts = {s.name: self.part(s.name) for s in staged}
-        # the patches' changes without the lock, so that an update never waits for a seal: any write or rollback
-        # meanwhile bumps the version under the lock, and ``write_sealed`` then refuses this seal. In parallel on
-        # deltasync's pool (largest first), then added up per tensor.
+        start = self._seal_start(s.name for s in staged)
+        # the patches' changes in parallel on deltasync's pool (largest first), then added up per tensor
         changes = parallel_map(self._change, staged, cost=lambda s: s.idx.numel())
-        sums: dict[str, int] = {}
-        for s, c in zip(staged, changes, strict=True):
-            sums[s.name] = ((sums[s.name] if s.name in sums else parts[s.name]) + c) & MASK64
-        return Seal(version=version, sums=sums)
+        return _sealed(*start, list(zip(staged, changes, strict=True)))
+
+    def _seal_start(self, names: Iterable[str]) -> tuple[int, dict[str, int]]:
+        """The version a seal is for and the running parts of ``names`` (a first pass over a tensor), read under
+        the lock. The changes are then computed without it, so that an update never waits for a seal: any write
+        or rollback meanwhile bumps the version under the lock, and ``write_sealed`` refuses the stale seal."""
+        with self.lock:
+            return self.version, {n: self.part(n) for n in names}
 
     def _change(self, s: Staged) -> int:
         """The change of this rank's checksum part that writing ``s`` would make (0 for elements it does not own)."""
@@ -441,6 +433,14 @@ def _as_torch(a: np.ndarray | torch.Tensor | None, *, signed: bool) -> torch.Ten
 
 
 Group = tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]
+
+
+def _sealed(version: int, parts: Mapping[str, int], changes: Sequence[tuple[Staged, int]]) -> Seal:
+    """A seal at ``version``: each tensor's running part plus the changes of its staged patches."""
+    sums: dict[str, int] = {}
+    for s, c in changes:
+        sums[s.name] = ((sums[s.name] if s.name in sums else parts[s.name]) + c) & MASK64
+    return Seal(version=version, sums=sums)
 
 
 def _staged_or_raise(routed: Sequence[list[Staged] | str]) -> list[Staged]:
