@@ -233,8 +233,12 @@ def test_per_peer_records_are_bounded(controller):
     try:
         for step in range(MAX_APPLIED_RECORDS + 500):
             c0.applied(step)
-        c1.applied(MAX_APPLIED_RECORDS + 499)
         deadline = time.monotonic() + 60
+        # c0 and c1 are separate connections: c1's report may overtake c0's, so send it once c0's have landed
+        while controller._latest.get("c0") != MAX_APPLIED_RECORDS + 499:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        c1.applied(MAX_APPLIED_RECORDS + 499)
         while controller.versions.get("e") != MAX_APPLIED_RECORDS + 499:
             assert time.monotonic() < deadline
             time.sleep(0.01)
