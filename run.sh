@@ -21,8 +21,6 @@ setup() {
   # compat: a .pth puts the clone's root on sys.path, so the package wins over a folder named deltasync in the
   # folder Python starts from (the default editable finder loses to it; README, Troubleshooting)
   "$VENV/bin/pip" install -q -e ".[dev,demo,s3,hf,plot,rdma]" --config-settings editable_mode=compat
-  echo "compiling deltasync's CPU kernels (numba, once: cached beside the code)..." >&2
-  kernels
   echo "$want" > "$STAMP"
 }
 
@@ -32,10 +30,17 @@ kernels() {
   "$VENV/bin/python" -c "from deltasync.engine import warm_kernels; warm_kernels()"
 }
 
+# The kernels compile (one core) while the linters run (the other): a fresh clone's minute and a half, not two.
+kernels_and_lint() {
+  kernels & local pid=$!
+  lint || { wait $pid || true; return 1; }
+  wait $pid
+}
+
 # Style and types, as CI checks them (both configured in pyproject.toml); either failing fails the run.
 lint() {
   echo "ruff check ." >&2
-  "$VENV/bin/ruff" check .
+  "$VENV/bin/ruff" check . || return 1  # (explicit: set -e does not apply inside `lint || ...`)
   echo "mypy (deltasync, rollout_loader, deltasync_cli)" >&2
   "$VENV/bin/python" -m mypy
 }
@@ -45,10 +50,12 @@ demo_s3() {
   local port=18333
   WEED_DIR=$(mktemp -d)
   local log="$WEED_DIR/weed.log"
-  "$VENV/bin/weed" server -dir="$WEED_DIR" -ip=127.0.0.1 -ip.bind=127.0.0.1 -s3 -s3.port=$port \
+  "$VENV/bin/weed" -logdir="$WEED_DIR" server -dir="$WEED_DIR" -ip=127.0.0.1 -ip.bind=127.0.0.1 -s3 -s3.port=$port \
     -s3.port.iceberg=0 -s3.port.lance=0 -master.telemetry=false >"$log" 2>&1 &
   WEED_PID=$!
-  trap 'echo "stopping the S3 server (SeaweedFS)..." >&2; kill $WEED_PID 2>/dev/null; wait $WEED_PID 2>/dev/null; rm -rf "$WEED_DIR"' EXIT
+  # SeaweedFS leaves Unix sockets in /tmp (a path fixed in its code): its default ports and their gRPC twins
+  trap 'echo "stopping the S3 server (SeaweedFS)..." >&2; kill $WEED_PID 2>/dev/null; wait $WEED_PID 2>/dev/null
+        rm -rf "$WEED_DIR"; rm -f /tmp/seaweedfs-*-{'$port,$((port + 10000))',9333,19333,8080,18080,8888,18888}.sock' EXIT
   local opts=(-S key=demo -S secret=demo -S endpoint_url=http://127.0.0.1:$port)
   for _ in $(seq 60); do
     "$VENV/bin/python" -c "import s3fs,sys; s3fs.S3FileSystem(key='demo',secret='demo',endpoint_url='http://127.0.0.1:$port').mkdir('deltasync-demo')" 2>/dev/null && break
@@ -61,12 +68,12 @@ demo_s3() {
 cmd=${1:-help}
 shift || true
 case "$cmd" in
-  demo) setup; exec "$VENV/bin/deltasync" demo "$@" ;;
-  demo-s3) setup; demo_s3 "$@" ;;
+  demo) setup; kernels; exec "$VENV/bin/deltasync" demo "$@" ;;
+  demo-s3) setup; kernels; demo_s3 "$@" ;;
   # two workers (this machine's cores): the vLLM tests one after another on one, the rest on the other
   # tests marked outside_ci (slow configurations) run with: ./run.sh test -m outside_ci
-  test) setup; kernels; lint; exec "$VENV/bin/python" -m pytest -q -n "${DELTASYNC_TEST_WORKERS:-2}" --dist loadgroup -m "not outside_ci" "$@" ;;
+  test) setup; kernels_and_lint; exec "$VENV/bin/python" -m pytest -q -n "${DELTASYNC_TEST_WORKERS:-2}" --dist loadgroup -m "not outside_ci" "$@" ;;
   lint) setup; lint ;;
-  setup) setup ;;
+  setup) setup; kernels ;;
   *) echo "usage: ./run.sh demo [--steps N ...] | ./run.sh demo-s3 [...] | ./run.sh test [pytest args] | ./run.sh lint" >&2; exit 2 ;;
 esac

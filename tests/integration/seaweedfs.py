@@ -82,6 +82,7 @@ class SeaweedFS:
             except RuntimeError:
                 if not first or attempt == 2 or self.proc is None or self.proc.poll() is None:
                     raise
+                self._remove_sockets()
                 self.ports = _ports()
                 self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
 
@@ -89,7 +90,9 @@ class SeaweedFS:
         p = self.ports
         self.proc = subprocess.Popen(
             [
-                self.binary, "server", f"-dir={self.workdir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                # its logs in its folder (glog's default is the temp folder)
+                self.binary, f"-logdir={self.workdir}", "server", f"-dir={self.workdir}",
+                "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 "-s3", f"-s3.port={p['s3']}", f"-master.port={p['master']}", f"-volume.port={p['volume']}",
                 f"-filer.port={p['filer']}", "-master.volumeSizeLimitMB=64", "-volume.max=200",
                 # no fixed-port side services (two servers may run at once) and no outbound telemetry
@@ -131,6 +134,15 @@ class SeaweedFS:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.proc = None
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
+        """Remove the Unix sockets SeaweedFS leaves in /tmp, stopped or killed (a path fixed in its code for
+        its gRPC services, ``/tmp/seaweedfs-<service>[-grpc]-<port>.sock``): nothing left behind."""
+        ports = {q for p in self.ports.values() for q in (p, p + 10000)}
+        for path in Path("/tmp").glob("seaweedfs-*.sock"):
+            if path.stem.rsplit("-", 1)[-1] in {str(q) for q in ports} and path.is_socket():
+                path.unlink(missing_ok=True)
 
     def new_url(self) -> str:
         """A fresh stream URL: one shared bucket (SeaweedFS gives each bucket its own volumes), new prefix."""
