@@ -18,7 +18,8 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str, tmp_pa
     import numpy as np
 
     from rollout_loader.routing import Route
-    from rollout_loader.vllm.state import TensorHome, WorkerState
+    from rollout_loader.vllm.layout import TensorHome
+    from rollout_loader.vllm.state import WorkerState
     from tests.test_reference import ref_checksum
 
     def route(*values: object) -> Route:

@@ -2,7 +2,7 @@
 
 The plan is made once per engine (:func:`build_state`): the routing table (:mod:`.trace`), which parameters vLLM
 holds in checkpoint layout (written in place) and which it transformed after loading (their modules shadowed by
-host copies, :mod:`.shadow`), and the resulting :class:`~rollout_loader.vllm.state.TensorHome` of every checkpoint
+host copies, :mod:`.shadow`), and the resulting :class:`~rollout_loader.vllm.layout.TensorHome` of every checkpoint
 tensor. Everything after it (staging, writing, checksums, rollback) is :mod:`.state`.
 """
 
@@ -16,10 +16,10 @@ import torch
 
 from rollout_loader.routing import RoutingError
 
-from .layout import Dtypes, Shapes, param_owners, read_checkpoint
+from .layout import SIGNED, Dtypes, Shapes, TensorHome, int_bits, param_owners, read_checkpoint
 from .live_cpu import LIVE_ENV, module_kind
 from .shadow import derived_params, feeds_of, find_transformed, modules_of
-from .state import SIGNED, Mode, Reload, TensorHome, WorkerState, int_bits
+from .state import Mode, Reload, WorkerState
 from .trace import routing_table, trace_loader
 
 log = logging.getLogger(__name__)

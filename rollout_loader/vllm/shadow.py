@@ -130,7 +130,7 @@ def reload_as_loaded(vllm_config: VllmConfig, model: torch.nn.Module, weights: I
 
 def _matches(reader: object, route: Route, live: torch.Tensor, rng: random.Random) -> bool:
     """Whether sampled rows of the checkpoint tensor sit, bit for bit, where the route says in ``live``."""
-    from .state import int_bits
+    from .layout import int_bits
 
     sl = reader.get_slice(route.hf_name)  # type: ignore[attr-defined]
     bits = int_bits(live.data)

@@ -21,7 +21,6 @@ layers with a packed copy next to their weight get their kernel rebuilt).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -45,7 +44,9 @@ from deltasync.engine import (
     xor_apply_all,
 )
 from deltasync.errors import TensorMismatchError
-from rollout_loader.routing import Route, RoutingTable, chunks
+from rollout_loader.routing import RoutingTable, chunks
+
+from .layout import TensorHome, int_bits, localize
 
 log = logging.getLogger(__name__)
 
@@ -53,38 +54,13 @@ Mode = Literal["auto", "live", "reload"]
 Reload = Callable[[list[tuple[str, torch.Tensor]], set[str]], None]  # (checkpoint tensors, modules they feed)
 RawPatch = tuple[str, "np.ndarray | torch.Tensor | None", "np.ndarray | torch.Tensor"]
 MASK64 = (1 << 64) - 1
-SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # vLLM logs these on every partial reload, for each layer it was not asked to reload
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace",
                    "vllm.model_executor.model_loader.reload.layerwise")
 
 
-def int_bits(t: torch.Tensor) -> torch.Tensor:
-    """A flat signed-integer view of a contiguous tensor's bits (same storage)."""
-    return t.reshape(-1).view(SIGNED[t.element_size()])
-
-
 class PatchError(TensorMismatchError):
     """A patch does not fit the engine (unknown tensor, other shape or dtype, bad positions); nothing changed."""
-
-
-@dataclass
-class TensorHome:
-    """Where one checkpoint tensor's bits live on this rank: a parameter, or the host copy (reload mode)."""
-
-    routes: tuple[Route, ...]  # its pieces on this rank (none: another rank holds it, as under expert parallelism)
-    bits: torch.Tensor  # flat integer view of the parameter or of the host copy
-    host: bool  # bits is the full checkpoint tensor (indexed by checkpoint flat index)
-    modules: tuple[str, ...]  # modules to re-load (host) or whose kernel to rebuild after a write
-    hf_shape: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.routes:
-            self.hf_shape = self.routes[0].hf_shape
-
-    @property
-    def hf_numel(self) -> int:
-        return math.prod(self.hf_shape)
 
 
 @dataclass(frozen=True)
@@ -182,7 +158,7 @@ class WorkerState:
         if problem:
             return f"{name!r}: {problem}"
         return [Staged(name=name, idx=idx, x=xs, hf_idx=hf, owned=owned)
-                for idx, xs, hf, owned in _localize(self.homes[name], p, x)]
+                for idx, xs, hf, owned in localize(self.homes[name], p, x)]
 
     def write(self, staged: Sequence[Staged]) -> dict[str, int]:
         """XOR staged patches in place, all or nothing on this rank; returns this rank's checksum part of each
@@ -432,7 +408,7 @@ def _as_torch(a: np.ndarray | torch.Tensor | None, *, signed: bool) -> torch.Ten
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
-Group = tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]
+
 
 
 def _sealed(version: int, parts: Mapping[str, int], changes: Sequence[tuple[Staged, int]]) -> Seal:
@@ -449,53 +425,6 @@ def _staged_or_raise(routed: Sequence[list[Staged] | str]) -> list[Staged]:
     if problems:
         raise PatchError(f"patch rejected, weights untouched ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
     return [s for r in routed if not isinstance(r, str) for s in r]
-
-
-def _localize(home: TensorHome, pos: torch.Tensor | None, xor: torch.Tensor) -> list[Group]:
-    """[(flat indices into the home's bits, xor values there, their checkpoint flat indices, owned)] for this
-    rank: the owned elements and the others (held here, counted on another rank) apart; never empty."""
-    xor = xor.reshape(-1).view(SIGNED[xor.element_size()])
-    if home.host:  # the host copy is the whole checkpoint tensor: every element written, the owned ones counted
-        idx = pos.reshape(-1) if pos is not None else torch.arange(xor.numel(), dtype=torch.int64)
-        mine = [r for r in home.routes if r.owner]
-        if len(mine) == len(home.routes) and all(r.whole for r in mine):
-            return [(idx, xor, idx, True)]
-        mask = torch.zeros(idx.numel(), dtype=torch.bool)
-        for r in mine:
-            keep, _ = r.localize(idx)
-            mask = torch.ones_like(mask) if keep is None else mask | keep
-        return [g for g in ((idx[mask], xor[mask], idx[mask], True), (idx[~mask], xor[~mask], idx[~mask], False))
-                if g[0].numel()] or [(idx[:0], xor[:0], idx[:0], False)]
-    groups: dict[bool, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-    for route in home.routes:
-        groups.setdefault(route.owner, []).append(_piece(route, pos, xor))
-    if not groups:
-        empty = torch.zeros(0, dtype=torch.int64)
-        return [(empty, xor[:0], empty, False)]
-    out = []
-    for owned, parts in groups.items():
-        if len(parts) == 1:
-            out.append((*parts[0], owned))
-        else:
-            out.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
-                        torch.cat([p[2] for p in parts]), owned))
-    return out
-
-
-def _piece(route: Route, pos: torch.Tensor | None,
-           xor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(param indices, xor values, checkpoint indices) of the elements of one piece of a checkpoint tensor."""
-    if pos is None:
-        if route.whole and route.hf_shape == route.param_shape:
-            idx = torch.arange(xor.numel(), dtype=torch.int64)
-            return idx, xor, idx
-        parts = [(box.param_indices(), box.hf_indices()) for box in chunks(route)]
-        hf = torch.cat([h for _, h in parts])
-        return torch.cat([p for p, _ in parts]), xor[hf], hf
-    keep, idx = route.localize(pos)
-    if keep is None:
-        return idx, xor, pos.reshape(-1)
-    return idx, xor[keep], pos.reshape(-1)[keep]
 
 
 # not deltasync's work pool (deltasync/threads.py): the prefetcher decodes the next step there, and a pause must
