@@ -23,6 +23,7 @@ def _require_installed_deltasync() -> None:
 
 _require_installed_deltasync()
 
-from .follower import Follower, StateDictTarget, StreamTarget, Target  # noqa: E402
+from .follower import Follower  # noqa: E402
+from .targets import StateDictTarget, StreamTarget, Target  # noqa: E402
 
 __all__ = ["Follower", "StateDictTarget", "StreamTarget", "Target"]

@@ -18,17 +18,14 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from deltasync import DeltaSyncError, StreamReader
 from deltasync.engine import (
     Notifier,
     PollPolicy,
-    Replica,
-    StepObject,
     StepWatch,
     TrustedKeys,
-    Verify,
     check_consumer_id,
     write_heartbeat,
 )
@@ -46,60 +43,9 @@ from deltasync.errors import (
 )
 
 from .metrics import FollowerStats, FollowerStatus, MetricsServer, serve
+from .targets import StreamTarget, Target
 
 log = logging.getLogger(__name__)
-
-
-class Target(Protocol):
-    """Something that holds weights at a step and can move them to another step: the follower fetches each
-    step's object and hands it over."""
-
-    @property
-    def step(self) -> int | None: ...
-
-    def apply(self, obj: StepObject) -> None:
-        """Apply an anchor (any time) or a delta based on ``step``; all or nothing."""
-
-
-class StreamTarget(Protocol):
-    """A target that reads the store itself (a vLLM engine's weight-transfer engine,
-    :class:`~rollout_loader.vllm.VllmTarget`): the follower sends it step numbers along the chain, never objects."""
-
-    reads_store: bool  # True
-
-    @property
-    def step(self) -> int | None: ...
-
-    def connect(self, url: str, storage_options: dict[str, Any] | None) -> int | None:
-        """Learn which step the target holds and point it at the stream; returns that step."""
-
-    def advance(self, step: int) -> None:
-        """Move to ``step`` (a delta based on ``step``, or an anchor), verified; all or nothing."""
-
-
-class StateDictTarget:
-    """A pure-torch target: a ``Replica`` (state dict plus checksums) in this process."""
-
-    def __init__(self, *, verify: Verify = "incremental", device: str = "cpu") -> None:
-        self.replica: Replica | None = None
-        self.verify = verify
-        self.device = device
-
-    @property
-    def step(self) -> int | None:
-        return self.replica.step if self.replica else None
-
-    def apply(self, obj: StepObject) -> None:
-        if self.replica is None or (obj.header.kind == "anchor"
-                                    and obj.header.tensors.keys() != self.replica.checksums.keys()):
-            self.replica = Replica.from_anchor(obj, device=self.device)
-        else:
-            self.replica.apply(obj, verify=self.verify)
-
-    def state_dict(self) -> dict[str, Any]:
-        if self.replica is None:
-            raise WaitTimeoutError("no step has been applied yet")
-        return self.replica.state_dict()
 
 
 PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
