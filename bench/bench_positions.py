@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import Training, machine, parser, write_results
 from bench.bench_codec import plain_copy_s
 from deltasync.engine import warm_kernels
-from deltasync.format import _kernels
+from deltasync.format import _byte_kernels
 from deltasync.format.codecs import (
     _pack,
     _shuffled,
@@ -314,12 +314,12 @@ def _unzstd(b: bytes) -> bytes:
 
 
 def encode_positions_current(p: Patch) -> bytes:
-    return _pack(_kernels.gap16_encode(p.positions), ("shuffle",), 1)[0]
+    return _pack(_byte_kernels.gap16_encode(p.positions), ("shuffle",), 1)[0]
 
 
 def decode_positions_current(item: tuple[Patch, bytes]) -> np.ndarray:
     p, blob = item
-    return _kernels.gap16_decode(np.frombuffer(_unzstd(blob), np.uint8), p.changed)
+    return _byte_kernels.gap16_decode(np.frombuffer(_unzstd(blob), np.uint8), p.changed)
 
 
 def encode_values_current(p: Patch) -> bytes:
@@ -329,7 +329,7 @@ def encode_values_current(p: Patch) -> bytes:
 def decode_values_current(item: tuple[Patch, bytes]) -> np.ndarray:
     p, blob = item
     out = np.empty(p.changed, np.uint16)
-    _kernels.unshuffle_bytes(np.frombuffer(_unzstd(blob), np.uint8), out)
+    _byte_kernels.unshuffle_bytes(np.frombuffer(_unzstd(blob), np.uint8), out)
     return out
 
 

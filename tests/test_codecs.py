@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltasync.errors import FormatError
-from deltasync.format._kernels import gap16_decode, gap16_encode
+from deltasync.format._byte_kernels import gap16_decode, gap16_encode
 from deltasync.format.codecs import decode_change, encode_change
 from deltasync.stages.diff import Snapshot
 from tests.conftest import perturb

@@ -3,7 +3,9 @@
 Plain torch on CPU needs several full passes and temporaries per tensor (compare, nonzero, gather): about
 15x the time of a memcpy. These kernels make one read-only pass to count and one pass to gather, skip
 unchanged 8-byte words, and fold the checksum update into the gather. All arrays are unsigned integer
-views of the tensors' bits; indices are int64. Callers live in ``diff.py``, ``checksum.py`` and ``apply.py``.
+views of the tensors' bits; indices are int64. Callers live in ``diff.py``, ``checksum.py`` and ``apply.py``;
+the byte codecs' kernels (gap16, byte shuffling) are in :mod:`deltasync.format._byte_kernels`, loaded and
+warmed with these.
 """
 
 from __future__ import annotations
@@ -246,95 +248,6 @@ def compact(
             p += 1
 
 
-@_jit
-def gap16_encode(positions: np.ndarray) -> np.ndarray:
-    """The ``gap16`` entries of sorted positions, already byte-shuffled (all low bytes, then high bytes)."""
-    n = positions.size
-    entries = 0
-    prev = -1
-    for i in range(n):
-        entries += (positions[i] - prev - 1) // 65535 + 1
-        prev = positions[i]
-    out = np.empty(2 * entries, np.uint8)
-    e = 0
-    prev = -1
-    for i in range(n):
-        gap = positions[i] - prev
-        while gap > 65535:
-            out[e] = 0
-            out[entries + e] = 0
-            e += 1
-            gap -= 65535
-        out[e] = gap & 0xFF
-        out[entries + e] = gap >> 8
-        e += 1
-        prev = positions[i]
-    return out
-
-
-@_jit
-def _gap16_decode(shuffled: np.ndarray, max_count: np.int64) -> np.ndarray:
-    """Sorted positions from byte-shuffled ``gap16`` entries; at most ``max_count`` (more returns -1 marker)."""
-    entries = shuffled.size // 2
-    if max_count < 0:
-        return np.full(1, -1, np.int64)
-    # one pass: no entry yields more than one position (the ignore: numpy's stubs miss min(int, np.int64))
-    out = np.empty(min(entries, max_count), np.int64)  # type: ignore[call-overload]
-    pos = np.int64(-1)
-    k = 0
-    for e in range(entries):
-        v = np.int64(shuffled[e]) | (np.int64(shuffled[entries + e]) << 8)
-        if v == 0:
-            pos += 65535
-        else:
-            if k == out.size:
-                return np.full(1, -1, np.int64)
-            pos += v
-            out[k] = pos
-            k += 1
-    return out[:k]
-    return out
-
-
-@_jit
-def _shuffle_bytes(x: np.ndarray) -> np.ndarray:
-    """Byte ``k`` of every element, for k = 0 .. width-1 (little-endian), concatenated."""
-    n = x.size
-    w = x.itemsize
-    out = np.empty(n * w, np.uint8)
-    if w == 2:  # bf16/fp16 bits: a loop the compiler vectorises (the general one runs several times slower)
-        for i in range(n):
-            out[i] = np.uint8(x[i] & 0xFF)
-            out[n + i] = np.uint8((x[i] >> 8) & 0xFF)
-        return out
-    for i in range(n):
-        v = np.uint64(x[i])
-        for k in range(w):
-            out[k * n + i] = np.uint8((v >> np.uint64(8 * k)) & np.uint64(0xFF))
-    return out
-
-
-@_jit
-def _unshuffle_bytes(data: np.ndarray, out: np.ndarray) -> None:
-    """Inverse of ``shuffle_bytes`` into ``out`` (unsigned, ``data.size == out.size * width``)."""
-    n = out.size
-    w = out.itemsize
-    if w == 2:  # bf16/fp16 bits: a loop the compiler vectorises (the general one runs ~10x slower)
-        for i in range(n):
-            out[i] = np.uint16(data[i]) | (np.uint16(data[n + i]) << np.uint16(8))
-        return
-    if w == 4:
-        for i in range(n):
-            out[i] = (np.uint32(data[i]) | (np.uint32(data[n + i]) << np.uint32(8))
-                      | (np.uint32(data[2 * n + i]) << np.uint32(16)) | (np.uint32(data[3 * n + i]) << np.uint32(24)))
-        return
-    for i in range(n):
-        v = np.uint64(0)
-        for k in range(w):
-            v |= np.uint64(data[k * n + i]) << np.uint64(8 * k)
-        out[i] = v
-
-
 def _xor_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> np.uint64:
     """``u[positions] ^= xor`` in place; returns the change of the checksum of ``u``.
 
@@ -508,31 +421,19 @@ def xor_plain_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> None:
     _xor_plain_at(u, positions, _ro(xor))
 
 
-def shuffle_bytes(x: np.ndarray) -> np.ndarray:
-    """See ``_shuffle_bytes``."""
-    return _shuffle_bytes(_ro(x))
-
-
-def unshuffle_bytes(data: np.ndarray, out: np.ndarray) -> None:
-    """See ``_unshuffle_bytes``."""
-    _unshuffle_bytes(_ro(data), out)
-
-
 def span(positions: np.ndarray) -> tuple[int, int]:
     """See ``_span`` (int64 positions of any layout; at least one)."""
     lo, hi = _span(_ro(np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)))
     return int(lo), int(hi)
 
 
-def gap16_decode(shuffled: np.ndarray, max_count: int) -> np.ndarray:
-    """See ``_gap16_decode``."""
-    return _gap16_decode(_ro(shuffled), max_count)
-
-
 def dispatchers() -> dict[str, Any]:
     """Every kernel of this module that Python calls, by name (what ``warm_kernels`` loads, what tests inspect);
     ``mix64``, ``element_hash`` and ``_hash_change`` are compiled into the kernels that call them."""
-    return {name: obj for name, obj in globals().items()
+    from deltasync.format import _byte_kernels  # (it imports this module's helpers)
+
+    found = {**globals(), **vars(_byte_kernels)}
+    return {name: obj for name, obj in found.items()
             if isinstance(obj, numba.core.registry.CPUDispatcher) and name not in _INLINED}
 
 
@@ -595,6 +496,8 @@ def kernel_cache_dir() -> str:
 
 
 def _warm(unsigned: Sequence[Any]) -> None:
+    from deltasync.format._byte_kernels import gap16_decode, gap16_encode, shuffle_bytes, unshuffle_bytes
+
     n = 64
     idx = np.arange(0, n, 3, dtype=np.int64)
     for t in unsigned:  # input-only arrays go to the kernels read-only whatever they were (``_ro``)

@@ -14,7 +14,7 @@ import numpy as np
 import zstandard
 
 from deltasync.errors import FormatError
-from deltasync.format import _kernels
+from deltasync.format import _byte_kernels
 from deltasync.format._bits import UNSIGNED_NP
 from deltasync.format.documents import PositionCodec, TensorHeader, ValueCodec
 from deltasync.format.patch import Patch
@@ -64,7 +64,7 @@ def encode_patch(patch: Patch, *, zstd_level: int = 1) -> EncodedTensor:
             dense[patch.positions] = patch.xor
         values, vchain = _pack(*_shuffled(dense), zstd_level)
         return EncodedTensor(positions=None, values=values, positions_chain=("dense",), values_chain=("xor", *vchain))
-    positions, pchain = _pack(_kernels.gap16_encode(patch.positions), ("shuffle",), zstd_level)
+    positions, pchain = _pack(_byte_kernels.gap16_encode(patch.positions), ("shuffle",), zstd_level)
     values, vchain = _pack(*_shuffled(patch.xor), zstd_level)
     return EncodedTensor(
         positions=positions, values=values, positions_chain=("gap16", *pchain), values_chain=("xor", *vchain)
@@ -129,7 +129,7 @@ def decode_change(
     raw = _unpack(values, values_chain[1:], exact=count * width, where=f"{where} values")
     xor = np.empty(count, UNSIGNED_NP[width])
     if "shuffle" in values_chain and width > 1:
-        _kernels.unshuffle_bytes(np.frombuffer(raw, np.uint8), xor)
+        _byte_kernels.unshuffle_bytes(np.frombuffer(raw, np.uint8), xor)
     else:
         xor[:] = np.frombuffer(raw, UNSIGNED_NP[width])
     if dense:
@@ -145,8 +145,8 @@ def decode_change(
     if entries.size % 2:
         raise FormatError(f"{where}: positions hold an odd number of bytes ({entries.size})")
     if "shuffle" not in positions_chain:
-        entries = _kernels.shuffle_bytes(entries.view(np.uint16))
-    pos = _kernels.gap16_decode(entries, changed)
+        entries = _byte_kernels.shuffle_bytes(entries.view(np.uint16))
+    pos = _byte_kernels.gap16_decode(entries, changed)
     if pos.size != changed or (pos.size == 1 and pos[0] < 0):
         raise FormatError(f"{where}: header says {changed} changed elements, positions list a different number")
     if pos.size and pos[-1] >= numel:
@@ -161,7 +161,7 @@ def decode_change(
 def _shuffled(arr: np.ndarray) -> tuple[np.ndarray, tuple[Literal["shuffle"], ...]]:
     if arr.itemsize == 1:
         return arr.view(np.uint8), ()
-    return _kernels.shuffle_bytes(arr), ("shuffle",)
+    return _byte_kernels.shuffle_bytes(arr), ("shuffle",)
 
 
 def _pack(
