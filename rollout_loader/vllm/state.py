@@ -408,9 +408,6 @@ def _as_torch(a: np.ndarray | torch.Tensor | None, *, signed: bool) -> torch.Ten
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
-
-
-
 def _sealed(version: int, parts: Mapping[str, int], changes: Sequence[tuple[Staged, int]]) -> Seal:
     """A seal at ``version``: each tensor's running part plus the changes of its staged patches."""
     sums: dict[str, int] = {}

@@ -139,9 +139,9 @@ class SeaweedFS:
     def _remove_sockets(self) -> None:
         """Remove the Unix sockets SeaweedFS leaves in /tmp, stopped or killed (a path fixed in its code for
         its gRPC services, ``/tmp/seaweedfs-<service>[-grpc]-<port>.sock``): nothing left behind."""
-        ports = {q for p in self.ports.values() for q in (p, p + 10000)}
+        ports = {str(q) for p in self.ports.values() for q in (p, p + 10000)}
         for path in Path("/tmp").glob("seaweedfs-*.sock"):
-            if path.stem.rsplit("-", 1)[-1] in {str(q) for q in ports} and path.is_socket():
+            if path.stem.rsplit("-", 1)[-1] in ports and path.is_socket():
                 path.unlink(missing_ok=True)
 
     def new_url(self) -> str:
