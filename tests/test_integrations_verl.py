@@ -295,6 +295,7 @@ def test_a_rollout_that_did_not_take_a_step_whole_gets_every_tensor_next_time(mo
     ({"url": "x", "trusted_keys": []}, "trusted_keys", "public keys"),
     ({"url": "x", "trusted_keys": ["/no/such/key.pub"]}, "trusted_keys", ""),
     ({"url": "x", "changed_only": "yes"}, "changed_only", "true or false"),
+    ({"url": "x", "prefetch": 1}, "prefetch", "true or false"),
     ({"url": "x", "timeout_s": -1}, "timeout_s", "seconds"),
 ])
 def test_a_bad_option_is_one_config_error_naming_the_setting(options, named, says):
@@ -438,7 +439,7 @@ def test_the_manager_says_which_replica_holds_which_step_and_a_retry_converges(m
             methods = [c[0] for c in s.calls if c[0] != "record"]
             assert methods.count("init_weight_transfer_engine") == 1  # once per replica, with the stream
             init = next(c[1] for c in s.calls if c[0] == "init_weight_transfer_engine")
-            assert init == {"init_info": {"url": url, "storage_options": {}, "verify": "incremental"}}
+            assert init == {"init_info": {"url": url, "storage_options": {}, "verify": "incremental", "prefetch": True}}
             assert methods[-3:] == ["start_weight_update", "update_weights", "finish_weight_update"]
         assert manager.describe() == "replica 0 holds step 1, replica 1 holds step 1"
     finally:

@@ -78,6 +78,8 @@ class VerlSettings:
         verify: how the vLLM engines check each step (manager path): ``"incremental"`` (each changed tensor's
             checksum follows from the patched elements), ``"changed"`` or ``"all"`` (recomputed from the bits).
             The registry path's host copy verifies incrementally, or from the bits with the other two.
+        prefetch: the vLLM engines read, verify and decode the next step as soon as it is committed, before the
+            update asks for it (manager path); False saves the host memory of that staged step.
         changed_only: the registry path yields only the tensors that changed since the step the rollout holds;
             False yields every tensor every step (for rollouts whose weight loading must see every tensor, such
             as quantized ones that re-quantize on load).
@@ -99,6 +101,7 @@ class VerlSettings:
     signing_key: str | None = None
     trusted_keys: tuple[str, ...] | None = None
     verify: EngineVerify = "incremental"
+    prefetch: bool = True
     changed_only: bool = True
     timeout_s: float = 600.0
 
@@ -140,6 +143,8 @@ class VerlSettings:
             object.__setattr__(self, "trusted_keys", tuple(keys))
         if self.verify not in get_args(EngineVerify):
             raise _refuse("verify", f"one of {list(get_args(EngineVerify))}", self.verify)
+        if not isinstance(self.prefetch, bool):
+            raise _refuse("prefetch", "true or false", self.prefetch)
         if not isinstance(self.changed_only, bool):
             raise _refuse("changed_only", "true or false", self.changed_only)
         if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
@@ -162,7 +167,8 @@ class VerlSettings:
     def init_info(self) -> dict[str, Any]:
         """The deltasync vLLM engine's ``init_info`` (JSON-safe: key files read here, sent as PEM text)."""
         # TODO(interfaces 1): EngineSettings(url=..., storage_options=..., verify=..., trusted_keys=...).init_info()
-        info: dict[str, Any] = {"url": self.url, "storage_options": dict(self.storage_options), "verify": self.verify}
+        info: dict[str, Any] = {"url": self.url, "storage_options": dict(self.storage_options), "verify": self.verify,
+                                "prefetch": self.prefetch}
         if self.trusted_keys is not None:
             self.trusted()  # a bad key is named here, not by a vLLM worker
             info["trusted_keys"] = pem_texts(list(self.trusted_keys))
@@ -550,7 +556,7 @@ class DeltasyncCheckpointManager(CheckpointEngineManager):
         if failed:
             raise EngineError(f"step {step}: {len(failed)} of {len(self.replicas)} rollout replica(s) failed to apply "
                               f"it; {self.describe()}; first failure, replica {failed[0][0]}: "
-                              f"{_reason(failed[0][1])} (update_weights again to retry)")
+                              f"{_reason(failed[0][1])} (update_weights again retries the replicas behind)")
         metrics["checkpoint_engine/deltasync_publish_s"] = t1 - t0
         metrics["checkpoint_engine/deltasync_apply_s"] = time.perf_counter() - t1
         return metrics
