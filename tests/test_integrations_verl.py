@@ -135,7 +135,7 @@ def model():
 # --- registration through verl's own plugin loading ---
 
 
-def _entry_point_folder(tmp_path: Path) -> Path | None:
+def _entry_point_folder(folder: Path) -> Path | None:
     """A folder declaring our ``verl.plugins`` entry point exactly as pyproject.toml does, for an environment whose
     installed deltasync predates it (an editable install made before the entry point was added); None when the
     installed metadata has it already."""
@@ -147,11 +147,11 @@ def _entry_point_folder(tmp_path: Path) -> Path | None:
     assert declared == {"deltasync": "rollout_loader.integrations.verl"}
     if any(ep.name == "deltasync" for ep in entry_points(group="verl.plugins")):
         return None
-    info = tmp_path / "deltasync_verl_entry-0.dist-info"
+    info = folder / "deltasync_verl_entry-0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: deltasync-verl-entry\nVersion: 0\n")
     (info / "entry_points.txt").write_text("[verl.plugins]\n" + "".join(f"{k} = {v}\n" for k, v in declared.items()))
-    return tmp_path
+    return folder
 
 
 def test_verl_finds_the_deltasync_backend_through_its_plugin_entry_points(tmp_path):

@@ -36,7 +36,14 @@ from deltasync.errors import EngineError  # noqa: E402
 from deltasync.store import Store  # noqa: E402
 from tests.damage import rewrite_header, wrong_checksum  # noqa: E402
 from tests.integration.conftest import load_state, save_like  # noqa: E402
-from tests.test_integrations_verl import ActorGroup, actor_worker, bits_equal, sync, train  # noqa: E402
+from tests.test_integrations_verl import (  # noqa: E402
+    ActorGroup,
+    _entry_point_folder,
+    actor_worker,
+    bits_equal,
+    sync,
+    train,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -91,7 +98,9 @@ def verl_vllm():
     saved_platform = platform_manager._current_platform
     try:
         meta = vllm_metadata(root / "metadata")
-        paths = [*([str(meta)] if meta else []), str(ROOT)]
+        (root / "entry").mkdir()
+        entry = _entry_point_folder(root / "entry")  # verl's processes load deltasync's plugin as once installed
+        paths = [str(p) for p in (meta, entry) if p is not None] + [str(ROOT)]
         sys.path[:0] = paths
         os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH") or ""])
         os.environ["RAY_TMPDIR"] = ray_dir
@@ -133,6 +142,9 @@ def verl_vllm():
         try:
             ray.get(server.launch_server.remote(), timeout=600)
             pids = engine_pids(server)
+            # verl's own process loaded deltasync's plugin on `import verl` (the entry point, as installed)
+            assert ray.get(server.__ray_call__.remote(
+                lambda self: "rollout_loader.integrations.verl" in __import__("sys").modules))
             replica = vLLMReplica(replica_rank=0, config=config, model_config=model_config, gpus_per_node=1)
             replica.servers, replica._server_handle = [server], server
             replica.rollout_mode = RolloutMode.STANDALONE
