@@ -245,13 +245,15 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
         self.bucket_size = bucket_size
         self.is_master = is_master
         self._publisher: DeltaPublisher | None = None
-        self._weights: dict[str, torch.Tensor] = {}  # the step being published (see _publish)
+        # the step being published, where the publisher's source function finds it (a box, not self: the
+        # publisher must not keep this engine alive, or the finalizer below would never run)
+        self._weights: list[dict[str, torch.Tensor]] = [{}]
         self._published: int | None = None  # the step this engine published (or found committed) last
         self._newest: int | None = None  # the stream's newest committed step, as this engine knows it
         self._reader: StreamReader | None = None
         self._replica: Replica | None = None  # the rollout side's verified host copy
         self._delivered: int | None = None  # the step the adapter took whole; None: unknown, yield everything
-        self._finalizer = weakref.finalize(self, _close, [None, None])
+        self._finalizer: weakref.finalize | None = None  # closes the publisher and reader if close() is not called
 
     # --- no process group: the store joins the two sides ---
 
@@ -271,9 +273,16 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
 
     def close(self) -> None:
         """Flush and close the publisher (releasing the stream's lease) and the reader."""
-        self._finalizer.detach()
+        if self._finalizer is not None:
+            self._finalizer.detach()
         _close([self._publisher, self._reader])
         self._publisher = self._reader = None
+
+    def _track(self) -> None:
+        """Close what is open when this engine is collected, or at exit (verl never calls a close)."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _close, [self._publisher, self._reader])
 
     # --- actor side ---
 
@@ -304,14 +313,13 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
 
     def _open_publisher(self) -> DeltaPublisher:
         if self._publisher is None:
-            s = self.settings
+            s, box = self.settings, self._weights
             self._publisher = DeltaPublisher(
-                s.url, lambda: self._weights, storage_options=s.storage_options, anchor_every=s.anchor_every,
+                s.url, lambda: box[0], storage_options=s.storage_options, anchor_every=s.anchor_every,
                 dtype=s.publish_dtype, signing_key=s.signing_key, on_backlog="block",  # never skip a verl step
             )
             self._newest = self._publisher.last_committed_step
-            self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _close, [self._publisher, self._reader])
+            self._track()
         return self._publisher
 
     def _step_for(self, global_steps: int | None) -> tuple[int, bool]:
@@ -350,11 +358,11 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
         except BaseException:
             await _drain(weights)
             raise
-        self._weights = collected
+        self._weights[0] = collected
         try:
             pub.publish(step)
         finally:
-            self._weights = {}
+            self._weights[0] = {}
 
     # --- rollout side ---
 
@@ -376,8 +384,7 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
         if self._reader is None:
             s = self.settings
             self._reader = StreamReader(s.url, storage_options=s.storage_options, trusted_keys=s.trusted())
-            self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _close, [self._publisher, self._reader])
+            self._track()
         return self._reader
 
     def _advance(self, global_steps: int | None) -> list[str]:
