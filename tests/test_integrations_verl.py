@@ -172,7 +172,7 @@ def test_verl_finds_the_deltasync_backend_through_its_plugin_entry_points(tmp_pa
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
                        cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == ["rollout_loader.integrations.verl", "DeltasyncCheckpointEngine"]
+    assert r.stdout.split() == ["rollout_loader.integrations.verl.engine", "DeltasyncCheckpointEngine"]
 
 
 def test_importing_rollout_loader_does_not_import_verl():

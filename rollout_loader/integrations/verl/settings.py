@@ -1,0 +1,166 @@
+"""The ``deltasync`` backend's options in verl's config (``checkpoint_engine.engine_kwargs.deltasync``), and a
+committed step as verl metrics. Imports no verl: the options are checked wherever they are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args
+
+import torch
+
+from deltasync.engine import Manifest, TrustedKeys, pem_texts
+from deltasync.errors import ConfigError
+
+__all__ = ["BACKEND", "SETTINGS", "EngineVerify", "VerlSettings", "plain", "step_metrics"]
+
+BACKEND = "deltasync"
+SETTINGS = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.deltasync"  # where users set the options
+EngineVerify = Literal["incremental", "changed", "all"]
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _refuse(name: str, expected: str, got: Any) -> ConfigError:
+    """A bad option, named by the full path a verl user sets it at."""
+    return ConfigError(f"{SETTINGS}.{name} must be {expected}, got {got!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerlSettings:
+    """The ``deltasync`` backend's options: ``checkpoint_engine.engine_kwargs.deltasync`` in verl's config.
+
+    Args:
+        url: the stream (``s3://bucket/run-7``, ``hf://buckets/me/rl/run-7``, a folder every process reaches).
+        storage_options: fsspec options of the store (credentials, endpoint).
+        dtype: the published dtype of floating tensors: ``"bfloat16"`` (the rollout's usual dtype: fp32 master
+            weights publish as the bf16 bits vLLM would cast them to), ``"float16"``, ``"float32"`` or None (as the
+            actor yields them).
+        anchor_every: a full snapshot every this many published steps (>= 1).
+        signing_key: a private key file (``deltasync keygen``, mode 0600) on the actor rank 0's node: every step
+            is signed with it.
+        trusted_keys: public keys (PEM text, or files where the reader runs): only steps they signed are read.
+        verify: how the vLLM engines check each step (manager path): ``"incremental"`` (each changed tensor's
+            checksum follows from the patched elements), ``"changed"`` or ``"all"`` (recomputed from the bits).
+            The registry path's host copy verifies incrementally, or from the bits with the other two.
+        prefetch: the vLLM engines read, verify and decode the next step as soon as it is committed, before the
+            update asks for it (manager path); False saves the host memory of that staged step.
+        changed_only: the registry path yields only the tensors that changed since the step the rollout holds;
+            False yields every tensor every step (for rollouts whose weight loading must see every tensor, such
+            as quantized ones that re-quantize on load).
+        timeout_s: how long a rollout worker waits for the actor's step to be committed (registry path).
+
+    Raises:
+        ConfigError: a missing ``url``, an unknown option, or a value of the wrong type or out of range, named as
+            ``actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.deltasync.<option>``.
+
+    Example::
+
+        VerlSettings.parse({"url": "s3://bucket/run-7", "storage_options": {"anon": False}})
+    """
+
+    url: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    dtype: str | None = "bfloat16"
+    anchor_every: int = 20
+    signing_key: str | None = None
+    trusted_keys: tuple[str, ...] | None = None
+    verify: EngineVerify = "incremental"
+    prefetch: bool = True
+    changed_only: bool = True
+    timeout_s: float = 600.0
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any] | None) -> VerlSettings:
+        """The settings from verl's ``engine_kwargs.deltasync`` (a dict or an OmegaConf node), checked."""
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"{SETTINGS} must be a mapping of deltasync options, got {type(options).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(str(k) for k in options if k not in known)
+        if unknown:
+            raise ConfigError(f"{SETTINGS}.{unknown[0]} is not a deltasync option; the options are {known}")
+        if options.get("url") is None:
+            raise ConfigError(f"{SETTINGS}.url is missing: the stream's URL, e.g. "
+                              f"+{SETTINGS}.url=s3://bucket/run-7")
+        return cls(**{k: plain(v) for k, v in options.items()})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url.strip():
+            raise _refuse("url", "the stream's URL (a non-empty string)", self.url)
+        if not isinstance(self.storage_options, Mapping) or not all(isinstance(k, str) for k in self.storage_options):
+            # never echo the value: it may hold credentials
+            raise ConfigError(f"{SETTINGS}.storage_options must be a mapping of fsspec options, got "
+                              f"{type(self.storage_options).__name__}")
+        object.__setattr__(self, "storage_options", dict(self.storage_options))
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise _refuse("dtype", f"one of {sorted(_DTYPES)} or null", self.dtype)
+        if isinstance(self.anchor_every, bool) or not isinstance(self.anchor_every, int) or self.anchor_every < 1:
+            raise _refuse("anchor_every", "a whole number >= 1", self.anchor_every)
+        if self.signing_key is not None and (not isinstance(self.signing_key, str) or not self.signing_key):
+            raise _refuse("signing_key", "the path of a private key file (deltasync keygen)", self.signing_key)
+        if self.trusted_keys is not None:
+            keys = [self.trusted_keys] if isinstance(self.trusted_keys, str) else self.trusted_keys
+            if (not isinstance(keys, Sequence) or not keys or len(keys) > 64
+                    or not all(isinstance(k, str) and k for k in keys)):
+                raise _refuse("trusted_keys", "a list of public keys (PEM text or key files), 1 to 64", keys)
+            object.__setattr__(self, "trusted_keys", tuple(keys))
+        if self.verify not in get_args(EngineVerify):
+            raise _refuse("verify", f"one of {list(get_args(EngineVerify))}", self.verify)
+        if not isinstance(self.prefetch, bool):
+            raise _refuse("prefetch", "true or false", self.prefetch)
+        if not isinstance(self.changed_only, bool):
+            raise _refuse("changed_only", "true or false", self.changed_only)
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+                or not 0 < self.timeout_s <= 7 * 86400):
+            raise _refuse("timeout_s", "seconds > 0 (at most a week)", self.timeout_s)
+
+    @property
+    def publish_dtype(self) -> torch.dtype | None:
+        return None if self.dtype is None else _DTYPES[self.dtype]
+
+    def trusted(self) -> TrustedKeys | None:
+        """The trusted keys, loaded (files read here); ``ConfigError`` naming the option for a bad one."""
+        if self.trusted_keys is None:
+            return None
+        try:
+            return TrustedKeys.load(list(self.trusted_keys))
+        except ConfigError as e:
+            raise ConfigError(f"{SETTINGS}.trusted_keys: {e}") from None
+
+    def init_info(self) -> dict[str, Any]:
+        """The deltasync vLLM engine's ``init_info`` (JSON-safe: key files read here, sent as PEM text)."""
+        # TODO(interfaces 1): EngineSettings(url=..., storage_options=..., verify=..., trusted_keys=...).init_info()
+        info: dict[str, Any] = {"url": self.url, "storage_options": dict(self.storage_options), "verify": self.verify,
+                                "prefetch": self.prefetch}
+        if self.trusted_keys is not None:
+            self.trusted()  # a bad key is named here, not by a vLLM worker
+            info["trusted_keys"] = pem_texts(list(self.trusted_keys))
+        return info
+
+
+def plain(value: Any) -> Any:
+    """An OmegaConf node (verl's config) as plain Python containers; anything else unchanged."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - verl depends on omegaconf
+        return value
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def step_metrics(manifest: Manifest) -> dict[str, float]:
+    """A committed step as verl metrics (floats; the names verl's own delta backend uses where they exist).
+
+    ``payload_mbytes``: the step's stored bytes (what a follower that holds the step before it downloads, or the
+    anchor's full bytes); ``changed_ratio``: the fraction of elements that changed; ``changed_elems``.
+    """
+    return {
+        "checkpoint_engine/deltasync_step": float(manifest.step),
+        "checkpoint_engine/deltasync_anchor": 1.0 if manifest.kind == "anchor" else 0.0,
+        "checkpoint_engine/payload_mbytes": manifest.object_bytes / (1 << 20),
+        "checkpoint_engine/changed_ratio": float(manifest.stats.density),
+        "checkpoint_engine/changed_elems": float(manifest.stats.changed),
+    }
