@@ -198,8 +198,12 @@ def test_offline_llm_follows_through_weight_transfer_methods(tmp_path):
     assert res["errors"][0].startswith("StepNotFoundError") or "step 99" in res["errors"][0]
     assert "step must be a step number" in res["errors"][1]
     assert "Invalid update_info" in res["errors"][2]
-    want = "notify must be a mirror's event feed URL (http://HOST:PORT/events), got 'ftp://mirror/events'"
-    assert want in res["errors"][3]
+    from deltasync.errors import ConfigError, in_text
+
+    relayed = in_text(res["errors"][3])  # the engine's error as data: its class travels with its text
+    assert type(relayed) is ConfigError and not relayed.retryable
+    assert "setting notify: expected an event feed URL (http://HOST:PORT/events), got 'ftp://mirror/events'" in str(
+        relayed)
     assert res["feed"] == ["EventFeed", True, 5]  # init_info's notify: the prefetcher listens to the mirror's feed
     assert res["after_errors"] == res["tokens"][2]
     assert res["tokens"][0] != res["tokens"][1] != res["tokens"][2]
