@@ -336,7 +336,8 @@ class DeltaPublisher:
                 with self._lock:
                     self._force_anchor = True
             log.warning("%s was not published (%s after %d tensors of the stream); the snapshot holds step %s",
-                        where, type(e).__name__, cap.count, self._last_captured if self._snapshot else None)
+                        where, type(e).__name__, cap.count,
+                        self._last_captured if self._snapshot is not None else None)
             if cap.stream_raised and hasattr(e, "add_note"):
                 e.add_note(f"deltasync: {where} was not published (the weights stream raised after {cap.count} "
                            f"tensors); the next publish diffs against the last published step")
