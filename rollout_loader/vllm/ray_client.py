@@ -235,7 +235,8 @@ class RayWeightTransfer:
         holds = ", ".join(
             f"actor {i} holds {'an unknown step' if isinstance(v, BaseException) else f'step {_step_of(v)}'}"
             + (" (failed)" if i in failures else "") for i, v in outcomes.items())
-        first = next((e for e in failures.values() if not can_retry(e)), next(iter(failures.values())))
+        ordered = [failures[i] for i in sorted(failures)]
+        first = next((e for e in ordered if not can_retry(e)), ordered[0])
         text = f"the update to step {step} failed on {len(failures)} of {len(self.handles)} actor(s): {first}; {holds}"
         try:
             return type(first)(text)
