@@ -142,19 +142,20 @@ class DeltasyncTrainerEngine(TrainerWeightTransferEngine[DeltasyncTrainerInitInf
         sharded = module is not None and _is_sharded(module)
         self._module = module
         self._publishes = self.is_sender or sharded
-        if self._publishes:
-            source = module if module is not None else None
-            options = info.publish if info.publish.on_backlog == "block" else dataclasses.replace(
-                info.publish, on_backlog="block")  # each round waits for its commit anyway: never coalesce one
-            self.publisher = DeltaPublisher(info.url, source, options, storage_options=dict(info.storage_options))
-        if self.is_sender:
+        if self.is_sender:  # a client that is none is refused before anything is written
             self.target = VllmTarget(self.client, info.engine)
-            self._reader = StreamReader(info.engine.url or info.url, storage_options=dict(info.engine.storage_options))
-            try:
+        try:
+            if self._publishes:
+                options = info.publish if info.publish.on_backlog == "block" else dataclasses.replace(
+                    info.publish, on_backlog="block")  # each round waits for its commit anyway: never coalesce
+                self.publisher = DeltaPublisher(info.url, module, options, storage_options=dict(info.storage_options))
+            if self.target is not None:
+                url, options = info.engine.stream()
+                self._reader = StreamReader(url, storage_options=options)
                 self.target.connect(self._reader)
-            except BaseException:
-                self.shutdown()
-                raise
+        except BaseException:
+            self.shutdown()
+            raise
 
     def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None, *,
                      step: int | None = None) -> int | None:
