@@ -150,8 +150,8 @@ class DeltasyncTrainerEngine(TrainerWeightTransferEngine[DeltasyncTrainerInitInf
                     info.publish, on_backlog="block")  # each round waits for its commit anyway: never coalesce
                 self.publisher = DeltaPublisher(info.url, module, options, storage_options=dict(info.storage_options))
             if self.target is not None:
-                url, options = info.engine.stream()
-                self._reader = StreamReader(url, storage_options=options)
+                url, storage_options = info.engine.stream()
+                self._reader = StreamReader(url, storage_options=storage_options)
                 self.target.connect(self._reader)
         except BaseException:
             self.shutdown()
