@@ -196,15 +196,20 @@ class RayWeightTransfer:
         prefix caches reset, resume; then every actor's version must name ``step``. On a failure on some actors,
         the error (the class the engine raised) says which actor holds which step."""
         t0 = time.perf_counter()
-        pausing = [i for i, p in enumerate(self._pauses) if p]
-        if pausing:
-            self._each("pause_generation", mode=self.pause_mode, clear_cache=False, only=pausing)
         failures: dict[int, DeltaSyncError] = {}
+        pausing = [i for i, p in enumerate(self._pauses) if p]
+        paused = []
+        for i, outcome in (self._outcomes("pause_generation", mode=self.pause_mode, clear_cache=False, only=pausing)
+                           if pausing else {}).items():
+            if isinstance(outcome, BaseException):  # that actor is not updated: it says where it is below
+                failures[i] = self._error(i, "pause_generation", outcome)
+            else:
+                paused.append(i)
         try:
-            alive = list(range(len(self.handles)))
+            alive = [i for i in range(len(self.handles)) if i not in failures]
             for method, args in (("start_weight_update", ()), ("update_weights", (_UpdateRequest({"step": step}),)),
                                  ("finish_weight_update", ()), ("update_weight_version", (str(step),))):
-                outcomes = self._outcomes(method, *args, only=alive)
+                outcomes = self._outcomes(method, *args, only=alive) if alive else {}
                 for i, outcome in outcomes.items():
                     if isinstance(outcome, BaseException):
                         failures[i] = self._error(i, method, outcome)
@@ -215,8 +220,8 @@ class RayWeightTransfer:
             try:
                 self._outcomes("reset_prefix_cache")
             finally:
-                if pausing:
-                    resumed = self._outcomes("resume_generation", only=pausing)
+                if paused:
+                    resumed = self._outcomes("resume_generation", only=paused)
                     for i, outcome in resumed.items():
                         if isinstance(outcome, BaseException):
                             log.error("Ray actor %d: resume_generation failed: %s", i, outcome)

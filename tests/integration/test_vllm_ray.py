@@ -1,4 +1,5 @@
-"""vLLM engines hosted in Ray actors (``ray.remote(vllm.LLM)``, as verl, SkyRL, OpenRLHF and NeMo-RL host them), driven
+"""vLLM engines hosted in Ray actors (``ray.remote(vllm.LLM)`` and an ``AsyncLLM`` actor, as verl, SkyRL, OpenRLHF and
+NeMo-RL host them), driven
 through vLLM's own ``RayVLLMWeightSyncClient``: by deltasync's trainer engine from vLLM's trainer registry (a trainer
 written against vLLM's API, one string changed), then by a ``Follower``; a partial failure (an actor killed) says
 which actor holds which step; every engine ends bit-equal to a fresh engine loaded from the replayed step.
@@ -60,6 +61,28 @@ def rollout_actor(model_dir: str, **kwargs):  # noqa: ANN201 - an actor handle
     return ray.remote(num_cpus=0)(LLM).options(runtime_env={"env_vars": ENGINE_ENV}).remote(**{**options, **kwargs})
 
 
+def async_rollout_actor(model_dir: str):  # noqa: ANN201 - an actor handle
+    """A Ray actor that is a ``vllm.AsyncLLM`` (how SkyRL-style frameworks host vLLM): its engine core in a process of
+    its own; deltasync pauses its scheduler around each update. Defined here so Ray ships the class by value."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from rollout_loader.vllm import WORKER_EXTENSION
+
+    class AsyncRollout(AsyncLLM):
+        def __init__(self, **engine_args: object) -> None:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.usage.usage_lib import UsageContext
+            from vllm.v1.executor import Executor
+
+            config = AsyncEngineArgs(**engine_args).create_engine_config(UsageContext.ENGINE_CONTEXT)
+            super().__init__(vllm_config=config, executor_class=Executor.get_class(config), log_stats=False)
+
+    env = {k: v for k, v in ENGINE_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    return ray.remote(num_cpus=0)(AsyncRollout).options(runtime_env={"env_vars": env}).remote(
+        model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0,
+        worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": "deltasync"})
+
+
 def bf16_sums(model: torch.nn.Module) -> dict[str, int]:
     return {n: tensor_checksum(t.detach().to(torch.bfloat16)) for n, t in model.state_dict().items()}
 
@@ -113,7 +136,7 @@ def test_engines_in_ray_actors_follow_through_vllms_ray_client(cluster, tmp_path
     model = tiny_qwen3(hidden_size=128, layers=2, seed=0).float()
     model_dir = str(save_model_dir(model, tmp_path / "model"))
     url = str(tmp_path / "stream")
-    actors = [rollout_actor(model_dir) for _ in range(2)]
+    actors = [rollout_actor(model_dir), async_rollout_actor(model_dir)]  # an LLM and an AsyncLLM
     client = RayVLLMWeightSyncClient(actors)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -143,12 +166,13 @@ def test_engines_in_ray_actors_follow_through_vllms_ray_client(cluster, tmp_path
         pub.publish(3)
     try:
         assert follower.sync() == [3]
+        assert target.client._pauses == [False, True]  # the AsyncLLM's scheduler was paused around the update
+        assert ray.get(actors[1].is_paused.remote()) is False  # and resumed
         status = target.status()  # every engine's tensors checksummed again from its own bits
         assert [r["checksums"] == bf16_sums(model) for r in status["replicas"]] == [True, True]
         assert [r["held_step"] for r in status["replicas"]] == [3, 3]
-        followed = [ray.get(a.generate.remote(PROMPTS, _greedy(), use_tqdm=False)) for a in actors]
-        tokens = [[list(o.outputs[0].token_ids) for o in out] for out in followed]
-        assert tokens[0] == tokens[1]
+        tokens = [list(o.outputs[0].token_ids) for o in ray.get(actors[0].generate.remote(PROMPTS, _greedy(),
+                                                                                           use_tqdm=False))]
 
         # an actor lost mid-run: the other applies the step; the error says who holds what; the follower keeps step 3
         ray.kill(actors[1])
@@ -172,7 +196,7 @@ def test_engines_in_ray_actors_follow_through_vllms_ray_client(cluster, tmp_path
     replayed = replay_to_folder(url, 4, str(tmp_path / "step4"))
     with engine(Path(replayed.path), "bfloat16", live=True) as fresh:
         assert generate(fresh) == live
-    assert tokens[0] != live  # step 4 changed the output
+    assert tokens != live  # step 4 changed the output
 
 
 def _greedy():  # noqa: ANN202
