@@ -28,9 +28,11 @@ How TRL 1.16.0 calls it (``trl/experimental/async_grpo/async_grpo_trainer.py``),
   nothing: generation goes on while the step is diffed and uploaded, and the server is paused (``mode=keep``,
   as TRL's own client pauses) only around the in-place apply inside ``send_weights``, which also drops the
   prefix cache and resumes the server even when the apply fails (TRL calls ``resume`` only on success).
-- ``send_weights`` drains the iterator whole (on FSDP2 every item is a collective the other ranks wait in),
-  publishes the step, waits until it is committed, then brings the server to it (start, update, finish with
-  weight version ``str(step)``, the version read back) through :class:`~rollout_loader.vllm.VllmTarget`.
+- ``send_weights`` publishes the iterator's tensors as one step, each diffed as it arrives and released before
+  the next (no second copy of the model on rank 0), and always reads the iterator to its end (on FSDP2 every
+  item is a collective the other ranks wait in); it waits until the step is committed, then brings the server
+  to it (start, update, finish with weight version ``str(step)``, the version read back) through
+  :class:`~rollout_loader.vllm.VllmTarget`.
 - ``destroy()``, at train end: flushes and closes the publisher (the lease is released). A later ``train()``
   call reopens it at its first sync.
 
@@ -180,7 +182,6 @@ class DeltasyncWeightTransfer:
         self.timeout_s = float(timeout_s)
         self.publisher: DeltaPublisher | None = None
         self.steps: list[int] = []  # every step this object brought the server to, in order
-        self._staged: dict[str, torch.Tensor] = {}
         self._published_here = False  # by the current publisher (a resumed run's cold sync may publish nothing)
 
     # --- TRL's WeightTransferProtocol (rank 0) ---
@@ -191,7 +192,7 @@ class DeltasyncWeightTransfer:
         if self.publisher is not None:
             return
         options = self._options_for_server()
-        publisher = DeltaPublisher(self.url, self._staged_tensors, options, storage_options=self.storage_options)
+        publisher = DeltaPublisher(self.url, None, options, storage_options=self.storage_options)
         try:
             held = self.target.connect(self.url, self.storage_options)
         except BaseException:
@@ -208,35 +209,30 @@ class DeltasyncWeightTransfer:
     def send_weights(self, iterator: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Publish ``iterator``'s tensors as the next step, wait for its commit, and bring the server to it.
 
-        The iterator is always drained whole, even on an error, since on FSDP2 each item is a collective the
-        other ranks take part in. On a failure the server keeps its previous verified step and the error is
-        raised (``PublishError``, ``EngineError``, ...); the step may be committed in the stream already.
+        Each tensor is diffed as it arrives and released before the next is read (``DeltaPublisher.publish(step,
+        weights=...)``), so rank 0 holds one tensor beyond the publisher's snapshot, never a second model. The
+        iterator is read to its end even on an error: on FSDP2 each item is a collective the other ranks are
+        in. On a failure the server keeps its previous verified step and the error is raised (``PublishError``,
+        ``TensorMismatchError``, ``EngineError``, ...); the step may already be committed in the stream.
         """
         items = iter(iterator)
         try:
-            tensors = _collect(items)
+            self.init_weight_transfer()
+            publisher = self.publisher
+            assert publisher is not None
+            step = self._next_step(publisher)
         except BaseException:
-            for _ in items:  # the other ranks are gathering with us: finish what they wait for
-                pass
+            _drain(items)
             raise
-        self.init_weight_transfer()
-        publisher = self.publisher
-        assert publisher is not None
-        step = self._next_step(publisher)
-        if step is not None:
-            # TODO(stream): publisher.publish(step, weights=iterator) once the streaming publish lands (branch
-            # `stream`): each tensor diffed as it arrives, no second full copy on rank 0 under FSDP2
-            self._staged = tensors
-            try:
-                publisher.publish(step)
-                publisher.flush(self.timeout_s)
-            finally:
-                self._staged = {}
-            self._published_here = True
-        else:
+        if step is None:  # a resumed run's cold sync: the stream holds this step already
+            _drain(items)
             step = publisher.last_committed_step
             assert step is not None
             log.info("%s: the stream holds step %d already (a resumed run): bringing the server there", _WHO, step)
+        else:
+            publisher.publish(step, weights=items)  # reads the rest of items itself when it fails
+            publisher.flush(self.timeout_s)
+            self._published_here = True
         if self.target.step != step:
             self.target.advance(step)
         self.steps.append(step)
@@ -257,10 +253,6 @@ class DeltasyncWeightTransfer:
     def step(self) -> int | None:
         """The step the server was last brought to by this object (None before the first sync)."""
         return self.steps[-1] if self.steps else None
-
-    def _staged_tensors(self) -> dict[str, torch.Tensor]:
-        """The publisher's source: the tensors of the sync in progress."""
-        return self._staged
 
     def _options_for_server(self) -> PublishOptions:
         """The publish options, ``dtype`` set to the one the server serves when not given (a mismatch would
@@ -315,18 +307,11 @@ def _target(server: Any, trusted_keys: Any) -> VllmTarget:
                       f"{type(server).__name__}")
 
 
-def _collect(iterator: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The iterator's ``(name, tensor)`` pairs as a dict; ``ConfigError`` for anything else or a repeated name."""
-    out: dict[str, torch.Tensor] = {}
-    for item in iterator:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                and isinstance(item[1], torch.Tensor)):
-            raise ConfigError(f"{_WHO}.send_weights: expected (name, tensor) pairs, got {type(item).__name__} "
-                              f"{str(item)[:100]}")
-        name, tensor = item
-        if name in out:
-            raise ConfigError(f"{_WHO}.send_weights: tensor {name!r} was sent twice in one sync")
-        out[name] = tensor
-    if not out:
-        raise ConfigError(f"{_WHO}.send_weights: the trainer sent no tensors")
-    return out
+def _drain(items: Iterable[Any]) -> None:
+    """Read the rest of the trainer's tensors without using them: on FSDP2 every one is a collective
+    (``full_tensor()``) that the other ranks wait in."""
+    try:
+        for _ in items:
+            pass
+    except Exception as e:  # noqa: BLE001 - the error being raised is the one the caller must see
+        log.warning("%s: reading the rest of the trainer's tensors failed too: %s", _WHO, e)
