@@ -135,7 +135,7 @@ def main() -> int:
                 output_dir=f"{tmp}/trainer", vllm_server_base_url=base, max_steps=args.steps, weight_sync_steps=1,
                 per_device_train_batch_size=4, num_generations=4, max_completion_length=8, learning_rate=1e-3,
                 use_cpu=not torch.cuda.is_available(), report_to=[], save_strategy="no", disable_tqdm=True,
-                logging_steps=1, seed=0,
+                logging_steps=1, seed=0, queue_maxsize=8,  # few samples ahead: the rollout worker stops at once
             )
             prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in ("hi", "abc", "xyz")]})
             trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=reward_short, args=config,

@@ -41,7 +41,8 @@ weights training starts from) and each sync after it the next step; a stream tha
 resumed run) goes on after its newest. ``step_fn`` numbers them instead, e.g. by the trainer's optimizer step:
 ``step_fn=lambda: trainer.state.global_step`` (``trainer`` is looked up when the lambda is called, so it can be
 written before the trainer exists). A resumed run whose checkpoint step the stream already holds then
-publishes nothing at its cold sync and only brings the server to that step.
+publishes nothing at its cold sync: it proves that the trainer's weights are that step's, bit for bit (every
+tensor's checksum against the step's header), and brings the server there.
 
 Tested with trl==1.16.0 (the ``trl`` extra pins it); the API is experimental. Another TRL version is used only
 if its ``WeightTransferProtocol`` has the same five methods (with a warning); otherwise construction raises
@@ -54,14 +55,14 @@ import inspect
 import logging
 import math
 import urllib.parse
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from deltasync import DeltaPublisher, PublishOptions
-from deltasync.engine import MAX_STEP
+from deltasync import DeltaPublisher, PublishOptions, StreamReader
+from deltasync.engine import MAX_STEP, parse_checksum, tensor_checksum
 from deltasync.errors import ConfigError, MissingDependencyError
 from rollout_loader.vllm import HttpWeightTransfer, VllmTarget
 
@@ -225,10 +226,11 @@ class DeltasyncWeightTransfer:
             _drain(items)
             raise
         if step is None:  # a resumed run's cold sync: the stream holds this step already
-            _drain(items)
             step = publisher.last_committed_step
             assert step is not None
-            log.info("%s: the stream holds step %d already (a resumed run): bringing the server there", _WHO, step)
+            self._check_committed(items, step, publisher.options)
+            log.info("%s: the stream holds step %d already (a resumed run), the trainer's weights bit for bit: "
+                     "bringing the server there", _WHO, step)
         else:
             publisher.publish(step, weights=items)  # reads the rest of items itself when it fails
             publisher.flush(self.timeout_s)
@@ -253,6 +255,36 @@ class DeltasyncWeightTransfer:
     def step(self) -> int | None:
         """The step the server was last brought to by this object (None before the first sync)."""
         return self.steps[-1] if self.steps else None
+
+    def _check_committed(self, items: Iterator[tuple[str, torch.Tensor]], step: int, options: PublishOptions) -> None:
+        """Prove that the trainer's tensors are the committed ``step``'s, bit for bit (a resumed checkpoint is
+        the step its run published, unless it comes from another run): every tensor's checksum, in the
+        published dtype, against the step's header; ``ConfigError`` naming the tensors that differ. Reads every
+        item, also on an error."""
+        try:
+            with StreamReader(self.url, storage_options=self.storage_options) as reader, reader.open(step) as obj:
+                want = {name: parse_checksum(t.checksum) for name, t in obj.header.tensors.items()}
+            differ: list[str] = []
+            seen: set[str] = set()
+            for name, tensor in items:
+                if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+                    raise ConfigError(f"{_WHO}.send_weights: expected (name, tensor) pairs, got {name!r}: "
+                                      f"{type(tensor).__name__}")
+                name = options.names(name) if options.names is not None else name
+                seen.add(name)
+                if options.dtype is not None and tensor.is_floating_point():
+                    tensor = tensor.to(options.dtype)
+                if want.get(name) != tensor_checksum(tensor):
+                    differ.append(name)
+        except BaseException:
+            _drain(items)
+            raise
+        differ += sorted(want.keys() - seen)
+        if differ:
+            raise ConfigError(
+                f"{_WHO}: {self.url} holds step {step}, the trainer's step, but not its weights ({len(differ)} tensors "
+                f"differ: {differ[:5]}): the checkpoint is not the one this stream published at step {step}; resume "
+                "from that run's checkpoint, or publish to a new URL")
 
     def _options_for_server(self) -> PublishOptions:
         """The publish options, ``dtype`` set to the one the server serves when not given (a mismatch would

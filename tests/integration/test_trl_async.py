@@ -61,6 +61,7 @@ def trained(served, tmp_path_factory):
             output_dir=str(root / "trainer"), vllm_server_base_url=base, max_steps=STEPS, weight_sync_steps=1,
             per_device_train_batch_size=4, num_generations=4, max_completion_length=8, learning_rate=1e-3,
             use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
+            queue_maxsize=8,  # a few samples ahead: the rollout worker stops at once (its queue flushes)
         )
         prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in ("hello", "abc", "xyz")]})
         trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=reward_short, args=config, train_dataset=prompts,
@@ -125,11 +126,19 @@ def test_a_restarted_trainer_goes_on_from_the_stream_and_the_server(served, trai
         transfer.resume()
 
     # numbered by the trainer's step: the resumed checkpoint's step is in the stream already, so the cold sync
-    # publishes nothing and the server, which holds it, is left as it is
+    # publishes nothing (the trainer's weights proved to be that step's) and the server, which holds it, is left
     resumed = DeltasyncWeightTransfer(url, base, step_fn=lambda: STEPS)
     sync(resumed)
     resumed.destroy()
     assert resumed.steps == [STEPS] and _steps(url) == [0, 1, 2]
+
+    # the stream's step but other weights (a checkpoint of another run): refused, nothing published
+    other = DeltasyncWeightTransfer(url, base, step_fn=lambda: STEPS)
+    with pytest.raises(ConfigError, match=r"holds step 2, the trainer's step, but not its weights \(1 tensors differ: "
+                                          r"\['model.norm.weight'\]\)"):
+        other.send_weights((n, t + 1 if n == "model.norm.weight" else t) for n, t in trainer._streaming_iter())
+    other.destroy()
+    assert other.steps == [] and _steps(url) == [0, 1, 2]
 
     # a checkpoint older than the stream's newest step: refused, nothing published, every tensor still read
     older = DeltasyncWeightTransfer(url, base, step_fn=lambda: 1)
