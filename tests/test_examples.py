@@ -119,6 +119,16 @@ def test_vllm_server_sync():
 
 
 @pytest.mark.vllm
+@pytest.mark.outside_ci  # Ray and three engines (~1.5 min): CI runs the same fleet in integration/test_vllm_ray.py
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")
+def test_ray_fleet():
+    lines = run_example("ray_fleet.py", "--steps", "2", timeout_s=900)
+    assert "step 2: applied [2] in both actors, weight versions ['2', '2']" in lines
+    assert "each actor holds the trainer's bf16 weights at step 2: [True, True]" in lines
+    assert lines[-1] == "bit-exact: yes"
+
+
+@pytest.mark.vllm
 @pytest.mark.outside_ci  # a server start (~1 min): CI runs the same training in tests/integration/test_trl_async.py
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed (pip install trl==1.16.0)")
 def test_trl_async_grpo():

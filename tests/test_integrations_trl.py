@@ -123,7 +123,7 @@ def test_trusted_keys_need_a_signing_key_and_go_to_a_given_target(tmp_path):
     with pytest.raises(ConfigError, match="trusted_keys goes to the VllmTarget given as server"):
         DeltasyncWeightTransfer("stream", VllmTarget(SERVER), trusted_keys=[public])
     signed = DeltasyncWeightTransfer("stream", SERVER, trusted_keys=[public], signing_key=tmp_path / "trainer.key")
-    assert signed.target.trusted_keys == [public.read_text()]
+    assert signed.target.settings.trusted_keys == (public.read_text(),)
 
 
 def test_construction_touches_nothing(tmp_path):

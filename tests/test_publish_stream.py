@@ -10,9 +10,10 @@ import weakref
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import deltasync.publish.publisher as publisher_module
-from deltasync import DeltaPublisher, StreamReader
+from deltasync import DeltaPublisher, StreamReader, replay_to_folder
 from deltasync.errors import ConfigError, PublishError, StepOrderError, TensorMismatchError
 from tests.conftest import perturb, states_equal
 
@@ -74,6 +75,10 @@ def test_stream_publishes_what_a_state_dict_publishes(tmp_path, gen):
         assert ra.manifest(3).delta is not None  # an anchor carries its delta from the step before, as from a dict
         with ra.open(6) as obj:
             assert obj.header.aliases == {"lm_head.weight": "embed.weight"}
+    # the other reading path: a checkpoint folder replayed from the anchor and its deltas (tied names left out)
+    replay_to_folder(a, 5, tmp_path / "replayed")
+    want = {n: t for n, t in truth[5].items() if n != "lm_head.weight"}
+    assert states_equal(load_file(tmp_path / "replayed" / "model.safetensors"), want)
 
 
 @pytest.mark.parametrize("dtype, device", [(torch.bfloat16, "same"), (None, "cpu")])

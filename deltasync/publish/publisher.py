@@ -128,6 +128,33 @@ class DeltaPublisher:
 
     ``signing_key`` (a private key file made by ``deltasync keygen``, mode 0600) signs every step before it
     is committed (docs/FORMAT.md section 5e): followers given its public half accept nothing else.
+
+    A framework that hands weights over as a stream (verl's per-tensor generator, vLLM's ``WeightSource``, TRL's
+    ``send_weights`` iterator) passes ``source=None`` and gives every step's tensors as
+    ``publish(step, weights=...)``: each tensor is diffed as it arrives and released before the next, so the
+    publishing rank never holds a second copy of the model (publish/stream.py).
+
+    Args:
+        url: the stream (``"s3://bucket/run1"``, a local path, any fsspec URL) or a ``Store``.
+        source: a module, a state dict, a function returning one, or None when every ``publish`` passes
+            ``weights``.
+        options: a ``PublishOptions``; keyword arguments of the same names override its fields.
+        storage_options: fsspec options for ``url`` (credentials, endpoint).
+
+    Raises:
+        ConfigError: an option that makes no sense (naming it), or ``sharded=True`` with ``source=None``.
+        TypeError: an unknown option.
+        WriterConflictError: another writer holds the stream (pass ``take_over=True`` to take it).
+
+    Example::
+
+        with DeltaPublisher("s3://bucket/run1", model, dtype=torch.bfloat16) as pub:
+            for step in range(steps):
+                train_one_step(model)
+                pub.publish(step)
+
+        with DeltaPublisher("s3://bucket/run1", None, dtype=torch.bfloat16) as pub:  # a framework's stream
+            pub.publish(step, weights=weight_source)
     """
 
     def __init__(
@@ -309,7 +336,8 @@ class DeltaPublisher:
                 with self._lock:
                     self._force_anchor = True
             log.warning("%s was not published (%s after %d tensors of the stream); the snapshot holds step %s",
-                        where, type(e).__name__, cap.count, self._last_captured if self._snapshot else None)
+                        where, type(e).__name__, cap.count,
+                        self._last_captured if self._snapshot is not None else None)
             if cap.stream_raised and hasattr(e, "add_note"):
                 e.add_note(f"deltasync: {where} was not published (the weights stream raised after {cap.count} "
                            f"tensors); the next publish diffs against the last published step")
@@ -505,9 +533,10 @@ class DeltaPublisher:
                     self._error = e
                     self._force_anchor = True
             finally:
-                if job is not None and job.released is not None:  # written, failed or dropped: out of the snapshot
-                    job.anchor_tensors = {}
-                    job.released.set()
+                if job is not None:  # written, failed or dropped: nothing of it is needed until the next job comes
+                    job.anchor_tensors, job.changes = {}, []
+                    if job.released is not None:  # out of the snapshot
+                        job.released.set()
                 self._queue.task_done()
 
     def _renew_lease(self) -> None:

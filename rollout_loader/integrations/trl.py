@@ -129,7 +129,8 @@ class DeltasyncWeightTransfer:
             filesystem).
         server: the vLLM server TRL generates with (``AsyncGRPOConfig.vllm_server_base_url``), started with
             ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config '{"backend": "deltasync"}'``; or a
-            :class:`~rollout_loader.vllm.VllmTarget` for other engine settings (verify, mode, notify).
+            :class:`~rollout_loader.vllm.VllmTarget` for other engine settings (``EngineSettings``: verify, mode,
+            notify, rdma, or another URL the engine reads the same stream by, e.g. a mirror).
         storage_options: the store's options (credentials, endpoint), for the trainer and sent to the server.
         step_fn: returns the step number of each sync (default: counts syncs; see the module docstring).
         trusted_keys: public key files: the server applies only steps signed by one of them (pair it with
@@ -174,7 +175,7 @@ class DeltasyncWeightTransfer:
             raise ConfigError(f"{_WHO}: sharded=True cannot apply: TRL hands the full tensors to rank 0 alone, "
                               "so rank 0 publishes them (leave sharded unset)")
         self.target = _target(server, trusted_keys)
-        if self.target.trusted_keys and self.options.signing_key is None:
+        if self.target.settings.trusted_keys and self.options.signing_key is None:
             raise ConfigError(f"{_WHO}: trusted_keys makes the server apply signed steps only, and no signing_key= "
                               "signs them: give the private key the trusted keys belong to")
         self.url = url
@@ -195,7 +196,8 @@ class DeltasyncWeightTransfer:
         options = self._options_for_server()
         publisher = DeltaPublisher(self.url, None, options, storage_options=self.storage_options)
         try:
-            held = self.target.connect(self.url, self.storage_options)
+            with StreamReader(self.url, storage_options=self.storage_options) as reader:
+                held = self.target.connect(reader)  # the engine reads this stream unless the target names another
         except BaseException:
             publisher.close()
             raise
@@ -334,7 +336,7 @@ def _target(server: Any, trusted_keys: Any) -> VllmTarget:
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"{_WHO}: server must be the vLLM server's URL (http://host:port, what "
                               f"AsyncGRPOConfig.vllm_server_base_url names), got {server!r}")
-        return VllmTarget(server, trusted_keys=trusted_keys)
+        return VllmTarget(server) if trusted_keys is None else VllmTarget(server, trusted_keys=trusted_keys)
     raise ConfigError(f"{_WHO}: server must be the vLLM server's URL (http://host:port) or a VllmTarget, got "
                       f"{type(server).__name__}")
 
