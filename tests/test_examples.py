@@ -128,6 +128,18 @@ def test_ray_fleet():
     assert lines[-1] == "bit-exact: yes"
 
 
+@pytest.mark.vllm
+@pytest.mark.outside_ci  # a server start (~1 min): CI runs the same training in tests/integration/test_trl_async.py
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed (pip install trl==1.16.0)")
+def test_trl_async_grpo():
+    """TRL's AsyncGRPOTrainer with DeltasyncWeightTransfer against a real vLLM server it starts itself."""
+    lines = run_example("trl_async_grpo.py", "--steps", "2", timeout_s=900)
+    assert [line.split(":")[0] for line in lines if line.startswith("step ")] == ["step 1", "step 2"]
+    assert lines[-2].startswith("syncs: steps [0, 1, 2]; stream ") and lines[-2].endswith(
+        ": steps [0, 1, 2]; server holds step 2")
+    assert lines[-1] == "server bit-exact with the trainer at step 2: yes"
+
+
 # --- first contact with the command line ---
 
 

@@ -46,7 +46,7 @@ DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 PauseMode = Literal["keep", "wait", "abort"]
 # routes of vLLM's weight-transfer API, some only with VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/rl/online)
 WEIGHT_ROUTES = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
-                 "/weight_info", "/pause", "/resume", "/reset_prefix_cache", "/collective_rpc")
+                 "/weight_info", "/pause", "/resume", "/reset_prefix_cache", "/collective_rpc", "/server_info")
 # how vLLM 0.32 reports a collective_rpc method the workers do not have: the multiprocess executor relays the
 # worker's AttributeError, the in-process one raises NotImplementedError (vllm/v1/serial_utils.py run_method)
 _NO_METHOD = re.compile(r"has no attribute '(deltasync_\w+)'|Method '(deltasync_\w+)' is not implemented")
@@ -264,6 +264,18 @@ class HttpWeightTransfer:
         """The step the server holds, from its weight version (None: a version that names no step, such as
         vLLM's ``"default"`` of a server that was never updated)."""
         return _step_of(self.weight_version())
+
+    def served_dtype(self) -> str:
+        """The dtype the server holds its model in, as vLLM names it (``"torch.bfloat16"``), from ``GET
+        /server_info?config_format=json`` (a route of ``VLLM_SERVER_DEV_MODE=1``); changes nothing."""
+        reply = self._request("GET", "/server_info", timeout_s=self.check_timeout_s, config_format="json")
+        config = reply.get("vllm_config") if isinstance(reply, dict) else None
+        model = config.get("model_config") if isinstance(config, dict) else None
+        dtype = model.get("dtype") if isinstance(model, dict) else None
+        if not isinstance(dtype, str) or len(dtype) > 64:
+            raise EngineError(f"{self.base_url}/server_info: expected vllm_config.model_config.dtype, got "
+                              f"{str(reply)[:200]}")
+        return dtype
 
     def init(self, settings: EngineSettings) -> None:
         """``/init_weight_transfer_engine``: point the server's deltasync engine at a stream (again, the same
