@@ -112,6 +112,50 @@ def test_a_resumed_trainer_goes_on_after_the_newest_committed_step(tmp_path):
             engine.shutdown()
 
 
+@pytest.mark.parametrize("how", ["module", "weights"])
+def test_a_resumed_trainer_at_a_committed_step_proves_it_and_publishes_nothing(how, tmp_path):
+    """A trainer restarted from its checkpoint at step 1 syncs step 1 again: the stream holds it, so nothing is
+    published once its weights are proved to be step 1's (the engines are still brought there); a checkpoint of
+    another run at that step is refused, naming tensors; a step before the newest is refused."""
+    model, url = _model(), str(tmp_path / "stream")
+
+    def engine_for(m):
+        source = ModuleSource(m) if how == "module" else None
+        return WeightTransferTrainerFactory.trainer_init(DeltasyncTrainerInitInfo(url=url, rank=0), client=Recorder(),
+                                                         source=source)
+
+    def send(engine, m, step):
+        return engine.send_weights(m.named_parameters() if how == "weights" else None, step=step)
+
+    first = engine_for(model)
+    try:
+        send(first, model, 0)
+        with torch.no_grad():
+            model[0].bias += 1.0
+        send(first, model, 1)
+    finally:
+        first.shutdown()
+    resumed = engine_for(model)
+    try:
+        assert send(resumed, model, 1) == 1  # proved; nothing published
+        assert resumed.target.client.client.calls[-3:] == [("start", None), ("update", {"step": 1}), ("finish", "1")]
+        with pytest.raises(ConfigError, match="already holds step 1, after the trainer's step 0"):
+            send(resumed, model, 0)
+    finally:
+        resumed.shutdown()
+    with StreamReader(url) as reader:
+        assert reader.steps() == [0, 1]
+    other = _model()
+    with torch.no_grad():
+        other[2].weight += 1.0
+    stranger = engine_for(other)
+    try:
+        with pytest.raises(ConfigError, match=r"holds step 1, the trainer's step, but not its weights \(2 tensors "):
+            send(stranger, other, 1)
+    finally:
+        stranger.shutdown()
+
+
 def test_ranks_that_do_not_write_drain_their_source_and_touch_nothing(tmp_path):
     model, url, client = _model(), str(tmp_path / "stream"), Recorder()
     source = Gathered(model)

@@ -27,7 +27,7 @@ from deltasync.format.objects import TensorHeader
 from deltasync.format.patch import Patch
 from deltasync.history.checkpoints import collect_model_files, write_model_files
 from deltasync.notify import EventServer, host_port
-from deltasync.publish.names import named_tensors
+from deltasync.publish.names import canonical_name, named_tensors
 from deltasync.publish.options import PublishOptions
 from deltasync.publish.sharded import ShardedWriter, ShardGroup, is_sharded
 from deltasync.publish.steps import (
@@ -36,7 +36,7 @@ from deltasync.publish.steps import (
     step_manifest,
     write_step_object,
 )
-from deltasync.publish.stream import StreamCapture, Weights, drain
+from deltasync.publish.stream import StreamCapture, Weights, checked_entry, drain, stream_entries
 from deltasync.scratch import ScratchFolder
 from deltasync.signing import SigningKey
 from deltasync.stages.diff import Snapshot
@@ -388,6 +388,53 @@ class DeltaPublisher:
         self._announce(step)
         log.info("committed sharded %s step %d (%d bytes, %.3f s)", kind, step, nbytes, time.perf_counter() - t0)
         return True
+
+    def differs_from(self, step: int, weights: Weights | None = None) -> list[str]:
+        """The tensors whose bits, in the published dtype and under canonical names, differ from committed
+        ``step``'s (checksums against its header; a tensor missing on either side counts): empty when the source's
+        weights (or ``weights``', read to their end) are that step's exactly.
+
+        What a resumed trainer asks when its checkpoint's step is one the stream holds already: a committed step is
+        never replaced, so it publishes nothing and goes on, provided its weights are that step's.
+
+        Raises:
+            ConfigError: a sharded publisher (its shards cannot be proved from one rank: publish the next step), or
+                bad ``weights`` entries.
+            StepNotFoundError: ``step`` is not committed.
+        """
+        where = f"{self.store.url}: step {step}"
+        if weights is None and self._sharded is not None:
+            raise ConfigError(f"{where}: a sharded publisher cannot prove a committed step from one rank: publish the "
+                              "next step instead")
+        if weights is None:
+            tensors, _ = named_tensors(self.source, self.options.names)
+            pairs: Any = iter(tensors.items())
+        else:
+            pairs = stream_entries(weights, where)
+        from deltasync.format.checksum import tensor_checksum
+        from deltasync.reader import StreamReader  # (the reader sits above the publisher)
+
+        try:
+            with StreamReader(self.store) as reader, reader.open(step) as obj:
+                want = {n: int(t.checksum, 16) for n, t in obj.header.tensors.items()}
+            aliases = dict(obj.header.aliases)
+            differ: list[str] = []
+            seen: set[str] = set()
+            for index, entry in enumerate(pairs):
+                name, t = checked_entry(entry, index, where) if weights is not None else entry
+                name = canonical_name(name, self.options.names) if weights is not None else name
+                if name in aliases:
+                    continue
+                seen.add(name)
+                if self.options.dtype is not None and t.is_floating_point():
+                    t = t.to(self.options.dtype)
+                if want.get(name) != tensor_checksum(t.detach()):
+                    differ.append(name)
+        except BaseException:
+            if weights is not None:
+                drain(pairs, where)
+            raise
+        return differ + sorted(want.keys() - seen)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Capture a trailing coalesced step, then wait until everything captured is committed."""

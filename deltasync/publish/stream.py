@@ -73,7 +73,7 @@ class StreamCapture:
         arrived: dict[str, str] = {}  # canonical name -> the name it arrived as
         memory: dict[tuple[Any, ...], tuple[weakref.ref[torch.UntypedStorage], str]] = {}
         try:
-            it = _entries(weights, self.where)
+            it = stream_entries(weights, self.where)
             while True:
                 try:
                     entry = next(it)
@@ -83,7 +83,7 @@ class StreamCapture:
                     self.stream_raised = True
                     raise
                 self.count += 1
-                name, t = _entry(entry, self.count, self.where)
+                name, t = checked_entry(entry, self.count, self.where)
                 del entry
                 canon = canonical_name(name, self.names)
                 if canon in arrived:
@@ -170,7 +170,7 @@ class StreamCapture:
         self.changes = []
 
 
-def _entries(weights: Weights, where: str) -> Iterator[Any]:
+def stream_entries(weights: Weights, where: str) -> Iterator[Any]:
     if isinstance(weights, Mapping):
         return iter(weights.items())
     if isinstance(weights, (str, bytes, torch.Tensor)):
@@ -183,7 +183,7 @@ def _entries(weights: Weights, where: str) -> Iterator[Any]:
                           f"{type(weights).__name__}") from None
 
 
-def _entry(entry: Any, index: int, where: str) -> tuple[str, torch.Tensor]:
+def checked_entry(entry: Any, index: int, where: str) -> tuple[str, torch.Tensor]:
     """A stream entry checked: a (name, tensor) pair with a non-empty name and a plain tensor holding data."""
     if not isinstance(entry, (tuple, list)) or len(entry) != 2:
         raise TensorMismatchError(f"{where}: weights entry {index} is a {type(entry).__name__}: expected a "

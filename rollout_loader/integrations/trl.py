@@ -55,16 +55,16 @@ import inspect
 import logging
 import math
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from deltasync import DeltaPublisher, PublishOptions, StreamReader
-from deltasync.engine import MAX_STEP, parse_checksum, tensor_checksum
+from deltasync import DeltaPublisher, PublishOptions
+from deltasync.engine import MAX_STEP
 from deltasync.errors import ConfigError, MissingDependencyError
-from rollout_loader.vllm import HttpWeightTransfer, VllmTarget
+from rollout_loader.vllm import VllmTarget
+from rollout_loader.vllm.trainer_sync import TrainerSync, drain
 
 log = logging.getLogger(__name__)
 
@@ -182,28 +182,16 @@ class DeltasyncWeightTransfer:
         self.storage_options = storage_options
         self.step_fn = step_fn
         self.timeout_s = float(timeout_s)
-        self.publisher: DeltaPublisher | None = None
-        self.steps: list[int] = []  # every step this object brought the server to, in order
-        self._published_here = False  # by the current publisher (a resumed run's cold sync may publish nothing)
+        # the publisher, the steps and what a committed step means: shared with every framework seam
+        self.sync = TrainerSync(url, options=self.options, storage_options=storage_options, target=self.target,
+                                who=_WHO, timeout_s=self.timeout_s)
 
     # --- TRL's WeightTransferProtocol (rank 0) ---
 
     def init_weight_transfer(self) -> None:
         """Take the stream's writer lease and point the server's deltasync engine at the stream (no weights
         change). Called by TRL once at train begin; again (after :meth:`destroy`) by the next sync."""
-        if self.publisher is not None:
-            return
-        options = self._options_for_server()
-        publisher = DeltaPublisher(self.url, None, options, storage_options=self.storage_options)
-        try:
-            with StreamReader(self.url, storage_options=self.storage_options) as reader:
-                held = self.target.connect(reader)  # the engine reads this stream unless the target names another
-        except BaseException:
-            publisher.close()
-            raise
-        self.publisher, self._published_here = publisher, False
-        log.info("%s: stream %s (newest committed step %s), server at step %s", _WHO, self.url,
-                 publisher.last_committed_step, held)
+        self.sync.open()
 
     def pause(self) -> None:
         """Nothing: generation goes on while the step is published; ``send_weights`` pauses the server only
@@ -220,26 +208,11 @@ class DeltasyncWeightTransfer:
         """
         items = iter(iterator)
         try:
-            self.init_weight_transfer()
-            publisher = self.publisher
-            assert publisher is not None
-            step = self._next_step(publisher)
+            step = self._wanted_step()
         except BaseException:
-            _drain(items)
+            drain(items, _WHO)
             raise
-        if step is None:  # a resumed run's cold sync: the stream holds this step already
-            step = publisher.last_committed_step
-            assert step is not None
-            self._check_committed(items, step, publisher.options)
-            log.info("%s: the stream holds step %d already (a resumed run), the trainer's weights bit for bit: "
-                     "bringing the server there", _WHO, step)
-        else:
-            publisher.publish(step, weights=items)  # reads the rest of items itself when it fails
-            publisher.flush(self.timeout_s)
-            self._published_here = True
-        if self.target.step != step:
-            self.target.advance(step)
-        self.steps.append(step)
+        step = self.sync.send(items, step=step)
         log.info("%s: server at step %d", _WHO, step)
 
     def resume(self) -> None:
@@ -247,81 +220,33 @@ class DeltasyncWeightTransfer:
 
     def destroy(self) -> None:
         """Flush and close the publisher (releases the stream's lease). Called by TRL at train end."""
-        publisher, self.publisher = self.publisher, None
-        if publisher is not None:
-            publisher.close()
+        self.sync.close()
 
     # --- helpers ---
 
     @property
+    def publisher(self) -> DeltaPublisher | None:
+        """The publisher while the stream's lease is held (between the first sync and :meth:`destroy`)."""
+        return self.sync.publisher
+
+    @property
+    def steps(self) -> list[int]:
+        """Every step this object brought the server to, in order."""
+        return self.sync.steps
+
+    @property
     def step(self) -> int | None:
         """The step the server was last brought to by this object (None before the first sync)."""
-        return self.steps[-1] if self.steps else None
+        return self.sync.step
 
-    def _check_committed(self, items: Iterator[tuple[str, torch.Tensor]], step: int, options: PublishOptions) -> None:
-        """Prove that the trainer's tensors are the committed ``step``'s, bit for bit (a resumed checkpoint is
-        the step its run published, unless it comes from another run): every tensor's checksum, in the
-        published dtype, against the step's header; ``ConfigError`` naming the tensors that differ. Reads every
-        item, also on an error."""
-        try:
-            with StreamReader(self.url, storage_options=self.storage_options) as reader, reader.open(step) as obj:
-                want = {name: parse_checksum(t.checksum) for name, t in obj.header.tensors.items()}
-            differ: list[str] = []
-            seen: set[str] = set()
-            for name, tensor in items:
-                if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-                    raise ConfigError(f"{_WHO}.send_weights: expected (name, tensor) pairs, got {name!r}: "
-                                      f"{type(tensor).__name__}")
-                name = options.names(name) if options.names is not None else name
-                seen.add(name)
-                if options.dtype is not None and tensor.is_floating_point():
-                    tensor = tensor.to(options.dtype)
-                if want.get(name) != tensor_checksum(tensor):
-                    differ.append(name)
-        except BaseException:
-            _drain(items)
-            raise
-        differ += sorted(want.keys() - seen)
-        if differ:
-            raise ConfigError(
-                f"{_WHO}: {self.url} holds step {step}, the trainer's step, but not its weights ({len(differ)} tensors "
-                f"differ: {differ[:5]}): the checkpoint is not the one this stream published at step {step}; resume "
-                "from that run's checkpoint, or publish to a new URL")
-
-    def _options_for_server(self) -> PublishOptions:
-        """The publish options, ``dtype`` set to the one the server serves when not given (a mismatch would
-        make every update fail, after a full upload in the wrong dtype)."""
-        client = self.target.client
-        if not isinstance(client, HttpWeightTransfer):  # an in-process engine: the caller says the dtype
-            return self.options
-        name = client.served_dtype()
-        served = getattr(torch, name.removeprefix("torch."), None)
-        if not isinstance(served, torch.dtype):
-            raise ConfigError(f"{_WHO}: the server at {client.base_url} serves dtype {name!r}, not a torch dtype")
-        if self.options.dtype is None:
-            log.info("%s: publishing in %s, the dtype the server serves", _WHO, served)
-            return replace(self.options, dtype=served)
-        if self.options.dtype != served:
-            raise ConfigError(f"{_WHO}: dtype is {self.options.dtype} but the server at {client.base_url} serves "
-                              f"{served}: its engine cannot apply steps of another dtype (leave dtype unset to "
-                              "publish in the server's)")
-        return self.options
-
-    def _next_step(self, publisher: DeltaPublisher) -> int | None:
-        """This sync's step, or None when a resumed run's cold sync finds its step committed already."""
-        committed = publisher.last_committed_step if not self._published_here else None
+    def _wanted_step(self) -> int | None:
+        """``step_fn()``'s step, checked; None (the next one) without ``step_fn``."""
         if self.step_fn is None:
-            if self._published_here:
-                return self.steps[-1] + 1
-            return 0 if committed is None else committed + 1
+            return None
         step = self.step_fn()
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
             raise ConfigError(f"{_WHO}: step_fn must return a step number 0..{MAX_STEP}, returned {step!r}")
-        if committed is not None and step < committed:
-            raise ConfigError(
-                f"{_WHO}: {self.url} already holds step {committed}, after the trainer's step {step}: a committed step "
-                "is never replaced; resume from a later checkpoint or publish to a new URL")
-        return None if step == committed else step
+        return step
 
 
 def _target(server: Any, trusted_keys: Any) -> VllmTarget:
@@ -339,13 +264,3 @@ def _target(server: Any, trusted_keys: Any) -> VllmTarget:
         return VllmTarget(server) if trusted_keys is None else VllmTarget(server, trusted_keys=trusted_keys)
     raise ConfigError(f"{_WHO}: server must be the vLLM server's URL (http://host:port) or a VllmTarget, got "
                       f"{type(server).__name__}")
-
-
-def _drain(items: Iterable[Any]) -> None:
-    """Read the rest of the trainer's tensors without using them: on FSDP2 every one is a collective
-    (``full_tensor()``) that the other ranks wait in."""
-    try:
-        for _ in items:
-            pass
-    except Exception as e:  # noqa: BLE001 - the error being raised is the one the caller must see
-        log.warning("%s: reading the rest of the trainer's tensors failed too: %s", _WHO, e)

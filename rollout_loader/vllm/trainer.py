@@ -33,7 +33,6 @@ as the receiving engine (:mod:`rollout_loader.vllm.plugin`); importing this modu
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -48,11 +47,12 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from deltasync import DeltaPublisher, PublishOptions, StreamReader
+from deltasync import PublishOptions
 from deltasync.errors import ConfigError
 
 from .settings import EngineSettings
 from .target import VllmTarget
+from .trainer_sync import TrainerSync
 
 log = logging.getLogger(__name__)
 
@@ -117,12 +117,18 @@ class DeltasyncTrainerEngine(TrainerWeightTransferEngine[DeltasyncTrainerInitInf
     def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource | None = None,
                  is_sender: bool = True) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
-        self.publisher: DeltaPublisher | None = None
-        self.target: VllmTarget | None = None
-        self._reader: StreamReader | None = None
+        self.sync: TrainerSync | None = None  # this rank's publisher (rank 0; every rank of a sharded module)
         self._module: torch.nn.Module | None = None
-        self._publishes = False  # this rank writes (rank 0; every rank of a sharded module)
-        self.steps: list[int] = []  # the steps sent, in order
+
+    @property
+    def target(self) -> VllmTarget | None:
+        """The inference engines, on rank 0 (None elsewhere)."""
+        return None if self.sync is None else self.sync.target
+
+    @property
+    def steps(self) -> list[int]:
+        """The steps sent, in order."""
+        return [] if self.sync is None else self.sync.steps
 
     @classmethod
     def trainer_init(cls, init_info: DeltasyncTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -141,18 +147,15 @@ class DeltasyncTrainerEngine(TrainerWeightTransferEngine[DeltasyncTrainerInitInf
         module = self.source._module if isinstance(self.source, ModuleSource) else None
         sharded = module is not None and _is_sharded(module)
         self._module = module
-        self._publishes = self.is_sender or sharded
-        if self.is_sender:  # a client that is none is refused before anything is written
-            self.target = VllmTarget(self.client, info.engine)
+        # a client that is none is refused before anything is written
+        target = VllmTarget(self.client, info.engine) if self.is_sender else None
+        if not (self.is_sender or sharded):
+            return
+        self.sync = TrainerSync(info.url, source=module, options=info.publish,
+                                storage_options=dict(info.storage_options), target=target,
+                                who="deltasync trainer engine", served_dtype=not sharded)
         try:
-            if self._publishes:
-                options = info.publish if info.publish.on_backlog == "block" else dataclasses.replace(
-                    info.publish, on_backlog="block")  # each round waits for its commit anyway: never coalesce
-                self.publisher = DeltaPublisher(info.url, module, options, storage_options=dict(info.storage_options))
-            if self.target is not None:
-                url, storage_options = info.engine.stream()
-                self._reader = StreamReader(url, storage_options=storage_options)
-                self.target.connect(self._reader)
+            self.sync.open()
         except BaseException:
             self.shutdown()
             raise
@@ -163,48 +166,35 @@ class DeltasyncTrainerEngine(TrainerWeightTransferEngine[DeltasyncTrainerInitInf
         and on rank 0 bring every inference engine to it (verified by each, or rolled back and raised). Called on
         every trainer rank. Returns the step (None on a rank that does not write, unless ``step`` was given).
 
+        A ``step`` the stream holds already (a resumed trainer's first round at its checkpoint's step) publishes
+        nothing once the weights are proved to be that step's (``ConfigError`` otherwise).
+
         Args:
             weights: the round's ``(name, tensor)`` pairs, when the engine was made without a ``source``.
             step: the step number (increasing; e.g. the trainer's global step).
 
         Raises:
-            ConfigError: weights given beside a source, or neither.
+            ConfigError: weights given beside a source, or neither; a step before the stream's newest.
             deltasync errors: publishing or applying failed (the engines keep their previous step).
         """
         if (weights is None) == (self.source is None):
             raise ConfigError("deltasync trainer engine: send_weights needs the round's weights when it was made "
                               "without a source, and none when it was made with one")
         pairs = weights if weights is not None else (iter(self.source) if self._module is None else None)
-        pub = self.publisher
-        if pub is None:  # a rank that does not write: drain a source whose iteration is a collective
+        if self.sync is None:  # a rank that does not write: drain a source whose iteration is a collective
             if pairs is not None and self.source is not None:
                 for _ in pairs:
                     pass
             return step
-        if step is None:
-            last = pub.last_committed_step
-            step = 0 if last is None else last + 1
-        if pairs is None:
-            pub.publish(step)
-        else:
-            pub.publish(step, weights=pairs)
-        pub.flush()
-        self.steps.append(step)
-        if self.target is not None:
-            self.target.advance(step)
-            log.info("deltasync trainer engine: step %d published and live in the inference engines", step)
-        return step
+        sent = self.sync.send(pairs, step=step)
+        log.info("deltasync trainer engine: step %d published and live in the inference engines", sent)
+        return sent
 
     def shutdown(self) -> None:
-        """Close the publisher (its last steps committed) and the reader; the inference engines keep their step."""
-        pub, self.publisher = self.publisher, None
-        reader, self._reader = self._reader, None
-        try:
-            if pub is not None:
-                pub.close()
-        finally:
-            if reader is not None:
-                reader.close()
+        """Close the publisher (its last steps committed); the inference engines keep their step."""
+        sync, self.sync = self.sync, None
+        if sync is not None:
+            sync.close()
 
 
 def _is_sharded(module: torch.nn.Module) -> bool:
