@@ -6,9 +6,19 @@ the matching builtin so that callers can catch ``FileNotFoundError`` or ``ValueE
 
 from __future__ import annotations
 
+import json
+from typing import Any, ClassVar
+
 
 class DeltaSyncError(Exception):
-    """Base class of every error raised by deltasync and rollout_loader."""
+    """Base class of every error raised by deltasync and rollout_loader.
+
+    ``retryable`` says whether trying the same operation again can help (a store that comes back, a step that
+    is committed later, a damaged download read again): the one answer every follower, mirror and client asks
+    (:func:`can_retry`). Subclasses that name a wrong setting, a stream that does not fit the model or a missing
+    package set it False."""
+
+    retryable: ClassVar[bool] = True
 
 
 class FormatError(DeltaSyncError, ValueError):
@@ -22,6 +32,8 @@ class CorruptObjectError(FormatError):
 class TensorMismatchError(DeltaSyncError, ValueError):
     """Tensor names, shapes or dtypes differ between a delta and the state it is applied to."""
 
+    retryable = False
+
 
 class BaseStepMismatchError(DeltaSyncError, ValueError):
     """A delta's base step is not the step the consumer holds."""
@@ -34,6 +46,8 @@ class ChecksumMismatchError(DeltaSyncError, ValueError):
 class HeldStepError(ChecksumMismatchError):
     """The step a consumer is said to hold (``init_info.step``, ``--engine-step``) is not the step its weights
     are: some tensor's checksum differs from that step's. Retrying cannot help: name the right step, or none."""
+
+    retryable = False
 
 
 class StepNotFoundError(DeltaSyncError, FileNotFoundError):
@@ -51,9 +65,13 @@ class StoreError(DeltaSyncError, OSError):
 class WriterConflictError(StoreError):
     """Another publisher holds this stream, or took it over from this one (its lease expired)."""
 
+    retryable = False
+
 
 class StepExistsError(DeltaSyncError, FileExistsError):
     """A step is already committed: a committed step is never replaced."""
+
+    retryable = False
 
 
 class PublishError(DeltaSyncError, RuntimeError):
@@ -70,6 +88,8 @@ class FollowError(DeltaSyncError, RuntimeError):
 
 class OutputExistsError(DeltaSyncError, FileExistsError):
     """An output (a replayed checkpoint folder) already exists and replacing it was not asked for."""
+
+    retryable = False
 
 
 class SignatureError(DeltaSyncError, ValueError):
@@ -88,9 +108,13 @@ class UntrustedKeyError(SignatureError):
 class ConfigError(DeltaSyncError, ValueError):
     """An argument, option or setting has a value deltasync cannot use (a verify or worker mode, an engine)."""
 
+    retryable = False
+
 
 class MissingDependencyError(DeltaSyncError, ImportError):
     """An optional package a feature needs is not installed; the message names the extra to install."""
+
+    retryable = False
 
 
 class StreamNotFoundError(StepNotFoundError):
@@ -105,6 +129,8 @@ class ResourceLimitError(DeltaSyncError, OSError):
 class StoreAuthError(StoreError, PermissionError):
     """The store refused access: no credentials, credentials it rejects, or no permission. Never retried."""
 
+    retryable = False
+
 
 class StoreUnreachableError(StoreError, ConnectionError):
     """The store's endpoint could not be connected to (wrong endpoint, no network, server down)."""
@@ -112,6 +138,8 @@ class StoreUnreachableError(StoreError, ConnectionError):
 
 class StoreConfigError(StoreError, ConfigError):
     """The store's settings are wrong, e.g. a storage option its filesystem does not know."""
+
+    retryable = False
 
 
 class EngineError(DeltaSyncError, RuntimeError):
@@ -124,6 +152,8 @@ class EngineUnreachableError(EngineError, ConnectionError):
 
 class EngineConfigError(EngineError):
     """The engine is not set up for deltasync: a server flag or the worker extension is missing."""
+
+    retryable = False
 
 
 class ScheduleError(ConfigError):
@@ -156,6 +186,95 @@ class ControlMessageError(FormatError):
 
 class ControlRefusedError(ConfigError):
     """The controller refused a registration or request (unknown peer, inconsistent metadata, no plan)."""
+
+
+
+def can_retry(error: BaseException) -> bool:
+    """Whether trying the same operation again can help: the error class's ``retryable`` for deltasync's errors;
+    anything else (a network error of a library, a bug in a callback) is taken as transient."""
+    return bool(getattr(error, "retryable", True)) if isinstance(error, DeltaSyncError) else True
+
+
+def error_record(error: BaseException) -> dict[str, Any]:
+    """An error as data, to cross a process boundary: ``{"type": class name, "kind": the nearest class of this
+    module it is (itself, or a base: ``PatchError`` is a ``TensorMismatchError``), "retryable": bool, "message":
+    str}``. The receiving side rebuilds it with :func:`from_record`; nothing is recovered from message text."""
+    kind = next((c.__name__ for c in type(error).__mro__ if c.__name__ in __all__ and globals().get(c.__name__) is c),
+                None)
+    return {"type": type(error).__name__, "kind": kind, "retryable": can_retry(error), "message": str(error)}
+
+
+def from_record(record: Any, *, where: str = "") -> DeltaSyncError:
+    """The error an :func:`error_record` describes: the class of that name when it is one of this module's, else
+    its ``kind`` (the message then starts with the type's name), each only when its ``retryable`` is the one
+    recorded; otherwise an ``EngineError`` (retryable) or ``EngineConfigError`` (not) carrying the type's name.
+    ``where`` leads the message. A record that is not one is an ``EngineError`` saying so."""
+    prefix = f"{where}: " if where else ""
+    if not (isinstance(record, dict) and isinstance(record.get("type"), str) and isinstance(record.get("message"), str)
+            and isinstance(record.get("retryable"), bool)):
+        return EngineError(f"{prefix}expected an error record {{type, retryable, message}}, got {str(record)[:200]}")
+    name, message, retryable = record["type"][:100], record["message"][:4000], record["retryable"]
+    kind = record.get("kind") if isinstance(record.get("kind"), str) else None
+    for candidate, text in ((name, prefix + message), (kind, f"{prefix}{name}: {message}")):
+        cls = globals().get(candidate) if candidate in __all__ else None
+        if isinstance(cls, type) and issubclass(cls, DeltaSyncError) and cls.retryable == retryable:
+            try:
+                return cls(text)
+            except TypeError:  # a class whose constructor wants more (none today): the generic form below
+                break
+    generic = EngineError if retryable else EngineConfigError
+    return generic(f"{prefix}{name}: {message}")
+
+
+ENVELOPE = "deltasync-error:"
+"""Leads the text of an error that must cross a boundary that carries only text (vLLM relays a worker's error as
+``str(e)``): ``deltasync-error:{"type": ..., "retryable": ...} message``; :func:`in_text` finds it again."""
+
+
+def to_text(error: BaseException) -> str:
+    """``error`` as text that carries its record (see :data:`ENVELOPE`); an error already in that form as it is."""
+    text = str(error)
+    if text.startswith(ENVELOPE):
+        return text
+    record = error_record(error)
+    head = json.dumps({k: v for k, v in record.items() if k != "message"}, separators=(",", ":"))
+    return f"{ENVELOPE}{head} {text}"
+
+
+def in_text(text: str, *, where: str = "") -> DeltaSyncError | None:
+    """The error whose :func:`to_text` form appears in ``text`` (a relayed message, or an HTTP body whose JSON
+    holds one in a string), or None when there is none. The message is what follows the record, up to the end of
+    the relayed error (vLLM appends its own words after a closing quote)."""
+    if ENVELOPE not in text:
+        return None
+    try:  # an HTTP body: the record sits in a JSON string, its quotes escaped
+        for inner in _strings(json.loads(text)):
+            if ENVELOPE in inner:
+                return in_text(inner, where=where)
+    except ValueError:
+        pass
+    rest = text[text.index(ENVELOPE) + len(ENVELOPE):]
+    try:
+        head, end = json.JSONDecoder().raw_decode(rest)
+    except ValueError:
+        return None
+    if not isinstance(head, dict):
+        return None
+    message = rest[end:].strip()
+    for tail in ("', please check", '", please check'):  # vLLM's "Worker failed with error '...', please check ..."
+        if tail in message:
+            message = message[:message.index(tail)]
+    return from_record({**head, "message": message.strip()}, where=where)
+
+
+def _strings(value: Any, depth: int = 0) -> list[str]:
+    """Every string in a decoded JSON value (a few levels deep: an error body is shallow)."""
+    if isinstance(value, str):
+        return [value]
+    if depth > 8:
+        return []
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return [s for v in items for s in _strings(v, depth + 1)]
 
 
 __all__ = [

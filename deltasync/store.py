@@ -86,6 +86,7 @@ class Store(StoreObjects, Retrying):
         self.url = url
         self.protocol = scheme_of(url) or "file"
         options = dict(storage_options or {})
+        self.storage_options = options  # as given: what an engine reading the same store needs (never logged)
         self._option_names = frozenset(options)
         self.transport = transport if transport is not None else self._open(url, options)
         self.root = self.transport.root or url

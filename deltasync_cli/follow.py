@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -40,6 +40,11 @@ def follow(
     notify: Annotated[str | None, typer.Option(help="A mirror's event feed (http://HOST:PORT/events, from deltasync "
                                                "mirror --events): steps are fetched as soon as they are announced, "
                                                "and the store is polled only as a safety net.")] = None,
+    prefetch: Annotated[bool, typer.Option(help="The server's engine stages the next committed step (fetch, verify, "
+                                           "decode) before it is asked for it.")] = True,
+    rdma: Annotated[str | None, typer.Option(help="Read steps over NIXL first: the RDMA controller's address "
+                                             "(tcp://HOST:PORT), or a JSON object of RDMA options (docs/RDMA.md); "
+                                             "the store stays the fallback.")] = None,
     storage_option: StorageOpt = None,
     trusted_key: TrustedKeyOpt = None,
 ) -> None:
@@ -56,12 +61,14 @@ def follow(
 
     from deltasync.notify import EventFeed
     from rollout_loader import Follower
-    from rollout_loader.vllm import VllmTarget
+    from rollout_loader.vllm import EngineSettings, VllmTarget
 
-    # the engine's prefetchers listen to the feed too: every rank hears of a step before the update asks for it
-    keys = _trusted(trusted_key)  # the follower and the server's engine both check every step's signature
-    target = VllmTarget(server, step=engine_step, mode=mode, verify=verify, notify=notify,
-                        trusted_keys=keys)
+    # the store, its options, the trusted keys (every step's signature is checked by the follower and by the
+    # server's engine) and the event feed (every rank's prefetcher hears of a step before the update asks for it)
+    # reach the engine from the follower; the rest of the engine's settings are these
+    settings = EngineSettings(step=engine_step, mode=mode, verify=verify, prefetch=prefetch, rdma=_rdma_option(rdma))
+    target = VllmTarget(server, settings)
+    keys = _trusted(trusted_key)
     feed = EventFeed(notify) if notify is not None else None  # a bad URL: one line, exit 2
 
     def report(step: int) -> None:
@@ -103,6 +110,21 @@ def follow(
         follower.close()
         if feed is not None:
             feed.close()
+
+
+def _rdma_option(rdma: str | None) -> Any:
+    """``--rdma``: a controller address, or a JSON object of RDMA options; a bad one is a ``ConfigError``."""
+    import json
+
+    from deltasync.errors import ConfigError
+
+    if rdma is None or not rdma.lstrip().startswith("{"):
+        return rdma
+    try:
+        return json.loads(rdma)
+    except ValueError as e:
+        raise ConfigError(f"--rdma: expected a controller address (tcp://HOST:PORT) or a JSON object, got "
+                          f"{rdma[:100]!r} ({e})") from None
 
 
 def _lag_words(status: FollowerStatus) -> str:

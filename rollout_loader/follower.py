@@ -22,6 +22,7 @@ from typing import Any
 
 from deltasync import DeltaSyncError, StreamReader
 from deltasync.engine import (
+    EventFeed,
     Notifier,
     PollPolicy,
     StepWatch,
@@ -31,33 +32,16 @@ from deltasync.engine import (
 )
 from deltasync.errors import (
     ConfigError,
-    EngineConfigError,
     FollowError,
-    HeldStepError,
-    MissingDependencyError,
     StepNotFoundError,
-    StoreAuthError,
-    StoreConfigError,
-    TensorMismatchError,
     WaitTimeoutError,
+    can_retry,
 )
 
 from .metrics import FollowerStats, FollowerStatus, MetricsServer, serve
 from .targets import StreamTarget, Target
 
 log = logging.getLogger(__name__)
-
-
-PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
-    TensorMismatchError, StoreAuthError, StoreConfigError, EngineConfigError, ConfigError, MissingDependencyError,
-    HeldStepError,
-)
-"""Errors a follower does not retry, because retrying cannot help: the stream's model changed names, shapes
-or dtypes (``TensorMismatchError``); a target said to hold a step its weights are not (``HeldStepError``);
-credentials, storage options, the engine's flags or an argument are wrong, or a package is missing. Everything
-else is retried: store and network errors, a URL with no stream yet (``StreamNotFoundError``: the publisher
-may not have started), a damaged or missing object (retried from the next anchor), a checksum mismatch (the
-target rolled back), an engine that refused or crashed, a bug in ``on_step``."""
 
 
 class Follower:
@@ -77,7 +61,9 @@ class Follower:
     ``last_error_step`` (None when no step was being applied, e.g. listing the store failed); both are
     cleared by the next success. The thread never dies from one failure: it retries after
     ``deltasync.watch.retry_delay_s`` (``poll_s`` doubling up to ``max_backoff_s``), logging each distinct error once.
-    An error in ``PERMANENT_ERRORS`` stops it; ``wait_for`` then raises ``FollowError`` from that error, and
+    An error retrying cannot help (``deltasync.errors.can_retry``: the error class decides; e.g. a stream whose
+    model changed shape, wrong credentials or settings, a missing package, a target said to hold a step it does
+    not) stops it; ``wait_for`` then raises ``FollowError`` from that error, and
     on its deadline ``WaitTimeoutError`` from the last error. ``sync()`` raises the error itself.
 
     Provenance and metrics: ``lag_steps`` is how far the held step is behind the newest committed step
@@ -90,7 +76,8 @@ class Follower:
 
     ``trusted_keys`` (public key files from ``deltasync keygen``): only steps signed by one of them are applied;
     a forged, unsigned or replayed step is refused (``SignatureError``) and the target keeps its last good step.
-    A target that reads the store itself (an engine) takes its own keys (``VllmTarget(trusted_keys=...)``).
+    A target that reads the store itself (an engine) is given the follower's store, storage options, trusted keys
+    and event feed when it connects, unless its own settings name others.
     """
 
     def __init__(
@@ -117,7 +104,8 @@ class Follower:
             self.reader.trusted = TrustedKeys.load(trusted_keys)
         self.stats = FollowerStats(self.reader.url)
         self.target = target
-        self.storage_options = storage_options  # for a target that reads the store itself
+        # a target that reads the store itself listens to the same event feed (its URL), unless it names its own
+        self._notify_url = notifier.url if isinstance(notifier, EventFeed) else None
         self._connected = False  # a StreamTarget was told the stream and asked its step
         self.poll_s = poll_s
         self.max_backoff_s = max(max_backoff_s, poll_s)
@@ -199,7 +187,7 @@ class Follower:
         stream; returns the target's step (for any target). The first sync does this; call it first to meet an
         engine that cannot be reached or lacks a flag (``EngineConfigError``) before following."""
         if getattr(self.target, "reads_store", False) and not self._connected:
-            self.target.connect(self.reader.url, self.storage_options)  # type: ignore[union-attr]
+            self.target.connect(self.reader, notify=self._notify_url)  # type: ignore[union-attr]
             self._connected = True
         return self.target.step
 
@@ -282,7 +270,7 @@ class Follower:
         if key != self._logged:
             self._logged = key
             at = "" if self._at_step is None else f" at step {self._at_step}"
-            permanent = isinstance(e, PERMANENT_ERRORS)
+            permanent = not can_retry(e)
             what = "stopping: retrying cannot help" if permanent else "retrying"
             # text only: a log record that kept the exception would keep its frames (the reader, its
             # downloads) alive as long as any handler keeps the record
@@ -338,7 +326,7 @@ class Follower:
                 if e is not self.last_error:  # not recorded by sync (listing the store failed)
                     self._at_step = None
                     self._failed(e)
-                if isinstance(e, PERMANENT_ERRORS):
+                if not can_retry(e):
                     self.stopped_by = e
                     self._raise_if_stopped(step)
                 delay = self.watch.retry_delay(self.failures, max_s=self.max_backoff_s)
@@ -439,7 +427,7 @@ class Follower:
                 # while a caller waits for a step, poll at the fast period; otherwise by the stream's cadence
                 delay = min(self.poll_s, self.watch.delay()) if self._waiters else self.watch.delay()
             except Exception as e:  # recorded and logged by sync
-                if isinstance(e, PERMANENT_ERRORS):
+                if not can_retry(e):
                     self.stopped_by = e
                     with self._changed:
                         self._changed.notify_all()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from deltasync import StreamReader
 from deltasync.engine import Replica, StepObject, Verify
 from deltasync.errors import WaitTimeoutError
 
@@ -32,8 +33,9 @@ class StreamTarget(Protocol):
     @property
     def step(self) -> int | None: ...
 
-    def connect(self, url: str, storage_options: dict[str, Any] | None) -> int | None:
-        """Learn which step the target holds and point it at the stream; returns that step."""
+    def connect(self, reader: StreamReader, *, notify: str | None = None) -> int | None:
+        """Learn which step the target holds and point it at the stream ``reader`` reads (its URL, storage options
+        and trusted keys; ``notify``: the follower's event feed, if any); returns that step."""
 
     def advance(self, step: int) -> None:
         """Move to ``step`` (a delta based on ``step``, or an anchor), verified; all or nothing."""

@@ -162,9 +162,9 @@ def test_vllm_target_checks_its_settings_before_contacting_the_engine():
 
     with listening_socket() as (server, sock):
         with pytest.raises(ConfigError,
-                           match="verify must be one of 'incremental', 'changed', 'all', not 'everything'"):
+                           match="setting verify: expected one of 'incremental', 'changed', 'all', got 'everything'"):
             VllmTarget(server, verify="everything")  # type: ignore[arg-type]
-        with pytest.raises(ConfigError, match="mode must be one of 'auto', 'live', 'reload', not 'fast'"):
+        with pytest.raises(ConfigError, match="setting mode: expected one of 'auto', 'live', 'reload', got 'fast'"):
             VllmTarget(server, mode="fast")  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="expected http://host:port"):
             VllmTarget("localhost:8000")

@@ -118,6 +118,28 @@ def test_vllm_server_sync():
     assert lines[-1] == "every rollout tied to its step, server verified at step 2: yes"
 
 
+@pytest.mark.vllm
+@pytest.mark.outside_ci  # Ray and three engines (~1.5 min): CI runs the same fleet in integration/test_vllm_ray.py
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")
+def test_ray_fleet():
+    lines = run_example("ray_fleet.py", "--steps", "2", timeout_s=900)
+    assert "step 2: applied [2] in both actors, weight versions ['2', '2']" in lines
+    assert "each actor holds the trainer's bf16 weights at step 2: [True, True]" in lines
+    assert lines[-1] == "bit-exact: yes"
+
+
+@pytest.mark.vllm
+@pytest.mark.outside_ci  # a server start (~1 min): CI runs the same training in tests/integration/test_trl_async.py
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed (pip install trl==1.16.0)")
+def test_trl_async_grpo():
+    """TRL's AsyncGRPOTrainer with DeltasyncWeightTransfer against a real vLLM server it starts itself."""
+    lines = run_example("trl_async_grpo.py", "--steps", "2", timeout_s=900)
+    assert [line.split(":")[0] for line in lines if line.startswith("step ")] == ["step 1", "step 2"]
+    assert lines[-2].startswith("syncs: steps [0, 1, 2]; stream ") and lines[-2].endswith(
+        ": steps [0, 1, 2]; server holds step 2")
+    assert lines[-1] == "server bit-exact with the trainer at step 2: yes"
+
+
 # --- first contact with the command line ---
 
 

@@ -218,12 +218,22 @@ def test_a_wrong_url_is_reported_not_waited_on_silently(tmp_path, small_state):
 def test_errors_retrying_cannot_fix_stop_the_follower():
     from deltasync.errors import (
         ConfigError,
+        CorruptObjectError,
         EngineConfigError,
+        EngineError,
+        HeldStepError,
         MissingDependencyError,
         StoreAuthError,
+        StoreConfigError,
+        StoreError,
         TensorMismatchError,
+        can_retry,
     )
-    from rollout_loader.follower import PERMANENT_ERRORS
+    from rollout_loader.routing import RoutingError
 
-    for cls in (TensorMismatchError, StoreAuthError, EngineConfigError, ConfigError, MissingDependencyError):
-        assert issubclass(cls, PERMANENT_ERRORS)
+    for cls in (TensorMismatchError, StoreAuthError, StoreConfigError, EngineConfigError, ConfigError,
+                MissingDependencyError, HeldStepError, RoutingError):
+        assert not can_retry(cls("x")), cls
+    for cls in (StoreError, CorruptObjectError, EngineError):
+        assert can_retry(cls("x")), cls
+    assert can_retry(RuntimeError("a bug in on_step"))

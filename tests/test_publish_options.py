@@ -17,7 +17,9 @@ from deltasync.errors import ConfigError
     ("on_backlog", "drop", "on_backlog must be one of ('coalesce', 'block'), got 'drop'"),
     ("snapshot_device", "cuda", "snapshot_device must be one of ('same', 'cpu'), got 'cuda'"),
     ("lease_s", 0, "lease_s must be seconds > 0, got 0"),
-    ("dtype", "bfloat16", "dtype must be a torch.dtype, got 'bfloat16'"),
+    ("dtype", "bfloat17", "dtype must be a torch.dtype or its name (e.g. 'bfloat16'), got 'bfloat17'"),
+    ("dtype", "Tensor", "dtype must be a torch.dtype or its name (e.g. 'bfloat16'), got 'Tensor'"),
+    ("dtype", 16, "dtype must be a torch.dtype, got 16"),
     ("writer_id", "", "writer_id must be a non-empty string, got ''"),
     ("events", "8901", "events: expected HOST:PORT (e.g. 0.0.0.0:8901), got '8901'"),
     ("events", "host:65536", "events: expected HOST:PORT (e.g. 0.0.0.0:8901), got 'host:65536'"),
@@ -30,6 +32,18 @@ def test_a_setting_that_makes_no_sense_is_a_config_error_naming_it_and_nothing_i
     with pytest.raises(ConfigError, match=option):  # the same check for a keyword argument
         DeltaPublisher(str(tmp_path / "s"), {"w": torch.zeros(4)}, **{option: value})
     assert not (tmp_path / "s").exists()  # refused before the store was touched
+
+
+def test_options_from_a_config_file():
+    """A framework's config section (a mapping; dtype by name) parses to the same record; an unknown key is a
+    ConfigError naming where it came from."""
+    assert PublishOptions.parse({"dtype": "bfloat16", "anchor_every": 5}) == PublishOptions(dtype=torch.bfloat16,
+                                                                                            anchor_every=5)
+    assert PublishOptions(dtype="torch.float16").dtype == torch.float16
+    with pytest.raises(ConfigError, match=r"^trainer.publish: unknown publish option\(s\) \['anchor_evry'\]"):
+        PublishOptions.parse({"anchor_evry": 5}, where="trainer.publish")
+    with pytest.raises(ConfigError, match="expected a mapping of publish options, got list"):
+        PublishOptions.parse([("dtype", "bfloat16")])
 
 
 def test_an_unknown_option_is_a_type_error_listing_the_known_ones(tmp_path):

@@ -14,9 +14,21 @@ import pytest
 import torch
 
 from deltasync import DeltaPublisher
-from deltasync.errors import ConfigError, EngineConfigError, EngineError, EngineUnreachableError
+from deltasync.errors import (
+    ChecksumMismatchError,
+    ConfigError,
+    CorruptObjectError,
+    EngineConfigError,
+    EngineError,
+    EngineUnreachableError,
+    HeldStepError,
+    StepNotFoundError,
+    TensorMismatchError,
+    can_retry,
+    to_text,
+)
 from rollout_loader import Follower
-from rollout_loader.vllm import HttpWeightTransfer, LocalWeightTransfer, VllmTarget
+from rollout_loader.vllm import EngineSettings, HttpWeightTransfer, LocalWeightTransfer, VllmTarget
 from tests.http_server import serving
 from tests.test_cli_errors import closed_port
 
@@ -94,22 +106,26 @@ def test_an_update_is_pause_start_update_finish_reset_resume():
 
 
 @pytest.mark.parametrize(
-    ("remote", "error", "needles"),
+    ("remote", "needles"),
     [
-        ("ChecksumMismatchError: step 3: the engine's weights do not match; rolled back to step 2", EngineError,
-         ["ChecksumMismatchError", "rolled back to step 2"]),
-        ("PatchError: step 3: the step does not fit the engine", EngineConfigError, ["PatchError", "does not fit"]),
-        ("StepNotFoundError: the chain to step 9 is broken", EngineError, ["StepNotFoundError", "step 9"]),
+        (ChecksumMismatchError("step 3: the engine's weights do not match; rolled back to step 2"),
+         ["rolled back to step 2"]),
+        (TensorMismatchError("step 3: the step does not fit the engine: 'w' is [4, 4], the engine's [8, 4]"),
+         ["does not fit", "'w' is [4, 4]"]),
+        (StepNotFoundError("the chain to step 9 is broken"), ["step 9"]),
     ],
 )
-def test_a_failed_update_keeps_the_version_and_resumes(remote, error, needles):
+def test_a_failed_update_keeps_the_version_and_resumes(remote, needles):
+    """The engine's error crosses the HTTP boundary as data (its record leads its text): the client raises the
+    same class, so whether retrying can help is the class's answer, not the client's guess."""
     with fake_server() as (fake, url):
         fake.version = "2"
-        fake.replies["/update_weights"] = _vllm_500(_WORKER_FAILED.format(remote))
+        fake.replies["/update_weights"] = _vllm_500(_WORKER_FAILED.format(to_text(remote)))
         client = HttpWeightTransfer(url)
-        with pytest.raises(error) as e:
+        with pytest.raises(type(remote)) as e:
             client.update(3)
-        assert type(e.value) is error
+        assert type(e.value) is type(remote) and can_retry(e.value) == can_retry(remote)
+        assert "deltasync-error" not in str(e.value)
         for needle in needles:
             assert needle in str(e.value)
         assert "/finish_weight_update" not in fake.routes()  # vLLM closed the session; the version stays
@@ -137,9 +153,9 @@ def test_a_session_left_open_by_a_dead_client_is_closed_first():
         ({"/init_weight_transfer_engine": _vllm_500(_WORKER_FAILED.format(
             "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."))},
          EngineConfigError, ["--weight-transfer-config '{\"backend\": \"deltasync\"}'"]),
-        ({"/init_weight_transfer_engine": _vllm_500(_WORKER_FAILED.format(
-            "ConfigError: deltasync init_info: verify must be one of ('incremental', 'changed', 'all'), not 'x'"))},
-         EngineConfigError, ["ConfigError", "verify must be one of"]),
+        ({"/init_weight_transfer_engine": _vllm_500(_WORKER_FAILED.format(to_text(ConfigError(
+            "deltasync engine setting verify: expected one of 'incremental', 'changed', 'all', got 'x'"))))},
+         ConfigError, ["deltasync engine setting verify"]),
         ({"/init_weight_transfer_engine": _vllm_500(_WORKER_FAILED.format(
             "Invalid init_info for DeltasyncWeightTransferEngine: unexpected keyword argument 'uri'"))},
          EngineConfigError, ["Invalid init_info", "'uri'"]),
@@ -178,7 +194,7 @@ def test_a_follower_sends_the_chain_from_the_step_the_server_holds(tmp_path, mon
         f = Follower(url, target, on_step=seen.append)  # driven from here: no thread
         assert f.connect() is None
         init = dict(fake.calls)["/init_weight_transfer_engine"]
-        assert init == {"init_info": {"url": url, "storage_options": {}, "verify": "all", "mode": "auto", "step": None}}
+        assert init == {"init_info": EngineSettings(url=url, verify="all").init_info()}
         assert f.sync(4) == [3, 4]  # from the nearest anchor (3): nothing the server would not need
         f.close()
         assert seen == [3, 4] and fake.version == "4"
@@ -207,13 +223,13 @@ def test_a_follower_retries_a_failed_step_and_asks_the_server_again(tmp_path):
     with DeltaPublisher(url, {"w": torch.zeros(8)}) as pub:
         pub.publish(0)
     with fake_server() as (fake, base):
-        fake.replies["/update_weights"] = _vllm_500(_WORKER_FAILED.format("CorruptObjectError: step 0: SHA-256 "
-                                                                          "differs"))
+        fake.replies["/update_weights"] = _vllm_500(_WORKER_FAILED.format(to_text(CorruptObjectError(
+            "step 0: SHA-256 differs"))))
         f = Follower(url, VllmTarget(base), poll_s=0.05)
         with pytest.raises(Exception, match="step 0 not live within 1.0s") as e:
             f.wait_for(0, timeout_s=1.0)
         f.close()
-        assert type(e.value).__name__ == "WaitTimeoutError" and "CorruptObjectError" in str(e.value.__cause__)
+        assert type(e.value).__name__ == "WaitTimeoutError" and type(e.value.__cause__) is CorruptObjectError
         assert fake.routes().count("/resume") == fake.routes().count("/pause") >= 2  # never left paused
         assert fake.routes().count("/weight_info") >= 2  # after a failure the server is asked which step it holds
 
@@ -245,14 +261,16 @@ def test_an_offline_engine_is_driven_through_the_same_calls():
     llm = FakeLLM()
     client = LocalWeightTransfer(llm)
     assert client.held_step() is None
-    client.init("s3://b/run", step=3)
+    client.init(EngineSettings(url="s3://b/run", step=3))
+    assert llm.calls[0][1] == {"init_info": EngineSettings(url="s3://b/run", step=3).init_info()}
     client.update(4)
     assert [c for c, _ in llm.calls] == ["init", "start", "update", "finish", "reset"]
     assert llm.calls[2][1] == {"update_info": {"step": 4}} and client.held_step() == 4
-    # an error relayed from a worker process comes back by its class: permanent ones as EngineConfigError
-    for text, error in [(_WORKER_FAILED.format("PatchError: step 5: the step does not fit the engine"),
-                         EngineConfigError),
-                        (_WORKER_FAILED.format("ChecksumMismatchError: rolled back to step 4"), EngineError),
+    # an error relayed from a worker process comes back as its class, from its record
+    for text, error in [(_WORKER_FAILED.format(to_text(TensorMismatchError("step 5: the step does not fit"))),
+                         TensorMismatchError),
+                        (_WORKER_FAILED.format(to_text(ChecksumMismatchError("rolled back to step 4"))),
+                         ChecksumMismatchError),
                         ("Weight transfer not configured. Please set weight_transfer_config", EngineConfigError)]:
         llm.fail = text
         with pytest.raises(error) as e:
@@ -270,30 +288,55 @@ def test_unreachable_server_and_bad_urls():
         HttpWeightTransfer("localhost:8000")
 
 
-def test_engine_info_is_checked():
-    pytest.importorskip("vllm")
-    from rollout_loader.vllm.engine import DeltasyncInitInfo, DeltasyncUpdateInfo
-
-    assert DeltasyncInitInfo(url="s3://b/run").verify == "incremental"
-    for bad, needle in [(dict(url=""), "url must be"), (dict(url="x", verify="some"), "verify must be one of"),
-                        (dict(url="x", mode="fast"), "mode must be one of"), (dict(url="x", step=-1), "step must be"),
-                        (dict(url="x", step=True), "step must be"),
-                        (dict(url="x", storage_options=[]), "storage_options"),
-                        # issue 19, item 12: every value typed and bounded here, not later in a thread
-                        (dict(url="x", step=10**12), "step must be a step number"),
-                        (dict(url="x", prefetch="yes"), "prefetch must be true or false"),
+def test_engine_settings_are_checked():
+    """Every setting typed and bounded where it is given (issue 19, item 12), named in the error."""
+    assert EngineSettings(url="s3://b/run").verify == "incremental"
+    for bad, needle in [(dict(url=""), "setting url"), (dict(url="x", verify="some"), "setting verify"),
+                        (dict(url="x", mode="fast"), "setting mode"), (dict(url="x", step=-1), "setting step"),
+                        (dict(url="x", step=True), "setting step"),
+                        (dict(url="x", storage_options=[]), "setting storage_options"),
+                        (dict(url="x", step=10**12), "setting step"),
+                        (dict(url="x", prefetch="yes"), "setting prefetch"),
                         (dict(url="x", rdma={"controller": "tcp://h:1", "slots": "4"}), "slots must be a whole number"),
                         (dict(url="x", rdma={"controller": "tcp://h:1", "announce_wait_s": float("nan")}),
                          "announce_wait_s must be a number of seconds"),
                         (dict(url="x", rdma={"controller": "h:1"}), "controller must be a ZMQ address"),
                         (dict(url="x", rdma={"controller": "tcp://h:1", "colour": 1}), "fields:"),
-                        (dict(url="x", notify="mirror:8901"), "notify must be")]:
+                        (dict(url="x", rdma={"controller": "tcp://h:1", "engine": "a b"}), "setting rdma.engine"),
+                        (dict(url="x", notify="mirror:8901"), "setting notify"),
+                        (dict(url="x", trusted_keys=["not a key"]), "setting trusted_keys")]:
         with pytest.raises(ConfigError, match=needle):
-            DeltasyncInitInfo(**bad)
+            EngineSettings(**bad)
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['uri'\]"):
+        EngineSettings.parse({"uri": "s3://b/run"})
+    with pytest.raises(ConfigError, match="expected an object of engine settings"):
+        EngineSettings.parse(["s3://b/run"])
+    assert EngineSettings.parse(EngineSettings(url="x", rdma="tcp://h:1").init_info()) == EngineSettings(
+        url="x", rdma={"controller": "tcp://h:1"})
+
+
+def test_update_info_is_checked():
+    pytest.importorskip("vllm")
+    from rollout_loader.vllm.engine import DeltasyncUpdateInfo
+
     assert DeltasyncUpdateInfo(step=3).step == 3 and DeltasyncUpdateInfo().step == "latest"
     for bad in (-1, "newest", 2.0, None, True, 10**12):
         with pytest.raises(ConfigError, match="step must be a step number or 'latest'"):
             DeltasyncUpdateInfo(step=bad)
+
+
+def test_a_held_step_error_from_the_server_is_one_and_stops_the_follower(tmp_path):
+    """The client rebuilds the engine's HeldStepError (not retryable) from its record: a follower told the wrong
+    step stops instead of retrying for ever."""
+    url = str(tmp_path / "stream")
+    with DeltaPublisher(url, {"w": torch.zeros(8)}) as pub:
+        pub.publish(0)
+    with fake_server() as (fake, base):
+        fake.replies["/init_weight_transfer_engine"] = _vllm_500(_WORKER_FAILED.format(to_text(HeldStepError(
+            "init_info says the engine holds step 0, but its weights are not that step's"))))
+        with Follower(url, VllmTarget(base, step=0)) as f, pytest.raises(Exception) as e:
+            f.wait_for(0, timeout_s=30)
+        assert type(e.value).__name__ == "FollowError" and type(e.value.__cause__) is HeldStepError
 
 
 # --- issue 19, item 7: the client of a server trusts nothing it is sent ---

@@ -10,6 +10,7 @@ read from a file descriptor opened once (a collected file stays readable until c
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -82,48 +83,64 @@ def write_delta(dest: Destination, header: StepHeader, encoded: Mapping[str, Enc
 
     ``dest`` is a path or a binary file object (``io.BytesIO`` for an object kept in memory).
     """
-    blobs: list[tuple[str, DtypeName, tuple[int, ...], memoryview]] = []
+    blobs: list[_Item] = []
     for name, enc in encoded.items():
         pos_name, val_name = blob_names(name)
         if enc.positions is not None:
-            blobs.append((pos_name, "U8", (len(enc.positions),), memoryview(enc.positions)))
-        blobs.append((val_name, "U8", (len(enc.values),), memoryview(enc.values)))
+            pos = memoryview(enc.positions)
+            blobs.append((pos_name, "U8", (len(enc.positions),), pos.nbytes, pos))
+        values = memoryview(enc.values)
+        blobs.append((val_name, "U8", (len(enc.values),), values.nbytes, values))
     return _write_safetensors(dest, blobs, header)
 
 
 def write_anchor(dest: Destination, header: StepHeader, tensors: Mapping[str, torch.Tensor]) -> WrittenObject:
     """Write an anchor: an ordinary checkpoint with the trainer's names, plus the step header.
 
-    Each tensor is written straight from its memory (copied to the host first when it lives elsewhere).
+    Each tensor is written straight from its memory; one that lives elsewhere (an accelerator) is copied to the
+    host just before it is written, so an anchor costs at most one tensor of host memory.
     """
-    entries = []
-    for name, t in tensors.items():
-        cpu = t.detach().to("cpu").contiguous()
-        raw = cpu.reshape(-1).view(torch.uint8).numpy() if cpu.numel() else np.empty(0, np.uint8)
-        entries.append((name, dtype_name(cpu.dtype), tuple(cpu.shape), memoryview(raw)))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on Python >= 3.12 only
+    entries: list[_Item] = [
+        (name, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size(), functools.partial(_host_bytes, t))
+        for name, t in tensors.items()
+    ]
     return _write_safetensors(dest, entries, header)
 
 
-def _write_safetensors(
-    dest: Destination, entries: list[tuple[str, DtypeName, tuple[int, ...], memoryview]], header: StepHeader
-) -> WrittenObject:
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    cpu = t.detach().to("cpu").contiguous()
+    raw = cpu.reshape(-1).view(torch.uint8).numpy() if cpu.numel() else np.empty(0, np.uint8)
+    return memoryview(raw)  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on Python >= 3.12 only
+
+
+# name, dtype, shape, bytes, and the bytes (or a function returning them, called when they are written)
+_Item = tuple[str, DtypeName, tuple[int, ...], int, "memoryview | Callable[[], memoryview]"]
+
+
+def _write_safetensors(dest: Destination, entries: list[_Item], header: StepHeader) -> WrittenObject:
     """Write a safetensors file (the layout ``safetensors.save`` writes: wider dtypes first, then by name,
     so every tensor is aligned to its width; the header padded with spaces to 8 bytes), hashing every byte
     on its way out."""
     entries = sorted(entries, key=lambda e: (-ITEMSIZE[e[1]], e[0]))
     table: dict[str, object] = {"__metadata__": {"format": "pt", METADATA_KEY: header.to_json()}}
     offset = 0
-    for name, dtype, shape, data in entries:
-        table[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + data.nbytes]}
-        offset += data.nbytes
+    for name, dtype, shape, nbytes, _ in entries:
+        table[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     text = json.dumps(table, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     hasher = hashlib.sha256()
     with _opened(dest) as f:
-        chunks: list[bytes | memoryview] = [len(text).to_bytes(8, "little"), text, *(e[3] for e in entries)]
-        for chunk in chunks:
+        for chunk in (len(text).to_bytes(8, "little"), text):
             hasher.update(chunk)
             f.write(chunk)
+        for name, _, _, nbytes, data in entries:
+            view = data() if callable(data) else data
+            if view.nbytes != nbytes:
+                raise FormatError(f"tensor {name!r}: {view.nbytes} bytes to write, its header says {nbytes}")
+            hasher.update(view)
+            f.write(view)
+            del view  # a host copy of a device tensor goes before the next is made
     return WrittenObject(nbytes=8 + len(text) + offset, sha256=hasher.hexdigest())
 
 

@@ -25,15 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deltasync.errors import (
-    ConfigError,
-    CorruptObjectError,
-    MissingDependencyError,
-    StepExistsError,
-    StepNotFoundError,
-    StoreAuthError,
-    StoreConfigError,
-)
+from deltasync.errors import StepExistsError, StepNotFoundError, can_retry
 from deltasync.history.checkpoints import read_model_file_index, read_model_files, write_model_files
 from deltasync.notify import EventServer, Notifier
 from deltasync.reader import StreamReader
@@ -45,12 +37,6 @@ from deltasync.watch import PollPolicy, StepWatch
 log = logging.getLogger(__name__)
 
 __all__ = ["MirrorReport", "mirror", "mirror_follow"]
-
-# what retrying cannot mend: credentials, settings, a source object that does not match its manifest (a
-# committed step is never rewritten), two different streams under one name
-_PERMANENT = (StoreAuthError, StoreConfigError, ConfigError, MissingDependencyError, CorruptObjectError,
-              StepExistsError)
-
 
 @dataclass(frozen=True, kw_only=True)
 class MirrorReport:
@@ -217,8 +203,9 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
     """Keep ``dst`` a copy of ``src``: copy what is committed, then each new step as the source commits it,
     polling the source with one small read per poll (:class:`~deltasync.watch.StepWatch`). Returns the newest
     step copied once ``until`` is copied or ``stop`` is set. Transient failures are retried with the
-    watch's back-off (``on_error`` hears each); permanent ones (a source that does not match, credentials)
-    are raised.
+    watch's back-off (``on_error`` hears each, a damaged source object too: a committed step is never rewritten,
+    but a truncated download reads whole next time); those retrying cannot help (``can_retry``: credentials,
+    settings, another stream under the destination's name) are raised.
 
     ``notifier`` pushes the source's new steps (an upstream mirror's ``EventFeed``): polls slow to a safety
     net. ``events`` (an :class:`~deltasync.notify.EventServer`) is told of every step committed at the
@@ -249,9 +236,9 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
                         events.announce(done)  # steps the destination held already count too
                 failures = 0
                 delay = watch.delay()
-            except _PERMANENT:
-                raise
             except Exception as e:  # noqa: BLE001 - the source or the destination may come back
+                if not can_retry(e):  # credentials, settings, two different streams under one name
+                    raise
                 failures += 1
                 if on_error is not None:
                     on_error(e)

@@ -7,6 +7,7 @@ to its writer (one process, or the ranks of a sharded model), never itself.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -40,7 +41,8 @@ class PublishOptions:
             ``"block"`` (the trainer waits).
         zstd_level: zstd's level for the encoded changes (1-22).
         max_chunk_bytes: host memory a device tensor's diff may use at once.
-        dtype: the published dtype of floating tensors (e.g. ``torch.bfloat16`` for fp32 master weights).
+        dtype: the published dtype of floating tensors (e.g. ``torch.bfloat16`` for fp32 master weights; or its name,
+            ``"bfloat16"``, from a config file).
         spool_dir: where objects are written before upload (a temp folder by default).
         writer_id: this writer's name in the stream's lease (host, pid and a random suffix by default).
         take_over: take the stream's lease from another writer that still holds it.
@@ -98,12 +100,30 @@ class PublishOptions:
                                   f"{getattr(self, name)!r}")
         if isinstance(self.lease_s, bool) or not isinstance(self.lease_s, (int, float)) or not 0 < self.lease_s < 1e7:
             raise ConfigError(f"publish option lease_s must be seconds > 0, got {self.lease_s!r}")
+        if isinstance(self.dtype, str):  # from a config file: "bfloat16" or "torch.bfloat16"
+            named = getattr(torch, self.dtype.removeprefix("torch."), None)
+            if not isinstance(named, torch.dtype):
+                raise ConfigError(f"publish option dtype must be a torch.dtype or its name (e.g. 'bfloat16'), got "
+                                  f"{self.dtype!r}")
+            object.__setattr__(self, "dtype", named)
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise ConfigError(f"publish option dtype must be a torch.dtype, got {self.dtype!r}")
         if self.events is not None:
             host_port(self.events, what="publish option events")
         if self.writer_id is not None and (not isinstance(self.writer_id, str) or not self.writer_id):
             raise ConfigError(f"publish option writer_id must be a non-empty string, got {self.writer_id!r}")
+
+    @classmethod
+    def parse(cls, options: Any, *, where: str = "publish options") -> PublishOptions:
+        """Options from a mapping of their fields (a framework's config section); an unknown field is a
+        ``ConfigError`` naming it, ``where`` and the known ones."""
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"{where}: expected a mapping of publish options, got {type(options).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in options if k not in known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown publish option(s) {unknown}; the options are {sorted(known)}")
+        return cls(**options)
 
     @classmethod
     def build(cls, options: PublishOptions | None, overrides: dict[str, Any]) -> PublishOptions:

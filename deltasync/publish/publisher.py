@@ -27,7 +27,7 @@ from deltasync.format.objects import TensorHeader
 from deltasync.format.patch import Patch
 from deltasync.history.checkpoints import collect_model_files, write_model_files
 from deltasync.notify import EventServer, host_port
-from deltasync.publish.names import named_tensors
+from deltasync.publish.names import canonical_name, named_tensors
 from deltasync.publish.options import PublishOptions
 from deltasync.publish.sharded import ShardedWriter, ShardGroup, is_sharded
 from deltasync.publish.steps import (
@@ -36,6 +36,7 @@ from deltasync.publish.steps import (
     step_manifest,
     write_step_object,
 )
+from deltasync.publish.stream import StreamCapture, Weights, checked_entry, drain, stream_entries
 from deltasync.scratch import ScratchFolder
 from deltasync.signing import SigningKey
 from deltasync.stages.diff import Snapshot
@@ -88,6 +89,9 @@ class _Job:
     anchor_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     delta_base: int | None = None  # an anchor that also carries its delta from this step (``changes``)
     capture_s: float = 0.0
+    # an anchor written from the snapshot itself (a stream's): set once its object is written, so that the
+    # next capture, which changes the snapshot, waits for it
+    released: threading.Event | None = None
 
 
 class DeltaPublisher:
@@ -124,6 +128,33 @@ class DeltaPublisher:
 
     ``signing_key`` (a private key file made by ``deltasync keygen``, mode 0600) signs every step before it
     is committed (docs/FORMAT.md section 5e): followers given its public half accept nothing else.
+
+    A framework that hands weights over as a stream (verl's per-tensor generator, vLLM's ``WeightSource``, TRL's
+    ``send_weights`` iterator) passes ``source=None`` and gives every step's tensors as
+    ``publish(step, weights=...)``: each tensor is diffed as it arrives and released before the next, so the
+    publishing rank never holds a second copy of the model (publish/stream.py).
+
+    Args:
+        url: the stream (``"s3://bucket/run1"``, a local path, any fsspec URL) or a ``Store``.
+        source: a module, a state dict, a function returning one, or None when every ``publish`` passes
+            ``weights``.
+        options: a ``PublishOptions``; keyword arguments of the same names override its fields.
+        storage_options: fsspec options for ``url`` (credentials, endpoint).
+
+    Raises:
+        ConfigError: an option that makes no sense (naming it), or ``sharded=True`` with ``source=None``.
+        TypeError: an unknown option.
+        WriterConflictError: another writer holds the stream (pass ``take_over=True`` to take it).
+
+    Example::
+
+        with DeltaPublisher("s3://bucket/run1", model, dtype=torch.bfloat16) as pub:
+            for step in range(steps):
+                train_one_step(model)
+                pub.publish(step)
+
+        with DeltaPublisher("s3://bucket/run1", None, dtype=torch.bfloat16) as pub:  # a framework's stream
+            pub.publish(step, weights=weight_source)
     """
 
     def __init__(
@@ -147,6 +178,7 @@ class DeltaPublisher:
         # where objects are written before upload: made on first use, removed by close() (scratch.py)
         self._spool_folder = ScratchFolder("spool", opts.spool_dir)
         self._snapshot: Snapshot | None = None
+        self._pinned: threading.Event | None = None  # set when the anchor written from the snapshot is out of it
         self._aliases: dict[str, str] = {}
         self._since_anchor = 0
         self._force_anchor = True  # the first step of every publisher is an anchor
@@ -157,10 +189,14 @@ class DeltaPublisher:
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=opts.max_pending)
         self.writer_id = opts.writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         sharded = opts.sharded
+        if source is None and sharded:
+            raise ConfigError("publish option sharded=True needs the model as source: every rank publishes its own "
+                              "shards of the module's DTensors (a stream of weights= is published by one writer)")
         if sharded is None:
             # a function is not called before the first publish: it may not be ready yet (say sharded=True)
-            sharded = (not callable(source) and is_sharded(source)
-                       or isinstance(source, torch.nn.Module) and is_sharded(source.state_dict()))
+            sharded = source is not None and (
+                not callable(source) and is_sharded(source)
+                or isinstance(source, torch.nn.Module) and is_sharded(source.state_dict()))
         self._sharded = (ShardedWriter(source, opts, self.store, writer_id=self.writer_id, signing_key=self.signing_key,
                                        spool=lambda: self._spool, group=ShardGroup()) if sharded else None)
         self._holds_lease = self._sharded is None or self._sharded.rank == 0  # one lease per stream: rank 0's
@@ -214,16 +250,55 @@ class DeltaPublisher:
 
     # --- trainer thread ---
 
-    def publish(self, step: int, *, anchor: bool = False) -> bool:
-        """Capture the weights as ``step``; returns False when the step was coalesced into the next one.
+    def publish(self, step: int, *, anchor: bool = False, weights: Weights | None = None) -> bool:
+        """Capture the weights as ``step``: the source's, or the tensors of ``weights``.
 
-        Raises ``PublishError`` if an earlier step failed in the background (that step is then covered
-        by an anchor at this call), ``StepOrderError`` if ``step`` does not increase.
+        Args:
+            step: the step's number, larger than every step published before (not necessarily consecutive).
+            anchor: publish a full checkpoint (an anchor) at this step, whatever ``anchor_every`` says.
+            weights: the step's tensors as ``(name, tensor)`` pairs (a generator, a vLLM ``WeightSource``, a
+                dict's ``items()``; a mapping is read as its items) instead of the publisher's ``source``: each
+                tensor is cast, checked and diffed as it arrives and released before the next one is asked for,
+                so publishing holds one tensor beyond the snapshot instead of a second copy of the model. Names
+                follow the source's rules (wrapper prefixes removed, ``names`` applied; a tensor arriving in the
+                memory of an earlier one, with its bits, is published as its alias), and every step must yield
+                the same names, shapes and dtypes. A stream's step is never coalesced (its tensors cannot be read
+                again later): while the upload queue is full, or an anchor is still being written from the
+                snapshot, ``publish`` waits.
+
+        Returns:
+            True when the step was captured (it is committed in the background: ``flush()`` waits for that); False
+            when it was coalesced into the next step (``on_backlog="coalesce"`` with a full upload queue; never
+            with ``weights``).
+
+        Raises:
+            PublishError: an earlier step failed in the background (that step is then covered by an anchor at this
+                call), or the publisher is closed.
+            StepOrderError: ``step`` does not increase.
+            TensorMismatchError: the tensors differ from the step before's (a name missing, new or twice, a shape
+                or dtype), or a stream entry is not a ``(str, Tensor)`` pair: nothing of the step is published, and
+                the snapshot keeps the last published bits (the next step diffs against them).
+            ConfigError: ``weights`` on a sharded publisher, a ``DTensor`` in the stream, ``weights`` that is not
+                iterable, or no ``weights`` on a publisher made with ``source=None``.
+
+        When ``weights`` itself raises, its exception propagates unchanged (with a note saying the step was not
+        published). Any other error reads the rest of ``weights`` before it is raised: the other ranks of an FSDP
+        trainer materialise each tensor with a collective and would otherwise wait for this one.
+
+        Example::
+
+            pub = DeltaPublisher(url, None, dtype=torch.bfloat16)
+            pub.publish(step, weights=((n, p.full_tensor()) for n, p in model.named_parameters()))
         """
+        if weights is not None:
+            return self._publish_stream(step, anchor=anchor, weights=weights)
         if self._closed:  # a step published after close() would be lost without a word
             raise PublishError(f"{self.store.url}: step {step}: the publisher is closed (make a new one)")
         if self._sharded is not None:
             return self._publish_sharded(step, anchor=anchor)
+        if self.source is None:
+            raise ConfigError(f"{self.store.url}: step {step}: this publisher was made with source=None: pass the "
+                              f"step's tensors as publish(step, weights=...)")
         self._raise_background_error()
         self._check_order(step)
         if self.options.on_backlog == "coalesce" and self._queue.full() and not anchor:
@@ -232,6 +307,53 @@ class DeltaPublisher:
             return False
         self._capture(step, anchor=anchor)
         return True
+
+    def _publish_stream(self, step: int, *, anchor: bool, weights: Weights) -> bool:
+        """``publish(step, weights=...)``: the step read from a stream, each tensor diffed as it arrives."""
+        where = f"{self.store.url}: step {step}"
+        try:
+            if self._closed:
+                raise PublishError(f"{where}: the publisher is closed (make a new one)")
+            if self._sharded is not None:
+                raise ConfigError(f"{where}: a sharded publisher reads each rank's shards from its source (the "
+                                  f"module): call publish(step) on every rank; weights= is for one writer of full "
+                                  f"tensors")
+            self._raise_background_error()
+            self._check_order(step)
+            self._wait_for_snapshot()
+        except Exception:
+            drain(weights, where)
+            raise
+        t0 = time.perf_counter()
+        opts = self.options
+        cap = StreamCapture(self._snapshot, self._aliases, where=where, names=opts.names,
+                            device=opts.snapshot_device, max_chunk_bytes=opts.max_chunk_bytes, dtype=opts.dtype)
+        try:
+            cap.run(weights)
+        except BaseException as e:
+            self._snapshot = cap.snapshot  # the last published bits again, or None: the next step anchors
+            if self._snapshot is None:
+                with self._lock:
+                    self._force_anchor = True
+            log.warning("%s was not published (%s after %d tensors of the stream); the snapshot holds step %s",
+                        where, type(e).__name__, cap.count,
+                        self._last_captured if self._snapshot is not None else None)
+            if cap.stream_raised and hasattr(e, "add_note"):
+                e.add_note(f"deltasync: {where} was not published (the weights stream raised after {cap.count} "
+                           f"tensors); the next publish diffs against the last published step")
+            raise
+        self._snapshot, self._aliases = cap.snapshot, cap.aliases
+        self._enqueue(step, anchor=anchor, changes=cap.changes, diffed=not cap.built, pin=True, t0=t0)
+        return True
+
+    def _wait_for_snapshot(self) -> None:
+        """Wait until an anchor being written from the snapshot itself (a stream's) is out of it."""
+        pinned = self._pinned
+        if pinned is not None:
+            if not pinned.is_set():
+                log.debug("waiting for the anchor being written from the snapshot")
+            pinned.wait()
+            self._pinned = None
 
     def _check_order(self, step: int) -> None:
         check_step(step, what=f"{self.store.url}: step", error=StepOrderError)
@@ -266,6 +388,53 @@ class DeltaPublisher:
         self._announce(step)
         log.info("committed sharded %s step %d (%d bytes, %.3f s)", kind, step, nbytes, time.perf_counter() - t0)
         return True
+
+    def differs_from(self, step: int, weights: Weights | None = None) -> list[str]:
+        """The tensors whose bits, in the published dtype and under canonical names, differ from committed
+        ``step``'s (checksums against its header; a tensor missing on either side counts): empty when the source's
+        weights (or ``weights``', read to their end) are that step's exactly.
+
+        What a resumed trainer asks when its checkpoint's step is one the stream holds already: a committed step is
+        never replaced, so it publishes nothing and goes on, provided its weights are that step's.
+
+        Raises:
+            ConfigError: a sharded publisher (its shards cannot be proved from one rank: publish the next step), or
+                bad ``weights`` entries.
+            StepNotFoundError: ``step`` is not committed.
+        """
+        where = f"{self.store.url}: step {step}"
+        if weights is None and self._sharded is not None:
+            raise ConfigError(f"{where}: a sharded publisher cannot prove a committed step from one rank: publish the "
+                              "next step instead")
+        if weights is None:
+            tensors, _ = named_tensors(self.source, self.options.names)
+            pairs: Any = iter(tensors.items())
+        else:
+            pairs = stream_entries(weights, where)
+        from deltasync.format.checksum import tensor_checksum
+        from deltasync.reader import StreamReader  # (the reader sits above the publisher)
+
+        try:
+            with StreamReader(self.store) as reader, reader.open(step) as obj:
+                want = {n: int(t.checksum, 16) for n, t in obj.header.tensors.items()}
+            aliases = dict(obj.header.aliases)
+            differ: list[str] = []
+            seen: set[str] = set()
+            for index, entry in enumerate(pairs):
+                name, t = checked_entry(entry, index, where) if weights is not None else entry
+                name = canonical_name(name, self.options.names) if weights is not None else name
+                if name in aliases:
+                    continue
+                seen.add(name)
+                if self.options.dtype is not None and t.is_floating_point():
+                    t = t.to(self.options.dtype)
+                if want.get(name) != tensor_checksum(t.detach()):
+                    differ.append(name)
+        except BaseException:
+            if weights is not None:
+                drain(pairs, where)
+            raise
+        return differ + sorted(want.keys() - seen)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Capture a trailing coalesced step, then wait until everything captured is committed."""
@@ -321,10 +490,10 @@ class DeltaPublisher:
         self.close()
 
     def _capture(self, step: int, *, anchor: bool) -> None:
+        """The source's tensors as ``step``: diffed against the snapshot (or copied into a new one), then queued."""
+        self._wait_for_snapshot()  # a stream's anchor may still be written from it
         t0 = time.perf_counter()
         tensors, aliases = named_tensors(self.source, self.options.names)
-        coalesced = tuple(s for s in self._skipped if s < step)
-        self._skipped = []
         diffed = self._snapshot is not None  # against the bits of this publisher's last captured step
         if self._snapshot is None:
             self._snapshot = Snapshot(
@@ -335,6 +504,17 @@ class DeltaPublisher:
         else:
             changes = self._snapshot.diff(tensors)
         self._aliases = aliases
+        self._enqueue(step, anchor=anchor, changes=changes, diffed=diffed, pin=False, t0=t0)
+
+    def _enqueue(self, step: int, *, anchor: bool, changes: list[Patch], diffed: bool, pin: bool, t0: float) -> None:
+        """Queue a captured step for the background thread, as an anchor or a delta by the publisher's schedule.
+
+        An anchor's tensors are copied to the host (the trainer goes on changing the snapshot), or with ``pin`` (a
+        stream's: no second copy of the model) written from the snapshot itself, which the next capture then
+        waits for."""
+        assert self._snapshot is not None
+        coalesced = tuple(s for s in self._skipped if s < step)
+        self._skipped = []
         with self._lock:
             due = anchor or self._force_anchor or self._since_anchor + 1 >= self.options.anchor_every
             kind: Kind = "anchor" if due else "delta"
@@ -346,10 +526,14 @@ class DeltaPublisher:
             kind=kind,
             coalesced=coalesced,
             headers=headers,
-            aliases=dict(aliases),
+            aliases=dict(self._aliases),
         )
         if kind == "anchor":
-            job.anchor_tensors = {n: t.to("cpu", copy=True) for n, t in self._snapshot.tensors.items()}
+            if pin:
+                job.anchor_tensors = dict(self._snapshot.tensors)
+                job.released = self._pinned = threading.Event()
+            else:
+                job.anchor_tensors = {n: t.to("cpu", copy=True) for n, t in self._snapshot.tensors.items()}
             self._since_anchor = 0
             # the diff ran against what this publisher captured last: ship it beside the anchor (a resumed or
             # new publisher's first anchor has nothing to diff against: the stream's last step is another's bits)
@@ -396,6 +580,10 @@ class DeltaPublisher:
                     self._error = e
                     self._force_anchor = True
             finally:
+                if job is not None:  # written, failed or dropped: nothing of it is needed until the next job comes
+                    job.anchor_tensors, job.changes = {}, []
+                    if job.released is not None:  # out of the snapshot
+                        job.released.set()
                 self._queue.task_done()
 
     def _renew_lease(self) -> None:
@@ -422,6 +610,9 @@ class DeltaPublisher:
             aliases=job.aliases,
             zstd_level=self.options.zstd_level,
         )
+        if job.released is not None:  # the anchor is on disk: the trainer may change the snapshot again
+            job.anchor_tensors = {}
+            job.released.set()
         delta, delta_local = None, None
         if job.kind == "anchor" and job.delta_base is not None:  # the anchor's own delta (docs/FORMAT.md section 5)
             delta_local = self._spool / f"{job.step:012d}-anchor-delta.safetensors"

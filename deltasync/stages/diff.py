@@ -8,7 +8,7 @@ checksums, in time proportional to the change.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -20,6 +20,7 @@ from deltasync.format._bits import UNSIGNED_NP, dtype_name, int_view, np_bits, n
 from deltasync.format.checksum import MASK64, tensor_checksum
 from deltasync.format.patch import Patch
 from deltasync.stages._device import diff_device
+from deltasync.stages.apply import xor_apply
 from deltasync.threads import parallel_map
 
 SnapshotDevice = Literal["same", "cpu"]
@@ -58,12 +59,22 @@ class Snapshot:
         self._scratch = _Scratch()
         self._caps: dict[tuple[str, int], int] = {}  # room reserved per device segment (learned, _device.py)
         self._bits: dict[str, tuple[torch.Tensor, _HostBits]] = {}
+        self.checksums: dict[str, int] = {}
         for name, t in tensors.items():
-            t = self._cast(t.detach())
-            copy = t.to("cpu", copy=True) if device == "cpu" else t.clone(memory_format=torch.contiguous_format)
-            self.tensors[name] = copy
-        self.checksums: dict[str, int] = {name: tensor_checksum(t, self.offsets.get(name, 0))
-                                          for name, t in self.tensors.items()}
+            self.add(name, t)
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        """Copy one more tensor in (cast to the published dtype) with its checksum: how a snapshot is built one
+        tensor at a time from a stream. Keeps no reference to ``t``."""
+        if name in self.tensors:
+            raise TensorMismatchError(f"tensor {name!r} is in the snapshot already")
+        t = t.detach()
+        cast = self._cast(t)
+        # a cast made a fresh tensor already: keep it rather than copying it again (one tensor at a time either way)
+        copy = cast.to("cpu" if self.device == "cpu" else cast.device, memory_format=torch.contiguous_format,
+                       copy=cast is t)
+        self.tensors[name] = copy
+        self.checksums[name] = tensor_checksum(copy, self.offsets.get(name, 0))
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         """Floating tensors in the published dtype (e.g. fp32 master weights published as bf16)."""
@@ -93,12 +104,42 @@ class Snapshot:
                 f"new {sorted(extra)[:5]} ({len(missing)} missing, {len(extra)} new)"
             )
         for name, t in tensors.items():
-            s = self.tensors[name]
-            published = self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
-            if t.shape != s.shape or published != s.dtype:
-                raise TensorMismatchError(
-                    f"tensor {name!r}: expected shape {tuple(s.shape)} {s.dtype}, got {tuple(t.shape)} {t.dtype}"
-                )
+            self.check_tensor(name, t)
+
+    def check_tensor(self, name: str, t: torch.Tensor) -> None:
+        """Raise ``TensorMismatchError`` unless the snapshot holds ``name`` with ``t``'s shape and published dtype."""
+        s = self.tensors.get(name)
+        if s is None:
+            raise TensorMismatchError(f"tensor {name!r} is not in the snapshot (it holds {len(self.tensors)} tensors)")
+        published = self.dtype if self._needs_cast(t) else t.dtype
+        if t.shape != s.shape or published != s.dtype:
+            raise TensorMismatchError(
+                f"tensor {name!r}: expected shape {tuple(s.shape)} {s.dtype}, got {tuple(t.shape)} {t.dtype}"
+            )
+
+    def holds(self, name: str, t: torch.Tensor) -> bool:
+        """Whether ``t``, cast to the published dtype, has exactly the bits of the snapshot's tensor ``name`` (a
+        transient copy of one tensor at most)."""
+        s = self.tensors.get(name)
+        if s is None or t.shape != s.shape or (self.dtype if self._needs_cast(t) else t.dtype) != s.dtype:
+            return False
+        cur = self._cast(t.detach()).to(s.device).contiguous()
+        return bool(torch.equal(int_view(cur), int_view(s)))
+
+    def diff_tensor(self, name: str, t: torch.Tensor) -> Patch:
+        """The change of one tensor (``diff`` of ``{name: t}`` without the check of the other names): how a
+        stream is diffed as each tensor arrives. Advances the snapshot's ``name``; keeps no reference to ``t``."""
+        self.check_tensor(name, t)
+        return self._diff({name: t})[0]
+
+    def undo(self, changes: Sequence[Patch], checksums: Mapping[str, int]) -> None:
+        """Take back diffs: ``changes`` (returned by ``diff``/``diff_tensor`` since the snapshot's checksums were
+        ``checksums``) are XORed in again and those checksums restored, so the snapshot holds the exact bits it
+        held before. What a failed stream costs: the patches the step kept anyway, no copy of the snapshot."""
+        for c in reversed(changes):
+            if c.changed:
+                xor_apply(self.tensors[c.name], c.positions, c.xor, checksum=False)
+            self.checksums[c.name] = checksums[c.name]
 
     def diff(self, tensors: Mapping[str, torch.Tensor]) -> list[Patch]:
         """Changes from the snapshot to ``tensors`` (same names, shapes, dtypes), one sparse ``Patch`` per
@@ -108,6 +149,9 @@ class Snapshot:
         largest first, each by the single-threaded kernel: parallel across tensors, never inside a small one.
         """
         self.check_same_layout(tensors)
+        return self._diff(tensors)
+
+    def _diff(self, tensors: Mapping[str, torch.Tensor]) -> list[Patch]:
         found: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
         host: list[_Range] = []
         device: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []

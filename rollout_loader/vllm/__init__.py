@@ -17,17 +17,23 @@ from .client import (
     WORKER_EXTENSION,
     HttpWeightTransfer,
     LocalWeightTransfer,
+    SyncClientTransfer,
     WeightTransfer,
 )
-from .target import EngineVerify, Mode, VllmTarget, start_engine
+from .ray_client import RayWeightTransfer
+from .settings import EngineSettings, EngineVerify, Mode
+from .target import VllmTarget, start_engine
 
 __all__ = [
     "WEIGHT_TRANSFER_CONFIG",
     "WORKER_EXTENSION",
+    "EngineSettings",
+    "EngineVerify",
     "HttpWeightTransfer",
     "LocalWeightTransfer",
     "Mode",
-    "EngineVerify",
+    "RayWeightTransfer",
+    "SyncClientTransfer",
     "VllmTarget",
     "WeightTransfer",
     "enable_live_cpu_weights",
@@ -43,7 +49,7 @@ def enable_live_cpu_weights() -> None:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("DeltasyncWeightTransferEngine", "DeltasyncInitInfo", "DeltasyncUpdateInfo"):
+    if name in ("DeltasyncWeightTransferEngine", "DeltasyncUpdateInfo"):
         from . import engine
 
         return getattr(engine, name)

@@ -33,7 +33,10 @@ from deltasync.errors import (
     EngineError,
     EngineUnreachableError,
     MissingDependencyError,
+    in_text,
 )
+
+from .settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +46,11 @@ DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 PauseMode = Literal["keep", "wait", "abort"]
 # routes of vLLM's weight-transfer API, some only with VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/rl/online)
 WEIGHT_ROUTES = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
-                 "/weight_info", "/pause", "/resume", "/reset_prefix_cache", "/collective_rpc")
+                 "/weight_info", "/pause", "/resume", "/reset_prefix_cache", "/collective_rpc", "/server_info")
 # how vLLM 0.32 reports a collective_rpc method the workers do not have: the multiprocess executor relays the
 # worker's AttributeError, the in-process one raises NotImplementedError (vllm/v1/serial_utils.py run_method)
 _NO_METHOD = re.compile(r"has no attribute '(deltasync_\w+)'|Method '(deltasync_\w+)' is not implemented")
-_NOT_CONFIGURED = "Weight transfer not configured"
-# vLLM relays a worker's error as "Worker failed with error '<str(e)>'"; the engine leads str(e) with its class
-_REMOTE_ERROR = re.compile(r"Worker failed with error '(\w+Error): (.*?)'(?:, please check|$)", re.S)
-# errors of the server's engine that retrying cannot fix: the stream does not fit the model, or a setting is wrong
-PERMANENT_REMOTE = frozenset({"TensorMismatchError", "PatchError", "RoutingError", "ConfigError", "StoreAuthError",
-                              "StoreConfigError", "MissingDependencyError", "EngineConfigError",
-                              "HeldStepError"})  # vllm/v1/worker/gpu_worker.py _check_weight_transfer_engine
+_NOT_CONFIGURED = "Weight transfer not configured"  # vllm/v1/worker/gpu_worker.py _check_weight_transfer_engine
 
 
 def _missing_method(text: str) -> str | None:
@@ -62,19 +59,14 @@ def _missing_method(text: str) -> str | None:
     return (m.group(1) or m.group(2)) if m else None
 
 
-def _relayed(where: str, text: str, *, engine: str, setup: str) -> EngineError | None:
-    """What a worker's error means, from the text vLLM relays (``None``: not one of these): a vLLM engine
-    without a weight-transfer engine (``setup`` says how to give it one), or the deltasync engine's own
-    error, named by its class (:func:`rollout_loader.vllm.engine._named`): permanent ones an
-    ``EngineConfigError``, the others an ``EngineError``. ``engine`` names the engine in the message."""
+def _relayed(where: str, text: str, *, engine: str, setup: str) -> DeltaSyncError | None:
+    """What a worker's error means, from the text vLLM relays (``None``: not one of these): a vLLM engine without
+    a weight-transfer engine (``setup`` says how to give it one), or the deltasync engine's own error, rebuilt from
+    the record leading its text (``deltasync.errors.in_text``: its class, and whether retrying can help).
+    ``engine`` names the engine in the message."""
     if _NOT_CONFIGURED in text:
         return EngineConfigError(f"{where}: {engine} has no weight-transfer engine: {setup}")
-    remote = _REMOTE_ERROR.search(text)
-    if remote is None:
-        return None
-    kind, verb = (EngineConfigError, "refused") if remote.group(1) in PERMANENT_REMOTE else (EngineError, "failed")
-    return kind(f"{where}: {engine}'s deltasync engine {verb}: {remote.group(1)}: "
-                f"{' '.join(remote.group(2)[:600].split())}")
+    return in_text(text, where=f"{where}: {engine}'s deltasync engine")
 
 
 def _step_of(version: Any) -> int | None:
@@ -95,16 +87,6 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 
 _OPENER = urllib.request.build_opener(_NoRedirect)
-
-
-def _init_info(url: str, storage_options: dict[str, Any] | None, verify: str, mode: str, step: int | None,
-               notify: str | None = None, trusted_keys: list[str] | None = None) -> dict:
-    """``init_weight_transfer_engine``'s request for the deltasync engine (rollout_loader/vllm/engine.py);
-    ``notify`` and ``trusted_keys`` (PEM texts) only when given (an engine of an older deltasync refuses keys
-    it does not know)."""
-    info = {"url": url, "storage_options": storage_options or {}, "verify": verify, "mode": mode, "step": step}
-    extra = {k: v for k, v in (("notify", notify), ("trusted_keys", trusted_keys)) if v is not None}
-    return {"init_info": info | extra}
 
 
 def combine_status(ranks: list[Any], *, where: str) -> dict[str, Any]:
@@ -251,7 +233,7 @@ class HttpWeightTransfer:
     def resume(self) -> None:
         self._post("/resume")
 
-    def _refusal(self, url: str, route: str, status: int, text: str) -> EngineError:
+    def _refusal(self, url: str, route: str, status: int, text: str) -> DeltaSyncError:
         if status == 404 and route in WEIGHT_ROUTES:
             return EngineConfigError(
                 f"{url}: HTTP 404, the server has no {route} endpoint: start the vLLM server with {DEV_MODE_ENV}=1 "
@@ -283,15 +265,22 @@ class HttpWeightTransfer:
         vLLM's ``"default"`` of a server that was never updated)."""
         return _step_of(self.weight_version())
 
-    def init(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "incremental",
-             mode: str = "auto", step: int | None = None, notify: str | None = None,
-             trusted_keys: list[str] | None = None) -> None:
-        """``/init_weight_transfer_engine``: point the server's deltasync engine at a stream (again: a no-op
-        that keeps the step it holds). ``step``: what the server's weights are, if it holds no step yet.
-        ``notify``: a mirror's event feed the engine's prefetchers listen to (deltasync/notify.py).
-        ``trusted_keys``: public keys as PEM text; the engine then applies signed steps only."""
-        self._post("/init_weight_transfer_engine",
-                   _init_info(url, storage_options, verify, mode, step, notify, trusted_keys))
+    def served_dtype(self) -> str:
+        """The dtype the server holds its model in, as vLLM names it (``"torch.bfloat16"``), from ``GET
+        /server_info?config_format=json`` (a route of ``VLLM_SERVER_DEV_MODE=1``); changes nothing."""
+        reply = self._request("GET", "/server_info", timeout_s=self.check_timeout_s, config_format="json")
+        config = reply.get("vllm_config") if isinstance(reply, dict) else None
+        model = config.get("model_config") if isinstance(config, dict) else None
+        dtype = model.get("dtype") if isinstance(model, dict) else None
+        if not isinstance(dtype, str) or len(dtype) > 64:
+            raise EngineError(f"{self.base_url}/server_info: expected vllm_config.model_config.dtype, got "
+                              f"{str(reply)[:200]}")
+        return dtype
+
+    def init(self, settings: EngineSettings) -> None:
+        """``/init_weight_transfer_engine``: point the server's deltasync engine at a stream (again, the same
+        stream: a no-op that keeps the step it holds)."""
+        self._post("/init_weight_transfer_engine", {"init_info": settings.init_info()})
 
     def _start(self) -> None:
         """``/start_weight_update``; a session left open by a client that died mid-update is closed first."""
@@ -353,8 +342,9 @@ class LocalWeightTransfer:
         named in the text: see :func:`rollout_loader.vllm.engine._named`), an in-process one as it is."""
         try:
             return getattr(self.llm, method)(*args, **kwargs)
-        except DeltaSyncError:
-            raise
+        except DeltaSyncError as e:  # raised in this process, its record leading its text: the same error, plainly
+            plain = in_text(str(e))
+            raise (plain if plain is not None else e) from e
         except Exception as e:
             relayed = _relayed(method, str(e), engine="the vLLM engine", setup=(
                 f"create it with LLM(..., weight_transfer_config={WEIGHT_TRANSFER_CONFIG}) or "
@@ -367,12 +357,9 @@ class LocalWeightTransfer:
         """The step the engine holds, from its weight version (None: one that names no step)."""
         return _step_of(self._call("get_weight_version"))
 
-    def init(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "incremental",
-             mode: str = "auto", step: int | None = None, notify: str | None = None,
-             trusted_keys: list[str] | None = None) -> None:
+    def init(self, settings: EngineSettings) -> None:
         """``init_weight_transfer_engine``: point the engine at a stream (see :meth:`HttpWeightTransfer.init`)."""
-        self._call("init_weight_transfer_engine",
-                   _init_info(url, storage_options, verify, mode, step, notify, trusted_keys))
+        self._call("init_weight_transfer_engine", {"init_info": settings.init_info()})
 
     def update(self, step: int) -> None:
         """Bring the engine to ``step``, verified, with version ``str(step)``; on a failure it keeps its step."""
@@ -401,29 +388,111 @@ class LocalWeightTransfer:
 
 
 class WeightTransfer(Protocol):
-    """What :class:`~rollout_loader.vllm.VllmTarget` needs from an engine's weight-transfer API."""
+    """What :class:`~rollout_loader.vllm.VllmTarget` needs from an engine's weight-transfer API: which step the
+    engine holds (None: unknown), pointing it at a stream, moving it to a step (verified, all or nothing), and its
+    own account of its weights."""
 
     pauses_s: list[float]
 
     def held_step(self) -> int | None: ...
-    def init(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "incremental",
-             mode: str = "auto", step: int | None = None, notify: str | None = None,
-             trusted_keys: list[str] | None = None) -> None: ...
+    def init(self, settings: EngineSettings) -> None: ...
     def update(self, step: int) -> None: ...
     def status(self, *, checksums: bool = True) -> dict[str, Any]: ...
 
 
+SYNC_CLIENT_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+"""vLLM's ``VLLMWeightSyncClient`` protocol (vllm/distributed/weight_transfer/base.py): any object with these."""
+
+
+class SyncClientTransfer:
+    """Any vLLM ``VLLMWeightSyncClient`` (vLLM's ``HTTPVLLMWeightSyncClient``, a framework's own) driving the
+    deltasync engine: ``init_weight_transfer_engine(init_info)``, then per step ``start_weight_update``,
+    ``update_weights({"step": N})``, ``finish_weight_update(str(N))``.
+
+    The protocol has four methods and nothing more, so this client gets what they give: it cannot pause
+    generation (a step is applied between forward passes, as vLLM applies any update), cannot ask which step the
+    engine holds (a :class:`~rollout_loader.vllm.VllmTarget` then trusts the step it set, or the settings'
+    ``step``), cannot reset the prefix cache (prompts cached before the update keep their old KV: the caller
+    resets it, or uses :class:`HttpWeightTransfer` / :class:`~rollout_loader.vllm.RayWeightTransfer`, which do)
+    and cannot read the engine's status (``EngineConfigError``). Errors relayed from the engine come back as the
+    deltasync errors they were.
+    """
+
+    def __init__(self, client: Any) -> None:
+        missing = [m for m in SYNC_CLIENT_METHODS if not callable(getattr(client, m, None))]
+        if missing:
+            raise ConfigError(f"expected a vLLM VLLMWeightSyncClient (methods {', '.join(SYNC_CLIENT_METHODS)}), got "
+                              f"{type(client).__name__} without {', '.join(missing)}")
+        self.client = client
+        self.pauses_s: list[float] = []
+        self._warned = False
+        self._held: int | None = None  # the step this client's last update brought the engine to
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self.client, method)(*args)
+        except DeltaSyncError as e:
+            plain = in_text(str(e))
+            raise (plain if plain is not None else e) from e
+        except Exception as e:  # the client's own error type (requests' HTTPError, Ray's RayTaskError, ...)
+            text = f"{e} {getattr(getattr(e, 'response', None), 'text', '')}"
+            relayed = _relayed(f"{type(self.client).__name__}.{method}", text, engine="the vLLM engine",
+                               setup=f"start it with --weight-transfer-config '{WEIGHT_TRANSFER_CONFIG}'")
+            if relayed is None:
+                raise
+            raise relayed from e
+
+    def held_step(self) -> int | None:
+        """The step this client's last completed update named (the protocol has no way to ask the engine): None
+        before its first. A new client of an engine updated before starts from the settings' ``step``."""
+        return self._held
+
+    def init(self, settings: EngineSettings) -> None:
+        self._call("init_weight_transfer_engine", settings.init_info())
+
+    def update(self, step: int) -> None:
+        """``start_weight_update``, ``update_weights({"step": step})``, ``finish_weight_update(str(step))``."""
+        if not self._warned:
+            log.warning("%s: a plain vLLM weight-sync client cannot reset the engine's prefix cache after an update: "
+                        "prompts cached before it keep their old KV until the caller resets it",
+                        type(self.client).__name__)
+            self._warned = True
+        t0 = time.perf_counter()
+        try:
+            self._call("start_weight_update")
+            self._call("update_weights", {"step": step})
+            self._call("finish_weight_update", str(step))
+            self._held = step
+        finally:
+            self.pauses_s.append(time.perf_counter() - t0)
+
+    def status(self, *, checksums: bool = True) -> dict[str, Any]:
+        raise EngineConfigError(f"{type(self.client).__name__}: a vLLM weight-sync client cannot read the engine's "
+                                "status; use a server URL, an LLM, or Ray actor handles (RayWeightTransfer)")
+
+
 def weight_transfer(engine: Any) -> WeightTransfer:
-    """The client for ``engine``: a server URL, a ``vllm.LLM``, or a client already."""
+    """The client for ``engine``: a server URL, a ``vllm.LLM``, Ray actor handles hosting vLLM engines (one or a
+    list; or vLLM's ``RayVLLMWeightSyncClient``), any vLLM ``VLLMWeightSyncClient``, or a client already."""
     if isinstance(engine, str):
         return HttpWeightTransfer(engine)
-    if isinstance(engine, (HttpWeightTransfer, LocalWeightTransfer)):
+    if isinstance(engine, (HttpWeightTransfer, LocalWeightTransfer, SyncClientTransfer)):
         return engine
     if hasattr(engine, "collective_rpc") and hasattr(engine, "generate"):
         return LocalWeightTransfer(engine)
     if all(callable(getattr(engine, m, None)) for m in ("held_step", "init", "update", "status")):
         return engine
+    from .ray_client import RayWeightTransfer, ray_handles
+
+    handles = ray_handles(engine)
+    if handles is not None:
+        return RayWeightTransfer(handles)
+    if type(engine).__name__ == "HTTPVLLMWeightSyncClient" and isinstance(getattr(engine, "base_url", None), str):
+        # the same server, with pause, read-back of the step and prefix-cache reset
+        return HttpWeightTransfer(engine.base_url, timeout_s=float(getattr(engine, "timeout", 600.0) or 600.0))
+    if all(callable(getattr(engine, m, None)) for m in SYNC_CLIENT_METHODS):
+        return SyncClientTransfer(engine)
     raise ConfigError(
-        "VllmTarget: expected a vllm.LLM, a server URL (http://host:port) or a weight-transfer client, got "
-        f"{type(engine).__name__}"
+        "VllmTarget: expected a vllm.LLM, a server URL (http://host:port), Ray actor handles hosting vLLM, a vLLM "
+        f"VLLMWeightSyncClient or a weight-transfer client, got {type(engine).__name__}"
     )

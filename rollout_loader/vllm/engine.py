@@ -10,12 +10,13 @@ own routes and ``LLM`` methods::
     POST /finish_weight_update {"weight_version": "12"}; POST /reset_prefix_cache
     GET /weight_info  ->  {"weight_version": "12"}
 
-``init_info``: ``url`` and ``storage_options`` of the stream; ``verify`` ("incremental": each changed
-tensor's checksum follows from the patched elements, O(change); "changed": recomputed for the changed
-tensors; "all": for every tensor); ``step``: the step the engine's weights are at when it holds none yet
-(started from that step's replayed checkpoint), else its first update starts at an anchor; ``mode``
-("auto", "live", "reload": see :mod:`rollout_loader.vllm.state`); ``prefetch``. Initialising again with the
-same stream keeps the step the engine holds.
+``init_info``: an :class:`~rollout_loader.vllm.settings.EngineSettings` as JSON (``url``, ``storage_options``,
+``verify``, ``mode``, ``step``, ``prefetch``, ``rdma``, ``notify``, ``trusted_keys``: settings.py documents each);
+an unknown or bad setting is a ``ConfigError`` naming it. Initialising again with the same stream keeps the step
+the engine holds.
+
+Errors leave the engine with their record leading their text (``deltasync.errors.to_text``): a client in another
+process rebuilds the error's class and whether retrying can help from it (``deltasync.errors.in_text``).
 
 ``update_info``: ``{"step": N}`` (an int, or ``"latest"``). The engine applies the chain from the step it holds
 to N, each step verified against the trainer's checksums on every rank (parts summed across tensor-parallel
@@ -33,27 +34,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, get_args
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferUpdateInfo
 
 from deltasync import DeltaSyncError, StreamReader
-from deltasync.engine import (
-    CONSUMER_ID,
-    MAX_STEP,
-    EventFeed,
-    TrustedKeys,
-    add_checksums,
-    name_matches,
-    rdma_options,
-    warm_kernels,
-)
+from deltasync.engine import MAX_STEP, EventFeed, TrustedKeys, add_checksums, warm_kernels
 from deltasync.errors import (
     BaseStepMismatchError,
     ChecksumMismatchError,
@@ -61,14 +49,15 @@ from deltasync.errors import (
     EngineError,
     HeldStepError,
     StepNotFoundError,
+    to_text,
 )
 
 from .layout import checkpoint_layout
 from .plan import build_state
 from .prefetch import Prefetcher, Prepared, prepare
+from .settings import EngineSettings
 from .shadow import reload_as_loaded
-from .state import Mode, Staged, WorkerState
-from .target import EngineVerify
+from .state import Staged, WorkerState
 from .trace import all_gather_tp as _all_gather
 from .trace import refuse_moving_experts
 
@@ -81,63 +70,6 @@ BACKEND = "deltasync"
 PAUSE_PARTS = ("resolve", "staging", "write", "all_gather", "compare", "total")
 
 
-def _refuse(message: str) -> ConfigError:
-    """A bad ``init_info``/``update_info`` value, its class named first (see :func:`_named`)."""
-    return ConfigError(f"ConfigError: {message}")
-
-
-@dataclass
-class DeltasyncInitInfo(WeightTransferInitInfo):
-    """``init_info`` of the deltasync engine (checked here: a bad value is a ``ConfigError``)."""
-
-    url: str
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    verify: str = "incremental"
-    step: int | None = None
-    mode: str = "auto"
-    prefetch: bool = True
-    rdma: dict[str, Any] | None = None  # {"controller": "tcp://host:port", ...}: read steps over NIXL first
-    notify: str | None = None  # a mirror's event feed (http://host:port/events): every rank's prefetcher hears of
-    # each step from it and polls the store only as a safety net (deltasync/notify.py)
-    trusted_keys: list[str] | None = None  # public keys (PEM text or files on the server): signed steps only
-    trusted: TrustedKeys | None = field(default=None, init=False, repr=False)  # trusted_keys, loaded and checked
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.url, str) or not self.url:
-            raise _refuse(f"deltasync init_info: url must be a stream URL (a string), got {self.url!r}")
-        if not isinstance(self.storage_options, dict):
-            raise _refuse(f"deltasync init_info: storage_options must be an object, got {self.storage_options!r}")
-        if self.verify not in get_args(EngineVerify):
-            raise _refuse(f"deltasync init_info: verify must be one of {get_args(EngineVerify)}, not {self.verify!r}")
-        if self.mode not in get_args(Mode):
-            raise _refuse(f"deltasync init_info: mode must be one of {get_args(Mode)}, not {self.mode!r}")
-        if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int)
-                                      or not 0 <= self.step <= MAX_STEP):
-            raise _refuse(f"deltasync init_info: step must be a step number (0..{MAX_STEP}) or null, got {self.step!r}")
-        if not isinstance(self.prefetch, bool):
-            raise _refuse(f"deltasync init_info: prefetch must be true or false, got {self.prefetch!r}")
-        if self.rdma is not None:
-            if not (isinstance(self.rdma, dict) and isinstance(self.rdma.get("controller"), str)):
-                raise _refuse("deltasync init_info: rdma must be an object naming a 'controller' address, got "
-                              f"{self.rdma!r}")
-            engine = self.rdma.get("engine", "vllm")  # names this engine's consumers to the controller
-            if not name_matches(CONSUMER_ID, engine):
-                raise _refuse(f"deltasync init_info: rdma.engine must be a name (letters, digits, '.', '_', '-'), "
-                              f"got {engine!r}")
-            try:  # every field's type and range, now rather than in a thread later
-                rdma_options({k: v for k, v in self.rdma.items() if k != "engine"})
-            except ConfigError as e:
-                raise _refuse(f"deltasync init_info: {e}") from None
-        if self.trusted_keys is not None:
-            try:
-                self.trusted = TrustedKeys.load(self.trusted_keys)
-            except ConfigError as e:
-                raise _refuse(f"deltasync init_info: trusted_keys: {e}") from None
-        if self.notify is not None and not (isinstance(self.notify, str) and self.notify.startswith(("http://", "https://"))):
-            raise _refuse(f"deltasync init_info: notify must be a mirror's event feed URL (http://HOST:PORT/events), "
-                          f"got {self.notify!r}")
-
-
 @dataclass
 class DeltasyncUpdateInfo(WeightTransferUpdateInfo):
     """``update_info``: the step to hold after the update (a step number, or ``"latest"``)."""
@@ -148,31 +80,33 @@ class DeltasyncUpdateInfo(WeightTransferUpdateInfo):
         ok = self.step == "latest" or (isinstance(self.step, int) and not isinstance(self.step, bool)
                                        and 0 <= self.step <= MAX_STEP)
         if not ok:
-            raise _refuse(f"deltasync update_info: step must be a step number or 'latest', got {self.step!r}")
+            raise ConfigError(f"deltasync update_info: step must be a step number or 'latest', got {self.step!r}")
 
 
-def _named(e: DeltaSyncError) -> DeltaSyncError:
-    """The same error with its class name leading its message: vLLM relays only ``str(e)`` to an HTTP client,
-    which tells from the name whether retrying can help (:class:`~rollout_loader.vllm.HttpWeightTransfer`)."""
-    name = type(e).__name__
-    if str(e).startswith(f"{name}: "):
+def _crossing(e: DeltaSyncError) -> DeltaSyncError:
+    """The same error with its record leading its text (``deltasync.errors.to_text``): vLLM relays only ``str(e)``
+    to a client in another process, which rebuilds the error, and whether retrying can help, from that record
+    (``deltasync.errors.in_text``)."""
+    text = to_text(e)
+    if str(e) == text:
         return e
     try:
-        return type(e)(f"{name}: {e}")
-    except TypeError:  # an error class with other constructor arguments
-        return EngineError(f"{name}: {e}")
+        crossing = type(e)(text)
+    except TypeError:  # an error class with other constructor arguments: the record still names the class
+        crossing = EngineError(text)
+    return crossing
 
 
-class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInfo]):
+class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInfo]):
     """Keeps this worker's model at a step of a deltasync stream (see the module docstring)."""
 
-    init_info_cls = DeltasyncInitInfo
+    init_info_cls = EngineSettings  # the one settings record (settings.py): what every client sends
     update_info_cls = DeltasyncUpdateInfo
     supports_draft_weight_update = False
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self._info: DeltasyncInitInfo | None = None
+        self._info: EngineSettings | None = None
         self._reader: StreamReader | None = None
         self._state: WorkerState | None = None
         self._held: int | None = None
@@ -195,13 +129,28 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
 
     # --- vLLM's interface ---
 
-    def init_transfer_engine(self, init_info: DeltasyncInitInfo) -> None:
+    def parse_init_info(self, init_dict: dict[str, Any]) -> EngineSettings:
+        """``init_info`` as :class:`EngineSettings`; a bad or unknown setting is a ``ConfigError`` naming it."""
+        try:
+            settings = EngineSettings.parse(init_dict)
+            settings.stream()  # a URL is set
+            return settings
+        except DeltaSyncError as e:
+            raise _crossing(e) from e
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> DeltasyncUpdateInfo:
+        try:
+            return super().parse_update_info(update_dict)
+        except DeltaSyncError as e:
+            raise _crossing(e) from e
+
+    def init_transfer_engine(self, init_info: EngineSettings) -> None:
         try:
             self._init(init_info)
         except DeltaSyncError as e:
-            raise _named(e) from e
+            raise _crossing(e) from e
 
-    def _init(self, init_info: DeltasyncInitInfo) -> None:
+    def _init(self, init_info: EngineSettings) -> None:
         old = self._info
         if self._state is None or old is None or old.mode != init_info.mode:
             # routes and shadows depend on the model only: learned once, from the engine as it loaded its
@@ -210,23 +159,22 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             refuse_moving_experts(self.vllm_config)
             layout = checkpoint_layout(self.model_config.model)
             self._state, summary = build_state(
-                self.model, layout=layout, checkpoint=self.model_config.model, mode=init_info.mode,  # type: ignore[arg-type]
+                self.model, layout=layout, checkpoint=self.model_config.model, mode=init_info.mode,
                 reload=self._reload,
             )
             log.info("deltasync engine routes: %s", summary)
             old = None
         summed: set[str] = set()  # tensors whose checksums were just computed from the bits held (state.sums)
-        same = old is not None and (old.url, old.storage_options, old.rdma, old.trusted_keys) == (
-            init_info.url, init_info.storage_options, init_info.rdma, init_info.trusted_keys)
-        if same:
+        if init_info.same_stream(old):
             if init_info.step is not None and self._held is not None and init_info.step != self._held:
                 log.warning("deltasync: init_info says step %d, this engine holds step %d (kept)", init_info.step,
                             self._held)
             self._stop_prefetch()
         else:
             self._close_stream()
-            self._reader = StreamReader(init_info.url, storage_options=init_info.storage_options,
-                                        trusted_keys=init_info.trusted)
+            trusted = None if init_info.trusted_keys is None else TrustedKeys.load(list(init_info.trusted_keys))
+            url, options = init_info.stream()
+            self._reader = StreamReader(url, storage_options=options, trusted_keys=trusted)
             self._held = None
             if init_info.step is not None:  # asserted, not reached through verified steps: proved before believed
                 summed = self._prove_held(init_info.step)
@@ -239,8 +187,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         if init_info.rdma is not None and self._rdma is None:
             self._rdma = self._rdma_consumer(init_info)
         if init_info.prefetch:
-            reader = self._rdma.reader if self._rdma is not None else StreamReader(
-                init_info.url, storage_options=init_info.storage_options)
+            url, options = init_info.stream()
+            reader = self._rdma.reader if self._rdma is not None else StreamReader(url, storage_options=options)
             assert self._reader is not None  # opened above, or by the init this one continues (same stream)
             reader.trusted = self._reader.trusted  # the prefetcher's reader checks with the engine's own key set
             # over NIXL the trainer announces each step, or a mirror does: the prefetcher hears of it at once (a
@@ -254,13 +202,13 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         try:
             self._require()
         except DeltaSyncError as e:
-            raise _named(e) from e
+            raise _crossing(e) from e
 
     def receive_weights(self, update_info: DeltasyncUpdateInfo) -> None:
         try:
             self._receive(update_info)
         except DeltaSyncError as e:
-            raise _named(e) from e
+            raise _crossing(e) from e
 
     def _receive(self, update_info: DeltasyncUpdateInfo) -> None:
         reader, _ = self._require()
@@ -475,7 +423,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         if feed is not None:
             feed.close()
 
-    def _rdma_consumer(self, info: DeltasyncInitInfo) -> Any:
+    def _rdma_consumer(self, info: EngineSettings) -> Any:
         """This rank's NIXL consumer: step objects read from the trainer's ring when announced, from the store
         otherwise (the prefetcher reads through it); one consumer per tensor-parallel rank, grouped by engine."""
         from vllm.distributed import get_tp_group
@@ -486,5 +434,6 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         engine = str(options.pop("engine", "vllm"))
         plan_wait_s = float(options.pop("plan_wait_s", 0.0))
         rank = get_tp_group().rank_in_group
-        return RdmaConsumer(info.url, rdma=options, consumer_id=f"{engine}-tp{rank}", engine=engine,
-                            storage_options=info.storage_options, plan_wait_s=plan_wait_s)
+        url, storage_options = info.stream()
+        return RdmaConsumer(url, rdma=options, consumer_id=f"{engine}-tp{rank}", engine=engine,
+                            storage_options=storage_options, plan_wait_s=plan_wait_s)

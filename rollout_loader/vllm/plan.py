@@ -18,8 +18,9 @@ from rollout_loader.routing import RoutingError
 
 from .layout import SIGNED, Dtypes, Shapes, TensorHome, int_bits, param_owners, read_checkpoint
 from .live_cpu import LIVE_ENV, module_kind
+from .settings import Mode
 from .shadow import derived_params, feeds_of, find_transformed, modules_of
-from .state import Mode, Reload, WorkerState
+from .state import Reload, WorkerState
 from .trace import routing_table, trace_loader
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""vLLM plugin entry point: registers the deltasync weight-transfer engine in every vLLM process.
+"""vLLM plugin entry point: registers the deltasync weight-transfer engines (receiving and trainer) in every vLLM
+process.
 
 Declared in pyproject.toml as ``[project.entry-points."vllm.general_plugins"] deltasync =
 "rollout_loader.vllm.plugin:register"``; vLLM calls it in each process it starts (API server, engine core,
@@ -17,17 +18,21 @@ BACKEND = "deltasync"
 
 
 def register() -> None:
-    """Register ``"deltasync"`` with ``WeightTransferEngineFactory`` (once per process) and hook vLLM's CPU
-    GEMM dispatch so ``DELTASYNC_CPU_LIVE_WEIGHTS=1`` keeps CPU linear weights live."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    """Register ``"deltasync"`` with ``WeightTransferEngineFactory`` (the receiving engine) and
+    ``WeightTransferTrainerFactory`` (the trainer engine, :mod:`rollout_loader.vllm.trainer`), once per process,
+    and hook vLLM's CPU GEMM dispatch so ``DELTASYNC_CPU_LIVE_WEIGHTS=1`` keeps CPU linear weights live."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     from .live_cpu import install_dispatch_hook
 
     install_dispatch_hook()
-    if BACKEND in WeightTransferEngineFactory._registry:  # registered already (by this plugin or the user)
-        return
-    try:
-        WeightTransferEngineFactory.register_engine(BACKEND, "rollout_loader.vllm.engine",
-                                                    "DeltasyncWeightTransferEngine")
-    except ValueError as e:  # another thread or plugin won the race: what is registered stays
-        log.debug("deltasync engine already registered: %s", e)
+    for factory, module, name in ((WeightTransferEngineFactory, "rollout_loader.vllm.engine",
+                                   "DeltasyncWeightTransferEngine"),
+                                  (WeightTransferTrainerFactory, "rollout_loader.vllm.trainer",
+                                   "DeltasyncTrainerEngine")):
+        if BACKEND in factory._registry:  # registered already (by this plugin or the user)
+            continue
+        try:
+            factory.register_engine(BACKEND, module, name)
+        except ValueError as e:  # another thread or plugin won the race: what is registered stays
+            log.debug("deltasync %s already registered: %s", name, e)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,7 +50,6 @@ from .layout import TensorHome, int_bits, localize
 
 log = logging.getLogger(__name__)
 
-Mode = Literal["auto", "live", "reload"]
 Reload = Callable[[list[tuple[str, torch.Tensor]], set[str]], None]  # (checkpoint tensors, modules they feed)
 RawPatch = tuple[str, "np.ndarray | torch.Tensor | None", "np.ndarray | torch.Tensor"]
 MASK64 = (1 << 64) - 1

@@ -14,26 +14,21 @@ every rank, rolling back and raising on any mismatch (:mod:`rollout_loader.vllm.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from typing import Any, Literal, get_args
+from typing import Any
 
-from deltasync import DeltaSyncError
+from deltasync import StreamReader
 from deltasync.engine import pem_texts
-from deltasync.errors import ConfigError
+from deltasync.errors import ConfigError, HeldStepError
 
 from .client import WORKER_EXTENSION, WeightTransfer, weight_transfer, worker_module
+from .settings import EngineSettings, EngineVerify, Mode
 
 log = logging.getLogger(__name__)
 
-EngineVerify = Literal["incremental", "changed", "all"]
-Mode = Literal["auto", "live", "reload"]
-
-
-def _choice(name: str, value: Any, allowed: Any) -> None:
-    options = get_args(allowed)
-    if value not in options:
-        raise ConfigError(f"VllmTarget: {name} must be one of {', '.join(map(repr, options))}, not {value!r}")
+__all__ = ["EngineVerify", "Mode", "VllmTarget", "start_engine"]
 
 
 def _absolute(url: str) -> str:
@@ -42,51 +37,47 @@ def _absolute(url: str) -> str:
 
 
 class VllmTarget:
-    """A vLLM engine (an ``LLM``, a server URL, or a weight-transfer client) kept at a step of a stream.
+    """A vLLM engine (an ``LLM``, a server URL, Ray actors, or any weight-sync client) kept at a step of a stream.
 
     Args:
         engine: a ``vllm.LLM`` made by :func:`start_engine` (or with ``weight_transfer_config={"backend":
-            "deltasync"}``), the base URL of a server started with ``--weight-transfer-config '{"backend":
-            "deltasync"}'`` and ``VLLM_SERVER_DEV_MODE=1``, or an :class:`HttpWeightTransfer`/
-            :class:`LocalWeightTransfer`.
-        step: the step the engine's weights are at if it was never updated (started from that step's
-            replayed checkpoint); ignored when the engine's weight version names a step. Otherwise the
-            first step applied is an anchor.
-        verify: checksums after each delta: ``"incremental"`` (each changed tensor's from the patched
-            elements, O(changed)), ``"changed"`` (recomputed for the changed tensors) or ``"all"``.
-        mode: the engine's ("auto", "live", "reload"; see :func:`rollout_loader.vllm.plan.build_state`).
-        notify: a mirror's event feed (``http://HOST:PORT/events``, ``deltasync mirror --events``) the
-            engine's prefetchers listen to, so that every rank stages a step as soon as it is committed and
-            polls the store only as a safety net (deltasync/notify.py).
-        trusted_keys: public key files (``deltasync keygen``): the engine applies only steps one of them
-            signed (sent to it as PEM text: a server elsewhere needs no file).
+            "deltasync"}``); the base URL of a server started with ``--weight-transfer-config '{"backend":
+            "deltasync"}'`` and ``VLLM_SERVER_DEV_MODE=1``; Ray actor handles hosting such engines (one, a list, or
+            vLLM's ``RayVLLMWeightSyncClient``: :class:`~rollout_loader.vllm.RayWeightTransfer`); any vLLM
+            ``VLLMWeightSyncClient`` (:class:`~rollout_loader.vllm.SyncClientTransfer`: no pause, no prefix-cache
+            reset, no status); or a client of this package.
+        settings: the engine's :class:`~rollout_loader.vllm.EngineSettings`. Its ``url``, ``storage_options`` and
+            ``trusted_keys``, when not set, are the follower's (its reader's URL, storage options and trusted keys:
+            given once, to the follower; the storage options only when the URL is the follower's too); ``notify``
+            is the follower's event feed when it has one. ``step`` is the
+            step the engine's weights are at if it was never updated (ignored when the engine's weight version
+            names a step).
+        **overrides: any field of :class:`EngineSettings` (``verify=``, ``mode=``, ``step=``, ``prefetch=``,
+            ``rdma=``, ``notify=``, ``trusted_keys=``...), on top of ``settings``.
 
-    Raises ``ConfigError`` for a bad argument; the follower's first contact raises ``EngineConfigError``
-    (a flag missing), ``EngineUnreachableError``. ``pauses_s`` records how long each update held generation.
+    Raises ``ConfigError`` for a bad argument or setting (naming it); the follower's first contact raises
+    ``EngineConfigError`` (a flag missing), ``EngineUnreachableError``. ``pauses_s`` records how long each update
+    held generation.
 
     Example::
 
-        with Follower(url, VllmTarget(start_engine(model_dir, in_process=True))) as follower:
+        with Follower(url, VllmTarget(start_engine(model_dir, in_process=True), verify="all")) as follower:
             follower.wait_for(step=10)
     """
 
     reads_store = True  # the Follower sends step numbers, not objects
 
-    def __init__(self, engine: Any, *, step: int | None = None, verify: EngineVerify = "incremental",
-                 mode: Mode = "auto",
-                 notify: str | None = None, trusted_keys: Any = None) -> None:
-        _choice("mode", mode, Mode)
-        _choice("verify", verify, EngineVerify)
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-            raise ConfigError(f"VllmTarget: step must be a step number or None, not {step!r}")
+    def __init__(self, engine: Any, settings: EngineSettings | None = None, **overrides: Any) -> None:
+        if settings is not None and not isinstance(settings, EngineSettings):
+            raise ConfigError(f"VllmTarget: settings must be an EngineSettings, not {type(settings).__name__}")
+        settings = settings or EngineSettings()
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(EngineSettings)})
+        if unknown:
+            raise ConfigError(f"VllmTarget: unknown setting(s) {unknown}; the engine takes "
+                              f"{sorted(f.name for f in dataclasses.fields(EngineSettings))}")
+        self.settings = settings.replace(**overrides) if overrides else settings
         self.client: WeightTransfer = weight_transfer(engine)
-        self.verify = verify
-        self.mode = mode
-        self.notify = notify
-        self._declared = step
         self._step: int | None = None
-        # sent as PEM text: the engine (maybe a server elsewhere) checks every step's signature itself
-        self.trusted_keys = None if trusted_keys is None else pem_texts(trusted_keys)
 
     @property
     def step(self) -> int | None:
@@ -102,26 +93,38 @@ class VllmTarget:
     def pauses_s(self) -> list[float]:
         return self.client.pauses_s
 
-    def connect(self, url: str, storage_options: dict[str, Any] | None = None) -> int | None:
-        """Ask the engine which step it holds and point its deltasync engine at the stream (again: a no-op
-        that keeps its step); returns that step. Changes no weights."""
+    def engine_settings(self, reader: StreamReader, *, notify: str | None = None) -> EngineSettings:
+        """The settings sent to the engine for the stream ``reader`` reads: this target's, completed by the
+        reader's URL (made absolute when local), storage options and trusted keys, and ``notify``."""
+        s = self.settings
+        changes: dict[str, Any] = {}
+        changes["url"] = _absolute(reader.url if s.url is None else s.url)
+        if s.url is None and not s.storage_options:  # the follower's store: its options too
+            changes["storage_options"] = dict(reader.store.storage_options)
+        if s.trusted_keys is None and reader.trusted is not None:
+            changes["trusted_keys"] = tuple(pem_texts(reader.trusted))
+        if s.notify is None and notify is not None:
+            changes["notify"] = notify
+        return s.replace(**changes)
+
+    def connect(self, reader: StreamReader, *, notify: str | None = None) -> int | None:
+        """Ask the engine which step it holds and point its deltasync engine at the stream ``reader`` reads (again:
+        a no-op that keeps its step); returns that step. Changes no weights."""
         held = self.client.held_step()
-        step = held if held is not None else self._declared
-        url = _absolute(url)
+        settings = self.engine_settings(reader, notify=notify)
+        step = held if held is not None else settings.step
         try:
-            self.client.init(url, storage_options=storage_options, verify=self.verify, mode=self.mode, step=step,
-                             notify=self.notify, trusted_keys=self.trusted_keys)
-        except DeltaSyncError as e:
+            self.client.init(settings.replace(step=step))
+        except HeldStepError as e:
             # the engine proves a step before it holds it. The step its weight version names may be another
             # stream's (the server followed one before): then its weights are unknown here, and the first
             # update writes an anchor. A step the user declared that does not prove is their mistake: raised.
-            if held is None or "HeldStepError" not in f"{type(e).__name__}: {e}":
+            if held is None:
                 raise
             log.warning("the engine's weight version names step %d, which is not this stream's: starting from an "
                         "anchor (%s)", held, e)
             step = None
-            self.client.init(url, storage_options=storage_options, verify=self.verify, mode=self.mode, step=None,
-                             notify=self.notify, trusted_keys=self.trusted_keys)
+            self.client.init(settings.replace(step=None))
         self._step = step
         log.info("vLLM engine holds step %s", self._step)
         return self._step

@@ -103,16 +103,76 @@ def test_server_follows_a_stream_on_s3_through_vllm_routes(s3_server, tmp_path):
         assert_one_line_error(r.returncode, r.stderr, "WaitTimeoutError", "holds step 5")
         assert _weight_version(base) == "5" and _completions(base, PROMPTS) == served
 
-    replayed = replay_to_folder(url, 5, str(tmp_path / "step5"), storage_options=opts)
+        # the trainer goes on written against vLLM's trainer API (issue 28, item 3): deltasync's trainer engine from
+        # vLLM's registry drives the server through vLLM's own HTTP client (step 6), then through a framework's own
+        # client with only the protocol's four methods (step 7); the stream goes on where it was
+        pub.close()  # the trainer engine's publisher takes the stream's lease
+        state = _trainer_engine_steps(url, opts, model_dir, state, base)
+        assert _weight_version(base) == "7"
+        served = _completions(base, PROMPTS)
+
+    last = 7
+    replayed = replay_to_folder(url, last, str(tmp_path / "step7"), storage_options=opts)
     with StreamReader(url, storage_options=opts) as reader:
-        assert {k: tensor_checksum(v) for k, v in reader.state_dict(5).items()} == \
-               {k: tensor_checksum(v) for k, v in state.items()}  # the trainer's bits at step 5
+        assert {k: tensor_checksum(v) for k, v in reader.state_dict(last).items()} == \
+               {k: tensor_checksum(v) for k, v in state.items()}  # the trainer's bits at the last step
     fresh_dir = save_like(model_dir, tmp_path / "fresh", load_state(Path(replayed.path)))
     with engine(fresh_dir, "bfloat16", live=True) as fresh:
         from vllm import SamplingParams
 
         sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         assert [o.outputs[0].text for o in fresh.generate(PROMPTS, sp, use_tqdm=False)] == served
+
+
+class _FrameworkClient:
+    """A framework's own weight-sync client: vLLM's four-method ``VLLMWeightSyncClient`` protocol and nothing more
+    (here over vLLM's HTTP routes through vLLM's own client), so deltasync drives it as a plain protocol client."""
+
+    def __init__(self, base: str) -> None:
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        self._http = HTTPVLLMWeightSyncClient(base)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._http.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self._http.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        self._http.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._http.finish_weight_update(weight_version)
+
+
+def _trainer_engine_steps(url: str, opts: dict, model_dir: Path, state: dict[str, torch.Tensor],
+                          base: str) -> dict[str, torch.Tensor]:
+    """Steps 6 and 7 through vLLM's trainer factory; returns the trainer's weights at step 7."""
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from rollout_loader.vllm import HttpWeightTransfer, SyncClientTransfer
+    from rollout_loader.vllm.trainer import DeltasyncTrainerInitInfo
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16)
+    model.load_state_dict(state)  # the trainer's weights at step 5
+    info = DeltasyncTrainerInitInfo(url=url, storage_options=opts, rank=0, engine={"verify": "all"})
+    for step, client, kind in ((6, HTTPVLLMWeightSyncClient(base), HttpWeightTransfer),
+                               (7, _FrameworkClient(base), SyncClientTransfer)):
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
+        try:
+            assert isinstance(engine.target.client, kind)
+            with torch.no_grad():
+                now = model.state_dict()
+                for name, t in perturb(now, perturbed_names(False), seed=200 + step, density=0.02).items():
+                    now[name].copy_(t)
+            assert engine.send_weights() == step  # published, committed, applied and verified by the server
+        finally:
+            engine.shutdown()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 _OFFLINE_SCRIPT = textwrap.dedent(
@@ -198,8 +258,12 @@ def test_offline_llm_follows_through_weight_transfer_methods(tmp_path):
     assert res["errors"][0].startswith("StepNotFoundError") or "step 99" in res["errors"][0]
     assert "step must be a step number" in res["errors"][1]
     assert "Invalid update_info" in res["errors"][2]
-    want = "notify must be a mirror's event feed URL (http://HOST:PORT/events), got 'ftp://mirror/events'"
-    assert want in res["errors"][3]
+    from deltasync.errors import ConfigError, in_text
+
+    relayed = in_text(res["errors"][3])  # the engine's error as data: its class travels with its text
+    assert type(relayed) is ConfigError and not relayed.retryable
+    assert "setting notify: expected an event feed URL (http://HOST:PORT/events), got 'ftp://mirror/events'" in str(
+        relayed)
     assert res["feed"] == ["EventFeed", True, 5]  # init_info's notify: the prefetcher listens to the mirror's feed
     assert res["after_errors"] == res["tokens"][2]
     assert res["tokens"][0] != res["tokens"][1] != res["tokens"][2]

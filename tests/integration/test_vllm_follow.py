@@ -11,7 +11,13 @@ import torch
 
 from deltasync import DeltaPublisher, StreamReader
 from deltasync.engine import tensor_checksum as checksum_tensor
-from deltasync.errors import ChecksumMismatchError, DeltaSyncError, TensorMismatchError
+from deltasync.errors import (
+    ChecksumMismatchError,
+    CorruptObjectError,
+    HeldStepError,
+    TensorMismatchError,
+    UnsignedStepError,
+)
 from deltasync.format.checksum import parse_checksum
 from deltasync.signing import keygen
 from rollout_loader import Follower
@@ -79,7 +85,7 @@ def test_engine_follows_training_bit_exactly(tmp_path, tie):
         # engine itself refuses it and keeps step 5, its bits and its version
         with DeltaPublisher(url, {k: v.clone() for k, v in states[last].items()}, take_over=True) as forger:
             forger.publish(last + 1)
-        with pytest.raises(DeltaSyncError, match="UnsignedStepError"):
+        with pytest.raises(UnsignedStepError, match="step 6 is not signed"):  # the engine's error, as data
             target.advance(last + 1)
         assert llm.get_weight_version() == str(last) and target.status()["checksums"] == status["checksums"]
 
@@ -196,8 +202,8 @@ def test_an_asserted_step_is_proved_and_a_failed_update_is_undone_whole(tmp_path
     train_and_publish(model_dir, url, 4)  # step 0: the checkpoint's weights (an anchor); 1, 2, 3: deltas
     with engine(model_dir, "bfloat16", live=True) as llm:
         before = generate(llm)
-        with pytest.raises(Exception, match=r"HeldStepError: .*init_info says the engine holds step 1, but its "
-                                             r"weights are not that step's: \d+ of \d+ tensor\(s\) differ"):
+        with pytest.raises(HeldStepError, match=r"init_info says the engine holds step 1, but its "
+                                                r"weights are not that step's: \d+ of \d+ tensor\(s\) differ"):
             llm.init_weight_transfer_engine({"init_info": {"url": url, "step": 1}})
         llm.init_weight_transfer_engine({"init_info": {"url": url, "step": 0, "verify": "all", "prefetch": False}})
         assert transfer_status(llm)["held_step"] == 0
@@ -208,8 +214,8 @@ def test_an_asserted_step_is_proved_and_a_failed_update_is_undone_whole(tmp_path
         data[len(data) // 2] ^= 0xFF
         obj.write_bytes(bytes(data))
         llm.start_weight_update()
-        with pytest.raises(Exception, match=r"CorruptObjectError.*the update to step 3 was undone whole \(steps "
-                                             r"\[1, 2\] written before it\): the engine holds step 0 again"):
+        with pytest.raises(CorruptObjectError, match=r"the update to step 3 was undone whole \(steps "
+                                                     r"\[1, 2\] written before it\): the engine holds step 0 again"):
             llm.update_weights({"update_info": {"step": 3}})
         status = transfer_status(llm)
         assert status["held_step"] == 0 and status["checksums"] == trainer_checksums(url, 0)

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -43,40 +45,49 @@ def _completions(base: str, prompts: list[str]) -> list[str]:
     return out
 
 
-@pytest.fixture
-def server(tmp_path):
-    model_dir = tmp_path / "model"
-    build_checkpoint(model_dir, tie=False)
+@contextmanager
+def vllm_server(model_dir: Path, log_path: Path, *, served_name: str = "m") -> Iterator[str]:
+    """A vLLM OpenAI server process on a free port serving ``model_dir`` with the deltasync engine and the
+    status extension (CPU: live weights, 1 GiB KV cache); yields its base URL and stops it afterwards. Its log
+    goes to ``log_path`` (the tail is raised when it fails to start). Starting takes about a minute here."""
     port = _free_port()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", DELTASYNC_CPU_LIVE_WEIGHTS="1", VLLM_CPU_KVCACHE_SPACE="1")
-    log = open(tmp_path / "server.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
-         "m",
-         "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port),
-         "--worker-extension-cls", "rollout_loader.vllm.worker.DeltaWorkerExtension",
-         "--weight-transfer-config", '{"backend": "deltasync"}'],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while True:
-        try:
-            _get(f"{base}/health")
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError((tmp_path / "server.log").read_text()[-3000:]) from None
-            time.sleep(1)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+             "--served-model-name", served_name, "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512",
+             "--host", "127.0.0.1", "--port", str(port),
+             "--worker-extension-cls", "rollout_loader.vllm.worker.DeltaWorkerExtension",
+             "--weight-transfer-config", '{"backend": "deltasync"}'],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
     try:
-        yield base, model_dir
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                _get(f"{base}/health")
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(log_path.read_text(errors="replace")[-3000:]) from None
+                time.sleep(1)
+        yield base
     finally:
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def server(tmp_path):
+    model_dir = tmp_path / "model"
+    build_checkpoint(model_dir, tie=False)
+    with vllm_server(model_dir, tmp_path / "server.log") as base:
+        yield base, model_dir
 
 
 def test_follow_keeps_a_running_server_in_sync(server, tmp_path):

@@ -1,0 +1,156 @@
+"""One engine-settings record (rollout_loader/vllm/settings.py): every setting reaches the engine from every way in
+(``VllmTarget``, ``deltasync follow``, ``init_info``), walked field by field, so a setting added to the record and
+forgotten by one of them fails here. The engine's side is its real ``parse_init_info`` (vLLM installed); the
+clients' side a loopback stub answering as vLLM does (tests/test_vllm_client.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from deltasync import DeltaPublisher
+from deltasync.errors import ConfigError
+from deltasync.notify import EventFeed
+from rollout_loader import Follower
+from rollout_loader.vllm import EngineSettings, VllmTarget
+from tests.test_cli_errors import run_main
+from tests.test_vllm_client import fake_server
+
+FIELDS = [f.name for f in dataclasses.fields(EngineSettings)]
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    pytest.importorskip("cryptography")
+    from deltasync.signing import keygen
+
+    folder = tmp_path_factory.mktemp("keys")
+    private, public = keygen(str(folder / "trainer.key"))
+    return private, public
+
+
+def _values(tmp_path, public) -> dict:
+    """A value other than the default for every setting, and the init_info value it must arrive as."""
+    pem = open(public).read()
+    return {
+        "url": (str(tmp_path / "elsewhere"), str(tmp_path / "elsewhere")),
+        "storage_options": ({"anon": True}, {"anon": True}),
+        "verify": ("all", "all"),
+        "mode": ("reload", "reload"),
+        "step": (0, 0),
+        "prefetch": (False, False),
+        "rdma": ("tcp://127.0.0.1:5555", {"controller": "tcp://127.0.0.1:5555"}),
+        "notify": ("http://127.0.0.1:1/events", "http://127.0.0.1:1/events"),
+        "trusted_keys": ([public], [pem]),
+    }
+
+
+def _stream(tmp_path, private=None) -> str:
+    url = str(tmp_path / "stream")
+    with DeltaPublisher(url, {"w": torch.zeros(8)}, signing_key=private) as pub:
+        pub.publish(0)
+    return url
+
+
+def _sent(fake) -> dict:
+    return dict(fake.calls)["/init_weight_transfer_engine"]["init_info"]
+
+
+def test_the_table_covers_every_setting(tmp_path, keys):
+    assert sorted(_values(tmp_path, keys[1])) == sorted(FIELDS)
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_every_setting_reaches_the_engine_from_vllm_target(name, tmp_path, keys):
+    value, want = _values(tmp_path, keys[1])[name]
+    url = _stream(tmp_path, keys[0])
+    with fake_server() as (fake, base):
+        f = Follower(url, VllmTarget(base, **{name: value}))
+        f.connect()
+        f.close()
+        sent = _sent(fake)
+    assert sent[name] == want
+    assert set(sent) == set(FIELDS)  # the whole record, every time
+    # and as one record: the same through settings=
+    with fake_server() as (fake, base):
+        f = Follower(url, VllmTarget(base, EngineSettings(**{name: value})))
+        f.connect()
+        f.close()
+        assert _sent(fake)[name] == want
+
+
+def test_the_store_its_options_keys_and_feed_come_from_the_follower(tmp_path, keys):
+    """Given once, to the follower: the engine is sent its reader's URL, storage options and trusted keys, and its
+    event feed."""
+    url = _stream(tmp_path, keys[0])
+    with fake_server() as (fake, base):
+        feed = EventFeed("http://127.0.0.1:1/events")
+        f = Follower(url, VllmTarget(base), storage_options={"auto_mkdir": True}, trusted_keys=[keys[1]],
+                     notifier=feed)
+        f.connect()
+        f.close()
+        feed.close()
+        sent = _sent(fake)
+    assert sent["url"] == url and sent["storage_options"] == {"auto_mkdir": True}
+    assert sent["trusted_keys"] == [open(keys[1]).read()] and sent["notify"] == "http://127.0.0.1:1/events"
+
+
+# how `deltasync follow` sets each setting; url/storage_options/trusted_keys/notify reach the engine through the
+# follower (the stream argument, -S, --trusted-key, --notify)
+CLI = {
+    "url": lambda v: [],
+    "storage_options": lambda v: ["-S", "auto_mkdir=true"],
+    "verify": lambda v: ["--verify", v],
+    "mode": lambda v: ["--mode", v],
+    "step": lambda v: ["--engine-step", str(v)],
+    "prefetch": lambda v: ["--no-prefetch"],
+    "rdma": lambda v: ["--rdma", v],
+    "notify": lambda v: ["--notify", v],
+    "trusted_keys": lambda v: ["--trusted-key", v[0]],
+}
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_every_setting_reaches_the_engine_from_the_command_line(name, tmp_path, keys, monkeypatch, capsys):
+    assert sorted(CLI) == sorted(FIELDS)
+    value, want = _values(tmp_path, keys[1])[name]
+    url = _stream(tmp_path, keys[0])
+    with fake_server() as (fake, base):
+        code, _, err = run_main(monkeypatch, capsys, "follow", url, "--server", base, "--until", "0", "--timeout-s",
+                                "20", *CLI[name](value))
+        sent = _sent(fake)
+    assert code == 0, err
+    if name == "url":
+        assert sent["url"] == url  # the stream argument
+    elif name == "storage_options":
+        assert sent["storage_options"] == {"auto_mkdir": True}  # -S values are parsed as JSON where they can be
+    else:
+        assert sent[name] == want
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_every_setting_is_taken_by_the_engine_as_sent(name, tmp_path, keys):
+    """The engine's own parse (its real class, vLLM installed) takes every field of the record, unchanged."""
+    pytest.importorskip("vllm")
+    from rollout_loader.vllm.engine import DeltasyncWeightTransferEngine
+
+    value, _ = _values(tmp_path, keys[1])[name]
+    settings = EngineSettings(url="s3://b/run", **{name: value}) if name != "url" else EngineSettings(url=value)
+    parsed = DeltasyncWeightTransferEngine.parse_init_info(None, settings.init_info())  # type: ignore[arg-type]
+    assert parsed == settings and DeltasyncWeightTransferEngine.init_info_cls is EngineSettings
+
+
+def test_a_bad_or_unknown_setting_is_named_everywhere(tmp_path, monkeypatch, capsys):
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['verfy'\]"):
+        VllmTarget("http://127.0.0.1:1", verfy="all")
+    with pytest.raises(ConfigError, match="setting verify"):
+        VllmTarget("http://127.0.0.1:1", verify="some")
+    with pytest.raises(ConfigError, match="settings must be an EngineSettings"):
+        VllmTarget("http://127.0.0.1:1", {"verify": "all"})
+    url = _stream(tmp_path)
+    code, _, err = run_main(monkeypatch, capsys, "follow", url, "--server", "http://127.0.0.1:1", "--rdma", "{bad")
+    assert code == 2 and "--rdma" in err
+    code, _, err = run_main(monkeypatch, capsys, "follow", url, "--server", "http://127.0.0.1:1", "--rdma", "h:1")
+    assert code == 2 and "controller must be a ZMQ address" in err
