@@ -37,8 +37,9 @@ from verl.workers.engine_workers import ActorRolloutRefWorker  # noqa: E402
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica  # noqa: E402
 
 from deltasync import StreamReader  # noqa: E402
-from deltasync.errors import ConfigError, EngineError, StepOrderError  # noqa: E402
+from deltasync.errors import ConfigError, EngineError  # noqa: E402
 from rollout_loader.integrations import verl as integration  # noqa: E402
+from rollout_loader.vllm.settings import EngineSettings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.deltasync"
@@ -227,7 +228,7 @@ def test_registry_path_yields_each_step_bit_equal_to_its_replay(model, tmp_path)
             w.checkpoint_engine.close()
 
 
-def test_a_resumed_actor_publishes_after_the_stream_and_refuses_to_contradict_it(model, tmp_path):
+def test_a_resumed_actor_goes_on_after_the_stream_and_refuses_to_contradict_it(model, tmp_path):
     url = str(tmp_path / "stream")
     first = actor_worker(model, is_master=True, url=url)
     asyncio.run(sync([first], None, 0))
@@ -238,25 +239,21 @@ def test_a_resumed_actor_publishes_after_the_stream_and_refuses_to_contradict_it
 
     resumed = actor_worker(model, is_master=True, url=url)  # a restarted trainer, at its checkpoint of step 1
     try:
-        [metrics] = asyncio.run(sync([resumed], None, 1))  # the step the stream ends with: not published again
+        [metrics] = asyncio.run(sync([resumed], None, 1))  # the step the stream ends with: proved, not published
         assert metrics["checkpoint_engine/deltasync_step"] == 1
-        with pytest.raises(StepOrderError, match=r"global_steps is 0, but the stream already holds steps up to 1"):
-            asyncio.run(sync([resumed], None, 0))
-    finally:
-        resumed.checkpoint_engine.close()
-
-    older = actor_worker(model, is_master=True, url=url)  # resumed from a checkpoint older than the stream
-    try:
-        with pytest.raises(StepOrderError, match=r"global_steps is 0, but the stream already holds steps up to 1.*"
-                                                 r"publish to a new stream"):
-            asyncio.run(sync([older], None, 0))
-        train(model, seed=2)
-        [metrics] = asyncio.run(sync([older], None, 2))
+        with pytest.raises(ConfigError, match=rf"already holds step 1, after the trainer's step 0.*new URL.*"
+                                              rf"{SETTINGS}.url"):
+            asyncio.run(sync([resumed], None, 0))  # a checkpoint older than the stream's newest step
+        train(model, seed=2)  # weights that are not step 1's, claimed as step 1
+        with pytest.raises(ConfigError, match=r"holds step 1, the trainer's step, but not its weights"):
+            asyncio.run(sync([resumed], None, 1))
+        [metrics] = asyncio.run(sync([resumed], None, 2))
         assert metrics["checkpoint_engine/deltasync_step"] == 2
+        assert resumed.actor.engine.yielded == 4 * len(model.state_dict())  # every pair read, refused or not
         with StreamReader(url) as reader:
             assert reader.steps() == [0, 1, 2] and bits_equal(reader.state_dict(2), bf16(model))
     finally:
-        older.checkpoint_engine.close()
+        resumed.checkpoint_engine.close()
 
 
 def test_a_rollout_that_did_not_take_a_step_whole_gets_every_tensor_next_time(model, tmp_path):
@@ -441,7 +438,7 @@ def test_the_manager_says_which_replica_holds_which_step_and_a_retry_converges(m
             methods = [c[0] for c in s.calls if c[0] != "record"]
             assert methods.count("init_weight_transfer_engine") == 1  # once per replica, with the stream
             init = next(c[1] for c in s.calls if c[0] == "init_weight_transfer_engine")
-            assert init == {"init_info": {"url": url, "storage_options": {}, "verify": "incremental", "prefetch": True}}
+            assert init == {"init_info": EngineSettings(url=url).init_info()}
             assert methods[-3:] == ["start_weight_update", "update_weights", "finish_weight_update"]
         assert manager.describe() == "replica 0 holds step 1, replica 1 holds step 1"
     finally:

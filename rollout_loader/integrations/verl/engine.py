@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
-from deltasync import DeltaPublisher, StreamReader
-from deltasync.engine import MAX_STEP, Replica, Verify
-from deltasync.errors import StepOrderError
+from deltasync import PublishOptions, StreamReader
+from deltasync.engine import Replica, Verify
+from deltasync.errors import ConfigError
+from rollout_loader.vllm.trainer_sync import TrainerSync
 
 from .settings import BACKEND, SETTINGS, VerlSettings, step_metrics
 
@@ -27,15 +28,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DeltasyncCheckpointEngine"]
 
-
-async def _drain(weights: Any) -> None:
-    """Walk a weights generator to its end: every actor rank must, since producing each tensor is collective."""
-    if hasattr(weights, "__aiter__"):
-        async for _ in weights:
-            pass
-    else:
-        for _ in weights:
-            pass
+WHO = "verl checkpoint engine 'deltasync'"  # names this engine in messages
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -46,11 +39,13 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
     ``checkpoint_engine.engine_kwargs.deltasync`` as keyword arguments (:class:`VerlSettings`); which side an
     instance is on shows in the method verl calls. No process group joins the two sides: the store does.
 
-    Step numbers are verl's ``global_steps``. A step this engine published last, or ``global_steps=None`` (verl
-    passes the same step, or none, only to wake replicas again with unchanged weights), publishes nothing; so
-    does the first step of a resumed run when the stream's newest step is that very step. A step at or below
-    the stream's newest step otherwise is a ``StepOrderError``: the run resumed from a checkpoint older than
-    the stream's newest step, whose later steps it would contradict; publish to a new ``url``.
+    Step numbers are verl's ``global_steps``, published through :class:`~rollout_loader.vllm.trainer_sync.TrainerSync`
+    (the step rules every framework seam shares). A step the stream holds already publishes nothing once the
+    actor's weights are proved to be that step's, tensor by tensor: verl syncs the same step again (or passes no
+    step) only to wake replicas with unchanged weights, and a resumed run's first step is the one its checkpoint
+    was published as. A step older than the stream's newest is a ``ConfigError``: the run resumed from a
+    checkpoint older than the stream's newest step, whose later steps it would contradict; publish to a new
+    ``url``.
 
     Args:
         bucket_size: verl's ``update_weights_bucket_megabytes`` in bytes (unused: nothing is bucketed here).
@@ -71,12 +66,7 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
         self.settings.trusted()  # a bad key file fails the worker's start, not its first step
         self.bucket_size = bucket_size
         self.is_master = is_master
-        self._publisher: DeltaPublisher | None = None
-        # the step being published, where the publisher's source function finds it (a box, not self: the
-        # publisher must not keep this engine alive, or the finalizer below would never run)
-        self._weights: list[dict[str, torch.Tensor]] = [{}]
-        self._published: int | None = None  # the step this engine published (or found committed) last
-        self._newest: int | None = None  # the stream's newest committed step, as this engine knows it
+        self._sync: TrainerSync | None = None  # the actor side's publisher (rank 0)
         self._reader: StreamReader | None = None
         self._replica: Replica | None = None  # the rollout side's verified host copy
         self._delivered: int | None = None  # the step the adapter took whole; None: unknown, yield everything
@@ -102,94 +92,44 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
         """Flush and close the publisher (releasing the stream's lease) and the reader."""
         if self._finalizer is not None:
             self._finalizer.detach()
-        _close([self._publisher, self._reader])
-        self._publisher = self._reader = None
+        _close([self._sync, self._reader])
+        self._sync = self._reader = None
 
     def _track(self) -> None:
         """Close what is open when this engine is collected, or at exit (verl never calls a close)."""
         if self._finalizer is not None:
             self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _close, [self._publisher, self._reader])
+        self._finalizer = weakref.finalize(self, _close, [self._sync, self._reader])
 
     # --- actor side ---
 
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, float]:
         """Publish the actor's weights as step ``global_steps`` (rank 0) and return once it is committed; on the
         other ranks only walk the generator. Returns the step's metrics (:func:`step_metrics`) on rank 0."""
-        if not self.is_master:
-            await _drain(weights)
+        if hasattr(weights, "__aiter__"):  # verl's training engines yield from plain generators; an async one is
+            weights = [pair async for pair in weights]  # read here first (one copy of the model)
+        if not self.is_master:  # every tensor is a collective the publishing rank waits in: read them all
+            for _ in weights:
+                pass
             return {}
+        sync = self._open_sync()
+        step = global_steps if global_steps is not None else sync.step  # none: the step synced last, again
+        t0 = time.perf_counter()
         try:
-            pub = self._open_publisher()
-            step, publish = self._step_for(global_steps)
-        except BaseException:
-            await _drain(weights)  # the other ranks' gathers still need this rank
-            raise
-        if not publish:
-            await _drain(weights)
-            log.info("deltasync: step %d is in the stream already: nothing published", step)
-        else:
-            t0 = time.perf_counter()
-            await self._publish(pub, step, weights)
-            await asyncio.to_thread(pub.flush)
-            self._newest = step
-            log.info("deltasync: published step %d in %.2f s", step, time.perf_counter() - t0)
-        self._published = step
+            step = sync.send(weights, step=step)  # each tensor diffed as it arrives; blocks until committed
+        except ConfigError as e:  # a step the stream cannot take: the way out is another stream
+            raise ConfigError(f"{e} (the stream is {SETTINGS}.url)") from None
+        log.info("deltasync: step %d committed in %.2f s", step, time.perf_counter() - t0)
         reader = self._open_reader()
         return step_metrics(await asyncio.to_thread(reader.manifest, step))
 
-    def _open_publisher(self) -> DeltaPublisher:
-        if self._publisher is None:
-            s, box = self.settings, self._weights
-            self._publisher = DeltaPublisher(
-                s.url, lambda: box[0], storage_options=s.storage_options, anchor_every=s.anchor_every,
-                dtype=s.publish_dtype, signing_key=s.signing_key, on_backlog="block",  # never skip a verl step
-            )
-            self._newest = self._publisher.last_committed_step
+    def _open_sync(self) -> TrainerSync:
+        if self._sync is None:
+            s = self.settings
+            options = PublishOptions(anchor_every=s.anchor_every, dtype=s.publish_dtype, signing_key=s.signing_key)
+            self._sync = TrainerSync(s.url, options=options, storage_options=s.storage_options, who=WHO)
             self._track()
-        return self._publisher
-
-    def _step_for(self, global_steps: int | None) -> tuple[int, bool]:
-        """The step to publish as, and whether to publish it (see the class docstring)."""
-        where = f"{self.settings.url}: verl's global_steps"
-        if global_steps is None:
-            if self._published is not None:
-                return self._published, False
-            return (0 if self._newest is None else self._newest + 1), True
-        if isinstance(global_steps, bool) or not isinstance(global_steps, int) or not 0 <= global_steps <= MAX_STEP:
-            raise StepOrderError(f"{where} must be a step number (0..{MAX_STEP}), got {global_steps!r}")
-        if global_steps == self._published:
-            return global_steps, False
-        if self._newest is not None and global_steps <= self._newest:
-            if global_steps == self._newest and self._published is None:
-                return global_steps, False  # a resumed run starts at the step the stream ends with
-            raise StepOrderError(
-                f"{where} is {global_steps}, but the stream already holds steps up to {self._newest}: the run "
-                f"resumed from a checkpoint older than the stream's newest step, whose later steps it would "
-                f"contradict; publish to a new stream ({SETTINGS}.url)")
-        return global_steps, True
-
-    async def _publish(self, pub: DeltaPublisher, step: int, weights: Any) -> None:
-        """Capture ``weights`` as ``step`` (diffed against the step before; encoded and uploaded behind)."""
-        # TODO(stream): pub.publish(step, weights=weights) once branch `stream` lands: each tensor diffed as it
-        # arrives, instead of this second copy of the model on the host
-        dtype = self.settings.publish_dtype
-        collected: dict[str, torch.Tensor] = {}
-        try:
-            if hasattr(weights, "__aiter__"):
-                async for name, tensor in weights:
-                    collected[name] = _host(tensor, dtype)
-            else:
-                for name, tensor in weights:
-                    collected[name] = _host(tensor, dtype)
-        except BaseException:
-            await _drain(weights)
-            raise
-        self._weights[0] = collected
-        try:
-            pub.publish(step)
-        finally:
-            self._weights[0] = {}
+        return self._sync
 
     # --- rollout side ---
 
@@ -255,14 +195,6 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
                 aliases.update(h.aliases)
         changed.update(a for a, target in aliases.items() if target in changed)
         return changed
-
-
-def _host(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A tensor as published: cast on its own device (less to copy), then on the host."""
-    t = tensor.detach()
-    if dtype is not None and t.is_floating_point():
-        t = t.to(dtype)
-    return t.to("cpu")
 
 
 def _close(things: list[Any]) -> None:

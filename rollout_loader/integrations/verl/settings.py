@@ -6,18 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import torch
 
-from deltasync.engine import Manifest, TrustedKeys, pem_texts
+from deltasync.engine import Manifest, TrustedKeys
 from deltasync.errors import ConfigError
+from rollout_loader.vllm.settings import EngineSettings, EngineVerify
 
-__all__ = ["BACKEND", "SETTINGS", "EngineVerify", "VerlSettings", "plain", "step_metrics"]
+__all__ = ["BACKEND", "SETTINGS", "VerlSettings", "plain", "step_metrics"]
 
 BACKEND = "deltasync"
 SETTINGS = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.deltasync"  # where users set the options
-EngineVerify = Literal["incremental", "changed", "all"]
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -131,13 +131,9 @@ class VerlSettings:
 
     def init_info(self) -> dict[str, Any]:
         """The deltasync vLLM engine's ``init_info`` (JSON-safe: key files read here, sent as PEM text)."""
-        # TODO(interfaces 1): EngineSettings(url=..., storage_options=..., verify=..., trusted_keys=...).init_info()
-        info: dict[str, Any] = {"url": self.url, "storage_options": dict(self.storage_options), "verify": self.verify,
-                                "prefetch": self.prefetch}
-        if self.trusted_keys is not None:
-            self.trusted()  # a bad key is named here, not by a vLLM worker
-            info["trusted_keys"] = pem_texts(list(self.trusted_keys))
-        return info
+        self.trusted()  # a bad key is named as verl's setting here, not by the engine's settings
+        return EngineSettings(url=self.url, storage_options=self.storage_options, verify=self.verify,
+                              prefetch=self.prefetch, trusted_keys=self.trusted_keys).init_info()
 
 
 def plain(value: Any) -> Any:
