@@ -2,7 +2,7 @@
 commit, and bring the inference engines to it.
 
 vLLM's trainer engine (rollout_loader/vllm/trainer.py), TRL's weight transfer (rollout_loader/integrations/trl.py)
-and verl's checkpoint engine (rollout_loader/integrations/verl.py) differ in who calls them and when; the step
+and verl's checkpoint engine (rollout_loader/integrations/verl/engine.py) differ in who calls them and when; the step
 they publish and what the engines do with it are this module's :class:`TrainerSync`:
 
 * the step number: the caller's (a framework's global step), else the one after the newest committed step, so a
