@@ -21,6 +21,10 @@ setup() {
   # compat: a .pth puts the clone's root on sys.path, so the package wins over a folder named deltasync in the
   # folder Python starts from (the default editable finder loses to it; README, Troubleshooting)
   "$VENV/bin/pip" install -q -e ".[dev,demo,s3,hf,plot,rdma]" --config-settings editable_mode=compat
+  # verl 0.9.1 (its integration tests) pins vllm==0.24 and its own torch: installed without its dependencies, with
+  # the few small packages `import verl.checkpoint_engine` and its workers need on CPU (Ray comes with dev)
+  "$VENV/bin/pip" install -q --no-deps "verl==0.9.1" "tensordict==0.15.3" "omegaconf==2.4.0" "codetiming==1.4.0" \
+    "orjson==3.13.0" "pyvers==0.2.3"
   echo "$want" > "$STAMP"
 }
 

@@ -154,3 +154,18 @@ def test_a_bad_or_unknown_setting_is_named_everywhere(tmp_path, monkeypatch, cap
     assert code == 2 and "--rdma" in err
     code, _, err = run_main(monkeypatch, capsys, "follow", url, "--server", "http://127.0.0.1:1", "--rdma", "h:1")
     assert code == 2 and "controller must be a ZMQ address" in err
+
+
+def test_no_secret_in_a_repr_or_an_error():
+    """Credentials and the RDMA secret never print (issue 30, item 15): a repr lands in logs, an error on a screen."""
+    secret, key = "S3CRET-" + "s" * 40, "AKIA-EXAMPLE-KEY"
+    settings = EngineSettings(url="s3://b/run", storage_options={"key": key, "secret": secret, "token": secret},
+                              rdma={"controller": "tcp://127.0.0.1:5555", "secret": secret})
+    assert secret not in repr(settings) and key not in repr(settings) and "<hidden>" in repr(settings)
+    assert settings.init_info()["storage_options"]["secret"] == secret  # what the engine needs still travels
+    for bad in (dict(rdma={"controller": "h:1", "secret": secret}), dict(rdma={"secret": secret}),
+                dict(rdma={"controller": "tcp://h:1", "secret": secret, "slots": "4"}),
+                dict(storage_options=[("secret", secret)]), dict(rdma={"controller": "tcp://h:1", "secret": "short"})):
+        with pytest.raises(ConfigError) as e:
+            EngineSettings(url="s3://b/run", **bad)
+        assert secret not in str(e.value) and "short" not in str(e.value), str(e.value)

@@ -71,7 +71,8 @@ class EngineSettings:
         if self.url is not None and not (isinstance(self.url, str) and self.url):
             raise _bad("url", "a stream URL (a non-empty string)", self.url)
         if not isinstance(self.storage_options, Mapping) or not all(isinstance(k, str) for k in self.storage_options):
-            raise _bad("storage_options", "an object of fsspec options", self.storage_options)
+            raise _bad("storage_options", "an object of fsspec options (string keys)",
+                       type(self.storage_options).__name__)
         object.__setattr__(self, "storage_options", dict(self.storage_options))
         _choice("verify", self.verify, EngineVerify)
         _choice("mode", self.mode, Mode)
@@ -109,6 +110,15 @@ class EngineSettings:
             raise ConfigError(f"deltasync init_info: unknown setting(s) {unknown}; the engine takes {sorted(known)}")
         return cls(**info)
 
+    def __repr__(self) -> str:
+        """Every setting, with credentials and secrets hidden (storage options' values, the RDMA secret; keys by
+        count): a repr lands in logs."""
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        shown["storage_options"] = {k: "<hidden>" for k in self.storage_options}
+        shown["rdma"] = None if self.rdma is None else _redacted(self.rdma)
+        shown["trusted_keys"] = None if self.trusted_keys is None else f"<{len(self.trusted_keys)} key(s)>"
+        return f"EngineSettings({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
     def init_info(self) -> dict[str, Any]:
         """The settings as the ``init_info`` object vLLM's ``init_weight_transfer_engine`` carries (JSON)."""
         info = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -133,7 +143,24 @@ class EngineSettings:
 
 
 def _bad(name: str, expected: str, got: Any) -> ConfigError:
-    return ConfigError(f"deltasync engine setting {name}: expected {expected}, got {str(got)[:200]!r}")
+    return ConfigError(f"deltasync engine setting {name}: expected {expected}, got {_shown(got)}")
+
+
+SECRET_KEYS = ("secret", "key", "token", "password", "credential", "sas", "sig", "auth")
+"""Parts of a setting's name that mark its value as a secret: never shown in a message or a repr."""
+
+
+def _redacted(options: Any) -> Any:
+    """A mapping with the values of secret-looking keys (and every storage option's value) hidden; others as they
+    are. Storage options hold credentials under backend-specific names: all of their values are hidden."""
+    if not isinstance(options, Mapping):
+        return options
+    return {k: "<hidden>" if any(part in str(k).lower() for part in SECRET_KEYS) else v for k, v in options.items()}
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message may show it: a mapping's secrets hidden, at most 200 characters."""
+    return repr(_redacted(value))[:200]
 
 
 def _choice(name: str, value: Any, allowed: Any) -> None:

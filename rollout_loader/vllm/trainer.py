@@ -82,7 +82,7 @@ class DeltasyncTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = BACKEND
 
     url: str
-    storage_options: dict[str, Any] = field(default_factory=dict)
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)  # credentials: never in a repr
     publish: PublishOptions | Mapping[str, Any] | None = None
     engine: EngineSettings | Mapping[str, Any] | None = None
 

@@ -60,7 +60,7 @@ class VerlSettings:
     """
 
     url: str
-    storage_options: dict[str, Any] = field(default_factory=dict)
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)  # credentials: never in a repr
     dtype: str | None = "bfloat16"
     anchor_every: int = 20
     signing_key: str | None = None
