@@ -45,11 +45,12 @@ from deltasync.format.parts import PartedObject
 from deltasync.format.patch import Patch
 from deltasync.notify import EventFeed, Notifier
 from deltasync.rdma.options import RdmaOptions, rdma_options
-from deltasync.signing import TrustedKeys, pem_texts
+from deltasync.signing import pem_texts
 from deltasync.stages.apply import Replica, Verify, apply_staged, xor_apply, xor_apply_all
 from deltasync.stages.staging import Layout, StagedStep, TensorSpec, layout_of, stage
 from deltasync.store import Manifest, Part
 from deltasync.threads import parallel_map, submit_all
+from deltasync.trust import TrustedKeys
 from deltasync.watch import PollPolicy, StepWatch
 
 __all__ = [

@@ -34,6 +34,8 @@ def main() -> None:
     ``DeltaSyncError``s, ``OSError``s (a disk, a permission) and usage errors (an unknown option, a bad value).
     Anything else is a bug: one line, exit 3. ``DELTASYNC_DEBUG=1`` adds the traceback."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # log lines quote stores and peers: shown inert
+        handler.setFormatter(_InertFormatter(handler.formatter))
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # `kill`, a scheduler, `docker stop`: as Ctrl-C, so
         signal.signal(signal.SIGTERM, _interrupted)     # downloads, spools and scratch folders are removed
     try:
@@ -83,8 +85,24 @@ def _fail(message: str, code: int) -> None:
         import traceback
 
         traceback.print_exc()
-    typer.echo(f"error: {' '.join(message.split())}", err=True)
+    from deltasync_cli.app import inert
+
+    typer.echo(f"error: {inert(' '.join(message.split()))}", err=True)
     sys.exit(code)
+
+
+class _InertFormatter(logging.Formatter):
+    """A formatter whose lines show control characters inert (``deltasync_cli.app.inert``): log messages quote
+    what stores, peers and event feeds sent."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self._inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        from deltasync_cli.app import inert
+
+        return inert(self._inner.format(record))
 
 
 if __name__ == "__main__":
