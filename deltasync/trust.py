@@ -334,8 +334,11 @@ class TrustedKeys:
             if e is None:
                 break
             endorser = base64.b64decode(e.signed_by)
-            if endorser in self.revoked or not verify_signature(endorser, base64.b64decode(e.signature), e.payload()):
+            if not verify_signature(endorser, base64.b64decode(e.signature), e.payload()):
                 break
+            if endorser in self.revoked:
+                raise UntrustedKeyError(f"{where}: step {step} is signed by key {key_id(signer)}, endorsed by key "
+                                        f"{key_id(endorser)}, which is revoked")
             if step < e.from_step:
                 raise UntrustedKeyError(f"{where}: step {step} is signed by key {key_id(signer)}, endorsed only "
                                         f"from step {e.from_step}")

@@ -273,6 +273,16 @@ class StepWatch:
         """The step :meth:`newest` named turned out not to be readable: list the manifests at the next poll."""
         self._must_list = True
 
+    def refuse(self, step: int, why: str) -> None:
+        """Step ``step`` (which :meth:`newest` named) turned out not to be trusted after all (its chain broke the
+        chain of trust): it does not exist for this watch from now on, and the next poll lists the manifests for
+        the newest step that does (a trusted reader only; otherwise as :meth:`distrust`)."""
+        if self.reader.trusted is not None:
+            self.reader.refused[step] = why
+            if self._known is not None and self._known >= step:
+                self._known = None
+        self._must_list = True
+
     def delay(self) -> float:
         """Seconds until the next poll, by the stream's cadence, with jitter; longer while the store throttles."""
         p = self.policy

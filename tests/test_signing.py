@@ -41,7 +41,8 @@ def _train(state: dict[str, torch.Tensor], step: int) -> None:
 def _publish(url: str, key: Path | None, steps: range, state: dict[str, torch.Tensor], **kw) -> dict[int, dict]:
     truth = {}
     kw.setdefault("stream_id", STREAM)
-    with DeltaPublisher(url, state, signing_key=key, anchor_every=4, on_backlog="block", **kw) as pub:
+    kw.setdefault("anchor_every", 4)
+    with DeltaPublisher(url, state, signing_key=key, on_backlog="block", **kw) as pub:
         for s in steps:
             if s:
                 _train(state, s)

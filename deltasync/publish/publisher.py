@@ -229,9 +229,15 @@ class DeltaPublisher:
         opts = self.options
         self.last_committed_step: int | None = None
         if self._holds_lease and start_error is None:
+            held = False
             try:
+                info = self.store.stream_info()  # a stream told apart before its lease is taken
+                if opts.stream_id is not None and info is not None and info.stream_id != opts.stream_id:
+                    raise ConfigError(f"{self.store.url}: stream.json names stream {info.stream_id!r}, this publisher "
+                                      f"was told to write stream {opts.stream_id!r}: another stream lives at this URL")
                 self.store.acquire_lease(self.writer_id, ttl_s=opts.lease_s, take_over=opts.take_over,
                                          stream_id=opts.stream_id)
+                held = True
                 # leftovers of a writer that died; a young folder may belong to a writer still finishing its upload
                 self.store.remove_uncommitted(older_than_s=opts.lease_s)
                 # resume after the newest committed manifest, never after the latest.json hint (it may be stale);
@@ -242,12 +248,14 @@ class DeltaPublisher:
                     if self.last_committed_step is not None:
                         self.store.resume_head(self.last_committed_step, self.signer)
                 else:
-                    if opts.stream_id is not None and self.store.stream_id() != opts.stream_id:
-                        raise ConfigError(f"{self.store.url}: stream.json names stream {self.store.stream_id()!r}, "
-                                          f"this publisher was told to write stream {opts.stream_id!r}")
                     committed = self.store.steps()
                     self.last_committed_step = committed[-1] if committed else None
             except DeltaSyncError as e:
+                if held:  # a publisher that cannot start leaves the stream to the next one
+                    try:
+                        self.store.release_lease(self.writer_id)
+                    except DeltaSyncError as released:
+                        log.warning("could not release the writer lease: %s", released)
                 if self._sharded is None:
                     raise
                 start_error, self.last_committed_step = e, None
