@@ -287,8 +287,9 @@ class EventServer:
 
     Args:
         host, port: where to listen (port 0: any free port; ``url`` says which).
-        max_clients: connections beyond this are answered 503 at once (each holds a thread, whether it is
-            streaming events or still sending its request).
+        max_clients: followers streaming events at once; beyond, a request is answered 503. Connections (each
+            holds a thread, streaming or still sending its request) are bounded at twice this: beyond, a new one
+            is answered 503 at once, before anything is read from it.
         header_timeout_s: a client that has not sent its whole request within this is dropped.
 
     Example::
@@ -345,7 +346,7 @@ class EventServer:
                 finally:
                     server._leave()
 
-        self._http = _BoundedServer((host, port), Handler, max_connections=max_clients)
+        self._http = _BoundedServer((host, port), Handler, max_connections=2 * max_clients)
         self._thread = threading.Thread(target=self._http.serve_forever, name="deltasync-event-server", daemon=True)
         self._thread.start()
 

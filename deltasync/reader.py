@@ -73,6 +73,8 @@ class _HeldObject(StepObject):
 
 
 MANIFEST_CACHE_BYTES = 64 << 20  # what a reader keeps of parsed manifests (estimated: _manifest_cost)
+RECORDS = 4  # manifests (and signatures) kept as stored: the newest few a watch read
+RECORD_BYTES = 1 << 20
 
 
 def _manifest_cost(m: Manifest) -> int:
@@ -117,6 +119,8 @@ class StreamReader:
         self.memory_object_bytes = MEMORY_OBJECT_BYTES if memory_object_bytes is None else memory_object_bytes
         self._manifests: OrderedDict[int, tuple[Manifest, int, SignedStep | None]] = OrderedDict()
         self._manifest_bytes = 0
+        # the last few manifests and signatures as stored (a mirror copies them byte for byte without a second GET)
+        self._records: OrderedDict[int, tuple[Manifest, str, bytes, bytes | None]] = OrderedDict()
         # with keys, every manifest this reader returns is of a step a trusted key signed (docs/FORMAT.md 5e)
         self.trusted = None if trusted_keys is None else TrustedKeys.load(trusted_keys)
         self._owns_store = not isinstance(url, Store)
@@ -140,6 +144,7 @@ class StreamReader:
         # new trust: those read before it are read (and checked) again
         self._trusted = None if trust is None else TrustedKeys.load(trust)
         self._manifests.clear()
+        self._records.clear()
         self._manifest_bytes = 0
         self.refused = {}
 
@@ -172,6 +177,17 @@ class StreamReader:
         only once its signature proved it (``signed``)."""
         return self._entry(step, nearby=nearby)[0]
 
+    def record(self, step: int) -> tuple[Manifest, str, bytes, bytes | None]:
+        """Step ``step``'s manifest, the SHA-256 of its bytes, those bytes and its ``signature.json`` (None: none),
+        as stored: from what this reader read last where it can (a mirror copies the step the watch just saw
+        without reading it again), else read now. Nothing here is checked against trusted keys: a caller that
+        copies checks it (the mirror does)."""
+        hit = self._records.get(step)
+        if hit is not None:  # an untrusted reader did not read the signature: read now
+            return hit if self.trusted is not None else (*hit[:3], self.store.signature(step))
+        m, digest, raw = self.store.manifest_record(step)
+        return m, digest, raw, self.store.signature(step)
+
     def signed(self, step: int) -> SignedStep | None:
         """What step ``step``'s signature proved (its key, the model files it vouches for), None without trusted
         keys; raises what ``manifest`` raises."""
@@ -183,11 +199,14 @@ class StreamReader:
             self._manifests.move_to_end(step)
             return hit
         signed = None
-        if self.trusted is None:
-            m = self.store.manifest(step, nearby=nearby)
-        else:  # checked once: only a manifest that passed is kept
-            m, digest = self.store.manifest_and_digest(step, nearby=nearby)
-            signed = self.trusted.check(self.store.signature(step), m, manifest_sha256=digest, where=self.url)
+        m, digest, raw = self.store.manifest_record(step, nearby=nearby)
+        signature = self.store.signature(step) if self.trusted is not None else None
+        if len(raw) <= RECORD_BYTES:
+            self._records[step] = (m, digest, raw, signature)
+            while len(self._records) > RECORDS:
+                self._records.popitem(last=False)
+        if self.trusted is not None:  # checked once: only a manifest that passed is kept
+            signed = self.trusted.check(signature, m, manifest_sha256=digest, where=self.url)
         entry = (m, _manifest_cost(m), signed)
         if entry[1] <= MANIFEST_CACHE_BYTES:
             self._manifests[step] = entry

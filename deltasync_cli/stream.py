@@ -139,7 +139,7 @@ def status(
     newest = "no committed step" if fleet.newest_step is None else f"newest committed step {fleet.newest_step}"
     table = Table(title=shown(f"{url}: {len(fleet.consumers)} consumer(s), {newest}"))
     for col in ("consumer", "step", "behind", "last report", "weight version", "errors", "state"):
-        table.add_column(col, justify="left" if col in ("consumer", "state") else "right")
+        table.add_column(col, justify="left" if col in ("consumer", "state") else "right", overflow="fold")
     for c in fleet.consumers:  # everything a heartbeat says is shown inert (docs/SECURITY.md)
         when = time.strftime("%H:%M:%S", time.localtime(time.time() - c.age_s))
         table.add_row(shown(c.consumer_id), str(c.step), "-" if c.lag_steps is None else str(c.lag_steps),

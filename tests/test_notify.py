@@ -156,12 +156,13 @@ def test_a_pushed_step_is_checked_against_the_commit(tmp_path, caplog):
             server.announce(1)
             watch.wait(30)
             assert watch.newest() == 1 and hints == []  # a step already known: not a single request
+            assert watch.delay() > 100  # connected: polls are a safety net
             with caplog.at_level(logging.INFO, logger="deltasync.watch"):
                 server.announce(40)  # never committed
                 watch.wait(30)
                 assert watch.newest() == 1
             assert "step 40 was announced but is not committed: ignored" in caplog.text
-            assert watch.delay() > 100  # connected: polls are a safety net
+            assert watch.delay() < 100  # a feed that lied is not relied on: the usual cadence, for push_poll_s
         finally:
             feed.close()
         assert watch.delay() < 100  # the feed is gone: the usual cadence again

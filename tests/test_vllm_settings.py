@@ -28,12 +28,16 @@ def keys(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("keys")
     private, public = keygen(str(folder / "trainer.key"))
-    return private, public
+    _, leaked = keygen(str(folder / "leaked.key"))
+    return private, public, leaked
 
 
-def _values(tmp_path, public) -> dict:
+def _values(tmp_path, public, leaked) -> dict:
     """A value other than the default for every setting, and the init_info value it must arrive as."""
-    pem = open(public).read()
+    from deltasync.trust import TrustedKeys
+
+    pem, bad = open(public).read(), open(leaked).read()
+    trust = TrustedKeys.load([public], stream_id="run-7", revoked=[leaked], max_age_s=600)
     return {
         "url": (str(tmp_path / "elsewhere"), str(tmp_path / "elsewhere")),
         "storage_options": ({"anon": True}, {"anon": True}),
@@ -43,13 +47,13 @@ def _values(tmp_path, public) -> dict:
         "prefetch": (False, False),
         "rdma": ("tcp://127.0.0.1:5555", {"controller": "tcp://127.0.0.1:5555"}),
         "notify": ("http://127.0.0.1:1/events", "http://127.0.0.1:1/events"),
-        "trusted_keys": ([public], [pem]),
+        "trusted_keys": (trust, {"keys": [pem], "stream_id": "run-7", "revoked": [bad], "max_age_s": 600.0}),
     }
 
 
 def _stream(tmp_path, private=None) -> str:
     url = str(tmp_path / "stream")
-    with DeltaPublisher(url, {"w": torch.zeros(8)}, signing_key=private) as pub:
+    with DeltaPublisher(url, {"w": torch.zeros(8)}, signing_key=private, stream_id="run-7") as pub:
         pub.publish(0)
     return url
 
@@ -59,12 +63,12 @@ def _sent(fake) -> dict:
 
 
 def test_the_table_covers_every_setting(tmp_path, keys):
-    assert sorted(_values(tmp_path, keys[1])) == sorted(FIELDS)
+    assert sorted(_values(tmp_path, *keys[1:])) == sorted(FIELDS)
 
 
 @pytest.mark.parametrize("name", FIELDS)
 def test_every_setting_reaches_the_engine_from_vllm_target(name, tmp_path, keys):
-    value, want = _values(tmp_path, keys[1])[name]
+    value, want = _values(tmp_path, keys[1], keys[2])[name]
     url = _stream(tmp_path, keys[0])
     with fake_server() as (fake, base):
         f = Follower(url, VllmTarget(base, **{name: value}))
@@ -87,14 +91,18 @@ def test_the_store_its_options_keys_and_feed_come_from_the_follower(tmp_path, ke
     url = _stream(tmp_path, keys[0])
     with fake_server() as (fake, base):
         feed = EventFeed("http://127.0.0.1:1/events")
-        f = Follower(url, VllmTarget(base), storage_options={"auto_mkdir": True}, trusted_keys=[keys[1]],
-                     notifier=feed)
+        from deltasync.trust import TrustedKeys
+
+        f = Follower(url, VllmTarget(base), storage_options={"auto_mkdir": True},
+                     trusted_keys=TrustedKeys.load([keys[1]], stream_id="run-7"), notifier=feed)
         f.connect()
         f.close()
         feed.close()
         sent = _sent(fake)
     assert sent["url"] == url and sent["storage_options"] == {"auto_mkdir": True}
-    assert sent["trusted_keys"] == [open(keys[1]).read()] and sent["notify"] == "http://127.0.0.1:1/events"
+    assert sent["trusted_keys"] == {"keys": [open(keys[1]).read()], "stream_id": "run-7", "revoked": [],
+                                    "max_age_s": None}
+    assert sent["notify"] == "http://127.0.0.1:1/events"
 
 
 # how `deltasync follow` sets each setting; url/storage_options/trusted_keys/notify reach the engine through the
@@ -108,14 +116,19 @@ CLI = {
     "prefetch": lambda v: ["--no-prefetch"],
     "rdma": lambda v: ["--rdma", v],
     "notify": lambda v: ["--notify", v],
-    "trusted_keys": lambda v: ["--trusted-key", v[0]],
+    "trusted_keys": lambda v: ["--trusted-key", KEY_FILE[0], "--stream-id", "run-7", "--revoked-key", KEY_FILE[1],
+                               "--max-age-s", "600"],
 }
+
+
+KEY_FILE: list[str] = []  # the public key's file, for the command line's flags
 
 
 @pytest.mark.parametrize("name", FIELDS)
 def test_every_setting_reaches_the_engine_from_the_command_line(name, tmp_path, keys, monkeypatch, capsys):
     assert sorted(CLI) == sorted(FIELDS)
-    value, want = _values(tmp_path, keys[1])[name]
+    KEY_FILE[:] = [str(keys[1]), str(keys[2])]
+    value, want = _values(tmp_path, keys[1], keys[2])[name]
     url = _stream(tmp_path, keys[0])
     with fake_server() as (fake, base):
         code, _, err = run_main(monkeypatch, capsys, "follow", url, "--server", base, "--until", "0", "--timeout-s",
@@ -136,7 +149,7 @@ def test_every_setting_is_taken_by_the_engine_as_sent(name, tmp_path, keys):
     pytest.importorskip("vllm")
     from rollout_loader.vllm.engine import DeltasyncWeightTransferEngine
 
-    value, _ = _values(tmp_path, keys[1])[name]
+    value, _ = _values(tmp_path, keys[1], keys[2])[name]
     settings = EngineSettings(url="s3://b/run", **{name: value}) if name != "url" else EngineSettings(url=value)
     parsed = DeltasyncWeightTransferEngine.parse_init_info(None, settings.init_info())  # type: ignore[arg-type]
     assert parsed == settings and DeltasyncWeightTransferEngine.init_info_cls is EngineSettings

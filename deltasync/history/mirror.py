@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from deltasync.errors import StepExistsError, StepNotFoundError, can_retry
+from deltasync.format.documents import LatestHint
 from deltasync.history.checkpoints import FILES_DIR, FILES_INDEX, read_model_file_index, read_model_files
 from deltasync.notify import EventServer, Notifier
 from deltasync.reader import StreamReader
@@ -63,7 +64,7 @@ def _store(where: str | Store, options: dict[str, Any] | None) -> tuple[Store, b
 def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | None = None,
            dst_options: dict[str, Any] | None = None, after: int | None = None, newest: int | None = None,
            on_step: Callable[[int, int], None] | None = None, trusted_keys: Any = None,
-           reader: StreamReader | None = None) -> MirrorReport:
+           reader: StreamReader | None = None, hint: LatestHint | None = None) -> MirrorReport:
     """Copy every committed step of ``src`` that ``dst`` lacks (those after ``after`` only, if given), in order.
 
     Args:
@@ -77,7 +78,10 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
             copied (the others are skipped and reported in ``refused``), and model files only as the newest
             step copied names them. Either way a step's signature is copied with it (before its manifest), and
             the copy keeps the source's stream id, so the copy's followers check the same signatures.
-        reader: unused (kept for callers that pass their reader of ``src``): manifests are read as stored.
+        reader: a reader of ``src`` whose last manifests and signatures (as stored) to use (a follower's: the step
+            it just saw is not read again).
+        hint: the source's ``latest.json`` as the caller just read it (its head goes with the steps it names);
+            None: read here.
 
     Raises ``StreamNotFoundError`` (no stream at ``src``), ``CorruptObjectError`` (a source object that does not
     match its manifest: nothing of that step is committed), ``StepExistsError`` (the destination holds a
@@ -105,13 +109,13 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
             source.require_stream()
             _same_stream(source, target.create_stream(like=source.stream_info()), target)
             if trusted is None:
-                files = _copy_files(source, target, None)
+                files = _copy_files(source, target, False)
             steps = [s for s in source.steps() if after is None or s > after]
             held = set(target.steps())
             common = sorted(held.intersection(steps))
             if after is None and common:  # one comparison per pass: the same stream, not another under its name
                 _same_step(source, target, common[-1])
-        head = _source_head(source, trusted)
+        head = _source_head(source, trusted, hint)
         present = sum(1 for s in steps if s in held)
         vouched: str | None | bool = False  # the files.json digest the newest trusted step copied (or held) names
         for step in steps:
@@ -120,7 +124,8 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
                     vouched = _vouched(source, trusted, step, vouched)
                 continue
             try:
-                size, signed = _copy_step(source, target, step, scratch, trusted, head=head)
+                size, signed = _copy_step(source, target, step, scratch, trusted, head=head,
+                                          record=reader.record if reader is not None else None)
             except StepNotFoundError:
                 if not incremental and step in source.steps():
                     raise
@@ -157,10 +162,10 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
                         seconds=round(time.perf_counter() - t0, 3), refused=tuple(refused))
 
 
-def _source_head(source: Store, trusted: TrustedKeys | None) -> tuple[bytes, int] | None:
+def _source_head(source: Store, trusted: TrustedKeys | None, hint: LatestHint | None) -> tuple[bytes, int] | None:
     """The source's head envelope and the step it names (verified with trusted keys; else the mirror relays what
     it read and the followers of the copy verify it), or None."""
-    hint = source.latest_hint()
+    hint = hint if hint is not None else source.latest_hint()
     raw = None if hint is None else hint.head_bytes
     step = None if raw is None else _head_step(raw, trusted, source.url)
     return None if raw is None or step is None else (raw, step)
@@ -225,13 +230,18 @@ def _same_stream(source: Store, info: Any, target: Store) -> None:
 
 
 def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder, trusted: TrustedKeys | None, *,
-               head: tuple[bytes, int] | None) -> tuple[int | None, str | None | bool]:
+               head: tuple[bytes, int] | None,
+               record: Callable[[int], tuple[Manifest, str, bytes, bytes | None]] | None = None,
+               ) -> tuple[int | None, str | None | bool]:
     """Commit ``step`` at the destination: its objects (checked against the manifest), its signature, then the
     manifest (byte for byte), then ``latest.json`` with ``head`` where it names this step or an earlier one.
     Returns the bytes copied (None when the destination already holds exactly this step) and, with trusted keys,
     the files digest the step's signature names (False without)."""
-    m, digest, raw = source.manifest_record(step)
-    signature = source.signature(step)
+    if record is not None:
+        m, digest, raw, signature = record(step)
+    else:
+        m, digest, raw = source.manifest_record(step)
+        signature = source.signature(step)
     files: str | None | bool = False
     if trusted is not None:
         files = trusted.check(signature, m, manifest_sha256=digest, where=source.url).files_sha256
@@ -314,7 +324,8 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
             try:
                 newest = watch.newest()
                 if newest is not None and (done is None or newest > done):
-                    mirror(reader.store, target, after=done, newest=newest, on_step=copied, trusted_keys=trusted)
+                    mirror(reader.store, target, after=done, newest=newest, on_step=copied, trusted_keys=trusted,
+                           reader=reader, hint=watch.last_hint)  # the step the watch just saw is not read again
                     done = newest
                     if events is not None:
                         events.announce(done)  # steps the destination held already count too

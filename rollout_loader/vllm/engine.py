@@ -41,7 +41,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferUpdateInfo
 
 from deltasync import DeltaSyncError, StreamReader
-from deltasync.engine import MAX_STEP, EventFeed, TrustedKeys, add_checksums, warm_kernels
+from deltasync.engine import MAX_STEP, EventFeed, add_checksums, warm_kernels
 from deltasync.errors import (
     BaseStepMismatchError,
     ChecksumMismatchError,
@@ -172,7 +172,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
             self._stop_prefetch()
         else:
             self._close_stream()
-            trusted = None if init_info.trusted_keys is None else TrustedKeys.load(list(init_info.trusted_keys))
+            trusted = init_info.trust()  # pinned to the stream, revoked keys, max_age_s (docs/FORMAT.md 5e)
             url, options = init_info.stream()
             self._reader = StreamReader(url, storage_options=options, trusted_keys=trusted)
             self._held = None

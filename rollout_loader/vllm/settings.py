@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from deltasync.engine import CONSUMER_ID, MAX_STEP, name_matches, pem_texts, rdma_options
+from deltasync.engine import CONSUMER_ID, MAX_STEP, TrustedKeys, name_matches, rdma_options
 from deltasync.errors import ConfigError
 
 __all__ = ["EngineSettings", "EngineVerify", "Mode"]
@@ -45,8 +45,10 @@ class EngineSettings:
             or just the controller's address.
         notify: an event feed (``http://HOST:PORT/events``: a mirror's or a publisher's) the engine's prefetchers
             listen to, polling the store only as a safety net.
-        trusted_keys: public keys (PEM text, or files where these settings are made): the engine then applies
-            only steps one of them signed. Kept as PEM text, so a server elsewhere needs no file.
+        trusted_keys: the trust setting (a ``deltasync.TrustedKeys``, or its ``to_info()`` object: public keys,
+            the stream they sign for, revoked keys, ``max_age_s``): the engine then applies only steps one of the
+            keys signed for that stream (docs/FORMAT.md section 5e). Kept as JSON with the keys as PEM text, so a
+            server elsewhere needs no file; a list of keys alone is refused (it names no stream).
 
     Raises:
         ConfigError: a value of the wrong type or out of range, naming the setting.
@@ -65,7 +67,7 @@ class EngineSettings:
     prefetch: bool = True
     rdma: Mapping[str, Any] | None = None
     notify: str | None = None
-    trusted_keys: tuple[str, ...] | None = None
+    trusted_keys: Mapping[str, Any] | TrustedKeys | None = None  # kept as TrustedKeys.to_info(): plain JSON
 
     def __post_init__(self) -> None:
         if self.url is not None and not (isinstance(self.url, str) and self.url):
@@ -87,11 +89,8 @@ class EngineSettings:
                                             and self.notify.startswith(("http://", "https://"))):
             raise _bad("notify", "an event feed URL (http://HOST:PORT/events)", self.notify)
         if self.trusted_keys is not None:
-            keys = self.trusted_keys
-            if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple)):
-                keys = [keys]  # one key (a file or PEM text)
             try:
-                object.__setattr__(self, "trusted_keys", tuple(pem_texts(list(keys))))
+                object.__setattr__(self, "trusted_keys", self.trust().to_info())  # type: ignore[union-attr]
             except ConfigError as e:
                 raise ConfigError(f"deltasync engine setting trusted_keys: {e}") from None
         size = len(json.dumps(self.init_info()))
@@ -116,15 +115,28 @@ class EngineSettings:
         shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         shown["storage_options"] = {k: "<hidden>" for k in self.storage_options}
         shown["rdma"] = None if self.rdma is None else _redacted(self.rdma)
-        shown["trusted_keys"] = None if self.trusted_keys is None else f"<{len(self.trusted_keys)} key(s)>"
+        trust = self.trust()
+        shown["trusted_keys"] = None if trust is None else (
+            f"<{len(trust.roots)} key(s) for stream {trust.stream_id!r}, {len(trust.revoked)} revoked>")
         return f"EngineSettings({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def init_info(self) -> dict[str, Any]:
         """The settings as the ``init_info`` object vLLM's ``init_weight_transfer_engine`` carries (JSON)."""
         info = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        info["trusted_keys"] = None if self.trusted_keys is None else list(self.trusted_keys)
+        info["trusted_keys"] = None if self.trusted_keys is None else dict(self.trusted_keys)  # type: ignore[arg-type]
         info["rdma"] = None if self.rdma is None else dict(self.rdma)
         return info
+
+    def trust(self) -> TrustedKeys | None:
+        """The trust setting as the engine checks with it (a fresh ``TrustedKeys``: nothing learned yet)."""
+        keys = self.trusted_keys
+        if keys is None:
+            return None
+        if isinstance(keys, TrustedKeys):
+            return keys.fresh()
+        if isinstance(keys, Mapping):
+            return TrustedKeys.from_info(keys)
+        return TrustedKeys.load(keys)  # keys alone name no stream: a ConfigError saying so
 
     def stream(self) -> tuple[str, dict[str, Any]]:
         """The stream's URL and storage options; ``ConfigError`` when the URL is not set (the engine needs one)."""

@@ -20,7 +20,6 @@ import os
 from typing import Any
 
 from deltasync import StreamReader
-from deltasync.engine import pem_texts
 from deltasync.errors import ConfigError, HeldStepError
 
 from .client import WORKER_EXTENSION, WeightTransfer, weight_transfer, worker_module
@@ -102,7 +101,7 @@ class VllmTarget:
         if s.url is None and not s.storage_options:  # the follower's store: its options too
             changes["storage_options"] = dict(reader.store.storage_options)
         if s.trusted_keys is None and reader.trusted is not None:
-            changes["trusted_keys"] = tuple(pem_texts(reader.trusted))
+            changes["trusted_keys"] = reader.trusted.to_info()
         if s.notify is None and notify is not None:
             changes["notify"] = notify
         return s.replace(**changes)

@@ -90,7 +90,10 @@ class TrainerSync:
         publisher = DeltaPublisher(self.url, self.source, options, storage_options=self.storage_options)
         try:
             if self.target is not None:
-                with StreamReader(self.url, storage_options=self.storage_options) as reader:
+                # a signing trainer's engines apply only what its key signed for its stream (docs/FORMAT.md 5e),
+                # unless the target's settings name their own trust
+                with StreamReader(self.url, storage_options=self.storage_options,
+                                  trusted_keys=publisher.trust) as reader:
                     held = self.target.connect(reader)  # the engines read this stream unless the target names another
                 log.info("%s: stream %s (newest committed step %s), engines at step %s", self.who, self.url,
                          publisher.last_committed_step, held)
