@@ -137,8 +137,9 @@ class NodeCache:
             check(data)
             return data
         with claim:
-            data = self._try(lambda: self._read(digest, size))
-            if data is not None:
+            cached: bytes | None = self._try(lambda: self._read(digest, size))
+            if cached is not None:
+                data = cached
                 try:
                     check(data)
                 except CorruptObjectError as e:

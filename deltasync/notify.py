@@ -35,6 +35,7 @@ from typing import Protocol
 
 from deltasync.errors import ConfigError
 from deltasync.format.documents import MAX_STEP
+from deltasync.secrets import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,10 @@ class EventFeed(Announcements):
         super().__init__()
         parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"EventFeed: expected an http(s) URL of a mirror's /events, got {url!r}")
+            raise ConfigError(f"EventFeed: expected an http(s) URL of a mirror's /events, got {redact_url(str(url))!r}")
+        if parts.username is not None or parts.password is not None:  # never sent, and it would show in logs
+            raise ConfigError(f"EventFeed: {redact_url(url)!r} carries a user or password: an event feed is read "
+                              "without credentials (they would only show in logs); expected http://HOST:PORT/events")
         self.url = url
         self._parts = parts
         self.timeout_s = timeout_s

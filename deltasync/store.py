@@ -44,8 +44,9 @@ from deltasync.format.documents import (
 )
 from deltasync.lease import WRITER, WriterLease  # noqa: F401 - WRITER: the lease's name in the layout
 from deltasync.node_cache import NodeCache, node_cache_from_env
-from deltasync.retries import Retrying
+from deltasync.retries import Retrying, check_option_types
 from deltasync.scratch import plain_name
+from deltasync.secrets import redact, redact_url, remember, reveal, secret_values
 from deltasync.signing import MAX_SIGNATURE_BYTES, SIGNATURE, StreamSigner, sha256_hex
 from deltasync.store_objects import MANIFEST, StoreObjects, sha256_file, step_dir  # noqa: F401 - re-exported
 from deltasync.transports import Transport, classify_failure, open_transport, scheme_of
@@ -86,13 +87,15 @@ class Store(StoreObjects, Retrying):
         retry_max_s: float = 60.0,
         transport: Transport | None = None,
     ) -> None:
-        self.url = url
+        self.location = url  # as given: what an engine reading the same store needs (a password in it too)
+        self.url = redact_url(url)  # what messages, reports and metrics show: a URL's password hidden
         self.protocol = scheme_of(url) or "file"
         options = dict(storage_options or {})
         self.storage_options = options  # as given: what an engine reading the same store needs (never logged)
+        remember(*secret_values(options))  # scrubbed from every error and log line (deltasync/secrets.py)
         self._option_names = frozenset(options)
         self.transport = transport if transport is not None else self._open(url, options)
-        self.root = self.transport.root or url
+        self.root = redact_url(self.transport.root or url)
         self.is_local = self.transport.capabilities.local_files
         self._answered = False  # has the store ever answered? (then a failed connect is an outage, not a wrong URL)
         self.retries = retries
@@ -109,18 +112,20 @@ class Store(StoreObjects, Retrying):
         self._last_hint: LatestHint | None = None  # what this writer last wrote to latest.json (heads refresh it)
 
     def _open(self, url: str, options: dict[str, Any]) -> Transport:
-        """The URL's transport; a storage option the backend refuses at once is a ``StoreConfigError``."""
+        """The URL's transport (given the options' secrets revealed); a storage option the backend refuses at once,
+        or one of a type it cannot take, is a ``StoreConfigError`` (naming the option, never its value)."""
+        check_option_types(self.protocol, options)
         try:
-            return open_transport(url, options)
+            return open_transport(url, reveal(options))
         except DeltaSyncError:
             raise
         except TypeError as e:  # a backend that checks its options at once
             failure = classify_failure(e, self._option_names)
             if failure is None:
-                raise
+                raise self._settings_failed(e, "open it") from e
             raise self._refusal(failure, "open it") from e
         except ValueError as e:
-            raise StoreError(f"cannot open store {url!r}: {e}") from e
+            raise StoreError(redact(f"cannot open store {self.url!r}: {e}")) from e
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"

@@ -85,24 +85,27 @@ def _fail(message: str, code: int) -> None:
         import traceback
 
         traceback.print_exc()
+    from deltasync.secrets import redact
     from deltasync_cli.app import inert
 
-    typer.echo(f"error: {inert(' '.join(message.split()))}", err=True)
+    typer.echo(f"error: {inert(redact(' '.join(message.split())))}", err=True)
     sys.exit(code)
 
 
 class _InertFormatter(logging.Formatter):
-    """A formatter whose lines show control characters inert (``deltasync_cli.app.inert``): log messages quote
-    what stores, peers and event feeds sent."""
+    """A formatter whose lines show control characters inert (``deltasync_cli.app.inert``) and no secret
+    (``deltasync.secrets.redact``): log messages quote what stores, peers and event feeds sent, and what backends
+    said of their settings."""
 
     def __init__(self, inner: logging.Formatter | None) -> None:
         super().__init__()
         self._inner = inner or logging.Formatter()
 
     def format(self, record: logging.LogRecord) -> str:
+        from deltasync.secrets import redact
         from deltasync_cli.app import inert
 
-        return inert(self._inner.format(record))
+        return inert(redact(self._inner.format(record)))
 
 
 if __name__ == "__main__":

@@ -127,8 +127,10 @@ def open_transport(url: str, storage_options: dict[str, Any] | None = None) -> T
     scheme = scheme_of(url)
     entry = _lookup(scheme)
     if entry is None:
+        from deltasync.secrets import redact_url
+
         raise StoreConfigError(
-            f"cannot open store {url!r}: no transport for scheme {scheme!r} (built in: "
+            f"cannot open store {redact_url(url)!r}: no transport for scheme {scheme!r} (built in: "
             f"{', '.join(sorted(s for s in _REGISTRY if s))}; others through register_transport, the "
             f"{ENTRY_POINT_GROUP!r} entry points, or fsspec)"
         )

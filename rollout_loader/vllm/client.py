@@ -35,6 +35,7 @@ from deltasync.errors import (
     MissingDependencyError,
     in_text,
 )
+from deltasync.secrets import redact_url
 
 from .settings import EngineSettings
 
@@ -178,7 +179,11 @@ class HttpWeightTransfer:
                  pause_mode: PauseMode = "keep") -> None:
         parts = urllib.parse.urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"{base_url!r} is not a server URL: expected http://host:port (a vLLM OpenAI server)")
+            raise ConfigError(f"{redact_url(base_url)!r} is not a server URL: expected http://host:port (a vLLM OpenAI "
+                              "server)")
+        if parts.username is not None or parts.password is not None:  # never sent, and it would show in messages
+            raise ConfigError(f"{redact_url(base_url)!r}: a server URL carries no user or password (they would not be "
+                              "sent, and messages would show them); expected http://host:port")
         if pause_mode not in get_args(PauseMode):
             raise ConfigError(f"{type(self).__name__}: pause_mode must be one of {get_args(PauseMode)}, not "
                               f"{pause_mode!r}")

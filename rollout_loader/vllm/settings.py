@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args
 
 from deltasync.engine import CONSUMER_ID, MAX_STEP, TrustedKeys, name_matches, rdma_options
 from deltasync.errors import ConfigError
+from deltasync.secrets import reveal
 
 __all__ = ["EngineSettings", "EngineVerify", "Mode"]
 
@@ -124,7 +125,8 @@ class EngineSettings:
         """The settings as the ``init_info`` object vLLM's ``init_weight_transfer_engine`` carries (JSON)."""
         info = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         info["trusted_keys"] = None if self.trusted_keys is None else dict(self.trusted_keys)  # type: ignore[arg-type]
-        info["rdma"] = None if self.rdma is None else dict(self.rdma)
+        info["rdma"] = None if self.rdma is None else reveal(dict(self.rdma))
+        info["storage_options"] = reveal(self.storage_options)  # a deltasync.Secret travels as its value (JSON)
         return info
 
     def trust(self) -> TrustedKeys | None:

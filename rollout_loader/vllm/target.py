@@ -97,7 +97,7 @@ class VllmTarget:
         reader's URL (made absolute when local), storage options and trusted keys, and ``notify``."""
         s = self.settings
         changes: dict[str, Any] = {}
-        changes["url"] = _absolute(reader.url if s.url is None else s.url)
+        changes["url"] = _absolute(reader.store.location if s.url is None else s.url)  # as given, password too
         if s.url is None and not s.storage_options:  # the follower's store: its options too
             changes["storage_options"] = dict(reader.store.storage_options)
         if s.trusted_keys is None and reader.trusted is not None:

@@ -16,8 +16,8 @@ from deltasync import DeltaPublisher, StreamReader
 from deltasync.errors import StoreAuthError
 from deltasync.history.gc import collect_garbage
 from deltasync.signing import keygen
-from deltasync.trust import TrustedKeys
 from deltasync.store import Store
+from deltasync.trust import TrustedKeys
 from rollout_loader import Follower, StateDictTarget
 from tests.integration.seaweedfs import _server
 from tests.integration.test_cli_errors_s3 import KEY, SECRET, _require_credentials
