@@ -253,7 +253,7 @@ class DeltasyncWeightTransfer:
 
 def _check_signing_pair(trusted_keys: Any, signing_key: Any) -> None:
     """``trusted_keys`` must hold the public half of ``signing_key`` (the server then applies what it signs)."""
-    from deltasync.signing import SigningKey, read_public_key
+    from deltasync.engine import SigningKey, read_public_key
 
     if signing_key is None:
         raise ConfigError(f"{_WHO}: trusted_keys makes the server apply signed steps only, and no signing_key= "

@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal, Protocol, get_args
 import msgspec
 
 from deltasync import DeltaSyncError
+from deltasync.engine import redact_url
 from deltasync.errors import (
     ConfigError,
     EngineConfigError,
@@ -35,7 +36,6 @@ from deltasync.errors import (
     MissingDependencyError,
     in_text,
 )
-from deltasync.secrets import redact_url
 
 from .settings import EngineSettings
 

@@ -15,9 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from deltasync.engine import CONSUMER_ID, MAX_STEP, TrustedKeys, name_matches, rdma_options
+from deltasync.engine import CONSUMER_ID, MAX_STEP, TrustedKeys, name_matches, rdma_options, reveal
 from deltasync.errors import ConfigError
-from deltasync.secrets import reveal
 
 __all__ = ["EngineSettings", "EngineVerify", "Mode"]
 

@@ -10,9 +10,8 @@ from typing import Any, get_args
 
 import torch
 
-from deltasync.engine import Manifest, TrustedKeys
+from deltasync.engine import Manifest, TrustedKeys, check_stream_id
 from deltasync.errors import ConfigError
-from deltasync.trust import check_stream_id
 from rollout_loader.vllm.settings import EngineSettings, EngineVerify
 
 __all__ = ["BACKEND", "SETTINGS", "VerlSettings", "plain", "step_metrics"]
