@@ -115,6 +115,35 @@ def _step_from(data: str) -> int | None:
     return None
 
 
+class EventParser:
+    """Server-sent events, one line at a time, as a feed reads them: each complete ``step`` event whose data is
+    ``{"step": N}`` with N a step number gives N; anything else gives nothing. A line over
+    :data:`MAX_LINE_BYTES` is a ``ConnectionError`` (the feed drops the connection); at most 16 data lines count
+    per event."""
+
+    def __init__(self) -> None:
+        self._event = "message"
+        self._data: list[str] = []
+
+    def feed(self, line: bytes) -> int | None:
+        if len(line) > MAX_LINE_BYTES:
+            raise ConnectionError(f"an event line over {MAX_LINE_BYTES} bytes")
+        text = line.decode("utf-8", "replace").rstrip("\r\n")
+        if not text:  # end of one event
+            step = _step_from("\n".join(self._data)) if self._event == "step" else None
+            self._event, self._data = "message", []
+            return step
+        if text.startswith(":"):
+            return None  # keep-alive
+        field, _, value = text.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "event":
+            self._event = value[:64]
+        elif field == "data" and len(self._data) < 16:
+            self._data.append(value)
+        return None
+
+
 class EventFeed(Announcements):
     """Follow an :class:`EventServer`'s ``/events`` (a mirror's) in a daemon thread.
 
@@ -135,6 +164,10 @@ class EventFeed(Announcements):
         parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"EventFeed: expected an http(s) URL of a mirror's /events, got {redact_url(str(url))!r}")
+        try:
+            parts.port  # noqa: B018 - a port that is not one fails here, not in the feed's thread
+        except ValueError:
+            raise ConfigError(f"EventFeed: {redact_url(url)!r} names no valid port") from None
         if parts.username is not None or parts.password is not None:  # never sent, and it would show in logs
             raise ConfigError(f"EventFeed: {redact_url(url)!r} carries a user or password: an event feed is read "
                               "without credentials (they would only show in logs); expected http://HOST:PORT/events")
@@ -194,29 +227,14 @@ class EventFeed(Announcements):
                 raise ConnectionError(f"expected 200 text/event-stream, got {reply.status} "
                                       f"{reply.getheader('Content-Type', '')!r}")
             self._alive = True
-            event = "message"
-            data: list[str] = []
+            parser = EventParser()
             while not self._stop.is_set():
                 line = reply.readline(MAX_LINE_BYTES + 1)
                 if not line:
                     raise ConnectionError("the server closed the stream")
-                if len(line) > MAX_LINE_BYTES:
-                    raise ConnectionError(f"an event line over {MAX_LINE_BYTES} bytes")
-                text = line.decode("utf-8", "replace").rstrip("\r\n")
-                if not text:  # end of one event
-                    step = _step_from("\n".join(data)) if event == "step" else None
-                    if step is not None:
-                        self._announce(step)
-                    event, data = "message", []
-                elif text.startswith(":"):
-                    continue  # keep-alive
-                else:
-                    field, _, value = text.partition(":")
-                    value = value[1:] if value.startswith(" ") else value
-                    if field == "event":
-                        event = value
-                    elif field == "data" and len(data) < 16:
-                        data.append(value)
+                step = parser.feed(line)
+                if step is not None:
+                    self._announce(step)
         finally:
             self._sock = None
             conn.close()
