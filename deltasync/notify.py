@@ -310,8 +310,8 @@ class EventServer:
     Args:
         host, port: where to listen (port 0: any free port; ``url`` says which).
         max_clients: followers streaming events at once; beyond, a request is answered 503. Connections (each
-            holds a thread, streaming or still sending its request) are bounded at twice this: beyond, a new one
-            is answered 503 at once, before anything is read from it.
+            holds a thread, streaming or still sending its request) are bounded at twice this plus 8 (requests
+            being answered): beyond, a new one is answered 503 at once, before anything is read from it.
         header_timeout_s: a client that has not sent its whole request within this is dropped.
 
     Example::
@@ -368,7 +368,7 @@ class EventServer:
                 finally:
                     server._leave()
 
-        self._http = _BoundedServer((host, port), Handler, max_connections=2 * max_clients)
+        self._http = _BoundedServer((host, port), Handler, max_connections=2 * max_clients + 8)
         self._thread = threading.Thread(target=self._http.serve_forever, name="deltasync-event-server", daemon=True)
         self._thread.start()
 
