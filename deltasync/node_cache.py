@@ -344,6 +344,9 @@ def _own_folder(path: Path, *, follow: bool) -> None:
         os.chmod(path, 0o700)  # whatever the umask
     except FileExistsError:
         pass
+    if follow and os.path.islink(path) and os.lstat(path).st_uid != os.geteuid():
+        raise OSError(errno.EPERM, f"{path} is a link another user made (uid {os.lstat(path).st_uid}): use a folder "
+                                   "of your own")
     st = os.stat(path) if follow else os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise OSError(errno.ENOTDIR, f"{path} is not a folder")

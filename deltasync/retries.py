@@ -18,7 +18,7 @@ from deltasync.errors import (
     StoreError,
     StoreUnreachableError,
 )
-from deltasync.secrets import Secret, redact
+from deltasync.secrets import Secret, redact, scrub
 from deltasync.transports import StoreFailure, classify_failure, is_throttling, is_transient, retry_after_s
 
 log = logging.getLogger("deltasync.store")
@@ -117,6 +117,7 @@ class Retrying:
                 self._answered = True
                 raise
             except Exception as e:
+                scrub(e)  # the backend's own words, kept as the cause: no secret in them
                 failure = classify_failure(e, self._option_names)
                 if failure is not None and not (failure.kind == "unreachable" and self._answered):
                     raise self._refusal(failure, what) from e

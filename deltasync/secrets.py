@@ -27,7 +27,7 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Secret", "hidden", "redact", "redact_url", "remember", "reveal", "secret_values"]
+__all__ = ["Secret", "hidden", "redact", "redact_url", "remember", "reveal", "scrub", "secret_values", "wrap"]
 
 HIDDEN = "<hidden>"
 # parts of an option's name that mark its value as a secret (S3 "secret", "token", HF "token", Azure "account_key",
@@ -177,3 +177,37 @@ def redact(text: str) -> str:
         if value in text:
             text = text.replace(value, HIDDEN)
     return text
+
+
+def wrap(options: Any, *, _secret: bool = False, _depth: int = 0) -> Any:
+    """``options`` with every string under a secret-looking name (nested too) held in a :class:`Secret`: what a
+    settings holder keeps, so that no repr, log or error of it can show them (``reveal`` undoes it)."""
+    if _depth > 8 or isinstance(options, Secret):
+        return options
+    if isinstance(options, Mapping):
+        return {k: wrap(v, _secret=_secret or is_secret_name(k), _depth=_depth + 1) for k, v in options.items()}
+    if isinstance(options, list):
+        return [wrap(v, _secret=_secret, _depth=_depth + 1) for v in options]
+    if _secret and isinstance(options, (str, bytes)):
+        return Secret(options)
+    return options
+
+
+def scrub(error: BaseException) -> None:
+    """Redact the messages of ``error`` and its causes in place (best effort: an exception whose text comes from
+    its ``args``), so that a traceback that prints the chain shows no secret either."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo and len(seen) < 8:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        try:
+            text = str(e)
+            clean = redact(text)
+            if clean != text and e.args:
+                e.args = (clean,)
+        except Exception:  # noqa: BLE001 - an exception whose str() fails is left as it is
+            pass
+        todo += [e.__cause__, e.__context__]

@@ -46,7 +46,7 @@ from deltasync.lease import WRITER, WriterLease  # noqa: F401 - WRITER: the leas
 from deltasync.node_cache import NodeCache, node_cache_from_env
 from deltasync.retries import Retrying, check_option_types
 from deltasync.scratch import plain_name
-from deltasync.secrets import redact, redact_url, remember, reveal, secret_values
+from deltasync.secrets import redact, redact_url, remember, reveal, secret_values, wrap
 from deltasync.signing import MAX_SIGNATURE_BYTES, SIGNATURE, StreamSigner, sha256_hex
 from deltasync.store_objects import MANIFEST, StoreObjects, sha256_file, step_dir  # noqa: F401 - re-exported
 from deltasync.transports import Transport, classify_failure, open_transport, scheme_of
@@ -90,8 +90,9 @@ class Store(StoreObjects, Retrying):
         self.location = url  # as given: what an engine reading the same store needs (a password in it too)
         self.url = redact_url(url)  # what messages, reports and metrics show: a URL's password hidden
         self.protocol = scheme_of(url) or "file"
-        options = dict(storage_options or {})
-        self.storage_options = options  # as given: what an engine reading the same store needs (never logged)
+        # what an engine reading the same store needs: credentials held as Secrets, so that no repr shows them
+        options = wrap(dict(storage_options or {}))
+        self.storage_options = options
         remember(*secret_values(options))  # scrubbed from every error and log line (deltasync/secrets.py)
         self._option_names = frozenset(options)
         self.transport = transport if transport is not None else self._open(url, options)

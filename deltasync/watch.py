@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MAX_REFUSED = 100_000  # steps a trusted reader remembers as not existing (each refused once, then free)
+
 __all__ = ["PollPolicy", "StepWatch", "retry_delay_s"]
 
 
@@ -122,6 +124,7 @@ class StepWatch:
         self._pushed: deque[int] = deque(maxlen=4)  # the last steps pushed, not yet checked (not the largest)
         self._pushed_lock = threading.Lock()
         self._lied_at: float | None = None  # when a pushed step last turned out not committed (or not trusted)
+        self._woken_at: float | None = None  # when a pushed step last woke the poller
         self._clock = clock
         self._wall = wall
         self.head: Head | None = None  # with trusted keys: the newest valid signed head seen
@@ -210,7 +213,8 @@ class StepWatch:
         except UNTRUSTED as e:
             if self.reader.trusted is None:
                 raise
-            self.reader.refused[step] = str(e)
+            if len(self.reader.refused) < MAX_REFUSED:
+                self.reader.refused[step] = str(e)
             log.warning("%s: step %d %s does not count as committed for this reader: %s: %s", self.reader.url, step,
                         what, type(e).__name__, e)
             return False
@@ -278,7 +282,8 @@ class StepWatch:
         chain of trust): it does not exist for this watch from now on, and the next poll lists the manifests for
         the newest step that does (a trusted reader only; otherwise as :meth:`distrust`)."""
         if self.reader.trusted is not None:
-            self.reader.refused[step] = why
+            if len(self.reader.refused) < MAX_REFUSED:
+                self.reader.refused[step] = why
             if self._known is not None and self._known >= step:
                 self._known = None
         self._must_list = True
@@ -319,9 +324,16 @@ class StepWatch:
     # --- internals ---
 
     def _heard(self, step: int) -> None:
-        """A notifier's callback (its thread): remember the step among the last few and wake the poller."""
+        """A notifier's callback (its thread): remember the step among the last few and wake the poller; a notifier
+        that lied lately wakes it at most every ``fast_s`` (a flood of false steps costs a read per ``fast_s``,
+        not one per announcement)."""
+        now = self._clock()
         with self._pushed_lock:
             self._pushed.append(step)
+            lying = self._lied_at is not None and now - self._lied_at < self.policy.push_poll_s
+            if lying and self._woken_at is not None and now - self._woken_at < self.policy.fast_s:
+                return  # kept: the next poll checks it
+            self._woken_at = now
         self.wake.set()
 
     def _arrived(self, step: int, now: float, hint: LatestHint | None) -> None:

@@ -84,7 +84,9 @@ def _fail(message: str, code: int) -> None:
     if _debug():
         import traceback
 
-        traceback.print_exc()
+        from deltasync.secrets import redact
+
+        sys.stderr.write(redact(traceback.format_exc()))  # the causes quote backends: no secret in them either
     from deltasync.secrets import redact
     from deltasync_cli.app import inert
 

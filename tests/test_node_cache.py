@@ -284,3 +284,19 @@ def test_a_broken_or_full_cache_falls_back_to_the_store_and_says_so_once(tmp_pat
                 assert states_equal(reader.state_dict(5), truth[5])  # an anchor and two deltas
     said = [r for r in caplog.records if r.name == "deltasync.node_cache"]
     assert len(said) == 1 and "reading from the store" in said[0].getMessage(), [r.getMessage() for r in said]
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to make another user's folder")
+def test_another_users_folder_or_link_is_refused(tmp_path):
+    folder = tmp_path / "theirs"
+    folder.mkdir(mode=0o700)
+    os.chown(folder, 4242, 4242)
+    with pytest.raises(ConfigError, match="belongs to uid 4242"):
+        NodeCache(folder)
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    os.lchown(link, 4242, 4242)  # a link another user planted, pointing at a folder of ours
+    with pytest.raises(ConfigError, match="a link another user made"):
+        NodeCache(link)

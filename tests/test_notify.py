@@ -392,3 +392,27 @@ def test_slow_clients_hold_no_thread_for_ever(tmp_path):
             for s in slow:
                 s.close()
     _until(lambda: threading.active_count() <= before + 1)
+
+
+def test_a_flood_of_false_announcements_costs_a_read_per_poll_period(tmp_path):
+    """A feed that lied is not relied on: thousands of false steps wake the poller at most once per fast_s, so
+    the store sees a bounded number of reads, not one per announcement."""
+    url = str(tmp_path / "s")
+    with DeltaPublisher(url, _state(0), on_backlog="block") as pub:
+        pub.publish(0)
+    now = [100.0]
+    with StreamReader(url) as reader:
+        watch = StepWatch(reader, PollPolicy(fast_s=1.0, idle_max_s=2.0, push_poll_s=60.0), clock=lambda: now[0])
+        assert watch.newest() == 0
+        watch._heard(10**12 - 1)
+        assert watch.newest() == 0  # the lie: checked once
+        watch.wake.clear()
+        wakes = 0
+        for fake in range(1000, 3000):  # within one fast_s of the clock
+            watch._heard(fake)
+            wakes += watch.wake.is_set()
+            watch.wake.clear()
+        assert wakes <= 1
+        now[0] += 1.5
+        watch._heard(5000)
+        assert watch.wake.is_set()  # the next period: heard again

@@ -132,3 +132,19 @@ def test_engine_settings_take_secrets_and_send_their_values_only_to_the_engine()
     assert settings.init_info()["storage_options"]["secret"] == SECRET
     json.dumps(settings.init_info())  # JSON as vLLM carries it
 
+
+
+def test_a_debug_traceback_and_a_chained_cause_show_no_secret(talkative, monkeypatch, capsys):
+    """DELTASYNC_DEBUG=1 prints the traceback, causes included: what the backend said is scrubbed there too."""
+    from tests.test_cli_errors import run_main
+
+    monkeypatch.setenv("DELTASYNC_DEBUG", "1")
+    code, out, err = run_main(monkeypatch, capsys, "ls", "talkative://x/run", "-S", f"secret={SECRET}")
+    assert code == 2 and "Traceback" in err and SECRET not in out + err, err
+    store = Store("talkative://x/run", storage_options={"secret": SECRET})
+    with pytest.raises(StoreConfigError) as e:
+        store.read_bytes("stream.json")
+    import traceback
+
+    assert SECRET not in "".join(traceback.format_exception(e.value))
+    assert SECRET not in repr(store.storage_options) and isinstance(store.storage_options["secret"], Secret)
