@@ -266,6 +266,7 @@ class _BoundedServer(ThreadingHTTPServer):
     however slowly it sends its request."""
 
     daemon_threads = True
+    request_queue_size = 128  # the listen backlog: a burst of connections is accepted (and answered), not dropped
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *,
                  max_connections: int) -> None:
