@@ -182,3 +182,22 @@ def test_no_secret_in_a_repr_or_an_error():
         with pytest.raises(ConfigError) as e:
             EngineSettings(url="s3://b/run", **bad)
         assert secret not in str(e.value) and "short" not in str(e.value), str(e.value)
+
+
+def test_a_signing_trainers_engines_are_sent_its_trust(tmp_path, keys):
+    """A trainer that signs (TRL, verl, the vLLM trainer engine: TrainerSync) points its engines at the stream
+    with its own trust: its key, pinned to its stream, so they apply nothing a bucket writer forged."""
+    from deltasync import PublishOptions
+    from rollout_loader.vllm.trainer_sync import TrainerSync
+
+    url = str(tmp_path / "stream")
+    with fake_server() as (fake, base):
+        sync = TrainerSync(url, source={"w": torch.zeros(8)}, target=VllmTarget(base), served_dtype=False,
+                           options=PublishOptions(signing_key=keys[0], stream_id="run-7"))
+        try:
+            sync.open()
+            sent = _sent(fake)
+        finally:
+            sync.close()
+    assert sent["trusted_keys"]["stream_id"] == "run-7"
+    assert sent["trusted_keys"]["keys"] == [open(keys[1]).read()]
