@@ -6,7 +6,17 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from deltasync_cli.app import StorageOpt, TrustedKeyOpt, _progress, _storage_options, _trusted, app, err, out
+from deltasync_cli.app import (
+    StorageOpt,
+    TrustedKeyOpt,
+    _progress,
+    _storage_options,
+    _trusted,
+    app,
+    err,
+    one_line,
+    out,
+)
 
 if TYPE_CHECKING:  # imported inside the command: --help imports neither torch nor deltasync
     from rollout_loader.metrics import FollowerStatus
@@ -99,7 +109,7 @@ def follow(
             error = follower.last_error
             if error is not None and str(error) != shown:  # once per distinct error
                 shown = str(error)
-                err.print(f"[yellow]retrying:[/yellow] {escape(f'{type(error).__name__}: {error}')}")
+                err.print(f"[yellow]retrying:[/yellow] {escape(one_line(f'{type(error).__name__}: {error}'))}")
             elif error is None:
                 shown = None
         if follower.stopped_by is not None:  # a permanent error stopped the thread: one line, exit 2
@@ -192,7 +202,7 @@ def mirror(
         return
 
     def warn(error: BaseException) -> None:
-        err.print(f"[yellow]retrying:[/yellow] {escape(f'{type(error).__name__}: {error}')}")
+        err.print(f"[yellow]retrying:[/yellow] {escape(one_line(f'{type(error).__name__}: {error}'))}")
 
     stop = threading.Event()
     server = feed = None
