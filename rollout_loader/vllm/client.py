@@ -76,6 +76,9 @@ def _step_of(version: Any) -> int | None:
 
 
 MAX_REPLY_BYTES = 64 << 20  # a status of every tensor's checksum on a large model is megabytes; nothing is more
+# an error's body: vLLM's JSON around the engine's error (its record and a message of up to a few thousand characters,
+# JSON-escaped); read whole, or the record in it cannot be parsed and the error's class is lost
+MAX_ERROR_BODY_BYTES = 64 << 10
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -204,7 +207,8 @@ class HttpWeightTransfer:
             if 300 <= e.code < 400:
                 raise EngineError(f"{url}: HTTP {e.code}: {e.reason} (the client follows no redirect: give the "
                                   f"server's own address)") from None
-            raise self._refusal(url, route, e.code, (e.read(4000) or b"").decode(errors="replace")) from None
+            body = (e.read(MAX_ERROR_BODY_BYTES) or b"").decode(errors="replace")
+            raise self._refusal(url, route, e.code, body) from None
         except urllib.error.URLError as e:  # no connection was made
             raise EngineUnreachableError(
                 f"{url}: cannot connect to the vLLM server ({e.reason}); is it running at {self.base_url}?"
@@ -435,12 +439,15 @@ class SyncClientTransfer:
             plain = in_text(str(e))
             raise (plain if plain is not None else e) from e
         except Exception as e:  # the client's own error type (requests' HTTPError, Ray's RayTaskError, ...)
-            text = f"{e} {getattr(getattr(e, 'response', None), 'text', '')}"
-            relayed = _relayed(f"{type(self.client).__name__}.{method}", text, engine="the vLLM engine",
-                               setup=f"start it with --weight-transfer-config '{WEIGHT_TRANSFER_CONFIG}'")
-            if relayed is None:
-                raise
-            raise relayed from e
+            # an HTTP client's error names the status; the server's body (vLLM's JSON holding the engine's error) is
+            # its response's text: each read on its own, as a relayed error's text must begin with its record
+            body = getattr(getattr(e, "response", None), "text", None)
+            for text in ([body] if isinstance(body, str) else []) + [str(e)]:
+                relayed = _relayed(f"{type(self.client).__name__}.{method}", text, engine="the vLLM engine",
+                                   setup=f"start it with --weight-transfer-config '{WEIGHT_TRANSFER_CONFIG}'")
+                if relayed is not None:
+                    raise relayed from e
+            raise
 
     def held_step(self) -> int | None:
         """The step this client's last completed update named (the protocol has no way to ask the engine): None
