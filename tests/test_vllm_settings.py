@@ -169,3 +169,45 @@ def test_no_secret_in_a_repr_or_an_error():
         with pytest.raises(ConfigError) as e:
             EngineSettings(url="s3://b/run", **bad)
         assert secret not in str(e.value) and "short" not in str(e.value), str(e.value)
+
+
+def test_an_engine_reads_no_key_file_a_client_names(tmp_path, keys):
+    """``init_info`` comes from whoever reaches the engine: its trusted keys are PEM text. A path would make the
+    engine read a file of the client's choosing (``/dev/zero`` never ends, a pipe never answers, and which files
+    exist shows in the error). Settings made in this process (the constructor, a trainer's config) still read key
+    files, and send their PEM text."""
+    pem = open(keys[1]).read()
+    for given in ([str(keys[1])], str(keys[1]), ["/dev/zero"], [pem, str(keys[1])], [b"-----BEGIN PUBLIC KEY-----"]):
+        with pytest.raises(ConfigError, match="setting trusted_keys: expected public keys as PEM text"):
+            EngineSettings.parse({"url": "s3://b/run", "trusted_keys": given})
+    assert EngineSettings.parse({"url": "s3://b/run", "trusted_keys": [pem]}).trusted_keys == (pem,)
+    assert EngineSettings.parse({"url": "s3://b/run", "trusted_keys": [str(keys[1])]},
+                                key_files=True).trusted_keys == (pem,)
+    assert EngineSettings(url="s3://b/run", trusted_keys=[keys[1]]).init_info()["trusted_keys"] == [pem]
+    pytest.importorskip("vllm")
+    from rollout_loader.vllm.engine import DeltasyncWeightTransferEngine
+    from rollout_loader.vllm.trainer import DeltasyncTrainerInitInfo
+
+    with pytest.raises(ConfigError, match="reads no key file a client names"):
+        DeltasyncWeightTransferEngine.parse_init_info(None, {"url": "s3://b/run", "trusted_keys": [str(keys[1])]})  # type: ignore[arg-type]
+    info = DeltasyncTrainerInitInfo(url="s3://b/run", rank=0, engine={"trusted_keys": [str(keys[1])]})
+    assert info.engine.init_info()["trusted_keys"] == [pem]  # type: ignore[union-attr]
+
+
+def test_settings_of_any_size_shape_or_type_are_a_config_error_naming_them():
+    """What a client sends (or a framework's config holds) may be anything: a value that is no JSON, nested past any
+    sense, or a flood of unknown names is a ``ConfigError`` naming the setting, in a message of bounded size."""
+    deep: object = "leaf"
+    for _ in range(100_000):
+        deep = {"a": deep}
+    for fields, name in ((dict(storage_options={"client_kwargs": {"config": object()}}), "storage_options"),
+                         (dict(storage_options={"x": b"bytes"}), "storage_options"),
+                         (dict(storage_options={"x": deep}), "storage_options"),
+                         (dict(verify=[deep]), "verify"),
+                         (dict(mode="x" * (10 << 20)), "mode")):
+        with pytest.raises(ConfigError, match=f"setting {name}: expected") as e:
+            EngineSettings(url="s3://b/run", **fields)
+        assert len(str(e.value)) < 1000
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\) .* and 99990 more") as e:
+        EngineSettings.parse({f"k{i}" + "x" * 1000: 1 for i in range(100_000)})
+    assert len(str(e.value)) < 2000

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -94,20 +95,41 @@ class EngineSettings:
                 object.__setattr__(self, "trusted_keys", tuple(pem_texts(list(keys))))
             except ConfigError as e:
                 raise ConfigError(f"deltasync engine setting trusted_keys: {e}") from None
-        size = len(json.dumps(self.init_info()))
+        size = 0
+        for name, value in self.init_info().items():  # what travels is JSON: a value that is not is named here
+            try:
+                size += len(json.dumps(value))
+            except (TypeError, ValueError, RecursionError) as e:
+                raise _bad(name, "JSON values (strings, numbers, true/false, null, lists, objects), at most a few "
+                           "levels deep", f"{type(e).__name__}: {str(e)[:100]}") from None
         if size > MAX_SETTINGS_BYTES:
             raise _bad("(all)", f"settings of at most {MAX_SETTINGS_BYTES} bytes as JSON", f"{size} bytes")
 
     @classmethod
-    def parse(cls, info: Any) -> EngineSettings:
+    def parse(cls, info: Any, *, key_files: bool = False) -> EngineSettings:
         """Settings from ``init_info`` as it arrives (a JSON object); an unknown key or a bad value is a
-        ``ConfigError`` naming it and the known ones."""
+        ``ConfigError`` naming it and the known ones.
+
+        ``trusted_keys`` must then be PEM text: ``init_info`` comes from whoever reaches the engine, and an engine
+        never reads a file a client names (a device that never ends, a pipe that never answers, a probe of which
+        files exist). ``key_files``: the settings are this process's own (a trainer's configuration), whose key
+        files are read here, as the constructor does."""
         if not isinstance(info, Mapping):
             raise ConfigError(f"deltasync init_info: expected an object of engine settings, got {type(info).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in info if k not in known)
-        if unknown:
-            raise ConfigError(f"deltasync init_info: unknown setting(s) {unknown}; the engine takes {sorted(known)}")
+        unknown = sorted(str(k)[:64] for k in info if k not in known)
+        if unknown:  # at most a few: the names are the sender's, and so is their number
+            more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+            raise ConfigError(f"deltasync init_info: unknown setting(s) {unknown[:10]}{more}; the engine takes "
+                              f"{sorted(known)}")
+        keys = info.get("trusted_keys")
+        if not key_files and keys is not None:
+            listed = [keys] if isinstance(keys, (str, bytes)) else keys
+            if not (isinstance(listed, (list, tuple)) and all(isinstance(k, str) and k.lstrip().startswith(PEM_PUBLIC)
+                                                              for k in listed)):
+                raise _bad("trusted_keys", f"public keys as PEM text ({PEM_PUBLIC}...): an engine reads no key file "
+                           "a client names", [k if isinstance(k, str) else type(k).__name__ for k in listed]
+                           if isinstance(listed, (list, tuple)) else type(listed).__name__)
         return cls(**info)
 
     def __repr__(self) -> str:
@@ -158,9 +180,17 @@ def _redacted(options: Any) -> Any:
     return {k: "<hidden>" if any(part in str(k).lower() for part in SECRET_KEYS) else v for k, v in options.items()}
 
 
+PEM_PUBLIC = "-----BEGIN PUBLIC KEY-----"
+"""How a public key sent as text begins (deltasync.signing reads the same form)."""
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 160, 160, 8, 8
+
+
 def _shown(value: Any) -> str:
-    """A value as an error message may show it: a mapping's secrets hidden, at most 200 characters."""
-    return repr(_redacted(value))[:200]
+    """A value as an error message may show it: a mapping's secrets hidden, at most 200 characters, however large
+    or deep the value (it may be anyone's)."""
+    return _REPR.repr(_redacted(value))[:200]
 
 
 def _choice(name: str, value: Any, allowed: Any) -> None:
