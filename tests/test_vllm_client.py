@@ -482,3 +482,31 @@ def test_a_framework_http_clients_error_comes_back_as_the_engine_raised_it():
         with pytest.raises(CorruptObjectError, match="SHA-256 differs") as e:
             target.client.update(3)
         assert can_retry(e.value)
+
+
+def test_only_vllms_own_clients_are_swapped_for_deltasyncs():
+    """vLLM's ``HTTPVLLMWeightSyncClient`` is driven as the server it names (pause, read-back, prefix-cache reset);
+    a framework's class that only shares its name (or subclasses it) may send what deltasync's client would not (its
+    auth headers, its certificates), so it is driven through its own four methods. The same for Ray's client."""
+    from rollout_loader.vllm import SyncClientTransfer
+
+    class HTTPVLLMWeightSyncClient:  # a framework's own, with its own auth
+        base_url, timeout = "http://127.0.0.1:1", (3, 30)
+
+        def init_weight_transfer_engine(self, init_info: dict) -> None: ...
+        def start_weight_update(self) -> None: ...
+        def update_weights(self, update_info: dict) -> None: ...
+        def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+    class RayVLLMWeightSyncClient(HTTPVLLMWeightSyncClient):
+        handles = None
+
+    for lookalike in (HTTPVLLMWeightSyncClient(), RayVLLMWeightSyncClient()):
+        assert isinstance(VllmTarget(lookalike).client, SyncClientTransfer)
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer import clients
+
+    real = clients.HTTPVLLMWeightSyncClient("http://127.0.0.1:1", timeout=12)
+    assert isinstance(VllmTarget(real).client, HttpWeightTransfer) and VllmTarget(real).client.timeout_s == 12
+    real.timeout = (3, 30)  # requests takes a (connect, read) pair: not one number, so the default
+    assert VllmTarget(real).client.timeout_s == 600.0

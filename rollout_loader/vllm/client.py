@@ -480,26 +480,39 @@ class SyncClientTransfer:
 
 def weight_transfer(engine: Any) -> WeightTransfer:
     """The client for ``engine``: a server URL, a ``vllm.LLM``, Ray actor handles hosting vLLM engines (one or a
-    list; or vLLM's ``RayVLLMWeightSyncClient``), any vLLM ``VLLMWeightSyncClient``, or a client already."""
+    list; or vLLM's ``RayVLLMWeightSyncClient``), any vLLM ``VLLMWeightSyncClient``, or a client already.
+
+    Ray handles are told apart first: a handle answers for every method of its actor's class (an ``LLM`` actor's
+    handle has ``generate`` and ``collective_rpc``), yet each is called only as ``.remote()``. vLLM's own clients
+    are recognised by their class (name and module), never by a name alone: a framework's class of the same name
+    may send what deltasync's HTTP client would not (its headers, its certificates)."""
     if isinstance(engine, str):
         return HttpWeightTransfer(engine)
     if isinstance(engine, (HttpWeightTransfer, LocalWeightTransfer, SyncClientTransfer)):
-        return engine
-    if hasattr(engine, "collective_rpc") and hasattr(engine, "generate"):
-        return LocalWeightTransfer(engine)
-    if all(callable(getattr(engine, m, None)) for m in ("held_step", "init", "update", "status")):
         return engine
     from .ray_client import RayWeightTransfer, ray_handles
 
     handles = ray_handles(engine)
     if handles is not None:
         return RayWeightTransfer(handles)
-    if type(engine).__name__ == "HTTPVLLMWeightSyncClient" and isinstance(getattr(engine, "base_url", None), str):
+    if hasattr(engine, "collective_rpc") and hasattr(engine, "generate"):
+        return LocalWeightTransfer(engine)
+    if all(callable(getattr(engine, m, None)) for m in ("held_step", "init", "update", "status")):
+        return engine
+    if is_vllm_class(engine, "HTTPVLLMWeightSyncClient") and isinstance(getattr(engine, "base_url", None), str):
         # the same server, with pause, read-back of the step and prefix-cache reset
-        return HttpWeightTransfer(engine.base_url, timeout_s=float(getattr(engine, "timeout", 600.0) or 600.0))
+        timeout = getattr(engine, "timeout", None)
+        ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < float("inf")
+        return HttpWeightTransfer(engine.base_url, timeout_s=float(timeout) if ok else 600.0)
     if all(callable(getattr(engine, m, None)) for m in SYNC_CLIENT_METHODS):
         return SyncClientTransfer(engine)
     raise ConfigError(
         "VllmTarget: expected a vllm.LLM, a server URL (http://host:port), Ray actor handles hosting vLLM, a vLLM "
         f"VLLMWeightSyncClient or a weight-transfer client, got {type(engine).__name__}"
     )
+
+
+def is_vllm_class(obj: Any, name: str) -> bool:
+    """Whether ``obj`` is an instance of vLLM's own class ``name`` (exactly: a subclass may change what it sends),
+    told without importing vLLM."""
+    return type(obj).__name__ == name and type(obj).__module__.split(".")[0] == "vllm"
