@@ -207,8 +207,8 @@ class HttpWeightTransfer:
             if 300 <= e.code < 400:
                 raise EngineError(f"{url}: HTTP {e.code}: {e.reason} (the client follows no redirect: give the "
                                   f"server's own address)") from None
-            body = (e.read(MAX_ERROR_BODY_BYTES) or b"").decode(errors="replace")
-            raise self._refusal(url, route, e.code, body) from None
+            said = (e.read(MAX_ERROR_BODY_BYTES) or b"").decode(errors="replace")
+            raise self._refusal(url, route, e.code, said) from None
         except urllib.error.URLError as e:  # no connection was made
             raise EngineUnreachableError(
                 f"{url}: cannot connect to the vLLM server ({e.reason}); is it running at {self.base_url}?"
@@ -501,9 +501,10 @@ def weight_transfer(engine: Any) -> WeightTransfer:
         return engine
     if is_vllm_class(engine, "HTTPVLLMWeightSyncClient") and isinstance(getattr(engine, "base_url", None), str):
         # the same server, with pause, read-back of the step and prefix-cache reset
-        timeout = getattr(engine, "timeout", None)
-        ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < float("inf")
-        return HttpWeightTransfer(engine.base_url, timeout_s=float(timeout) if ok else 600.0)
+        timeout: Any = getattr(engine, "timeout", None)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            timeout = 600.0  # requests also takes a (connect, read) pair: not one number
+        return HttpWeightTransfer(engine.base_url, timeout_s=float(timeout))
     if all(callable(getattr(engine, m, None)) for m in SYNC_CLIENT_METHODS):
         return SyncClientTransfer(engine)
     raise ConfigError(
