@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
@@ -57,6 +58,10 @@ def follow(
                                              "the store stays the fallback.")] = None,
     storage_option: StorageOpt = None,
     trusted_key: TrustedKeyOpt = None,
+    revoked_key: Annotated[list[Path] | None, typer.Option(
+        "--revoked-key", help="Public key whose steps are refused, with every key it endorsed, even where a trusted "
+        "key endorsed it (a leaked key: docs/SECURITY.md); needs --trusted-key; repeatable. The server's engine "
+        "refuses them too.")] = None,
 ) -> None:
     """Keep a running vLLM server at the newest step of a stream (prints one line per step, with how many steps it
     runs behind the newest committed step).
@@ -78,7 +83,14 @@ def follow(
     # reach the engine from the follower; the rest of the engine's settings are these
     settings = EngineSettings(step=engine_step, mode=mode, verify=verify, prefetch=prefetch, rdma=_rdma_option(rdma))
     target = VllmTarget(server, settings)
-    keys = _trusted(trusted_key)
+    keys: Any = _trusted(trusted_key)
+    if revoked_key:
+        if keys is None:
+            raise typer.BadParameter("revoking keys needs --trusted-key (without trusted keys no step is checked)",
+                                     param_hint="--revoked-key")
+        from deltasync.engine import TrustedKeys
+
+        keys = TrustedKeys.load(keys, revoked=[str(k) for k in revoked_key])
     feed = EventFeed(notify) if notify is not None else None  # a bad URL: one line, exit 2
 
     def report(step: int) -> None:
