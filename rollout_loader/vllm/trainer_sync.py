@@ -94,6 +94,11 @@ class TrainerSync:
         try:
             if self.target is not None:
                 with StreamReader(self.url, storage_options=self.storage_options) as reader:
+                    sent = self.target.engine_settings(reader).storage_options
+                    if sent and sent == dict(self.storage_options or {}):
+                        # the trainer's store options may carry write access; an engine only reads (SECURITY.md)
+                        log.warning("%s: the inference engines get the trainer's storage options (its credentials): "
+                                    "give them read-only ones in the engine settings (storage_options)", self.who)
                     held = self.target.connect(reader)  # the engines read this stream unless the target names another
                 log.info("%s: stream %s (newest committed step %s), engines at step %s", self.who, self.url,
                          publisher.last_committed_step, held)
