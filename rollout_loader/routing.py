@@ -338,6 +338,11 @@ class CopyRecorder(TorchDispatchMode):
             self.problems.setdefault(name, f"the loader broadcasts {list(src.shape)} of {sorted(lin.names())} into "
                                            f"{list(dst.shape)} of it")
             return
+        if any(n > 1 and st == 0 for n, st in zip(src.shape, src.stride(), strict=True)):
+            self.untraced.setdefault(name, set()).update(lin.names())
+            self.problems.setdefault(name, f"the loader broadcasts elements of {sorted(lin.names())[:3]} into it (one "
+                                           "checkpoint element into several places)")
+            return
         composed = compose(lin, int(src.storage_offset()), tuple(src.shape), tuple(src.stride()))
         placed = None
         if composed is not None and not composed[1]:
@@ -763,7 +768,7 @@ def _coverage(routes: Iterable[Route], param_shapes: Mapping[str, Sequence[int]]
             continue
         boxes = by_param.get(name, [])
         numel = math.prod(shape)
-        if not boxes:
+        if not boxes and not filled.get(name):
             issues.append(f"engine parameter {name!r} is fed by no checkpoint tensor")
             continue
         grids = [b[0] for b in boxes] + [b[0] for b in filled.get(name, [])]
@@ -782,7 +787,9 @@ def _coverage(routes: Iterable[Route], param_shapes: Mapping[str, Sequence[int]]
         if n > numel:
             issues.append(f"engine parameter {name!r}: {n} elements written into its {numel}")
         pad = _union_numel([b for b in pads if b is not None], fed_boxes)
-        if n + pad < numel:
+        if not fed_boxes and pad < numel:
+            issues.append(f"engine parameter {name!r} is fed by no checkpoint tensor")
+        elif n + pad < numel:
             issues.append(f"engine parameter {name!r}: {numel - n - pad} of its {numel} elements "
                           "are fed by no checkpoint tensor")
     return issues

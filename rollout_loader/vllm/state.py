@@ -104,6 +104,7 @@ class WorkerState:
     def check_header(self, header: StepHeader, where: str) -> None:
         """The step's tensors are this engine's checkpoint tensors, same shapes and element widths."""
         names = set(header.tensors)
+        self._adopt_tied(names)
         known = set(self.homes) | set(self.aliases)
         problems = [f"{n!r}: not a checkpoint tensor of this model" for n in sorted(names - known)[:5]]
         missing = sorted(set(self.homes) - names)  # a tied tensor the step leaves out is no loss: never held
@@ -118,6 +119,22 @@ class WorkerState:
         if problems:
             raise PatchError(f"{where}: the step does not fit the engine, weights untouched "
                              f"({len(problems)} problem(s)): " + "; ".join(problems[:8]))
+
+    def _adopt_tied(self, names: set[str]) -> None:
+        """A stream that publishes a tied pair under the other name (a trainer whose state dict lists the head
+        first): the engine holds the pair's one tensor under the name the stream carries, and checks the other."""
+        with self.lock:
+            for alias, target in list(self.aliases.items()):
+                if alias in names and target not in names:
+                    del self.aliases[alias]
+                    self.homes[alias] = self.homes.pop(target)
+                    self.aliases[target] = alias
+                    if target in self.host:
+                        self.host[alias] = self.host[target]  # re-loads still send it under the name vLLM knows
+                    if target in self.sums:
+                        self.sums[alias] = self.sums.pop(target)
+                    log.info("deltasync: the stream carries %r for the tied pair (%r checked against it)", alias,
+                             target)
 
     def route_patches(self, patches: Iterable[RawPatch]) -> list[Staged]:
         """Validate every patch against the engine and map it to this rank's elements; writes nothing.

@@ -113,8 +113,9 @@ def _follow_and_compare(model_dir, url, live, quantization, followed, tokens, tm
         llm.init_weight_transfer_engine({"init_info": {"url": url, "verify": verify, "step": 0}})
         for step in steps:
             update_to(llm, step)
-            if step in compared:
-                followed[step], tokens[step] = _held(llm), generate(llm)
+            if step in compared:  # generation first: it converts caches (gpt-oss's fp32 rope cache) as a fresh one's
+                tokens[step] = generate(llm)
+                followed[step] = _held(llm)
         engine = llm.collective_rpc(lambda worker: worker.weight_transfer_engine)[0]
         assert engine.held_step == steps[-1]
         if check is not None:
@@ -129,7 +130,8 @@ def _follow_and_compare(model_dir, url, live, quantization, followed, tokens, tm
         fresh_dir = save_like(model_dir, tmp_path / f"fresh{step}", load_state(Path(replayed.path)))
         fresh = _start(fresh_dir, live, quantization=quantization)
         try:
-            want, want_tokens = _held(fresh), generate(fresh)
+            want_tokens = generate(fresh)
+            want = _held(fresh)
         finally:
             del fresh
             gc.collect()
