@@ -147,6 +147,13 @@ MATRIX: list[dict[str, str]] = [
      "path": f"in place, each rank its slices; {SHADOW_EXPERTS}",
      "test": "test_vllm_models::test_moe_tensor_parallel_2_bit_exact_against_a_fresh_engine (outside CI: "
              "`./run.sh test -m outside_ci`)"},
+    {"family": "deepseek_v3 (router bias in bf16), gpt_oss, tied_head", "tp": "1", "ep": "-", "dtype": "bf16",
+     "kernels": "live",
+     "path": "one delta each: the router bias two modules share, widened into fp32 (host copy, converted); the "
+             "permuted experts; the stored tied head (carried as a second tensor) checked, never written; a module "
+             "whose loader computes its weight (no element map) re-loaded through vLLM",
+     "test": "test_vllm_models::test_round_2_mechanisms_follow_a_delta_bit_exact (in CI: the sibling of the "
+             "deepseek_v3, gpt_oss, qwen3_next and tied_head rows)"},
     {"family": "qwen3 (dense, tied and untied)", "tp": "1, 2", "ep": "-", "dtype": "bf16, fp32",
      "kernels": "live, stock",
      "path": "in place (live); linears shadowed (stock)",
