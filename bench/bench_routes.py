@@ -75,9 +75,12 @@ def checkpoint_layout(folder: Path) -> tuple[dict[str, list[int]], dict]:
 
     cfg = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     sd = revert_weight_conversion(model, model.state_dict())
-    return {n: list(t.shape) for n, t in sd.items()}, {n: t.dtype for n, t in sd.items()}
+    # what from_pretrained keeps in fp32 (DeepSeek-V3's e_score_correction_bias), the published checkpoints store so
+    fp32 = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    return ({n: list(t.shape) for n, t in sd.items()},
+            {n: torch.float32 if any(k in n for k in fp32) else t.dtype for n, t in sd.items()})
 
 
 def vllm_model_on_meta(folder: Path):
@@ -86,6 +89,7 @@ def vllm_model_on_meta(folder: Path):
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     config = EngineArgs(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
                         max_model_len=4096, load_format="dummy").create_engine_config()
@@ -95,7 +99,7 @@ def vllm_model_on_meta(folder: Path):
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                          distributed_init_method=f"tcp://127.0.0.1:{port}")
             ensure_model_parallel_initialized(1, 1)
-        with torch.device("meta"):
+        with torch.device("meta"), set_default_torch_dtype(config.model_config.dtype):  # as vLLM's loader builds it
             return initialize_model(vllm_config=config)
 
 

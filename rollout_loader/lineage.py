@@ -20,6 +20,7 @@ imports torch only.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -138,12 +139,17 @@ class Map:
 
 def contiguous_grid(shape: Sequence[int]) -> list[Dim]:
     """The grid of a contiguous tensor of ``shape`` (dims of size 1 left out)."""
+    return list(_contiguous_grid(tuple(int(s) for s in shape)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_grid(shape: Shape) -> tuple[Dim, ...]:
     out, acc = [], 1
     for size in reversed(shape):
         if size != 1:
-            out.append((int(size), acc))
-        acc *= int(size)
-    return out[::-1] if out else []
+            out.append((size, acc))
+        acc *= size
+    return tuple(out[::-1])
 
 
 def split_range(start: int, extent: int, size: int, r: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
@@ -160,9 +166,10 @@ def split_range(start: int, extent: int, size: int, r: int) -> tuple[tuple[int, 
 
 def _split_point(grid: list[Dim], stride: int) -> tuple[int, int] | None:
     """(dim, factor) to split so that ``stride`` is a dim's stride (factor 1: it already is), or None."""
-    for i, (size, st) in enumerate(grid):
+    for i, (_, st) in enumerate(grid):
         if st == stride:
             return i, 1
+    for i, (size, st) in enumerate(grid):
         if st < stride < st * size:
             r, rem = divmod(stride, st)
             if rem or size % r:

@@ -358,7 +358,7 @@ class CopyRecorder(TorchDispatchMode):
         cast = dst.dtype if src.dtype != dst.dtype else None
         for c in copies:
             self.read.add(c.hf_name)
-            self.copies.append(replace(c, casts=c.casts + ((cast,) if cast is not None else ())))
+            self.copies.append(c if cast is None else replace(c, casts=(*c.casts, cast)))
         for offset, shape, stride in fills:
             self.fills.append((name, View(base=base, offset=offset, shape=shape, stride=stride)))
 
@@ -547,9 +547,11 @@ def build_routing_table(
         elif not bad and len(params) > 1:
             bad = [f"{hf_name!r}: copied into {len(params)} parameters ({params[:3]}); one checkpoint tensor feeds one "
                    "parameter here, and vLLM keeps these as separate copies (deltasync cannot follow this model)"]
-        good = sorted((p for p in pieces if not isinstance(p, str)), key=lambda r: (r.hf_box()[1], r.hf_box()[2]))
-        if not bad and any(a.hf_box()[0] == b.hf_box()[0] and _overlap(a.hf_box()[1:], b.hf_box()[1:])
-                           for a, b in itertools.pairwise(good)):
+        good = [p for p in pieces if not isinstance(p, str)]
+        if len(good) > 1:
+            good.sort(key=lambda r: r.hf_box()[1:])
+        if not bad and len(good) > 1 and any(a.hf_box()[0] == b.hf_box()[0] and _overlap(a.hf_box()[1:], b.hf_box()[1:])
+                                             for a, b in itertools.pairwise(good)):
             bad = [f"{hf_name!r}: the same elements are copied into {len(good)} places of {params[0]!r}; replicas of "
                    "one tensor (redundant experts) are not supported"]
         if bad:
@@ -640,6 +642,30 @@ def _route(c: Copy) -> Route | str:
     atoms = _merged([a for a in c.atoms if a[0] != 1])
     if any(a == 0 or b == 0 for _, a, b in atoms):
         return f"{where}: the loader copies one checkpoint element into several places (a broadcast): no exact route"
+    key = (c.hf_shape, c.param_shape, tuple(atoms))
+    plan = _PLANS.get(key)  # copies of one structure (every expert of a layer) share grids and the atoms' split
+    if plan is not None:
+        hg, pg, split = plan
+        dh = decompose(hg, c.hf_offset, [n for n, _, _ in split], [a for _, a, _ in split])
+        dp = decompose(pg, c.param_offset, [n for n, _, _ in split], [b for _, _, b in split])
+        if dh is not None and dp is not None and all(len(x) == 1 for x in (*dh[1], *dp[1])):
+            return _route_from(c, hg, pg, dh, dp)
+    found = _plan(c, where, atoms)
+    if isinstance(found, str):
+        return found
+    hg, pg, split, dh, dp = found
+    if len(_PLANS) > 4096:
+        _PLANS.clear()
+    _PLANS[key] = (hg, pg, split)
+    return _route_from(c, hg, pg, dh, dp)
+
+
+_PLANS: dict[tuple[Any, ...], tuple[list[Dim], list[Dim], list[tuple[int, int, int]]]] = {}
+
+
+def _plan(c: Copy, where: str, atoms: list[tuple[int, int, int]]) -> Any:
+    """Grids of both tensors fine enough that each index of the copy runs along one dim of each, and the copy's
+    indices split to match: (hf grid, param grid, indices, hf pieces, param pieces), or why there are none."""
     hg, pg = contiguous_grid(c.hf_shape), contiguous_grid(c.param_shape)
     for _ in range(16):
         for _, a, b in atoms:
@@ -668,9 +694,11 @@ def _route(c: Copy) -> Route | str:
                 prev = cut
         atoms = split
         if not changed:
-            break
-    else:
-        return f"{where}: the checkpoint box and the parameter box do not line up"
+            return hg, pg, atoms, dh, dp
+    return f"{where}: the checkpoint box and the parameter box do not line up"
+
+
+def _route_from(c: Copy, hg: list[Dim], pg: list[Dim], dh: Any, dp: Any) -> Route:
     hext, pext, pairs = [1] * len(hg), [1] * len(pg), []
     for ((i, e),), ((j, _),) in zip(dh[1], dp[1], strict=True):
         hext[i], pext[j] = e, e
@@ -704,13 +732,21 @@ def _in_shape(shape: Shape, grid: list[Dim], start: list[int], extent: list[int]
               ) -> tuple[Shape, Shape, Shape, dict[int, int]]:
     """A box of ``grid`` in the tensor's own dims when the grid is the shape's (dims of size 1 kept), else in the
     grid's: (start, extent, grid or () for the shape's, {grid dim: dim})."""
-    if grid == contiguous_grid(shape):
-        real = [d for d, s in enumerate(shape) if s != 1]
+    own, dims = _dims_of(tuple(shape), tuple(grid))
+    if own:
         s, e = [0] * len(shape), [1] * len(shape)
-        for k, d in enumerate(real):
+        for k, d in dims.items():
             s[d], e[d] = start[k], extent[k]
-        return tuple(s), tuple(e), (), {k: d for k, d in enumerate(real)}
-    return tuple(start), tuple(extent), tuple(size for size, _ in grid), {k: k for k in range(len(grid))}
+        return tuple(s), tuple(e), (), dims
+    return tuple(start), tuple(extent), tuple(size for size, _ in grid), dims
+
+
+@functools.lru_cache(maxsize=4096)
+def _dims_of(shape: Shape, grid: tuple[Dim, ...]) -> tuple[bool, dict[int, int]]:
+    """(whether ``grid`` is ``shape``'s own, {grid dim: the dim of the box it is counted in})."""
+    if list(grid) == contiguous_grid(shape):
+        return True, {k: d for k, d in enumerate(d for d, s in enumerate(shape) if s != 1)}
+    return False, {k: k for k in range(len(grid))}
 
 
 def _canonical(grid: Shape, start: Shape, extent: Shape) -> tuple[tuple[Dim, ...], Shape, Shape]:
@@ -755,7 +791,12 @@ def _coverage(routes: Iterable[Route], param_shapes: Mapping[str, Sequence[int]]
               fills: Iterable[tuple[str, View]], exempt: set[str]) -> list[str]:
     """Every element of every parameter fed exactly once (by a route or a fill), or what is wrong."""
     by_param: dict[str, list[tuple[tuple[Dim, ...], Shape, Shape]]] = {}
+    whole: set[str] = set()  # parameters one route fills exactly (most of them): nothing to check
     for r in routes:
+        if r.param_name not in by_param and r.numel == math.prod(r.param_shape):
+            whole.add(r.param_name)
+        else:
+            whole.discard(r.param_name)
         by_param.setdefault(r.param_name, []).append(r.param_box())
     filled: dict[str, list[tuple[tuple[Dim, ...], Shape, Shape]]] = {}
     for name, view in fills:
@@ -767,6 +808,8 @@ def _coverage(routes: Iterable[Route], param_shapes: Mapping[str, Sequence[int]]
         if name in exempt:
             continue
         boxes = by_param.get(name, [])
+        if name in whole and len(boxes) == 1:
+            continue
         numel = math.prod(shape)
         if not boxes and not filled.get(name):
             issues.append(f"engine parameter {name!r} is fed by no checkpoint tensor")

@@ -78,7 +78,11 @@ def build_state(
                            "storage with a checkpoint-format parameter: a write would leave them stale")
     # module -> every checkpoint tensor its reload loads (all of q, k, v, bias), through any name it holds them by
     feeds = dict(feeds_of(table, shadowed, need))
-    reloading = {n: tuple(sorted(m for m, names in feeds.items() if n in names)) for n in table.routes}
+    by_name: dict[str, set[str]] = {}
+    for m, names in feeds.items():
+        for n in names:
+            by_name.setdefault(n, set()).add(m)
+    reloading = {n: tuple(sorted(by_name.get(n, ()))) for n in table.routes}
     # a tensor kept on the host (re-loaded, or converted on its way) is written into every parameter no reload
     # writes, as the loader wrote it (its dtype conversions): the mirror
     mirrors = {n: tuple(r for r in pieces if not need(r.param_name) & set(reloading[n]))

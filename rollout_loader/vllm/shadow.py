@@ -157,7 +157,7 @@ def reload_as_loaded(vllm_config: VllmConfig, model: torch.nn.Module, weights: I
                 if isinstance(method, QuantizeMethodBase):
                     method.process_weights_after_loading(layer)
                     if hasattr(layer, "update_param_tp_status"):
-                        layer.update_param_tp_status()
+                        layer.update_param_tp_status()  # type: ignore[operator]  # vLLM's
                 if is_deferred_attention_layer(layer):
                     layer.process_weights_after_loading(vllm_config.model_config.dtype)  # type: ignore[operator]
             for layer in layers:
