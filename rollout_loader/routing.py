@@ -253,6 +253,8 @@ class RoutingTable:
         return {n: [r.hf_box() for r in pieces] for n, pieces in self.routes.items()}
 
 
+# {op: (mutates an input, name, returns views of its inputs)}, from the op's schema
+_OPS: dict[Any, tuple[bool, str, bool]] = {}
 # ops whose result holds the elements of one input as they are (a dtype conversion aside): exact lineage
 COPY_OPS = frozenset({"clone", "_to_copy", "contiguous", "lift_fresh_copy", "copy"})
 
@@ -283,28 +285,40 @@ class CopyRecorder(TorchDispatchMode):
         self.untraced: dict[str, set[str]] = {}
         self.read: set[str] = set()  # checkpoint tensors whose elements reached a parameter (even 0 of them)
 
-    def lineage(self, t: torch.Tensor) -> Lineage | None:
-        """What ``t``'s storage holds, or None when it holds nothing from a checkpoint tensor."""
+    def lineage(self, t: torch.Tensor, *, keep: bool = False) -> Lineage | None:
+        """What ``t``'s storage holds, or None when it holds nothing from a checkpoint tensor. A checkpoint tensor's
+        is made when asked for (kept only once the loader changes it: ``keep``), so a trace of a large model holds
+        no per-tensor objects."""
         key = _storage(t)
         lin = self._lineage.get(key)
         if lin is None and key in self._sources:
             name, shape = self._sources[key]
-            lin = self._lineage[key] = Lineage.of_checkpoint(name, shape)
+            lin = Lineage.of_checkpoint(name, shape)
+            if keep:
+                self._lineage[key] = lin
         return lin
+
+    def _tracked(self, t: torch.Tensor) -> bool:
+        key = _storage(t)
+        return key in self._lineage or key in self._sources
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        info = _OPS.get(func)
+        if info is None:
+            returns = func._schema.returns
+            info = _OPS[func] = (func._schema.is_mutable, func.overloadpacket.__name__,
+                                 bool(returns) and all(r.alias_info is not None for r in returns))
+        mutable, op, view = info
         dst = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        mutable = func._schema.is_mutable
-        op = func.overloadpacket.__name__
-        target = self._params.get(_storage(dst)) if dst is not None and mutable else None
-        if target is not None and dst is not None:  # (target is None without dst)
-            self._into_param(op, func, dst, target, args)
-            return dst  # never executed: a parameter left live (a bias) must keep its bits
         if mutable and dst is not None:
+            target = self._params.get(_storage(dst))
+            if target is not None:
+                self._into_param(op, func, dst, target, args)
+                return dst  # never executed: a parameter left live (a bias) must keep its bits
             self._into_other(op, dst, args)
         out = func(*args, **kwargs)
-        if not mutable:
+        if not mutable and not view:  # a view shares its base's storage, so its lineage
             self._derive(op, args, kwargs, out)
         return out
 
@@ -322,6 +336,18 @@ class CopyRecorder(TorchDispatchMode):
                                            "elements)")
             return
         src = args[1]
+        key = _storage(src) if isinstance(src, torch.Tensor) else None
+        if (key in self._sources and key not in self._lineage and dst.numel() and tuple(src.shape) == tuple(dst.shape)
+                and all(st or n == 1 for n, st in zip(src.shape, src.stride(), strict=True))):
+            # a view of a checkpoint tensor the loader left as it is (nearly every copy): its strides are the map
+            hf_name, hf_shape = self._sources[key]
+            self.read.add(hf_name)
+            self.copies.append(Copy(
+                hf_name=hf_name, hf_shape=hf_shape, param_name=name, param_shape=base,
+                hf_offset=int(src.storage_offset()), param_offset=view.offset,
+                atoms=tuple((n, a, b) for n, a, b in zip(src.shape, src.stride(), view.stride, strict=True) if n != 1),
+                casts=(dst.dtype,) if src.dtype != dst.dtype else ()))
+            return
         lin = self.lineage(src) if isinstance(src, torch.Tensor) else None
         if lin is None:
             self.problems.setdefault(name, "copied from a tensor that holds no checkpoint element (the loader made "
@@ -366,7 +392,7 @@ class CopyRecorder(TorchDispatchMode):
         """An in-place op on a tensor that is no parameter: a copy into a temporary gains parts; a fill marks the
         region constant; anything else on a tensor holding checkpoint elements makes it untraceable."""
         key = _storage(dst)
-        lin = self.lineage(dst)
+        lin = self.lineage(dst, keep=True)
         if op == "copy_" and isinstance(args[1], torch.Tensor):
             src_lin = self.lineage(args[1])
             if src_lin is None:
@@ -396,7 +422,7 @@ class CopyRecorder(TorchDispatchMode):
         out = []
         for a in [*args, *kwargs.values()]:
             for t in (a if isinstance(a, (list, tuple)) else (a,)):
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and self._tracked(t):
                     lin = self.lineage(t)
                     if lin is not None:
                         out.append((t, lin))
@@ -405,7 +431,7 @@ class CopyRecorder(TorchDispatchMode):
     def _derive(self, op: str, args: tuple, kwargs: Mapping[str, Any], out: Any) -> None:
         """Give each new tensor an op made from checkpoint elements its lineage (views share their base's)."""
         outs = [o for o in (out if isinstance(out, (list, tuple)) else (out,)) if isinstance(o, torch.Tensor)]
-        fresh = [o for o in outs if self.lineage(o) is None]
+        fresh = [o for o in outs if not self._tracked(o)]
         if not fresh:
             return
         inputs = self._inputs(args, kwargs)
