@@ -19,7 +19,7 @@ import typer
 # imports torch or deltasync at import time: `deltasync --help` and `--version` answer at once.
 import deltasync_cli.stream  # noqa: F401
 from deltasync_cli import environment, follow, history, keys  # noqa: F401
-from deltasync_cli.app import app
+from deltasync_cli.app import app, one_line
 
 __all__ = ["app", "main"]
 
@@ -83,7 +83,7 @@ def _fail(message: str, code: int) -> None:
         import traceback
 
         traceback.print_exc()
-    typer.echo(f"error: {' '.join(message.split())}", err=True)
+    typer.echo(f"error: {one_line(message)}", err=True)
     sys.exit(code)
 
 

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from deltasync_cli.app import StorageOpt, TrustedKeyOpt, _progress, _storage_options, _trusted, app, err, out
+from deltasync_cli.app import (
+    StorageOpt,
+    TrustedKeyOpt,
+    _progress,
+    _storage_options,
+    _trusted,
+    app,
+    err,
+    one_line,
+    out,
+)
 
 if TYPE_CHECKING:  # imported inside the command: --help imports neither torch nor deltasync
     from rollout_loader.metrics import FollowerStatus
@@ -47,6 +58,10 @@ def follow(
                                              "the store stays the fallback.")] = None,
     storage_option: StorageOpt = None,
     trusted_key: TrustedKeyOpt = None,
+    revoked_key: Annotated[list[Path] | None, typer.Option(
+        "--revoked-key", help="Public key whose steps are refused, with every key it endorsed, even where a trusted "
+        "key endorsed it (a leaked key: docs/SECURITY.md); needs --trusted-key; repeatable. The server's engine "
+        "refuses them too.")] = None,
 ) -> None:
     """Keep a running vLLM server at the newest step of a stream (prints one line per step, with how many steps it
     runs behind the newest committed step).
@@ -68,7 +83,14 @@ def follow(
     # reach the engine from the follower; the rest of the engine's settings are these
     settings = EngineSettings(step=engine_step, mode=mode, verify=verify, prefetch=prefetch, rdma=_rdma_option(rdma))
     target = VllmTarget(server, settings)
-    keys = _trusted(trusted_key)
+    keys: Any = _trusted(trusted_key)
+    if revoked_key:
+        if keys is None:
+            raise typer.BadParameter("revoking keys needs --trusted-key (without trusted keys no step is checked)",
+                                     param_hint="--revoked-key")
+        from deltasync.engine import TrustedKeys
+
+        keys = TrustedKeys.load(keys, revoked=[str(k) for k in revoked_key])
     feed = EventFeed(notify) if notify is not None else None  # a bad URL: one line, exit 2
 
     def report(step: int) -> None:
@@ -99,7 +121,7 @@ def follow(
             error = follower.last_error
             if error is not None and str(error) != shown:  # once per distinct error
                 shown = str(error)
-                err.print(f"[yellow]retrying:[/yellow] {escape(f'{type(error).__name__}: {error}')}")
+                err.print(f"[yellow]retrying:[/yellow] {escape(one_line(f'{type(error).__name__}: {error}'))}")
             elif error is None:
                 shown = None
         if follower.stopped_by is not None:  # a permanent error stopped the thread: one line, exit 2
@@ -192,7 +214,7 @@ def mirror(
         return
 
     def warn(error: BaseException) -> None:
-        err.print(f"[yellow]retrying:[/yellow] {escape(f'{type(error).__name__}: {error}')}")
+        err.print(f"[yellow]retrying:[/yellow] {escape(one_line(f'{type(error).__name__}: {error}'))}")
 
     stop = threading.Event()
     server = feed = None

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from deltasync.engine import CONSUMER_ID, MAX_STEP, name_matches, pem_texts, rdma_options
+from deltasync.engine import CONSUMER_ID, MAX_STEP, TrustedKeys, name_matches, pem_texts, rdma_options
 from deltasync.errors import ConfigError
 
 __all__ = ["EngineSettings", "EngineVerify", "Mode"]
@@ -47,6 +48,8 @@ class EngineSettings:
             listen to, polling the store only as a safety net.
         trusted_keys: public keys (PEM text, or files where these settings are made): the engine then applies
             only steps one of them signed. Kept as PEM text, so a server elsewhere needs no file.
+        revoked_keys: public keys (the same forms) the engine refuses, with every key they endorsed, even where a
+            trusted key endorsed them: a leaked key (docs/SECURITY.md). Only beside ``trusted_keys``.
 
     Raises:
         ConfigError: a value of the wrong type or out of range, naming the setting.
@@ -66,6 +69,7 @@ class EngineSettings:
     rdma: Mapping[str, Any] | None = None
     notify: str | None = None
     trusted_keys: tuple[str, ...] | None = None
+    revoked_keys: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.url is not None and not (isinstance(self.url, str) and self.url):
@@ -86,28 +90,53 @@ class EngineSettings:
         if self.notify is not None and not (isinstance(self.notify, str)
                                             and self.notify.startswith(("http://", "https://"))):
             raise _bad("notify", "an event feed URL (http://HOST:PORT/events)", self.notify)
-        if self.trusted_keys is not None:
-            keys = self.trusted_keys
+        for name in ("trusted_keys", "revoked_keys"):
+            keys = getattr(self, name)
+            if keys is None:
+                continue
             if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple)):
                 keys = [keys]  # one key (a file or PEM text)
             try:
-                object.__setattr__(self, "trusted_keys", tuple(pem_texts(list(keys))))
+                object.__setattr__(self, name, tuple(pem_texts(list(keys))))
             except ConfigError as e:
-                raise ConfigError(f"deltasync engine setting trusted_keys: {e}") from None
-        size = len(json.dumps(self.init_info()))
+                raise ConfigError(f"deltasync engine setting {name}: {e}") from None
+        size = 0
+        for name, value in self.init_info().items():  # what travels is JSON: a value that is not is named here
+            try:
+                size += len(json.dumps(value))
+            except (TypeError, ValueError, RecursionError) as e:
+                raise _bad(name, "JSON values (strings, numbers, true/false, null, lists, objects), at most a few "
+                           "levels deep", f"{type(e).__name__}: {str(e)[:100]}") from None
         if size > MAX_SETTINGS_BYTES:
             raise _bad("(all)", f"settings of at most {MAX_SETTINGS_BYTES} bytes as JSON", f"{size} bytes")
 
     @classmethod
-    def parse(cls, info: Any) -> EngineSettings:
+    def parse(cls, info: Any, *, key_files: bool = False) -> EngineSettings:
         """Settings from ``init_info`` as it arrives (a JSON object); an unknown key or a bad value is a
-        ``ConfigError`` naming it and the known ones."""
+        ``ConfigError`` naming it and the known ones.
+
+        ``trusted_keys`` and ``revoked_keys`` must then be PEM text: ``init_info`` comes from whoever reaches the
+        engine, and an engine never reads a file a client names (a device that never ends, a pipe that never
+        answers, a probe of which files exist). ``key_files``: the settings are this process's own (a trainer's
+        configuration), whose key files are read here, as the constructor does."""
         if not isinstance(info, Mapping):
             raise ConfigError(f"deltasync init_info: expected an object of engine settings, got {type(info).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in info if k not in known)
-        if unknown:
-            raise ConfigError(f"deltasync init_info: unknown setting(s) {unknown}; the engine takes {sorted(known)}")
+        unknown = sorted(str(k)[:64] for k in info if k not in known)
+        if unknown:  # at most a few: the names are the sender's, and so is their number
+            more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+            raise ConfigError(f"deltasync init_info: unknown setting(s) {unknown[:10]}{more}; the engine takes "
+                              f"{sorted(known)}")
+        for name in ("trusted_keys", "revoked_keys"):
+            keys = info.get(name)
+            if key_files or keys is None:
+                continue
+            listed = [keys] if isinstance(keys, (str, bytes)) else keys
+            if not (isinstance(listed, (list, tuple)) and all(isinstance(k, str) and k.lstrip().startswith(PEM_PUBLIC)
+                                                              for k in listed)):
+                raise _bad(name, f"public keys as PEM text ({PEM_PUBLIC}...): an engine reads no key file a client "
+                           "names", [k if isinstance(k, str) else type(k).__name__ for k in listed]
+                           if isinstance(listed, (list, tuple)) else type(listed).__name__)
         return cls(**info)
 
     def __repr__(self) -> str:
@@ -116,13 +145,16 @@ class EngineSettings:
         shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         shown["storage_options"] = {k: "<hidden>" for k in self.storage_options}
         shown["rdma"] = None if self.rdma is None else _redacted(self.rdma)
-        shown["trusted_keys"] = None if self.trusted_keys is None else f"<{len(self.trusted_keys)} key(s)>"
+        for name in ("trusted_keys", "revoked_keys"):
+            keys = getattr(self, name)
+            shown[name] = None if keys is None else f"<{len(keys)} key(s)>"
         return f"EngineSettings({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def init_info(self) -> dict[str, Any]:
         """The settings as the ``init_info`` object vLLM's ``init_weight_transfer_engine`` carries (JSON)."""
         info = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         info["trusted_keys"] = None if self.trusted_keys is None else list(self.trusted_keys)
+        info["revoked_keys"] = None if self.revoked_keys is None else list(self.revoked_keys)
         info["rdma"] = None if self.rdma is None else dict(self.rdma)
         return info
 
@@ -132,14 +164,26 @@ class EngineSettings:
             raise ConfigError("deltasync init_info: url: expected the stream's URL, got none")
         return self.url, dict(self.storage_options)
 
+    def trusted(self) -> TrustedKeys | None:
+        """The keys the engine checks every step against (None: steps are not checked): the trusted keys, less the
+        revoked ones and what they endorsed. ``ConfigError`` for revoked keys without trusted ones (nothing would
+        be checked: the revocation would protect nothing)."""
+        if self.trusted_keys is None:
+            if self.revoked_keys:
+                raise _bad("revoked_keys", "trusted_keys beside them (without trusted keys no step is checked)",
+                           f"{len(self.revoked_keys)} revoked key(s) and no trusted key")
+            return None
+        return TrustedKeys.load(list(self.trusted_keys), revoked=list(self.revoked_keys or ()))
+
     def replace(self, **changes: Any) -> EngineSettings:
         """A copy with ``changes`` (checked again)."""
         return dataclasses.replace(self, **changes)
 
     def same_stream(self, other: EngineSettings | None) -> bool:
         """Whether ``other`` follows the same stream in the same way (what an engine keeps its step across)."""
-        return other is not None and (self.url, self.storage_options, self.rdma, self.trusted_keys) == (
-            other.url, other.storage_options, other.rdma, other.trusted_keys)
+        return other is not None and (self.url, self.storage_options, self.rdma, self.trusted_keys,
+                                      self.revoked_keys) == (other.url, other.storage_options, other.rdma,
+                                                             other.trusted_keys, other.revoked_keys)
 
 
 def _bad(name: str, expected: str, got: Any) -> ConfigError:
@@ -158,9 +202,17 @@ def _redacted(options: Any) -> Any:
     return {k: "<hidden>" if any(part in str(k).lower() for part in SECRET_KEYS) else v for k, v in options.items()}
 
 
+PEM_PUBLIC = "-----BEGIN PUBLIC KEY-----"
+"""How a public key sent as text begins (deltasync.signing reads the same form)."""
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 160, 160, 8, 8
+
+
 def _shown(value: Any) -> str:
-    """A value as an error message may show it: a mapping's secrets hidden, at most 200 characters."""
-    return repr(_redacted(value))[:200]
+    """A value as an error message may show it: a mapping's secrets hidden, at most 200 characters, however large
+    or deep the value (it may be anyone's)."""
+    return _REPR.repr(_redacted(value))[:200]
 
 
 def _choice(name: str, value: Any, allowed: Any) -> None:
