@@ -56,8 +56,6 @@ class RoutingError(TensorMismatchError):
     """A checkpoint tensor cannot be placed in the engine, or an engine parameter is not fed by any: the
     stream's tensors do not fit this engine's model (a ``TensorMismatchError``, so also a ``ValueError``)."""
 
-    retryable = False
-
 
 @dataclass(frozen=True, kw_only=True)
 class View:

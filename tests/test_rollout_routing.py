@@ -265,6 +265,12 @@ def _broadcast(params, ckpt, tp, rank):
     params["model.norm.weight"].copy_(ckpt["model.norm.weight"][:1].expand(H))
 
 
+def _replicas(params, ckpt, tp, rank):
+    """Expert 0's gate in slots 0 and 1 (a redundant expert), expert 1's gate nowhere."""
+    load(params, {k: v for k, v in ckpt.items() if k != f"{P}moe.experts.1.gate_proj.weight"}, tp, rank)
+    params[P + "moe.experts.w13_weight"][1].narrow(0, 0, MOE).copy_(ckpt[f"{P}moe.experts.0.gate_proj.weight"])
+
+
 def _skipping(name):
     def loader(params, ckpt, tp, rank):
         load(params, {k: v for k, v in ckpt.items() if k != name}, tp, rank)
@@ -281,6 +287,8 @@ NO_RECORD = "vLLM keeps no checkpoint-format record of this parameter, so its mo
                     f"no exact element map.*{NO_RECORD}"),
         (_scaled, rf"'model.norm.weight': written by aten.mul_.*{NO_RECORD}"),
         (_twice, r"'model.norm.weight': copied into 2 parameters"),
+        (_replicas, r"experts.0.gate_proj.weight': the same elements are copied into 2 places of "
+                    r"'model.layers.0.moe.experts.w13_weight'; replicas of one tensor \(redundant experts\)"),
         (_broadcast, r"'model.norm.weight': the loader broadcasts elements of \['model.norm.weight'\] into it"),
         (_skipping(P + "self_attn.k_proj.weight"), r"drops this tensor(.|\n)*qkv_proj.weight': 1024 of its 4096"),
         (_skipping("model.norm.weight"), "'model.norm.weight' is fed by no checkpoint tensor"),
@@ -288,7 +296,7 @@ NO_RECORD = "vLLM keeps no checkpoint-format record of this parameter, so its mo
 )
 def test_unroutable_loaders_fail_at_build_time_naming_the_tensor(loader, match: str) -> None:
     with pytest.raises(RoutingError, match=match):
-        table(2, 1, loader=loader)
+        table(1 if loader is _replicas else 2, 0 if loader is _replicas else 1, loader=loader)
 
 
 @pytest.mark.parametrize("loader", [_computed, _scaled])

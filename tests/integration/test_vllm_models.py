@@ -164,10 +164,10 @@ def _patch_loader(llm, module: str, loader) -> tuple[object, object]:
     return recorded, original
 
 
-def test_a_tensor_no_parameter_takes_is_refused_by_name_and_the_engine_keeps_serving(tmp_path, cpu_env) -> None:
+def test_refusals_name_their_cause_and_the_engine_keeps_serving(tmp_path, cpu_env) -> None:
     """A loader that reads the router's checkpoint tensor and writes none of it (fills the parameter instead): init
     is refused with a RoutingError naming the tensor and the remedy, and the engine's weights and output are
-    untouched."""
+    untouched. An engine whose norm moved since it loaded its checkpoint: refused naming both possible causes."""
     from rollout_loader.routing import RoutingError
 
     model_dir = build_family("qwen3_moe", tmp_path / "m")
@@ -189,6 +189,22 @@ def test_a_tensor_no_parameter_takes_is_refused_by_name_and_the_engine_keeps_ser
         assert "Leave it out of the engine's checkpoint and of the stream" in text
         after = _held(llm)
         assert all(torch.equal(after[n][2], before[n][2]) for n in before) and generate(llm) == before_tokens
+        # weights that moved since the engine loaded its checkpoint (a norm: no post-load processing to redo)
+        model = llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
+        norm = model.get_submodule("model.norm").weight
+        with torch.no_grad():
+            norm.add_(1)
+        try:
+            with pytest.raises(RoutingError) as raised:
+                llm.init_weight_transfer_engine({"init_info": {"url": url, "step": 0}})
+            text = str(raised.value)
+            del raised
+        finally:
+            with torch.no_grad():
+                norm.sub_(1)
+        assert "engine parameter 'model.norm.weight' holds other bits than 'model.norm.weight' in the engine's " \
+               "checkpoint" in text
+        assert "either the engine's weights changed since it loaded that checkpoint" in text
     finally:
         _close(llm)
         del llm
