@@ -312,12 +312,26 @@ class CopyRecorder(TorchDispatchMode):
         if mutable and dst is not None:
             target = self._params.get(_storage(dst))
             if target is not None:
-                self._into_param(op, func, dst, target, args)
+                try:
+                    self._into_param(op, func, dst, target, args)
+                except Exception as e:  # noqa: BLE001 - a case the recorder does not know: named, never guessed
+                    self.problems.setdefault(target[0], f"deltasync could not trace the loader's {op} into it "
+                                                        f"({type(e).__name__}: {e})")
                 return dst  # never executed: a parameter left live (a bias) must keep its bits
-            self._into_other(op, dst, args)
+            try:
+                self._into_other(op, dst, args)
+            except Exception:  # noqa: BLE001 - the tensor it writes holds nothing exact any more
+                inputs = self._inputs(args, {})
+                if inputs:
+                    self._opaque(dst, inputs)
         out = func(*args, **kwargs)
         if not mutable and not view:  # a view shares its base's storage, so its lineage
-            self._derive(op, args, kwargs, out)
+            try:
+                self._derive(op, args, kwargs, out)
+            except Exception:  # noqa: BLE001 - its results hold nothing exact
+                for o in (out if isinstance(out, (list, tuple)) else (out,)):
+                    if isinstance(o, torch.Tensor):
+                        self._opaque(o, self._inputs(args, kwargs))
         return out
 
     def _into_param(self, op: str, func: Any, dst: torch.Tensor, target: tuple[str, Shape], args: tuple) -> None:
