@@ -1,13 +1,13 @@
 """Every model family follows a stream bit-exactly, judged against a fresh vLLM engine loaded from the same step.
 
 For each family (dense, tied, fused-checkpoint, MoE, MLA + MoE + shared experts, Kimi-K2's DeepSeek-V3 with its
-shared router bias, gpt-oss's permuted experts, Qwen3-Next's widened ``A_log``, a tied head the checkpoint stores)
-a run where *every* tensor changes (attention, experts, router, shared experts, norms, embeddings, ``kv_b_proj``)
-is published: two deltas and an anchor. A real vLLM engine follows it through the deltasync weight-transfer engine; after each step every
-parameter and buffer it holds (what vLLM derived after loading too: prepacked CPU experts, MLA's ``W_UK_T``/
-``W_UV``) and its greedy output are recorded. Then a fresh engine is started from each step's replayed
-checkpoint: everything must be bit-equal. "stock" keeps vLLM's CPU kernels (linears repacked, so shadowed and
-re-loaded); "live" keeps CPU linear weights live (written in place); MoE experts are shadowed on CPU either way
+shared router bias, gpt-oss's permuted experts, Qwen3-Next's widened ``A_log``, a tied head the checkpoint stores) a
+run where *every* tensor changes (attention, experts, router, shared experts, norms, embeddings, ``kv_b_proj``) is
+published: two deltas and an anchor. A real vLLM engine follows it through the deltasync weight-transfer engine;
+after each step every parameter and buffer it holds (what vLLM derived after loading too: prepacked CPU experts,
+MLA's ``W_UK_T``/``W_UV``) and its greedy output are recorded. Then a fresh engine is started from each step's
+replayed checkpoint: everything must be bit-equal. "stock" keeps vLLM's CPU kernels (linears repacked, so shadowed
+and re-loaded); "live" keeps CPU linear weights live (written in place); MoE experts are shadowed on CPU either way
 (their CPU kernel prepacks them).
 """
 
