@@ -383,6 +383,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
             parts = state.checksums([n for n, t in h.tensors.items() if t.changed])
         else:
             parts = sums
+        parts = state.with_aliases(parts, h.tensors)  # a tied tensor the step holds: checked as the one it is tied to
         t1 = time.perf_counter()
         gathered = _all_gather(parts)
         t2 = time.perf_counter()
