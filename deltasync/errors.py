@@ -7,6 +7,7 @@ the matching builtin so that callers can catch ``FileNotFoundError`` or ``ValueE
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, ClassVar
 
 
@@ -218,12 +219,17 @@ def from_record(record: Any, *, where: str = "") -> DeltaSyncError:
     """The error an :func:`error_record` describes: the class of that name when it is one of this module's, else
     its ``kind`` (the message then starts with the type's name), each only when its ``retryable`` is the one
     recorded; otherwise an ``EngineError`` (retryable) or ``EngineConfigError`` (not) carrying the type's name.
-    ``where`` leads the message. A record that is not one is an ``EngineError`` saying so."""
+    ``where`` leads the message. A record that is not one is an ``EngineError`` saying so.
+
+    The record comes from another process (a server, an actor) and its text reaches logs and terminals: control
+    characters in the type and message are shown escaped (:func:`printable`), never passed on."""
     prefix = f"{where}: " if where else ""
     if not (isinstance(record, dict) and isinstance(record.get("type"), str) and isinstance(record.get("message"), str)
             and isinstance(record.get("retryable"), bool)):
-        return EngineError(f"{prefix}expected an error record {{type, retryable, message}}, got {str(record)[:200]}")
-    name, message, retryable = record["type"][:100], record["message"][:4000], record["retryable"]
+        return EngineError(f"{prefix}expected an error record {{type, retryable, message}}, got "
+                           f"{printable(str(record)[:200])}")
+    name, message = printable(record["type"][:100]), printable(record["message"][:MAX_MESSAGE_CHARS])
+    retryable = record["retryable"]
     kind = record.get("kind") if isinstance(record.get("kind"), str) else None
     for candidate, text in ((name, prefix + message), (kind, f"{prefix}{name}: {message}")):
         cls = globals().get(candidate) if candidate in __all__ else None
@@ -236,37 +242,63 @@ def from_record(record: Any, *, where: str = "") -> DeltaSyncError:
     return generic(f"{prefix}{name}: {message}")
 
 
+MAX_MESSAGE_CHARS = 4000
+"""The longest message a rebuilt error keeps (a record's message is another process's text)."""
+
+
+def printable(text: str) -> str:
+    """``text`` safe to show on one line of a terminal or a log: line breaks and other white space as spaces, every
+    other control or format character (ESC, BEL, C1 codes, bidirectional overrides) as its escape (``\\x1b``)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else " " if c.isspace() else ascii(c)[1:-1] for c in text)
+
+
 ENVELOPE = "deltasync-error:"
 """Leads the text of an error that must cross a boundary that carries only text (vLLM relays a worker's error as
 ``str(e)``): ``deltasync-error:{"type": ..., "retryable": ...} message``; :func:`in_text` finds it again."""
 
 
 def to_text(error: BaseException) -> str:
-    """``error`` as text that carries its record (see :data:`ENVELOPE`); an error already in that form as it is."""
+    """``error`` as text that carries its record (see :data:`ENVELOPE`); an error already in that form (its own
+    record leading it: it crossed before) as it is. A message that merely starts with some record (words another
+    process wrote) is wrapped like any other: the record in front is always this error's."""
     text = str(error)
-    if text.startswith(ENVELOPE):
-        return text
     record = error_record(error)
-    head = json.dumps({k: v for k, v in record.items() if k != "message"}, separators=(",", ":"))
-    return f"{ENVELOPE}{head} {text}"
+    head = f"{ENVELOPE}{json.dumps({k: v for k, v in record.items() if k != 'message'}, separators=(',', ':'))} "
+    return text if text.startswith(head) else head + text
+
+
+# where a relayed error's own text begins: at the start, or after vLLM's words around a worker's error (the engine
+# core's "Call to <method> method failed: ", the multiprocess executor's "Worker failed with error '"). An envelope
+# anywhere else sits inside other words (another error's message quoting a name, a path, a server's reply) that
+# whoever wrote them controls: it is not the record of the error being relayed.
+_RELAYED = re.compile(r"\s*(?:Call to \w+ method failed: )?(?:Worker failed with error ['\"])?" + re.escape(ENVELOPE))
+MAX_TEXT_CHARS = 1 << 20  # an HTTP body or a relayed message worth parsing; a record and its message are far smaller
 
 
 def in_text(text: str, *, where: str = "") -> DeltaSyncError | None:
-    """The error whose :func:`to_text` form appears in ``text`` (a relayed message, or an HTTP body whose JSON
-    holds one in a string), or None when there is none. The message is what follows the record, up to the end of
-    the relayed error (vLLM appends its own words after a closing quote)."""
-    if ENVELOPE not in text:
+    """The error whose :func:`to_text` form the relayed error ``text`` is (as it is, inside vLLM's words around a
+    worker's error, or in a string of an HTTP body's JSON), or None when it is none. The message is what follows the
+    record, up to the end of the relayed error (vLLM appends its own words after a closing quote).
+
+    Only a record where the relayed error's text begins counts: one inside other words (a tensor name, a server's
+    body quoted in another error) is someone else's text, and is not believed."""
+    if ENVELOPE not in text[:MAX_TEXT_CHARS]:
         return None
-    try:  # an HTTP body: the record sits in a JSON string, its quotes escaped
-        for inner in _strings(json.loads(text)):
-            if ENVELOPE in inner:
-                return in_text(inner, where=where)
-    except ValueError:
-        pass
-    rest = text[text.index(ENVELOPE) + len(ENVELOPE):]
+    match = _RELAYED.match(text)
+    if match is None:
+        if not text.lstrip().startswith("{") or len(text) > MAX_TEXT_CHARS:
+            return None
+        try:  # an HTTP body: the record sits in a JSON string, its quotes escaped
+            strings = _strings(json.loads(text))
+        except (ValueError, RecursionError):
+            return None
+        return next((e for e in (in_text(s, where=where) for s in strings if ENVELOPE in s) if e is not None), None)
+    rest = text[match.end():match.end() + 4 * MAX_MESSAGE_CHARS]
     try:
         head, end = json.JSONDecoder().raw_decode(rest)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(head, dict):
         return None

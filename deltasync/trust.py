@@ -42,6 +42,7 @@ from deltasync.signing import (
     HEAD_TYPE,
     MAX_CHAIN,
     MAX_SIGNATURE_BYTES,
+    PEM_PUBLIC,
     SIGNATURE,
     STATEMENT_TYPE,
     STATEMENT_TYPE_V1,
@@ -97,13 +98,17 @@ class Head:
     key_id: str
 
 
-def _keys(value: Any, what: str) -> set[bytes]:
-    """Raw public keys from a path, PEM text or a list of them (at most 64)."""
+def _keys(value: Any, what: str, *, pem_only: bool = False) -> set[bytes]:
+    """Raw public keys from a path, PEM text or a list of them (at most 64); ``pem_only``: PEM text only (a
+    record that came from elsewhere names no file to read here)."""
     if isinstance(value, (str, bytes, os.PathLike)):
         value = [value.decode() if isinstance(value, bytes) else value]
     if not isinstance(value, (list, tuple, set, frozenset)) or len(value) > MAX_KEYS:
         raise ConfigError(f"{what}: expected a list of public keys (files made by `deltasync keygen`, or PEM text; at "
                           f"most {MAX_KEYS}), got {type(value).__name__}")
+    if pem_only and not all(isinstance(k, str) and k.lstrip().startswith(PEM_PUBLIC) for k in value):
+        raise ConfigError(f"{what}: expected public keys as PEM text ({PEM_PUBLIC}...): a trust record from elsewhere "
+                          "names no key file to read here")
     return {read_public_key(k) for k in value}
 
 
@@ -199,8 +204,9 @@ class TrustedKeys:
         if "keys" not in info:
             raise ConfigError("trusted keys: no 'keys' (a list of PEM public keys)")
         revoked = info.get("revoked") or ()
-        return cls(_keys(info["keys"], "trusted keys"), stream_id=info.get("stream_id"),  # type: ignore[arg-type]
-                   revoked=_keys(revoked, "revoked keys") if revoked else set(), max_age_s=info.get("max_age_s"))
+        return cls(_keys(info["keys"], "trusted keys", pem_only=True), stream_id=info.get("stream_id"),  # type: ignore[arg-type]
+                   revoked=_keys(revoked, "revoked keys", pem_only=True) if revoked else set(),
+                   max_age_s=info.get("max_age_s"))
 
     def fresh(self) -> TrustedKeys:
         """The same setting with nothing learned (for a reader that must not inherit another's history)."""

@@ -19,7 +19,7 @@ import typer
 # imports torch or deltasync at import time: `deltasync --help` and `--version` answer at once.
 import deltasync_cli.stream  # noqa: F401
 from deltasync_cli import environment, follow, history, keys  # noqa: F401
-from deltasync_cli.app import app
+from deltasync_cli.app import app, one_line
 
 __all__ = ["app", "main"]
 
@@ -88,9 +88,8 @@ def _fail(message: str, code: int) -> None:
 
         sys.stderr.write(redact(traceback.format_exc()))  # the causes quote backends: no secret in them either
     from deltasync.secrets import redact
-    from deltasync_cli.app import inert
 
-    typer.echo(f"error: {inert(redact(' '.join(message.split())))}", err=True)
+    typer.echo(f"error: {one_line(redact(message))}", err=True)
     sys.exit(code)
 
 

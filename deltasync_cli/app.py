@@ -21,6 +21,13 @@ out = Console()
 err = Console(stderr=True)
 
 
+def one_line(text: str) -> str:
+    """``text`` as one line that a terminal shows as it is: runs of white space as one space, every other control or
+    format character (ESC, BEL, C1 codes, bidirectional overrides) as its escape (``\\x1b``). Errors carry words of
+    servers and stores (an HTTP body, a relayed engine error): they must not drive the terminal they are shown on."""
+    return " ".join("".join(c if c.isprintable() or c.isspace() else ascii(c)[1:-1] for c in text).split())
+
+
 def _print_version(value: bool) -> None:
     if value:
         from importlib.metadata import PackageNotFoundError, version

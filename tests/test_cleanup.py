@@ -196,6 +196,14 @@ def test_push_on_a_remote_store_leaves_nothing(stream_copy, qwen_stream):
 # --- Ctrl-C ---
 
 
+def interruptible() -> None:
+    """In the child, before the command starts: Ctrl-C as a terminal delivers it. A test run started in the
+    background of a non-interactive shell inherits SIGINT ignored (bash ignores it for asynchronous commands), and
+    Python then keeps it ignored in every child: these tests would test the shell, not the command."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def interrupt_after_first_download(args: list[str], tmp_path: Path, pause_s: float = 3.0,
                                    sig: int = signal.SIGINT) -> tuple[int, str, list[str], list[str]]:
     """Run ``deltasync ARGS`` in a subprocess with a private TMPDIR, send ``sig`` once it downloaded its first
@@ -207,6 +215,7 @@ def interrupt_after_first_download(args: list[str], tmp_path: Path, pause_s: flo
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.remote_cli", str(marker), str(pause_s), *args],
         cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=interruptible,
     )
     try:
         deadline = time.monotonic() + 90
@@ -289,6 +298,7 @@ def test_ctrl_c_stops_follow_and_leaves_nothing(qwen_stream, tmp_path, busy_serv
         [sys.executable, "-m", "deltasync_cli", "follow", qwen_stream.url, "--server", busy_server,
          "--poll-s", "0.05"],
         cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=interruptible,
     )
     lines: list[str] = []
     reading = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]

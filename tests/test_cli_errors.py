@@ -466,6 +466,23 @@ def test_server_not_set_up_for_deltasync(replies, error, needles, tmp_path, monk
         assert "/pause" not in stub.routes  # found out before anything paused
 
 
+def test_a_servers_words_cannot_drive_the_terminal(tmp_path, monkeypatch, capsys):
+    """An HTTP body (or an engine error relayed in one) is the server's text: the one-line error shows its control
+    characters escaped, so a hostile or broken server cannot clear the screen, retitle the window or reorder text."""
+    from deltasync.errors import to_text
+
+    url = str(tmp_path / "stream")
+    with Store(url) as store:
+        store.create_stream()
+    nasty = "over\x1b[2J\x1b]0;owned\x07loaded\x9b31m \u202egnp.exe"
+    for reply, name in (((503, f"overloaded: {nasty}".encode()), "EngineError"),
+                        ((500, {"error": {"message": to_text(ConfigError(nasty))}}), "ConfigError")):
+        with http_stub({**OK, "/init_weight_transfer_engine": reply}) as stub:
+            code, _, err = run_main(monkeypatch, capsys, "follow", url, "--server", stub.url)
+        line = assert_one_line_error(code, err, name, "over\\x1b[2J\\x1b]0;owned\\x07loaded", "\\u202egnp.exe")
+        assert line.isprintable(), repr(line)
+
+
 def test_unreachable_server(tmp_path, monkeypatch, capsys):
     from rollout_loader import Follower
     from rollout_loader.vllm import VllmTarget

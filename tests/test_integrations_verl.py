@@ -37,7 +37,14 @@ from verl.workers.engine_workers import ActorRolloutRefWorker  # noqa: E402
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica  # noqa: E402
 
 from deltasync import StreamReader  # noqa: E402
-from deltasync.errors import ConfigError, EngineError  # noqa: E402
+from deltasync.errors import (  # noqa: E402
+    ConfigError,
+    CorruptObjectError,
+    EngineError,
+    TensorMismatchError,
+    can_retry,
+    to_text,
+)
 from rollout_loader.integrations import verl as integration  # noqa: E402
 from rollout_loader.vllm.settings import EngineSettings  # noqa: E402
 
@@ -332,11 +339,13 @@ class _Remote:
 
 class FakeServer:
     """Stands in for verl's vLLMHttpServer actor handle (``.method.remote(...)`` awaitables); ``fail_step``: the
-    engine refuses that step (and, like deltasync's engine, keeps the step it held)."""
+    engine refuses that step (and, like deltasync's engine, keeps the step it held), with plain words or, given
+    ``error``, as vLLM relays the deltasync engine's error (its record leading its text)."""
 
-    def __init__(self, fail_step: int | None = None) -> None:
+    def __init__(self, fail_step: int | None = None, error: Exception | None = None) -> None:
         self.calls: list[tuple] = []
         self.fail_step = fail_step
+        self.error = error
         self.held: int | None = None
         self.global_steps = None
 
@@ -344,6 +353,9 @@ class FakeServer:
             self.calls.append((method, kwargs))
             if method == "update_weights":
                 step = kwargs["update_info"]["step"]
+                if step == self.fail_step and self.error is not None:
+                    raise RuntimeError(f"Call to collective_rpc method failed: Worker failed with error "
+                                       f"'{to_text(self.error)}', please check the stack trace above")
                 if step == self.fail_step:
                     raise RuntimeError(f"ChecksumMismatchError: step {step} does not match; rolled back to step "
                                        f"{self.held}")
@@ -442,6 +454,31 @@ def test_the_manager_says_which_replica_holds_which_step_and_a_retry_converges(m
             assert init == {"init_info": EngineSettings(url=url).init_info()}
             assert methods[-3:] == ["start_weight_update", "update_weights", "finish_weight_update"]
         assert manager.describe() == "replica 0 holds step 1, replica 1 holds step 1"
+    finally:
+        for w in actors.workers:
+            w.checkpoint_engine.close()
+
+
+def test_the_managers_failure_is_the_class_the_engine_raised(model, tmp_path):
+    """The engine's error crosses verl's server and Ray as its record: the manager raises that class (the first one
+    retrying cannot help), so whoever drives verl gets the engine's answer to "retry?": a step that does not fit the
+    model never will, a damaged download may."""
+    url = str(tmp_path / "stream")
+    actors = ActorGroup([actor_worker(model, is_master=True, url=url)])
+    servers = [FakeServer(fail_step=0, error=CorruptObjectError("step 0: an object's SHA-256 differs")),
+               FakeServer(fail_step=0, error=TensorMismatchError("step 0 does not fit the engine: 'w' is [4, 4]"))]
+    manager = integration.DeltasyncCheckpointManager(_manager_config(url), actors,
+                                                     [_replica(i, s) for i, s in enumerate(servers)])
+    try:
+        with pytest.raises(TensorMismatchError, match=r"step 0: 2 of 2 .*replica 1: TensorMismatchError: step 0 does "
+                                                      r"not fit .*retrying cannot help") as e:
+            manager.update_weights(0)
+        assert not can_retry(e.value) and "deltasync-error" not in str(e.value)
+        servers[1].fail_step = None
+        with pytest.raises(CorruptObjectError, match=r"replica 0 holds step unknown, replica 1 holds step 0; replica "
+                                                     r"0: CorruptObjectError: .*again retries") as e:
+            manager.update_weights(0)
+        assert can_retry(e.value)
     finally:
         for w in actors.workers:
             w.checkpoint_engine.close()

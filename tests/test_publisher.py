@@ -236,3 +236,27 @@ def test_publishing_after_close_is_an_error_not_a_lost_step(tmp_path):
     pub.close()
     with pytest.raises(PublishError, match="step 1: the publisher is closed"):
         pub.publish(1)
+
+
+def test_only_the_committed_steps_own_weights_prove_it(tmp_path):
+    """``differs_from`` is what lets a resumed trainer skip publishing a step the stream holds: every tensor the
+    trainer has that is not bit for bit the step's must be named. A checksum adds up elements, so a reshaped tensor
+    or one of another dtype with the same bits is still another tensor; a tied weight the step published once (an
+    alias) must match in the trainer too, whether the trainer's copy is still tied or not."""
+    torch.manual_seed(0)
+    emb, w = torch.randn(16, 8), torch.randn(4, 2)
+    url = str(tmp_path / "stream")
+    with DeltaPublisher(url, {"emb": emb, "lm": emb, "w": w}) as pub:  # lm tied to emb: an alias in the step
+        pub.publish(0)
+    with StreamReader(url) as reader, reader.open(0) as obj:
+        assert dict(obj.header.aliases) == {"lm": "emb"}
+    with DeltaPublisher(url, None) as resumed:
+        assert resumed.differs_from(0, weights=[("emb", emb), ("lm", emb), ("w", w)]) == []
+        assert resumed.differs_from(0, weights=[("emb", emb), ("lm", emb + 1), ("w", w)]) == ["lm"]
+        assert resumed.differs_from(0, weights=[("emb", emb), ("lm", emb), ("w", w.reshape(2, 4))]) == ["w"]
+        assert resumed.differs_from(0, weights=[("emb", emb), ("lm", emb), ("w", w.view(torch.int32))]) == ["w"]
+        assert resumed.differs_from(0, weights=[("emb", emb), ("w", w)]) == ["lm"]
+    for state, differ in (({"emb": emb, "lm": emb, "w": w}, []), ({"emb": emb, "lm": emb.clone(), "w": w}, []),
+                          ({"emb": emb, "lm": emb * 2, "w": w}, ["lm"]), ({"emb": emb, "w": w}, ["lm"])):
+        with DeltaPublisher(url, state) as resumed:  # the publisher's own source, tied or untied
+            assert resumed.differs_from(0) == differ

@@ -444,3 +444,69 @@ def test_a_status_reply_that_is_not_one_is_an_engine_error(bad):
         combine_status([bad], where="http://server/collective_rpc")
     good = {"held_step": 3, "arrived": {"3": "rdma"}, "pauses_s": [0, 0.25], "checksums": {"w": 2**64 - 1}}
     assert combine_status([good, good], where="x")["checksums"] == {"w": (2 * (2**64 - 1)) % 2**64}
+
+
+def test_a_long_engine_error_keeps_its_class():
+    """vLLM's body around a long engine error (a message of a few thousand characters, JSON-escaped) is read whole:
+    a truncated body hides the record, and a setting retrying cannot fix would come back as a retryable error."""
+    with fake_server() as (fake, url):
+        remote = ConfigError("deltasync engine setting verify: " + "é" * 3000)  # as vLLM sends it: 18 KB
+        fake.replies["/init_weight_transfer_engine"] = _vllm_500(_WORKER_FAILED.format(to_text(remote)))
+        with pytest.raises(ConfigError, match="setting verify") as e:
+            HttpWeightTransfer(url).init(EngineSettings(url="s3://b/run"))
+        assert not can_retry(e.value)
+
+
+def test_a_framework_http_clients_error_comes_back_as_the_engine_raised_it():
+    """A framework's own HTTP client (here vLLM's, subclassed as frameworks do to add headers) raises its own error
+    (requests' HTTPError) whose response holds vLLM's body: the engine's class and retry answer come back, not a
+    transient-looking HTTPError a follower would retry for ever."""
+    pytest.importorskip("requests")
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from rollout_loader.vllm import SyncClientTransfer
+
+    class AuthClient(HTTPVLLMWeightSyncClient):
+        """What a framework writes: vLLM's client with its own headers (so deltasync cannot swap in its own)."""
+
+    with fake_server() as (fake, url):
+        for route, remote in (("/init_weight_transfer_engine", ConfigError("deltasync engine setting mode: no")),
+                              ("/update_weights", CorruptObjectError("step 3: SHA-256 differs"))):
+            fake.replies[route] = _vllm_500(_WORKER_FAILED.format(to_text(remote)))
+        target = VllmTarget(AuthClient(url))
+        assert isinstance(target.client, SyncClientTransfer)
+        with pytest.raises(ConfigError, match="setting mode") as e:
+            target.client.init(EngineSettings(url="s3://b/run"))
+        assert not can_retry(e.value)
+        with pytest.raises(CorruptObjectError, match="SHA-256 differs") as e:
+            target.client.update(3)
+        assert can_retry(e.value)
+
+
+def test_only_vllms_own_clients_are_swapped_for_deltasyncs():
+    """vLLM's ``HTTPVLLMWeightSyncClient`` is driven as the server it names (pause, read-back, prefix-cache reset);
+    a framework's class that only shares its name (or subclasses it) may send what deltasync's client would not (its
+    auth headers, its certificates), so it is driven through its own four methods. The same for Ray's client."""
+    from rollout_loader.vllm import SyncClientTransfer
+
+    class HTTPVLLMWeightSyncClient:  # a framework's own, with its own auth
+        base_url, timeout = "http://127.0.0.1:1", (3, 30)
+
+        def init_weight_transfer_engine(self, init_info: dict) -> None: ...
+        def start_weight_update(self) -> None: ...
+        def update_weights(self, update_info: dict) -> None: ...
+        def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+    class RayVLLMWeightSyncClient(HTTPVLLMWeightSyncClient):
+        handles = None
+
+    for lookalike in (HTTPVLLMWeightSyncClient(), RayVLLMWeightSyncClient()):
+        assert isinstance(VllmTarget(lookalike).client, SyncClientTransfer)
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer import clients
+
+    real = clients.HTTPVLLMWeightSyncClient("http://127.0.0.1:1", timeout=12)
+    assert isinstance(VllmTarget(real).client, HttpWeightTransfer) and VllmTarget(real).client.timeout_s == 12
+    real.timeout = (3, 30)  # requests takes a (connect, read) pair: not one number, so the default
+    assert VllmTarget(real).client.timeout_s == 600.0

@@ -161,3 +161,64 @@ def test_sealed_write_lands_the_reference_bits_and_checksums(device: str, tmp_pa
         rows = new[name][r.hf_start[0]:r.hf_start[0] + r.extent[0]].reshape(-1).view(torch.int16).numpy()
         assert bits.tolist() == rows.view(np.uint16).tolist()
         assert sums is not None and sums[name] == ref_checksum(bits, idx)
+
+
+def test_a_tied_pair_is_held_once_whichever_name_the_stream_carries() -> None:
+    """A tied head the engine's checkpoint stores is discarded (rollout_loader/routing.py): the engine holds one
+    tensor. A step may carry both names (a pushed folder), only the embedding (a tied trainer), or only the head (a
+    trainer whose state dict lists it first): the step fits each time, the tensor the engine does not hold is never
+    written, and its checksum part is the held one's (a stream whose two tensors differ fails verification)."""
+    from types import SimpleNamespace
+
+    from rollout_loader.routing import Route
+    from rollout_loader.vllm.layout import TensorHome
+    from rollout_loader.vllm.state import WorkerState
+
+    param = torch.arange(32, dtype=torch.float32).reshape(4, 8).bfloat16()
+    route = Route(hf_name="embed", hf_shape=(4, 8), param_name="embed", param_shape=(4, 8), hf_start=(0, 0),
+                  param_start=(0, 0), extent=(4, 8))
+
+    def state() -> WorkerState:
+        home = TensorHome(routes=(route,), bits=param.view(torch.int16).reshape(-1), host=False, modules=())
+        return WorkerState(model=torch.nn.Module(), reload=lambda w, m: None, table=None, mode="live",  # type: ignore[arg-type]
+                           homes={"embed": home}, aliases={"head": "embed"})
+
+    def header(*names: str) -> SimpleNamespace:
+        return SimpleNamespace(tensors={n: SimpleNamespace(shape=[4, 8], itemsize=2, dtype="BF16") for n in names})
+
+    for names in (("embed", "head"), ("embed",), ("head",)):
+        s = state()
+        s.check_header(header(*names), "step")  # type: ignore[arg-type]
+        held = "head" if names == ("head",) else "embed"
+        assert set(s.homes) == {held} and set(s.aliases.values()) == {held}
+        other = next(iter(s.aliases))
+        pos, xor = torch.tensor([3, 9], dtype=torch.int64), torch.tensor([1, 2], dtype=torch.int16)
+        assert s.route_patches([(other, pos, xor)]) == []  # checked, never written
+        parts = s.checksums([held, other])
+        assert parts[held] == parts[other]
+        assert s.with_aliases({held: parts[held]}, names) == {n: parts[held] for n in names}
+
+
+def test_a_converted_tensor_lands_in_its_parameter_as_the_loader_converts_it() -> None:
+    """A bf16 checkpoint tensor the loader widens into an fp32 parameter (Qwen3-Next's ``A_log``) is held on the
+    host in bf16 (its checksum is the checkpoint's); every write lands in the parameter converted, and a rollback
+    puts the parameter back too."""
+    from rollout_loader.routing import Route
+    from rollout_loader.vllm.layout import TensorHome
+    from rollout_loader.vllm.state import WorkerState
+
+    host = torch.randn(6).bfloat16()
+    model = torch.nn.Module()
+    model.A_log = torch.nn.Parameter(host.float(), requires_grad=False)
+    route = Route(hf_name="A_log", hf_shape=(6,), param_name="A_log", param_shape=(6,), hf_start=(0,),
+                  param_start=(0,), extent=(6,), casts=(torch.float32,))
+    home = TensorHome(routes=(route,), bits=host.view(torch.int16), host=True, modules=(), mirror=(route,))
+    s = WorkerState(model=model, reload=lambda w, m: None, table=None, mode="live", homes={"A_log": home},  # type: ignore[arg-type]
+                    host={"A_log": host})
+    before = model.A_log.detach().clone()
+    staged = s.route_patches([("A_log", torch.tensor([1, 4], dtype=torch.int64),
+                               torch.tensor([0x40, -0x7000], dtype=torch.int16))])
+    s.write(staged)
+    assert torch.equal(model.A_log.detach(), host.float()) and not torch.equal(model.A_log.detach(), before)
+    assert s.rollback()
+    assert torch.equal(model.A_log.detach(), before)

@@ -433,8 +433,8 @@ class DeltaPublisher:
             raise ConfigError(f"{where}: a sharded publisher cannot prove a committed step from one rank: publish the "
                               "next step instead")
         if weights is None:
-            tensors, _ = named_tensors(self.source, self.options.names)
-            pairs: Any = iter(tensors.items())
+            tensors, tied = named_tensors(self.source, self.options.names)
+            pairs: Any = iter([*tensors.items(), *((alias, tensors[name]) for alias, name in tied.items())])
         else:
             pairs = stream_entries(weights, where)
         from deltasync.format.checksum import tensor_checksum
@@ -442,25 +442,27 @@ class DeltaPublisher:
 
         try:
             with StreamReader(self.store, trusted_keys=self.trust) as reader, reader.open(step) as obj:
-                want = {n: int(t.checksum, 16) for n, t in obj.header.tensors.items()}
-            aliases = dict(obj.header.aliases)
+                headers = dict(obj.header.tensors)
+                aliases = dict(obj.header.aliases)
             differ: list[str] = []
             seen: set[str] = set()
             for index, entry in enumerate(pairs):
                 name, t = checked_entry(entry, index, where) if weights is not None else entry
                 name = canonical_name(name, self.options.names) if weights is not None else name
-                if name in aliases:
-                    continue
                 seen.add(name)
                 if self.options.dtype is not None and t.is_floating_point():
                     t = t.to(self.options.dtype)
-                if want.get(name) != tensor_checksum(t.detach()):
+                # the step's tensor of that name (an alias: the tensor it was published as, whose bits the trainer's
+                # copy must have); a checksum sums elements, so the shape and dtype are compared too
+                h = headers.get(aliases.get(name, name))
+                if (h is None or tuple(t.shape) != tuple(h.shape) or t.dtype != h.torch_dtype
+                        or int(h.checksum, 16) != tensor_checksum(t.detach())):
                     differ.append(name)
         except BaseException:
             if weights is not None:
                 drain(pairs, where)
             raise
-        return differ + sorted(want.keys() - seen)
+        return differ + sorted((headers.keys() | aliases.keys()) - seen)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Capture a trailing coalesced step, then wait until everything captured is committed."""

@@ -77,6 +77,9 @@ def _step_of(version: Any) -> int | None:
 
 
 MAX_REPLY_BYTES = 64 << 20  # a status of every tensor's checksum on a large model is megabytes; nothing is more
+# an error's body: vLLM's JSON around the engine's error (its record and a message of up to a few thousand characters,
+# JSON-escaped); read whole, or the record in it cannot be parsed and the error's class is lost
+MAX_ERROR_BODY_BYTES = 64 << 10
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -209,7 +212,8 @@ class HttpWeightTransfer:
             if 300 <= e.code < 400:
                 raise EngineError(f"{url}: HTTP {e.code}: {e.reason} (the client follows no redirect: give the "
                                   f"server's own address)") from None
-            raise self._refusal(url, route, e.code, (e.read(4000) or b"").decode(errors="replace")) from None
+            said = (e.read(MAX_ERROR_BODY_BYTES) or b"").decode(errors="replace")
+            raise self._refusal(url, route, e.code, said) from None
         except urllib.error.URLError as e:  # no connection was made
             raise EngineUnreachableError(
                 f"{url}: cannot connect to the vLLM server ({e.reason}); is it running at {self.base_url}?"
@@ -440,12 +444,15 @@ class SyncClientTransfer:
             plain = in_text(str(e))
             raise (plain if plain is not None else e) from e
         except Exception as e:  # the client's own error type (requests' HTTPError, Ray's RayTaskError, ...)
-            text = f"{e} {getattr(getattr(e, 'response', None), 'text', '')}"
-            relayed = _relayed(f"{type(self.client).__name__}.{method}", text, engine="the vLLM engine",
-                               setup=f"start it with --weight-transfer-config '{WEIGHT_TRANSFER_CONFIG}'")
-            if relayed is None:
-                raise
-            raise relayed from e
+            # an HTTP client's error names the status; the server's body (vLLM's JSON holding the engine's error) is
+            # its response's text: each read on its own, as a relayed error's text must begin with its record
+            body = getattr(getattr(e, "response", None), "text", None)
+            for text in ([body] if isinstance(body, str) else []) + [str(e)]:
+                relayed = _relayed(f"{type(self.client).__name__}.{method}", text, engine="the vLLM engine",
+                                   setup=f"start it with --weight-transfer-config '{WEIGHT_TRANSFER_CONFIG}'")
+                if relayed is not None:
+                    raise relayed from e
+            raise
 
     def held_step(self) -> int | None:
         """The step this client's last completed update named (the protocol has no way to ask the engine): None
@@ -478,26 +485,40 @@ class SyncClientTransfer:
 
 def weight_transfer(engine: Any) -> WeightTransfer:
     """The client for ``engine``: a server URL, a ``vllm.LLM``, Ray actor handles hosting vLLM engines (one or a
-    list; or vLLM's ``RayVLLMWeightSyncClient``), any vLLM ``VLLMWeightSyncClient``, or a client already."""
+    list; or vLLM's ``RayVLLMWeightSyncClient``), any vLLM ``VLLMWeightSyncClient``, or a client already.
+
+    Ray handles are told apart first: a handle answers for every method of its actor's class (an ``LLM`` actor's
+    handle has ``generate`` and ``collective_rpc``), yet each is called only as ``.remote()``. vLLM's own clients
+    are recognised by their class (name and module), never by a name alone: a framework's class of the same name
+    may send what deltasync's HTTP client would not (its headers, its certificates)."""
     if isinstance(engine, str):
         return HttpWeightTransfer(engine)
     if isinstance(engine, (HttpWeightTransfer, LocalWeightTransfer, SyncClientTransfer)):
-        return engine
-    if hasattr(engine, "collective_rpc") and hasattr(engine, "generate"):
-        return LocalWeightTransfer(engine)
-    if all(callable(getattr(engine, m, None)) for m in ("held_step", "init", "update", "status")):
         return engine
     from .ray_client import RayWeightTransfer, ray_handles
 
     handles = ray_handles(engine)
     if handles is not None:
         return RayWeightTransfer(handles)
-    if type(engine).__name__ == "HTTPVLLMWeightSyncClient" and isinstance(getattr(engine, "base_url", None), str):
+    if hasattr(engine, "collective_rpc") and hasattr(engine, "generate"):
+        return LocalWeightTransfer(engine)
+    if all(callable(getattr(engine, m, None)) for m in ("held_step", "init", "update", "status")):
+        return engine
+    if is_vllm_class(engine, "HTTPVLLMWeightSyncClient") and isinstance(getattr(engine, "base_url", None), str):
         # the same server, with pause, read-back of the step and prefix-cache reset
-        return HttpWeightTransfer(engine.base_url, timeout_s=float(getattr(engine, "timeout", 600.0) or 600.0))
+        timeout: Any = getattr(engine, "timeout", None)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            timeout = 600.0  # requests also takes a (connect, read) pair: not one number
+        return HttpWeightTransfer(engine.base_url, timeout_s=float(timeout))
     if all(callable(getattr(engine, m, None)) for m in SYNC_CLIENT_METHODS):
         return SyncClientTransfer(engine)
     raise ConfigError(
         "VllmTarget: expected a vllm.LLM, a server URL (http://host:port), Ray actor handles hosting vLLM, a vLLM "
         f"VLLMWeightSyncClient or a weight-transfer client, got {type(engine).__name__}"
     )
+
+
+def is_vllm_class(obj: Any, name: str) -> bool:
+    """Whether ``obj`` is an instance of vLLM's own class ``name`` (exactly: a subclass may change what it sends),
+    told without importing vLLM."""
+    return type(obj).__name__ == name and type(obj).__module__.split(".")[0] == "vllm"

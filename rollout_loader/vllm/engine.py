@@ -11,9 +11,9 @@ own routes and ``LLM`` methods::
     GET /weight_info  ->  {"weight_version": "12"}
 
 ``init_info``: an :class:`~rollout_loader.vllm.settings.EngineSettings` as JSON (``url``, ``storage_options``,
-``verify``, ``mode``, ``step``, ``prefetch``, ``rdma``, ``notify``, ``trusted_keys``: settings.py documents each);
-an unknown or bad setting is a ``ConfigError`` naming it. Initialising again with the same stream keeps the step
-the engine holds.
+``verify``, ``mode``, ``step``, ``prefetch``, ``rdma``, ``notify``, ``trusted_keys``, ``revoked_keys``: settings.py
+documents each); an unknown or bad setting is a ``ConfigError`` naming it. Initialising again with the same stream
+keeps the step the engine holds.
 
 Errors leave the engine with their record leading their text (``deltasync.errors.to_text``): a client in another
 process rebuilds the error's class and whether retrying can help from it (``deltasync.errors.in_text``).
@@ -172,7 +172,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
             self._stop_prefetch()
         else:
             self._close_stream()
-            trusted = init_info.trust()  # pinned to the stream, revoked keys, max_age_s (docs/FORMAT.md 5e)
+            trusted = init_info.trusted()  # the trusted keys less the revoked ones: the follower's own set
             url, options = init_info.stream()
             self._reader = StreamReader(url, storage_options=options, trusted_keys=trusted)
             self._held = None
@@ -383,6 +383,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
             parts = state.checksums([n for n, t in h.tensors.items() if t.changed])
         else:
             parts = sums
+        parts = state.with_aliases(parts, h.tensors)  # a tied tensor the step holds: checked as the one it is tied to
         t1 = time.perf_counter()
         gathered = _all_gather(parts)
         t2 = time.perf_counter()

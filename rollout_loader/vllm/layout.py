@@ -39,6 +39,10 @@ class TensorHome:
     host: bool  # bits is the full checkpoint tensor (indexed by checkpoint flat index)
     modules: tuple[str, ...]  # modules to re-load (host) or whose kernel to rebuild after a write
     hf_shape: tuple[int, ...] = ()
+    # host only: routes into parameters no re-load writes, written from the host copy after each write (converted
+    # to the parameter's dtype as the loader did)
+    mirror: tuple[Route, ...] = ()
+    owned_whole: bool = False  # host only: this rank counts every element (it feeds only untraced parameters)
 
     def __post_init__(self) -> None:
         if self.routes:
@@ -110,8 +114,10 @@ def localize(home: TensorHome, pos: torch.Tensor | None, xor: torch.Tensor) -> l
     if home.host:  # the host copy is the whole checkpoint tensor: every element written, the owned ones counted
         idx = pos.reshape(-1) if pos is not None else torch.arange(xor.numel(), dtype=torch.int64)
         mine = [r for r in home.routes if r.owner]
-        if len(mine) == len(home.routes) and all(r.whole for r in mine):
+        if home.owned_whole or (mine and len(mine) == len(home.routes) and all(r.whole for r in mine)):
             return [(idx, xor, idx, True)]
+        if not mine:
+            return [(idx, xor, idx, False)]
         mask = torch.zeros(idx.numel(), dtype=torch.bool)
         for r in mine:
             keep, _ = r.localize(idx)
@@ -138,7 +144,7 @@ def piece(route: Route, pos: torch.Tensor | None,
            xor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(param indices, xor values, checkpoint indices) of the elements of one piece of a checkpoint tensor."""
     if pos is None:
-        if route.whole and route.hf_shape == route.param_shape:
+        if route.identity:
             idx = torch.arange(xor.numel(), dtype=torch.int64)
             return idx, xor, idx
         parts = [(box.param_indices(), box.hf_indices()) for box in chunks(route)]

@@ -32,7 +32,14 @@ from deltasync.errors import (
     in_text,
 )
 
-from .client import WEIGHT_TRANSFER_CONFIG, WORKER_EXTENSION, _missing_method, _step_of, combine_status
+from .client import (
+    WEIGHT_TRANSFER_CONFIG,
+    WORKER_EXTENSION,
+    _missing_method,
+    _step_of,
+    combine_status,
+    is_vllm_class,
+)
 from .settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -62,7 +69,7 @@ def _is_handle(obj: Any) -> bool:
 def ray_handles(engine: Any) -> list[Any] | None:
     """The actor handles ``engine`` names: one handle, a list or tuple of them, or vLLM's
     ``RayVLLMWeightSyncClient`` (its ``handles``); None when it is none of these."""
-    if type(engine).__name__ == "RayVLLMWeightSyncClient":
+    if is_vllm_class(engine, "RayVLLMWeightSyncClient"):
         engine = getattr(engine, "handles", None)
     if _is_handle(engine):
         return [engine]

@@ -11,11 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from deltasync.engine import CONSUMER_ID, MAX_STEP, TrustedKeys, name_matches, rdma_options, reveal
+from deltasync.engine import (
+    CONSUMER_ID,
+    MAX_STEP,
+    TrustedKeys,
+    check_max_age_s,
+    check_stream_id,
+    name_matches,
+    pem_texts,
+    rdma_options,
+    reveal,
+)
 from deltasync.errors import ConfigError
 
 __all__ = ["EngineSettings", "EngineVerify", "Mode"]
@@ -45,10 +56,14 @@ class EngineSettings:
             or just the controller's address.
         notify: an event feed (``http://HOST:PORT/events``: a mirror's or a publisher's) the engine's prefetchers
             listen to, polling the store only as a safety net.
-        trusted_keys: the trust setting (a ``deltasync.TrustedKeys``, or its ``to_info()`` object: public keys,
-            the stream they sign for, revoked keys, ``max_age_s``): the engine then applies only steps one of the
-            keys signed for that stream (docs/FORMAT.md section 5e). Kept as JSON with the keys as PEM text, so a
-            server elsewhere needs no file; a list of keys alone is refused (it names no stream).
+        trusted_keys: public keys (PEM text, or files where these settings are made): the engine then applies
+            only steps one of them signed. Kept as PEM text, so a server elsewhere needs no file.
+        revoked_keys: public keys (the same forms) the engine refuses, with every key they endorsed, even where a
+            trusted key endorsed them: a leaked key (docs/SECURITY.md). Only beside ``trusted_keys``.
+        stream_id: the stream the trusted keys sign for (docs/FORMAT.md section 5e: pinned beside the keys, never
+            read from the store; a key may sign several streams). Required beside ``trusted_keys``.
+        max_age_s: the engine refuses a stream whose newest signed head is older than this (a frozen or held-back
+            stream; docs/FORMAT.md section 5e). Only beside ``trusted_keys``.
 
     Raises:
         ConfigError: a value of the wrong type or out of range, naming the setting.
@@ -67,7 +82,10 @@ class EngineSettings:
     prefetch: bool = True
     rdma: Mapping[str, Any] | None = None
     notify: str | None = None
-    trusted_keys: Mapping[str, Any] | TrustedKeys | None = None  # kept as TrustedKeys.to_info(): plain JSON
+    trusted_keys: tuple[str, ...] | None = None
+    revoked_keys: tuple[str, ...] | None = None
+    stream_id: str | None = None
+    max_age_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.url is not None and not (isinstance(self.url, str) and self.url):
@@ -88,25 +106,57 @@ class EngineSettings:
         if self.notify is not None and not (isinstance(self.notify, str)
                                             and self.notify.startswith(("http://", "https://"))):
             raise _bad("notify", "an event feed URL (http://HOST:PORT/events)", self.notify)
-        if self.trusted_keys is not None:
+        for name in ("trusted_keys", "revoked_keys"):
+            keys = getattr(self, name)
+            if keys is None:
+                continue
+            if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple)):
+                keys = [keys]  # one key (a file or PEM text)
             try:
-                object.__setattr__(self, "trusted_keys", self.trust().to_info())  # type: ignore[union-attr]
+                object.__setattr__(self, name, tuple(pem_texts(list(keys))))
             except ConfigError as e:
-                raise ConfigError(f"deltasync engine setting trusted_keys: {e}") from None
-        size = len(json.dumps(self.init_info()))
+                raise ConfigError(f"deltasync engine setting {name}: {e}") from None
+        if self.stream_id is not None:
+            check_stream_id(self.stream_id, what="deltasync engine setting stream_id")
+        object.__setattr__(self, "max_age_s",
+                           check_max_age_s(self.max_age_s, what="deltasync engine setting max_age_s"))
+        size = 0
+        for name, value in self.init_info().items():  # what travels is JSON: a value that is not is named here
+            try:
+                size += len(json.dumps(value))
+            except (TypeError, ValueError, RecursionError) as e:
+                raise _bad(name, "JSON values (strings, numbers, true/false, null, lists, objects), at most a few "
+                           "levels deep", f"{type(e).__name__}: {str(e)[:100]}") from None
         if size > MAX_SETTINGS_BYTES:
             raise _bad("(all)", f"settings of at most {MAX_SETTINGS_BYTES} bytes as JSON", f"{size} bytes")
 
     @classmethod
-    def parse(cls, info: Any) -> EngineSettings:
+    def parse(cls, info: Any, *, key_files: bool = False) -> EngineSettings:
         """Settings from ``init_info`` as it arrives (a JSON object); an unknown key or a bad value is a
-        ``ConfigError`` naming it and the known ones."""
+        ``ConfigError`` naming it and the known ones.
+
+        ``trusted_keys`` and ``revoked_keys`` must then be PEM text: ``init_info`` comes from whoever reaches the
+        engine, and an engine never reads a file a client names (a device that never ends, a pipe that never
+        answers, a probe of which files exist). ``key_files``: the settings are this process's own (a trainer's
+        configuration), whose key files are read here, as the constructor does."""
         if not isinstance(info, Mapping):
             raise ConfigError(f"deltasync init_info: expected an object of engine settings, got {type(info).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in info if k not in known)
-        if unknown:
-            raise ConfigError(f"deltasync init_info: unknown setting(s) {unknown}; the engine takes {sorted(known)}")
+        unknown = sorted(str(k)[:64] for k in info if k not in known)
+        if unknown:  # at most a few: the names are the sender's, and so is their number
+            more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+            raise ConfigError(f"deltasync init_info: unknown setting(s) {unknown[:10]}{more}; the engine takes "
+                              f"{sorted(known)}")
+        for name in ("trusted_keys", "revoked_keys"):
+            keys = info.get(name)
+            if key_files or keys is None:
+                continue
+            listed = [keys] if isinstance(keys, (str, bytes)) else keys
+            if not (isinstance(listed, (list, tuple)) and all(isinstance(k, str) and k.lstrip().startswith(PEM_PUBLIC)
+                                                              for k in listed)):
+                raise _bad(name, f"public keys as PEM text ({PEM_PUBLIC}...): an engine reads no key file a client "
+                           "names", [k if isinstance(k, str) else type(k).__name__ for k in listed]
+                           if isinstance(listed, (list, tuple)) else type(listed).__name__)
         return cls(**info)
 
     def __repr__(self) -> str:
@@ -115,29 +165,19 @@ class EngineSettings:
         shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         shown["storage_options"] = {k: "<hidden>" for k in self.storage_options}
         shown["rdma"] = None if self.rdma is None else _redacted(self.rdma)
-        trust = self.trust()
-        shown["trusted_keys"] = None if trust is None else (
-            f"<{len(trust.roots)} key(s) for stream {trust.stream_id!r}, {len(trust.revoked)} revoked>")
+        for name in ("trusted_keys", "revoked_keys"):
+            keys = getattr(self, name)
+            shown[name] = None if keys is None else f"<{len(keys)} key(s)>"
         return f"EngineSettings({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def init_info(self) -> dict[str, Any]:
         """The settings as the ``init_info`` object vLLM's ``init_weight_transfer_engine`` carries (JSON)."""
         info = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        info["trusted_keys"] = None if self.trusted_keys is None else dict(self.trusted_keys)  # type: ignore[arg-type]
+        info["trusted_keys"] = None if self.trusted_keys is None else list(self.trusted_keys)
+        info["revoked_keys"] = None if self.revoked_keys is None else list(self.revoked_keys)
         info["rdma"] = None if self.rdma is None else reveal(dict(self.rdma))
         info["storage_options"] = reveal(self.storage_options)  # a deltasync.Secret travels as its value (JSON)
         return info
-
-    def trust(self) -> TrustedKeys | None:
-        """The trust setting as the engine checks with it (a fresh ``TrustedKeys``: nothing learned yet)."""
-        keys = self.trusted_keys
-        if keys is None:
-            return None
-        if isinstance(keys, TrustedKeys):
-            return keys.fresh()
-        if isinstance(keys, Mapping):
-            return TrustedKeys.from_info(keys)
-        return TrustedKeys.load(keys)  # keys alone name no stream: a ConfigError saying so
 
     def stream(self) -> tuple[str, dict[str, Any]]:
         """The stream's URL and storage options; ``ConfigError`` when the URL is not set (the engine needs one)."""
@@ -145,14 +185,33 @@ class EngineSettings:
             raise ConfigError("deltasync init_info: url: expected the stream's URL, got none")
         return self.url, dict(self.storage_options)
 
+    def trusted(self) -> TrustedKeys | None:
+        """The trust the engine checks every step with (None: steps are not checked): the trusted keys, less the
+        revoked ones and what they endorsed, pinned to ``stream_id``, with ``max_age_s``. ``ConfigError`` for
+        trusted keys without a stream (docs/FORMAT.md section 5e), or revoked keys, a stream or ``max_age_s``
+        without trusted keys (nothing would be checked: they would protect nothing)."""
+        if self.trusted_keys is None:
+            given = [n for n in ("revoked_keys", "stream_id", "max_age_s") if getattr(self, n)]
+            if given:
+                raise _bad(given[0], "trusted_keys beside it (without trusted keys no step is checked)",
+                           f"{given[0]} and no trusted key")
+            return None
+        try:
+            return TrustedKeys.load(list(self.trusted_keys), revoked=list(self.revoked_keys or ()),
+                                    stream_id=self.stream_id, max_age_s=self.max_age_s)
+        except ConfigError as e:
+            raise ConfigError(f"deltasync engine setting trusted_keys: {e}") from None
+
     def replace(self, **changes: Any) -> EngineSettings:
         """A copy with ``changes`` (checked again)."""
         return dataclasses.replace(self, **changes)
 
     def same_stream(self, other: EngineSettings | None) -> bool:
         """Whether ``other`` follows the same stream in the same way (what an engine keeps its step across)."""
-        return other is not None and (self.url, self.storage_options, self.rdma, self.trusted_keys) == (
-            other.url, other.storage_options, other.rdma, other.trusted_keys)
+        mine = (self.url, self.storage_options, self.rdma, self.trusted_keys, self.revoked_keys, self.stream_id,
+                self.max_age_s)
+        return other is not None and mine == (other.url, other.storage_options, other.rdma, other.trusted_keys,
+                                              other.revoked_keys, other.stream_id, other.max_age_s)
 
 
 def _bad(name: str, expected: str, got: Any) -> ConfigError:
@@ -171,9 +230,17 @@ def _redacted(options: Any) -> Any:
     return {k: "<hidden>" if any(part in str(k).lower() for part in SECRET_KEYS) else v for k, v in options.items()}
 
 
+PEM_PUBLIC = "-----BEGIN PUBLIC KEY-----"
+"""How a public key sent as text begins (deltasync.signing reads the same form)."""
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 160, 160, 8, 8
+
+
 def _shown(value: Any) -> str:
-    """A value as an error message may show it: a mapping's secrets hidden, at most 200 characters."""
-    return repr(_redacted(value))[:200]
+    """A value as an error message may show it: a mapping's secrets hidden, at most 200 characters, however large
+    or deep the value (it may be anyone's)."""
+    return _REPR.repr(_redacted(value))[:200]
 
 
 def _choice(name: str, value: Any, allowed: Any) -> None:

@@ -17,7 +17,7 @@ Importing this module imports no vLLM; the functions that touch a model do.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
@@ -66,9 +66,13 @@ def find_transformed(model: torch.nn.Module, trace: Trace, table: RoutingTable, 
                     module = model.get_submodule(pname.rpartition(".")[0])
                     if getattr(module, "quant_method", None) is None:
                         raise RoutingError(
-                            f"engine parameter {pname!r} differs from {route.hf_name!r} in the engine's checkpoint "
-                            f"{checkpoint!r}, and its layer has no post-load processing: the engine does not hold "
-                            "its checkpoint (initialise deltasync right after the engine loaded it)")
+                            f"engine parameter {pname!r} holds other bits than {route.hf_name!r} in the engine's "
+                            f"checkpoint {checkpoint!r} puts there (through the loader's traced copy"
+                            f"{', converted to ' + str(route.casts[-1]) if route.casts else ''}), and its layer has "
+                            "no post-load processing vLLM could redo: either the engine's weights changed since it "
+                            "loaded that checkpoint (initialise deltasync before any other weight update), or the "
+                            "model rewrites this parameter after loading outside its layers (deltasync cannot follow "
+                            "that)")
                     out[pname] = "its bits are a permutation or transform of the checkpoint's (post-load processing)"
                     break
     return out
@@ -104,54 +108,104 @@ def moe_modules(model: torch.nn.Module) -> list[str]:
 
 def reload_as_loaded(vllm_config: VllmConfig, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                      modules: Iterable[str]) -> None:
-    """Re-load checkpoint tensors ``weights`` (every one feeding ``modules``) through vLLM's layerwise reload,
-    each of ``modules`` processed as at first load.
+    """Re-load checkpoint tensors ``weights`` (every one feeding ``modules``) into ``modules`` as at first load, and
+    copy the result into their live tensors (addresses kept, as CUDA graphs need).
 
-    vLLM processes a layer once all of its checkpoint elements arrived and copies the result into the live
-    tensors. Its weight-update path skips the MoE experts' own post-load step (``moe_kernel`` already built:
-    the CPU prepack is not redone), which would leave the experts in checkpoint order while a fresh engine holds
-    them prepacked; with the kernel unset for the reload, the first-load path runs, exactly as a fresh engine's.
+    Each module is put back in checkpoint format from vLLM's own record (``restore_metadata``: shapes, dtypes,
+    weight loaders) and materialized; the model's own ``load_weights`` runs over ``weights``; each module's own
+    post-load processing runs (its quantization method's, an attention layer's), whether or not it has a
+    quantization method; the results are copied into the live tensors. This is vLLM's layerwise reload without
+    its buffering of ``weight_loader`` calls: a loader that copies into a parameter directly (gpt-oss's experts)
+    reloads too. The MoE experts' own post-load step is redone (their kernel unset for the reload), exactly as
+    a fresh engine's first load; on any failure the live tensors are put back untouched.
     """
-    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO,
+        _copy_and_restore_kernel_tensors,
+        _get_original_loader,
+        _place_kernel_tensors,
+    )
+    from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_tensors
 
+    layers = [model.get_submodule(name) for name in sorted(set(modules))]
     kernels: list[tuple[Any, Any]] = []
-    for name in modules:
-        method = getattr(model.get_submodule(name), "quant_method", None)
-        if method is not None and getattr(method, "moe_kernel", None) is not None:
-            kernels.append((method, method.moe_kernel))
-            method.moe_kernel = None
+    restored: list[torch.nn.Module] = []
     try:
-        reload_weights(vllm_config, model, weights_iterator=iter(weights), weights_path=None, is_checkpoint_format=True)
+        for layer in layers:
+            method = getattr(layer, "quant_method", None)
+            if method is not None and getattr(method, "moe_kernel", None) is not None:
+                kernels.append((method, method.moe_kernel))
+                method.moe_kernel = None
+            info = LAYERWISE_INFO[layer]
+            info.kernel_tensors = get_layer_params_buffers(layer)
+            info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+            restored.append(layer)
+            restore_layer_on_meta(layer, info)
+            materialize_layer(layer, info)
+            for t in get_layer_tensors(layer).values():
+                if hasattr(t, "weight_loader"):
+                    t.weight_loader = _get_original_loader(t)
+        with torch.no_grad():
+            model.load_weights(iter(weights))  # type: ignore[operator]
+            for layer in layers:
+                if hasattr(layer, "_already_called_process_weights_after_loading"):
+                    delattr(layer, "_already_called_process_weights_after_loading")
+                method = getattr(layer, "quant_method", None)
+                if isinstance(method, QuantizeMethodBase):
+                    method.process_weights_after_loading(layer)
+                    if hasattr(layer, "update_param_tp_status"):
+                        layer.update_param_tp_status()  # type: ignore[operator]  # vLLM's
+                if is_deferred_attention_layer(layer):
+                    layer.process_weights_after_loading(vllm_config.model_config.dtype)  # type: ignore[operator]
+            for layer in layers:
+                _copy_and_restore_kernel_tensors(layer, LAYERWISE_INFO[layer])
+                restored.remove(layer)
     finally:
+        for layer in restored:  # a failure: the live tensors, untouched, back in place
+            _place_kernel_tensors(layer, LAYERWISE_INFO[layer])
+        for layer in layers:
+            LAYERWISE_INFO[layer].reset()
         for method, kernel in kernels:
             if method.moe_kernel is None:  # the reload failed before rebuilding it
                 method.moe_kernel = kernel
 
 
 def _matches(reader: object, route: Route, live: torch.Tensor, rng: random.Random) -> bool:
-    """Whether sampled rows of the checkpoint tensor sit, bit for bit, where the route says in ``live``."""
+    """Whether sampled rows of the checkpoint tensor sit, bit for bit, where the route says in ``live``
+    (converted to the parameter's dtype as the loader converts them, ``Route.casts``)."""
     from .layout import int_bits
 
     sl = reader.get_slice(route.hf_name)  # type: ignore[attr-defined]
     bits = int_bits(live.data)
-    if not route.hf_shape:
-        rows: list[int | None] = [None]
+    if len(route.hf_shape) == 0 or route.hf_shape[0] == 0:
+        samples = [torch.arange(route.hf_numel, dtype=torch.int64)]
+        rows: list[torch.Tensor | None] = [None]
     else:
-        first, n = route.hf_start[0], route.extent[0]
-        rows = [*rng.sample(range(first, first + n), min(SAMPLE_ROWS, n))] if n else []
-    for row in rows:
-        if row is None:  # a 0-d tensor
-            data, hf_idx = reader.get_tensor(route.hf_name).reshape(-1), torch.zeros(1, dtype=torch.int64)  # type: ignore[attr-defined]
-        else:
-            part = Route(**{**route.__dict__, "hf_start": (row, *route.hf_start[1:]), "extent": (1, *route.extent[1:]),
-                            "param_extent": ()})
-            full = sl[row:row + 1].reshape(-1)
-            hf_idx = part.hf_indices()
-            data = full[hf_idx - row * (route.hf_numel // route.hf_shape[0])]
-        _, pidx = route.localize(hf_idx)
-        if not torch.equal(int_bits(data.contiguous()), bits[pidx]):
+        row_len = route.hf_numel // route.hf_shape[0]
+        chosen = sorted({_sample(route, rng) // row_len for _ in range(SAMPLE_ROWS)}) if route.numel else []
+        samples = [torch.arange(r * row_len, (r + 1) * row_len, dtype=torch.int64) for r in chosen]
+        rows = [sl[r:r + 1].reshape(-1) for r in chosen]
+    for pos, row in zip(samples, rows, strict=True):
+        data = reader.get_tensor(route.hf_name).reshape(-1) if row is None else row  # type: ignore[attr-defined]
+        keep, pidx = route.localize(pos)
+        values = data if keep is None else data[keep]
+        for dtype in route.casts:
+            values = values.to(dtype)
+        if not torch.equal(int_bits(values.contiguous()), bits[pidx]):
             return False
     return True
+
+
+def _sample(route: Route, rng: random.Random) -> int:
+    """A random flat index of the checkpoint elements ``route`` holds."""
+    flat, acc = 0, 1
+    for size, start, extent in reversed(list(zip(route.hgrid, route.hf_start, route.extent, strict=True))):
+        flat += (start + rng.randrange(extent)) * acc
+        acc *= size
+    return flat
 
 
 def modules_of(names: Iterable[str]) -> set[str]:
@@ -159,10 +213,19 @@ def modules_of(names: Iterable[str]) -> set[str]:
     return {n.rpartition(".")[0] for n in names}
 
 
-def feeds_of(table: RoutingTable, modules: Iterable[str]) -> Mapping[str, tuple[str, ...]]:
-    """{module: every checkpoint tensor feeding one of its parameters} (what a reload of it must send)."""
-    by_module: dict[str, list[str]] = {}
+def feeds_of(table: RoutingTable, modules: Iterable[str],
+             needing: Callable[[str], set[str]] | None = None) -> Mapping[str, tuple[str, ...]]:
+    """{module: every checkpoint tensor its reload loads} (what a reload of it must send): the tensors routed
+    into a parameter the module loads (``needing(param)``: the modules that load it; default the module holding
+    it by its name) and those feeding its untraced parameters."""
+    need = needing or (lambda p: {p.rpartition(".")[0]})
+    mods = set(modules)
+    by_module: dict[str, set[str]] = {m: set() for m in mods}
     for name, pieces in table.routes.items():
-        for m in {r.param_name.rpartition(".")[0] for r in pieces}:
-            by_module.setdefault(m, []).append(name)
-    return {m: tuple(by_module.get(m, ())) for m in modules}
+        for r in pieces:
+            for m in need(r.param_name) & mods:
+                by_module[m].add(name)
+    for param, names in table.untraced.items():
+        for m in need(param) & mods:
+            by_module[m].update(names)
+    return {m: tuple(sorted(names)) for m, names in by_module.items()}

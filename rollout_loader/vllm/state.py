@@ -89,6 +89,9 @@ class WorkerState:
     homes: dict[str, TensorHome]
     host: dict[str, torch.Tensor] = field(default_factory=dict)  # checkpoint tensors of reloaded modules
     feeds: dict[str, tuple[str, ...]] = field(default_factory=dict)  # reloaded module -> checkpoint names
+    # checkpoint tensors the model ties to another one (a tied head the checkpoint also stores) -> that one: never
+    # written (the engine holds one tensor), verified by its checksum, which must be the other one's
+    aliases: dict[str, str] = field(default_factory=dict)
     undo: list[tuple[torch.Tensor, Staged]] = field(default_factory=list)  # (bits, what was XORed in)
     undo_modules: set[str] = field(default_factory=set)
     # this rank's part of each tensor's checksum, kept current by every write (incremental verification)
@@ -101,19 +104,37 @@ class WorkerState:
     def check_header(self, header: StepHeader, where: str) -> None:
         """The step's tensors are this engine's checkpoint tensors, same shapes and element widths."""
         names = set(header.tensors)
-        problems = [f"{n!r}: not a checkpoint tensor of this model" for n in sorted(names - set(self.homes))[:5]]
-        missing = sorted(set(self.homes) - names)
+        self._adopt_tied(names)
+        known = set(self.homes) | set(self.aliases)
+        problems = [f"{n!r}: not a checkpoint tensor of this model" for n in sorted(names - known)[:5]]
+        missing = sorted(set(self.homes) - names)  # a tied tensor the step leaves out is no loss: never held
         if missing:
             problems.append(f"the step has no {missing[:5]} "
                             f"(the engine's checkpoint has {len(missing)} more tensor(s))")
-        for name in sorted(names & set(self.homes)):
-            th, t = header.tensors[name], self.homes[name]
+        for name in sorted(names & known):
+            th, t = header.tensors[name], self.homes[self.aliases.get(name, name)]
             if tuple(th.shape) != t.hf_shape or th.itemsize != t.bits.element_size():
                 problems.append(f"{name!r}: the step has {th.dtype} {list(th.shape)}, the engine "
                                 f"{8 * t.bits.element_size()}-bit {list(t.hf_shape)}")
         if problems:
             raise PatchError(f"{where}: the step does not fit the engine, weights untouched "
                              f"({len(problems)} problem(s)): " + "; ".join(problems[:8]))
+
+    def _adopt_tied(self, names: set[str]) -> None:
+        """A stream that publishes a tied pair under the other name (a trainer whose state dict lists the head
+        first): the engine holds the pair's one tensor under the name the stream carries, and checks the other."""
+        with self.lock:
+            for alias, target in list(self.aliases.items()):
+                if alias in names and target not in names:
+                    del self.aliases[alias]
+                    self.homes[alias] = self.homes.pop(target)
+                    self.aliases[target] = alias
+                    if target in self.host:
+                        self.host[alias] = self.host[target]  # re-loads still send it under the name vLLM knows
+                    if target in self.sums:
+                        self.sums[alias] = self.sums.pop(target)
+                    log.info("deltasync: the stream carries %r for the tied pair (%r checked against it)", alias,
+                             target)
 
     def route_patches(self, patches: Iterable[RawPatch]) -> list[Staged]:
         """Validate every patch against the engine and map it to this rank's elements; writes nothing.
@@ -156,6 +177,8 @@ class WorkerState:
         problem = self._problem(name, p, x)
         if problem:
             return f"{name!r}: {problem}"
+        if name in self.aliases:
+            return []  # checked, never written: the engine holds the tensor it is tied to
         return [Staged(name=name, idx=idx, x=xs, hf_idx=hf, owned=owned)
                 for idx, xs, hf, owned in localize(self.homes[name], p, x)]
 
@@ -226,12 +249,15 @@ class WorkerState:
 
         Each element is owned by one rank, so the ranks' values add up (mod 2**64) to the tensor's checksum.
         """
+        asked = list(self.homes) if names is None else list(names)
         out: dict[str, int] = {}
-        for name in list(self.homes) if names is None else names:
+        for name in dict.fromkeys(self.aliases.get(n, n) for n in asked):
             home = self.homes.get(name)
             if home is None:
                 raise PatchError(f"{name!r} is not a checkpoint tensor of this model")
             total = 0
+            if home.owned_whole:
+                total = checksum_elements(home.bits, torch.arange(home.bits.numel(), dtype=torch.int64))
             for route in home.routes:
                 if not route.owner:
                     continue
@@ -241,10 +267,21 @@ class WorkerState:
                     total += checksum_elements(bits, hf_idx)
             out[name] = total & MASK64
         self.sums.update(out)  # exact for the bits as they are now: the base of incremental verification
+        return {n: out[self.aliases.get(n, n)] for n in asked}
+
+    def with_aliases(self, parts: dict[str, int], names: Iterable[str]) -> dict[str, int]:
+        """``parts`` with the part of each tied tensor among ``names`` (the step's): its target's, which its
+        checksum must equal (the engine holds one tensor for both)."""
+        out = dict(parts)
+        for n in names:
+            target = self.aliases.get(n)
+            if target is not None:
+                out[n] = out[target] if target in out else self.part(target)
         return out
 
     def part(self, name: str) -> int:
         """This rank's running checksum part for ``name`` (computed from the bits the first time)."""
+        name = self.aliases.get(name, name)
         if name not in self.sums:
             self.checksums([name])
         return self.sums[name]
@@ -282,7 +319,7 @@ class WorkerState:
                 module.quant_method.process_weights_after_loading(module)  # type: ignore[union-attr, operator]  # vLLM's
 
     def _problem(self, name: str, pos: torch.Tensor | None, xor: torch.Tensor) -> str | None:
-        home = self.homes.get(name)
+        home = self.homes.get(self.aliases.get(name, name))
         if home is None:
             return "not a checkpoint tensor of this model"
         n, width = home.hf_numel, home.bits.element_size()
@@ -365,6 +402,7 @@ class WorkerState:
         try:
             with torch.inference_mode():
                 write_all(undo)
+                self._mirror(undo)
             self.sync_kernels(self._modules(undo))
         except BaseException:
             try:
@@ -387,7 +425,26 @@ class WorkerState:
             for bits, s in reversed(undo):
                 idx, x, _ = _host_args(bits, s)
                 xor_apply(bits, idx, x, checksum=False)
+            self._mirror(undo)
         self.sync_kernels(modules)
+
+    def _mirror(self, written: list[tuple[torch.Tensor, Staged]]) -> None:
+        """Write the new host bits of written tensors into the parameters their mirror routes feed, converted as
+        the loader converted them (``Route.casts``): what the loader's copy would write there now."""
+        params: dict[str, torch.Tensor] | None = None
+        for _, s in written:
+            home = self.homes[s.name]
+            if not home.mirror or not s.idx.numel():
+                continue
+            params = params if params is not None else dict(self.model.named_parameters())
+            values = self.host[s.name].reshape(-1)
+            for route in home.mirror:
+                keep, pidx = route.localize(s.idx)
+                v = values[s.idx if keep is None else s.idx[keep]]
+                for dtype in route.casts:
+                    v = v.to(dtype)
+                flat = params[route.param_name].data.view(-1)
+                flat[pidx.to(flat.device)] = v.to(flat.device)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 from deltasync import StreamReader
+from deltasync.engine import pem_text, pem_texts
 from deltasync.errors import ConfigError, HeldStepError
 
 from .client import WORKER_EXTENSION, WeightTransfer, weight_transfer, worker_module
@@ -45,12 +46,12 @@ class VllmTarget:
             vLLM's ``RayVLLMWeightSyncClient``: :class:`~rollout_loader.vllm.RayWeightTransfer`); any vLLM
             ``VLLMWeightSyncClient`` (:class:`~rollout_loader.vllm.SyncClientTransfer`: no pause, no prefix-cache
             reset, no status); or a client of this package.
-        settings: the engine's :class:`~rollout_loader.vllm.EngineSettings`. Its ``url``, ``storage_options`` and
-            ``trusted_keys``, when not set, are the follower's (its reader's URL, storage options and trusted keys:
-            given once, to the follower; the storage options only when the URL is the follower's too); ``notify``
-            is the follower's event feed when it has one. ``step`` is the
-            step the engine's weights are at if it was never updated (ignored when the engine's weight version
-            names a step).
+        settings: the engine's :class:`~rollout_loader.vllm.EngineSettings`. Its ``url``, ``storage_options``,
+            ``trusted_keys`` and ``revoked_keys``, when not set, are the follower's (its reader's URL, storage options
+            and keys: given once, to the follower; the storage options only when the URL is the follower's too;
+            the follower's revoked keys are sent even beside trusted keys set here); ``notify`` is the follower's
+            event feed when it has one. ``step`` is the step the engine's weights are at if it was never updated
+            (ignored when the engine's weight version names a step).
         **overrides: any field of :class:`EngineSettings` (``verify=``, ``mode=``, ``step=``, ``prefetch=``,
             ``rdma=``, ``notify=``, ``trusted_keys=``...), on top of ``settings``.
 
@@ -94,14 +95,23 @@ class VllmTarget:
 
     def engine_settings(self, reader: StreamReader, *, notify: str | None = None) -> EngineSettings:
         """The settings sent to the engine for the stream ``reader`` reads: this target's, completed by the
-        reader's URL (made absolute when local), storage options and trusted keys, and ``notify``."""
+        reader's URL (made absolute when local), storage options, trusted and revoked keys, and ``notify``."""
         s = self.settings
         changes: dict[str, Any] = {}
         changes["url"] = _absolute(reader.store.location if s.url is None else s.url)  # as given, password too
         if s.url is None and not s.storage_options:  # the follower's store: its options too
             changes["storage_options"] = dict(reader.store.storage_options)
-        if s.trusted_keys is None and reader.trusted is not None:
-            changes["trusted_keys"] = reader.trusted.to_info()
+        trust = reader.trusted
+        if s.trusted_keys is None and trust is not None:  # the follower's trust, whole: keys, stream, freshness
+            changes["trusted_keys"] = tuple(pem_texts(trust))
+            if s.stream_id is None:
+                changes["stream_id"] = trust.stream_id
+            if s.max_age_s is None and trust.max_age_s is not None:
+                changes["max_age_s"] = trust.max_age_s
+        if s.revoked_keys is None and trust is not None and trust.revoked:
+            # the follower's revocations too: an engine that trusted what the follower refuses (a leaked key, and
+            # the keys it endorsed) would apply a step swapped in the store after the follower checked it
+            changes["revoked_keys"] = tuple(pem_text(k) for k in sorted(trust.revoked))
         if s.notify is None and notify is not None:
             changes["notify"] = notify
         return s.replace(**changes)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,8 +36,9 @@ class Trace:
     """What the engine's loader does with each checkpoint tensor on this rank.
 
     ``params``: {parameter: (shape, dtype)} in checkpoint format (before vLLM's post-load processing);
-    ``copies``/``fills``/``problems``: as recorded (see :class:`~rollout_loader.routing.CopyRecorder`);
-    ``refused``: {checkpoint tensor: the error vLLM's loader raised for it}.
+    ``copies``/``fills``/``problems``/``untraced``: as recorded (see :class:`~rollout_loader.routing.CopyRecorder`);
+    ``refused``: {checkpoint tensor: the error vLLM's loader raised for it}; ``reloadable``: parameters vLLM
+    keeps a checkpoint-format record of (its layerwise reload re-loads their modules, :func:`reloaded_attrs`).
     """
 
     params: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
@@ -46,6 +47,8 @@ class Trace:
     problems: Mapping[str, str]
     refused: Mapping[str, str]
     seconds: float
+    untraced: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    reloadable: frozenset[str] = frozenset()
 
 
 def trace_loader(model: torch.nn.Module, shapes: Mapping[str, list[int]], dtypes: Mapping[str, torch.dtype]) -> Trace:
@@ -77,8 +80,28 @@ def trace_loader(model: torch.nn.Module, shapes: Mapping[str, list[int]], dtypes
                 raise RoutingError(f"vLLM's loader failed while routes were traced (at {e.name!r}): {e.text}") from None
             refused[e.name] = e.text
             sources.pop(e.name)
+    reloadable = frozenset(f"{m}.{a}" if m else a for m, attrs in reloaded_attrs(model).items() for a in attrs)
     return Trace(params=params, copies=recorder.copies, fills=recorder.fills, problems=recorder.problems,
-                 refused=refused, seconds=time.perf_counter() - t0)
+                 refused=refused, seconds=time.perf_counter() - t0,
+                 untraced={p: frozenset(n) for p, n in recorder.untraced.items()}, reloadable=reloadable)
+
+
+def reloaded_attrs(model: torch.nn.Module) -> dict[str, frozenset[str]]:
+    """{module: the attributes vLLM's layerwise reload loads into it} (its checkpoint-format parameters, less the
+    tensors vLLM never loads through a layer: ``SKIP_LOAD_TENSORS``, as the router's shared
+    ``e_score_correction_bias``). A module re-loaded from host copies needs the checkpoint tensors feeding these,
+    and only these."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    out: dict[str, frozenset[str]] = {}
+    for name, module in model.named_modules():
+        info = LAYERWISE_INFO.get(module)
+        if info is not None:
+            attrs = frozenset(a for a in info.restore_metadata[0] if a not in SKIP_LOAD_TENSORS)
+            if attrs:
+                out[name] = attrs
+    return out
 
 
 MAX_REFUSED = 16  # checkpoint tensors the loader may refuse before the trace gives up naming them all
@@ -150,14 +173,14 @@ def routing_table(model: torch.nn.Module, trace: Trace, shapes: Mapping[str, lis
 
     group = get_tp_group()
     rank, size = group.rank_in_group, group.world_size
-    copied = sorted({c.hf_name for c in trace.copies})
+    copied = sorted({c.hf_name for c in trace.copies} | {n for names in trace.untraced.values() for n in names})
     everyone = all_gather_tp(copied)
     elsewhere = {n for r, names in enumerate(everyone) if r != rank for n in names}
     tied = tied_aliases(model)
     table = build_routing_table(
         shapes, trace.copies, {n: s for n, (s, _) in trace.params.items()}, fills=trace.fills,
-        problems=trace.problems, refused=trace.refused, held_elsewhere=elsewhere, unfed_ok=tied, tied=tied,
-        ignore=ignore, tp_rank=rank, tp_size=size,
+        problems=trace.problems, untraced=trace.untraced, reloadable=trace.reloadable, refused=trace.refused,
+        held_elsewhere=elsewhere, unfed_ok=tied, tied=tied, ignore=ignore, tp_rank=rank, tp_size=size,
     )
     return assign_owners(table, all_gather_tp(table.boxes()))
 

@@ -101,7 +101,7 @@ class DeltasyncTrainerInitInfo(TrainerInitInfo):
             raise ConfigError(f"{where}.publish: expected PublishOptions or a mapping, got "
                               f"{type(self.publish).__name__}")
         if self.engine is None or isinstance(self.engine, Mapping):
-            self.engine = EngineSettings.parse(dict(self.engine or {}))
+            self.engine = EngineSettings.parse(dict(self.engine or {}), key_files=True)  # this trainer's config
         elif not isinstance(self.engine, EngineSettings):
             raise ConfigError(f"{where}.engine: expected EngineSettings or a mapping, got {type(self.engine).__name__}")
         if self.engine.url is None:  # the engines read what the trainer writes

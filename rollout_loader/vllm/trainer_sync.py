@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 __all__ = ["TrainerSync", "drain"]
 
 Pairs = Iterable[tuple[str, torch.Tensor]]
+# the dtypes a vLLM server holds a model in (its model_config.dtype: "half", "bfloat16", "float"): a step in another
+# (int8, bool, float64) would be cast from the trainer's weights by a server's say-so and break the stream for all
+SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class TrainerSync:
@@ -94,6 +97,11 @@ class TrainerSync:
                 # unless the target's settings name their own trust
                 with StreamReader(self.url, storage_options=self.storage_options,
                                   trusted_keys=publisher.trust) as reader:
+                    sent = self.target.engine_settings(reader).storage_options
+                    if sent and sent == dict(self.storage_options or {}):
+                        # the trainer's store options may carry write access; an engine only reads (SECURITY.md)
+                        log.warning("%s: the inference engines get the trainer's storage options (its credentials): "
+                                    "give them read-only ones in the engine settings (storage_options)", self.who)
                     held = self.target.connect(reader)  # the engines read this stream unless the target names another
                 log.info("%s: stream %s (newest committed step %s), engines at step %s", self.who, self.url,
                          publisher.last_committed_step, held)
@@ -178,8 +186,10 @@ class TrainerSync:
             return options
         name = client.served_dtype()
         served = getattr(torch, name.removeprefix("torch."), None)
-        if not isinstance(served, torch.dtype):
-            raise ConfigError(f"{self.who}: the server at {client.base_url} serves dtype {name!r}, not a torch dtype")
+        if served not in SERVED_DTYPES:  # the server's word decides every step's dtype: only what vLLM serves
+            raise ConfigError(f"{self.who}: the server at {client.base_url} says it serves dtype {name!r}, not one of "
+                              f"{', '.join(map(str, SERVED_DTYPES))}: name the dtype to publish in (the publish "
+                              "option dtype) if that server is the right one")
         if options.dtype is None:
             log.info("%s: publishing in %s, the dtype the server serves", self.who, served)
             return dataclasses.replace(options, dtype=served)

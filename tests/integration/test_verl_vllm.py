@@ -32,7 +32,7 @@ pytest.importorskip("verl")
 pytest.importorskip("ray")
 
 from deltasync import StreamReader, replay_to_folder  # noqa: E402
-from deltasync.errors import EngineError  # noqa: E402
+from deltasync.errors import ChecksumMismatchError  # noqa: E402
 from deltasync.store import Store  # noqa: E402
 from tests.damage import rewrite_header, wrong_checksum  # noqa: E402
 from tests.integration.conftest import load_state, save_like  # noqa: E402
@@ -290,8 +290,9 @@ def test_manager_path_applies_each_step_in_place_and_undoes_a_bad_one(verl_vllm)
 
         train(model, seed=30)
         actors.damage = True
-        with pytest.raises(EngineError, match=r"step 3: 1 of 1 .*replica 0 holds step 2.*ChecksumMismatchError.*"
-                                              r"rolled back to step 2"):
+        # the class the engine raised, through verl's server, vLLM's relay and Ray
+        with pytest.raises(ChecksumMismatchError, match=r"step 3: 1 of 1 .*replica 0 holds step 2.*"
+                                                        r"rolled back to step 2"):
             manager.update_weights(3)
         after, after_tokens, engine_step = _served(env)
         assert engine_step == 2

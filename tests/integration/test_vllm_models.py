@@ -1,12 +1,13 @@
 """Every model family follows a stream bit-exactly, judged against a fresh vLLM engine loaded from the same step.
 
-For each family (dense, tied, fused-checkpoint, MoE, MLA + MoE + shared experts) a run where *every* tensor
-changes (attention, experts, router, shared experts, norms, embeddings, ``kv_b_proj``) is published: two deltas
-and an anchor. A real vLLM engine follows it through the deltasync weight-transfer engine; after each step every
-parameter and buffer it holds (what vLLM derived after loading too: prepacked CPU experts, MLA's ``W_UK_T``/
-``W_UV``) and its greedy output are recorded. Then a fresh engine is started from each step's replayed
-checkpoint: everything must be bit-equal. "stock" keeps vLLM's CPU kernels (linears repacked, so shadowed and
-re-loaded); "live" keeps CPU linear weights live (written in place); MoE experts are shadowed on CPU either way
+For each family (dense, tied, fused-checkpoint, MoE, MLA + MoE + shared experts, Kimi-K2's DeepSeek-V3 with its
+shared router bias, gpt-oss's permuted experts, Qwen3-Next's widened ``A_log``, a tied head the checkpoint stores) a
+run where *every* tensor changes (attention, experts, router, shared experts, norms, embeddings, ``kv_b_proj``) is
+published: two deltas and an anchor. A real vLLM engine follows it through the deltasync weight-transfer engine;
+after each step every parameter and buffer it holds (what vLLM derived after loading too: prepacked CPU experts,
+MLA's ``W_UK_T``/``W_UV``) and its greedy output are recorded. Then a fresh engine is started from each step's
+replayed checkpoint: everything must be bit-equal. "stock" keeps vLLM's CPU kernels (linears repacked, so shadowed
+and re-loaded); "live" keeps CPU linear weights live (written in place); MoE experts are shadowed on CPU either way
 (their CPU kernel prepacks them).
 """
 
@@ -20,7 +21,7 @@ import torch
 
 from deltasync import DeltaPublisher, replay_to_folder
 from tests.integration.conftest import generate, load_state, perturb, save_like, update_to
-from tests.integration.families import FAMILIES, MOE, OUTSIDE_CI, build_family
+from tests.integration.families import FAMILIES, MOE, OUTSIDE_CI, TIED, build_family
 from tests.integration.fp8 import fp8_stand_in
 
 pytest.importorskip("vllm")
@@ -51,14 +52,31 @@ def _start(path: Path, live: bool, *, quantization: str | None = None):
                         dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0, quantization=quantization)
 
 
-def _publish(model_dir: Path, url: str) -> None:
-    state = load_state(model_dir)
-    names = sorted(state)
+def _close(llm) -> None:
+    """Shut an in-process engine down now: a reference kept elsewhere (an error's traceback) would otherwise let the
+    garbage collector do it later, tearing down the distributed state of the next in-process engine."""
+    finalizer = getattr(getattr(llm.llm_engine, "engine_core", None), "_finalizer", None)
+    if finalizer is not None:
+        finalizer()
+
+
+def _publish(model_dir: Path, url: str, *, tied: dict[str, str] | None = None, share: bool = True,
+             steps: tuple[int, ...] = STEPS) -> None:
+    """Step 0 is the checkpoint; each later step changes ~2% of every tensor. ``tied``: {alias: target} the model
+    ties (a trainer's tied head): kept equal, published once (``share``: one tensor under both names) or as two
+    tensors with the same bits (a pushed checkpoint folder that stores both)."""
+    tied = tied or {}
+    loaded = load_state(model_dir)
+    state = {n: t for n, t in loaded.items() if n not in tied}  # the tied ones last, as a model's state dict lists
+    state.update({alias: state[target] if share else loaded[alias] for alias, target in tied.items()})
+    names = sorted(n for n in state if n not in tied)
     with DeltaPublisher(url, state, anchor_every=3) as pub:
         pub.publish(0)
-        for step in STEPS:
+        for step in steps:
             for name, t in perturb(state, names, seed=100 + step, density=0.02).items():
                 state[name].copy_(t)
+            for alias, target in tied.items():
+                state[alias].copy_(state[target])
             pub.publish(step)
         pub.flush()
 
@@ -83,7 +101,7 @@ def test_family_follows_a_stream_bit_exact_against_fresh_engines(family, kernels
         stand_in.__enter__()
     model_dir = build_family(family, tmp_path / family)
     url = str(tmp_path / "stream")
-    _publish(model_dir, url)
+    _publish(model_dir, url, tied=TIED.get(family))
     followed, tokens = {}, {}
     try:
         _follow_and_compare(model_dir, url, live, quantization, followed, tokens, tmp_path)
@@ -92,28 +110,40 @@ def test_family_follows_a_stream_bit_exact_against_fresh_engines(family, kernels
             stand_in.__exit__(None, None, None)
 
 
-def _follow_and_compare(model_dir, url, live, quantization, followed, tokens, tmp_path) -> None:
+def _follow_and_compare(model_dir, url, live, quantization, followed, tokens, tmp_path, *, steps=STEPS,
+                        compared=COMPARED, before=None, check=None, verify="all") -> None:
+    """Follow ``steps`` with one engine, then compare it at each of ``compared`` with a fresh engine loaded from
+    that step's replayed checkpoint. ``before(llm)``: run on the engine before it initialises deltasync;
+    ``check(engine)``: on its weight-transfer engine once it followed."""
     llm = _start(model_dir, live, quantization=quantization)
     try:
-        llm.init_weight_transfer_engine({"init_info": {"url": url, "verify": "all", "step": 0}})
-        for step in STEPS:
+        if before is not None:
+            before(llm)
+        llm.init_weight_transfer_engine({"init_info": {"url": url, "verify": verify, "step": 0}})
+        for step in steps:
             update_to(llm, step)
-            if step in COMPARED:
-                followed[step], tokens[step] = _held(llm), generate(llm)
+            if step in compared:  # generation first: it converts caches (gpt-oss's fp32 rope cache) as a fresh one's
+                tokens[step] = generate(llm)
+                followed[step] = _held(llm)
         engine = llm.collective_rpc(lambda worker: worker.weight_transfer_engine)[0]
-        assert engine.held_step == STEPS[-1]
+        assert engine.held_step == steps[-1]
+        if check is not None:
+            check(engine)
         if quantization:  # the engine really serves float8 weights (and the test compares them)
             assert any("float8" in dtype for dtype, _, _ in followed[COMPARED[-1]].values())
     finally:
+        _close(llm)
         del llm
         gc.collect()
-    for step in COMPARED:
+    for step in compared:
         replayed = replay_to_folder(url, step, str(tmp_path / f"replay{step}"))
         fresh_dir = save_like(model_dir, tmp_path / f"fresh{step}", load_state(Path(replayed.path)))
         fresh = _start(fresh_dir, live, quantization=quantization)
         try:
-            want, want_tokens = _held(fresh), generate(fresh)
+            want_tokens = generate(fresh)
+            want = _held(fresh)
         finally:
+            _close(fresh)
             del fresh
             gc.collect()
         got = followed[step]
@@ -123,32 +153,106 @@ def _follow_and_compare(model_dir, url, live, quantization, followed, tokens, tm
         assert tokens[step] == want_tokens, step
 
 
-def test_a_parameter_with_no_exact_route_is_refused_and_the_engine_keeps_serving(tmp_path, cpu_env) -> None:
-    """A loader that copies a transposed view (no box of the parameter) leaves the router without an exact route:
-    init is refused with a RoutingError naming it, and the engine's weights and output are untouched."""
+def _patch_loader(llm, module: str, loader) -> tuple[object, object]:
+    """Give ``module``'s checkpoint-format weight (vLLM's record, which its loader and reload use) another loader;
+    returns what to restore."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    model = llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
+    recorded = LAYERWISE_INFO[model.get_submodule(module)].restore_metadata[0]["weight"]
+    original = getattr(recorded, "weight_loader", None)
+    recorded.weight_loader = loader
+    return recorded, original
+
+
+def test_refusals_name_their_cause_and_the_engine_keeps_serving(tmp_path, cpu_env) -> None:
+    """A loader that reads the router's checkpoint tensor and writes none of it (fills the parameter instead): init
+    is refused with a RoutingError naming the tensor and the remedy, and the engine's weights and output are
+    untouched. An engine whose norm moved since it loaded its checkpoint: refused naming both possible causes."""
+    from rollout_loader.routing import RoutingError
 
     model_dir = build_family("qwen3_moe", tmp_path / "m")
     url = str(tmp_path / "stream")
-    _publish(model_dir, url)
+    _publish(model_dir, url, steps=(1,))
     llm = _start(model_dir, True)
     try:
         before, before_tokens = _held(llm), generate(llm)
-        model = llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
-        gate = model.get_submodule("model.layers.1.mlp.gate")
-        recorded = LAYERWISE_INFO[gate].restore_metadata[0]["weight"]  # vLLM's checkpoint-format record
-        original = recorded.weight_loader
-        recorded.weight_loader = lambda param, w: param.data.t().copy_(w.t())  # same elements, transposed views
+        recorded, original = _patch_loader(llm, "model.layers.1.mlp.gate", lambda param, w: param.data.zero_())
         try:
-            with pytest.raises(Exception, match=r"model.layers.1.mlp.gate.weight.*transposed, strided or broadcast"):
+            with pytest.raises(RoutingError) as raised:
                 llm.init_weight_transfer_engine({"init_info": {"url": url, "step": 0}})
         finally:
             recorded.weight_loader = original
+        text = str(raised.value)
+        del raised  # its traceback holds the engine
+        assert "'model.layers.1.mlp.gate.weight': the engine drops this tensor (vLLM's loader for this model writes " \
+               "none of its elements into a parameter" in text
+        assert "Leave it out of the engine's checkpoint and of the stream" in text
         after = _held(llm)
         assert all(torch.equal(after[n][2], before[n][2]) for n in before) and generate(llm) == before_tokens
+        # weights that moved since the engine loaded its checkpoint (a norm: no post-load processing to redo)
+        model = llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
+        norm = model.get_submodule("model.norm").weight
+        with torch.no_grad():
+            norm.add_(1)
+        try:
+            with pytest.raises(RoutingError) as raised:
+                llm.init_weight_transfer_engine({"init_info": {"url": url, "step": 0}})
+            text = str(raised.value)
+            del raised
+        finally:
+            with torch.no_grad():
+                norm.sub_(1)
+        assert "engine parameter 'model.norm.weight' holds other bits than 'model.norm.weight' in the engine's " \
+               "checkpoint" in text
+        assert "either the engine's weights changed since it loaded that checkpoint" in text
     finally:
+        _close(llm)
         del llm
         gc.collect()
+
+
+def _untraced_norm(llm) -> None:
+    """The final norm's loader computes its weight (``w * 1``, the same bits) instead of copying it: no element
+    map, so its module is shadowed and re-loaded through vLLM (it has no quantization method)."""
+    _patch_loader(llm, "model.norm", lambda param, w: param.data.copy_(w * 1))
+
+
+def _round_2_check(family: str):
+    def check(engine) -> None:
+        state = engine._state
+        if family == "deepseek_v3_bf16_bias":
+            from rollout_loader.vllm.layout import param_owners
+
+            name = "model.layers.1.mlp.gate.e_score_correction_bias"
+            home = state.homes[name]
+            assert home.host and home.mirror and home.mirror[0].casts == (torch.float32,)  # widened, not re-loaded
+            owners = {m for m, _ in param_owners(state.model)[name]}
+            assert {"model.layers.1.mlp.gate", "model.layers.1.mlp.experts.routed_experts"} <= owners
+            assert "model.layers.1.mlp.experts.routed_experts" in state.feeds  # the shadowed owner
+        elif family == "gpt_oss":
+            (route,) = state.table.routes["model.layers.1.mlp.experts.gate_up_proj"]
+            assert route.axes == (0, 2, 1)  # [E, H, 2I] into w13 [E, 2I, H]: the loader's permute, routed
+        else:
+            assert state.aliases == {"lm_head.weight": "model.embed_tokens.weight"}  # the tied head, stored
+            assert "model.norm.weight" in state.table.untraced and "model.norm" in state.feeds
+    return check
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3_bf16_bias", "gpt_oss", "tied_head"])
+def test_round_2_mechanisms_follow_a_delta_bit_exact(family, tmp_path, cpu_env) -> None:
+    """CI's sibling of the round-2 family cases (outside CI), one delta each, against a fresh engine:
+    ``deepseek_v3_bf16_bias``: the router's ``e_score_correction_bias``, one parameter the router and the
+    (shadowed) experts share, published in bf16 and widened by the loader into fp32. ``gpt_oss``: experts the loader
+    permutes before copying. ``tied_head``: a tied head the checkpoint stores and the stream carries as a second
+    tensor with the same bits (checked, never written), and a module whose loader computes its weight (no element
+    map: re-loaded through vLLM, though it has no quantization method)."""
+    model_dir = build_family(family, tmp_path / family)
+    url = str(tmp_path / "stream")
+    _publish(model_dir, url, tied=TIED.get(family), share=False, steps=(1,))
+    _follow_and_compare(model_dir, url, True, None, {}, {}, tmp_path, steps=(1,), compared=(1,),
+                        before=_untraced_norm if family == "tied_head" else None, check=_round_2_check(family),
+                        verify="incremental")
 
 
 def test_expert_load_balancing_is_refused_by_name(tmp_path, cpu_env) -> None:
@@ -167,6 +271,7 @@ def test_expert_load_balancing_is_refused_by_name(tmp_path, cpu_env) -> None:
         finally:
             parallel.enable_eplb = False
     finally:
+        _close(llm)
         del llm
         gc.collect()
 

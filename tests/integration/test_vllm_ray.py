@@ -149,6 +149,43 @@ class Scripted:
         return self.updates
 
 
+class LLMLike(Scripted):
+    """Stands beside the real engines: an actor with an ``LLM``'s surface (``generate``, ``collective_rpc``) as well."""
+
+    def generate(self, prompts: object = None) -> list:
+        return []
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        return []
+
+
+class Wrapped(Scripted):
+    """An actor of a framework that wraps a target itself (``held_step``, ``init``, ``update``, ``status``)."""
+
+    def held_step(self) -> int:
+        return 2
+
+    def init(self, settings: object) -> None: ...
+    def update(self, step: int) -> None: ...
+    def status(self, checksums: bool = True) -> dict:
+        return {}
+
+
+def test_one_handle_is_a_ray_target_whatever_methods_its_actor_has(cluster):
+    """A handle answers for every method of its actor's class (an ``LLM`` actor's has ``generate`` and
+    ``collective_rpc``), yet each only as ``.remote()``: one handle is driven as Ray actors are, never called as
+    an ``LLM`` or a client in this process (which raised TypeError on the first call)."""
+    from rollout_loader.vllm import RayWeightTransfer, VllmTarget
+
+    for cls in (LLMLike, Wrapped):
+        actor = ray.remote(num_cpus=0)(cls).remote(0)
+        client = VllmTarget(actor).client
+        assert isinstance(client, RayWeightTransfer) and client.held_step() == 2
+        client.update(3)
+        assert client.held_step() == 3
+        ray.kill(actor)
+
+
 def test_a_partial_failure_names_who_holds_what_and_a_retry_converges(cluster):
     from deltasync.errors import CorruptObjectError
     from rollout_loader.vllm import RayWeightTransfer

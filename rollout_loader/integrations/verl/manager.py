@@ -15,7 +15,7 @@ from typing import Any
 from verl.checkpoint_engine import CheckpointEngineManager
 from verl.utils.ray_utils import auto_await
 
-from deltasync.errors import ConfigError, EngineError
+from deltasync.errors import ConfigError, DeltaSyncError, EngineError, can_retry, in_text
 
 from .settings import BACKEND, VerlSettings, plain
 
@@ -53,12 +53,16 @@ def _check_replica(replica: Any) -> None:
                           f"{BACKEND}")
 
 
-def _reason(e: BaseException) -> str:
-    """An error as one line: Ray's wrapper unwrapped, the engine's own text (which names its class)."""
+def _reason(e: BaseException) -> tuple[str, DeltaSyncError | None]:
+    """An error as one line (Ray's wrapper unwrapped), and the deltasync error the engine raised when its text
+    carries one (its class, and whether retrying can help: ``deltasync.errors.in_text``)."""
     cause = getattr(e, "cause", None)
     inner = cause if isinstance(cause, BaseException) else e
+    rebuilt = in_text(str(inner))
+    if rebuilt is not None:
+        return f"{type(rebuilt).__name__}: {rebuilt}", rebuilt
     text = str(inner).strip().splitlines()
-    return f"{type(inner).__name__}: {text[-1] if text else ''}"
+    return f"{type(inner).__name__}: {text[-1] if text else ''}", None
 
 
 class DeltasyncCheckpointManager(CheckpointEngineManager):
@@ -77,7 +81,8 @@ class DeltasyncCheckpointManager(CheckpointEngineManager):
     4. prefix and KV caches are reset, verl's version label set (``set_global_steps``), generation resumed.
 
     A replica holds step N once its update returned: the engine raises on every rank otherwise, and verl's server
-    relays the error. When any replica fails, ``EngineError`` says which replica holds which step; calling
+    relays the error. When any replica fails, the error (the class the engine raised, so whether retrying can help
+    is the engine's answer; ``EngineError`` when it carries none) says which replica holds which step; calling
     ``update_weights`` again converges (a replica at N is left alone). Returns the step's metrics
     (:func:`step_metrics`) plus the seconds spent publishing and applying.
 
@@ -87,7 +92,8 @@ class DeltasyncCheckpointManager(CheckpointEngineManager):
     Raises:
         ConfigError: (at construction) the backend is not ``deltasync``, its options are bad, or a replica is not
             a vLLM replica started with deltasync's weight-transfer engine; each names the setting.
-        EngineError: (``update_weights``) a replica failed to apply the step.
+        DeltaSyncError: (``update_weights``) a replica failed to apply the step: the engine's error class, or
+            ``EngineError``.
     """
 
     def __init__(self, config: Any, actor_wg: Any, replicas: list[Any]) -> None:
@@ -131,14 +137,26 @@ class DeltasyncCheckpointManager(CheckpointEngineManager):
             outcomes = await asyncio.gather(*(self._apply(r, step) for r in self.replicas), return_exceptions=True)
         finally:
             await self.resume_generation_replicas()
-        failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
+        failed = [(i, *_reason(o)) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
         if failed:
-            raise EngineError(f"step {step}: {len(failed)} of {len(self.replicas)} rollout replica(s) failed to apply "
-                              f"it; {self.describe()}; first failure, replica {failed[0][0]}: "
-                              f"{_reason(failed[0][1])} (update_weights again retries the replicas behind)")
+            raise self._failure(step, failed)
         metrics["checkpoint_engine/deltasync_publish_s"] = t1 - t0
         metrics["checkpoint_engine/deltasync_apply_s"] = time.perf_counter() - t1
         return metrics
+
+    def _failure(self, step: int, failed: list[tuple[int, str, DeltaSyncError | None]]) -> DeltaSyncError:
+        """The error to raise: of the class the engine raised where one carries its record (the first that retrying
+        cannot help, else the first), so verl and whoever retries get the engine's answer; else ``EngineError``.
+        Its message says which replica holds which step."""
+        i, reason, error = next((f for f in failed if f[2] is not None and not can_retry(f[2])), failed[0])
+        again = ("update_weights again retries the replicas behind" if error is None or can_retry(error) else
+                 "retrying cannot help that replica")
+        text = (f"step {step}: {len(failed)} of {len(self.replicas)} rollout replica(s) failed to apply it; "
+                f"{self.describe()}; replica {i}: {reason} ({again})")
+        try:
+            return type(error)(text) if error is not None else EngineError(text)
+        except TypeError:  # a class with other constructor arguments (none today)
+            return EngineError(text)
 
     def describe(self) -> str:
         """Which replica holds which step, as far as this manager knows (``unknown``: not updated by it yet)."""

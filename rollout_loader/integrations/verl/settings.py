@@ -10,7 +10,7 @@ from typing import Any, get_args
 
 import torch
 
-from deltasync.engine import Manifest, TrustedKeys, check_stream_id
+from deltasync.engine import Manifest, TrustedKeys, check_stream_id, pem_text, pem_texts
 from deltasync.errors import ConfigError
 from rollout_loader.vllm.settings import EngineSettings, EngineVerify
 
@@ -147,7 +147,9 @@ class VerlSettings:
         """The deltasync vLLM engine's ``init_info`` (JSON-safe: key files read here, sent as PEM text)."""
         trust = self.trusted()  # a bad key is named as verl's setting here, not by the engine's settings
         return EngineSettings(url=self.url, storage_options=self.storage_options, verify=self.verify,
-                              prefetch=self.prefetch, trusted_keys=trust).init_info()
+                              prefetch=self.prefetch, trusted_keys=None if trust is None else tuple(pem_texts(trust)),
+                              revoked_keys=tuple(pem_text(k) for k in sorted(trust.revoked)) if trust else None,
+                              stream_id=None if trust is None else trust.stream_id).init_info()
 
 
 def plain(value: Any) -> Any:
