@@ -361,3 +361,17 @@ def test_trust_settings_are_checked_where_they_are_made(keys):
         TrustedKeys.from_info({"keys": [], "stream": "x"})
     r = _cli("verify", "/nonexistent", "--stream-id", STREAM, "--max-age-s", "60")
     assert r.returncode == 2 and "given without --trusted-key" in r.stderr, r.stderr
+
+
+def test_a_deleted_stream_json_does_not_give_a_signing_trainer_a_new_identity(tmp_path, keys):
+    """Outsider pass: a bucket writer deletes stream.json; a signing trainer restarting without its stream id
+    would otherwise make a new random one and sign steps no pinned follower accepts. It is refused, naming the fix;
+    one that knows its id recreates stream.json with it and resumes after its own newest step."""
+    stream = tmp_path / "stream"
+    _publish(str(stream), keys[0], range(3), _state())
+    (stream / "stream.json").unlink()
+    with pytest.raises(ConfigError, match="has steps but no stream.json"):
+        DeltaPublisher(str(stream), _state(), signing_key=keys[0])
+    assert not (stream / "stream.json").exists() and not (stream / "writer.json").exists()
+    with DeltaPublisher(str(stream), _state(), signing_key=keys[0], stream_id=STREAM) as pub:
+        assert pub.last_committed_step == 2 and pub.stream_id == STREAM

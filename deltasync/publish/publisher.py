@@ -235,6 +235,11 @@ class DeltaPublisher:
                 if opts.stream_id is not None and info is not None and info.stream_id != opts.stream_id:
                     raise ConfigError(f"{self.store.url}: stream.json names stream {info.stream_id!r}, this publisher "
                                       f"was told to write stream {opts.stream_id!r}: another stream lives at this URL")
+                if self.signing_key is not None and opts.stream_id is None and info is None and self.store.steps():
+                    # a new random id would orphan every step signed before: whoever deleted stream.json wins nothing
+                    raise ConfigError(f"{self.store.url}: the stream has steps but no stream.json, and this signing "
+                                      "publisher was given no stream_id: give it the id its steps were signed for "
+                                      "(stream_id=..., the id followers pin)")
                 self.store.acquire_lease(self.writer_id, ttl_s=opts.lease_s, take_over=opts.take_over,
                                          stream_id=opts.stream_id)
                 held = True
