@@ -35,7 +35,8 @@ def main() -> None:
     Anything else is a bug: one line, exit 3. ``DELTASYNC_DEBUG=1`` adds the traceback."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:  # log lines quote stores and peers: shown inert
-        handler.setFormatter(_InertFormatter(handler.formatter))
+        if type(handler) is logging.StreamHandler and not isinstance(handler.formatter, _InertFormatter):
+            handler.setFormatter(_InertFormatter(handler.formatter))
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # `kill`, a scheduler, `docker stop`: as Ctrl-C, so
         signal.signal(signal.SIGTERM, _interrupted)     # downloads, spools and scratch folders are removed
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -39,11 +38,18 @@ def keys(tmp_path):
     return keygen(tmp_path / "trainer.key")
 
 
-def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    import os
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """The command line's real entry point, in this process (a fresh interpreter per call costs seconds)."""
+    from tests.test_cli_errors import run_main
 
-    return subprocess.run([sys.executable, "-m", "deltasync_cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300, env={**os.environ, **(env or {})})
+    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        code, out, err = run_main(monkeypatch, capsys, *args)
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
 
 
 def _held(follower: Follower) -> dict[str, torch.Tensor]:
@@ -53,7 +59,7 @@ def _held(follower: Follower) -> dict[str, torch.Tensor]:
 # --- item 1: the stream a follower follows is pinned, never read from the store ---
 
 
-def test_another_streams_steps_under_its_stream_json_are_refused(tmp_path, keys):
+def test_another_streams_steps_under_its_stream_json_are_refused(tmp_path, keys, cli):
     """One key signs runs A and B; a bucket writer of B copies A's stream.json and steps into B. A follower of B
     (key and stream pinned) refuses every step of A; verify says so; keys without a stream are refused."""
     a, b = tmp_path / "run-a", tmp_path / "run-b"
@@ -70,11 +76,11 @@ def test_another_streams_steps_under_its_stream_json_are_refused(tmp_path, keys)
         assert follower.target.step is None
     finally:
         follower.close()
-    r = _cli("verify", str(b), "--trusted-key", str(keys[1]), "--stream-id", "run-b")
+    r = cli("verify", str(b), "--trusted-key", str(keys[1]), "--stream-id", "run-b")
     assert r.returncode == 1 and "step 0: signature:" in r.stdout and "run-a" in r.stdout, r.stdout + r.stderr
     with pytest.raises(ConfigError, match="need the id of the stream they sign for"):
         Follower(str(b), StateDictTarget(), trusted_keys=TrustedKeys.load([keys[1]]))
-    r = _cli("verify", str(b), "--trusted-key", str(keys[1]))
+    r = cli("verify", str(b), "--trusted-key", str(keys[1]))
     assert r.returncode == 2 and "need the id of the stream" in r.stderr, r.stderr
     # the real run-b, pinned, reads as it was written
     shutil.rmtree(b)
@@ -120,7 +126,7 @@ def _rewrite_model_files(stream: Path) -> None:
     (stream / "files.json").write_text(json.dumps(index))
 
 
-def test_model_files_outside_a_signature_are_refused_by_replay_and_mirror(tmp_path, keys):
+def test_model_files_outside_a_signature_are_refused_by_replay_and_mirror(tmp_path, keys, cli):
     stream = tmp_path / "stream"
     _publish(str(stream), keys[0], range(3), _state(), files=_files(tmp_path))
     with StreamReader(str(stream), trusted_keys=trust(keys[1])) as reader:  # signed as written: exported
@@ -136,8 +142,8 @@ def test_model_files_outside_a_signature_are_refused_by_replay_and_mirror(tmp_pa
         r = replay_to_folder(reader, 2, tmp_path / "weights", model_files=False)  # the weights alone: signed
         assert r.model_files == () and not (tmp_path / "weights" / "config.json").exists()
     ecdsa = tmp_path / "export"
-    assert _cli("keygen", "--ecdsa", str(ecdsa)).returncode == 0
-    r = _cli("replay", str(stream), "--step", "2", "-o", str(tmp_path / "signed"), "--trusted-key", str(keys[1]),
+    assert cli("keygen", "--ecdsa", str(ecdsa)).returncode == 0
+    r = cli("replay", str(stream), "--step", "2", "-o", str(tmp_path / "signed"), "--trusted-key", str(keys[1]),
              "--stream-id", STREAM, "--sign", str(ecdsa))  # never signed into an export either
     assert r.returncode == 2 and "SignatureError" in r.stderr and not (tmp_path / "signed").exists(), r.stderr
     report = mirror(str(stream), str(tmp_path / "copy"), trusted_keys=trust(keys[1]))
@@ -214,7 +220,7 @@ def test_a_forged_manifest_far_ahead_stops_no_follower_and_no_publisher(tmp_path
 # --- item 5: rollback and freezing are detected ---
 
 
-def test_a_deleted_tail_is_a_rollback_and_an_old_head_is_stale(tmp_path, keys):
+def test_a_deleted_tail_is_a_rollback_and_an_old_head_is_stale(tmp_path, keys, cli):
     stream = tmp_path / "stream"
     state = _state()
     truth = _publish(str(stream), keys[0], range(6), state, anchor_every=2)
@@ -233,7 +239,7 @@ def test_a_deleted_tail_is_a_rollback_and_an_old_head_is_stale(tmp_path, keys):
         assert follower.target.step is None
     finally:
         follower.close()
-    r = _cli("verify", str(stream), "--trusted-key", str(keys[1]), "--stream-id", STREAM)
+    r = cli("verify", str(stream), "--trusted-key", str(keys[1]), "--stream-id", STREAM)
     assert r.returncode == 1 and "step 5: head:" in r.stdout and "rollback" in r.stdout, r.stdout + r.stderr
     # latest.json replaced by one without a head (or an old one): a follower that requires freshness refuses
     old_latest = {"step": 3}
@@ -285,7 +291,7 @@ def test_heads_are_signed_after_each_commit_refreshed_and_closed(tmp_path, keys)
 # --- item 6: rotation order and revocation ---
 
 
-def test_a_leaked_retired_key_cannot_sign_past_the_rotation(tmp_path, keys):
+def test_a_leaked_retired_key_cannot_sign_past_the_rotation(tmp_path, keys, cli):
     """A rotates to B from step 4; a leaked A signs step 8 on B's step 7. A new follower, replay and verify refuse
     it (the chain's signatures are accepted oldest first), the follower goes on to step 7; revoking A (CLI, engine
     settings) refuses A's steps outright."""
@@ -305,7 +311,7 @@ def test_a_leaked_retired_key_cannot_sign_past_the_rotation(tmp_path, keys):
     report = verify(str(stream), trusted_keys=trust(keys[1]), all_problems=True)
     assert [p.step for p in report.problems] == [8] and report.problems[0].kind == "signature"
     # revocation, from the CLI: nothing the old key signed is trusted
-    r = _cli("replay", str(stream), "--step", "2", "-o", str(tmp_path / "r"), "--trusted-key", str(keys[1]),
+    r = cli("replay", str(stream), "--step", "2", "-o", str(tmp_path / "r"), "--trusted-key", str(keys[1]),
              "--revoked-key", str(keys[1]), "--stream-id", STREAM)
     assert r.returncode == 2 and "revoked" in r.stderr, r.stderr
     # and in the one record that crosses to an engine
@@ -340,16 +346,16 @@ def _leaked_delta(stream: Path, tmp_path: Path, step: int, key: Path, state: dic
 
 
 @pytest.mark.parametrize("value", ["", ":", "KEY:", ":KEY"])
-def test_an_empty_or_broken_trust_setting_fails_closed(tmp_path, keys, value):
+def test_an_empty_or_broken_trust_setting_fails_closed(tmp_path, keys, value, cli):
     stream = tmp_path / "stream"
     _publish(str(stream), None, range(2), _state())  # unsigned: replaying it would prove the check was off
     env = {"DELTASYNC_TRUSTED_KEYS": value.replace("KEY", str(keys[1])), "DELTASYNC_STREAM_ID": STREAM}
-    r = _cli("replay", str(stream), "--step", "1", "-o", str(tmp_path / "out"), env=env)
+    r = cli("replay", str(stream), "--step", "1", "-o", str(tmp_path / "out"), env=env)
     assert r.returncode == 2 and r.stderr.startswith("error: ConfigError: DELTASYNC_TRUSTED_KEYS"), r.stderr
     assert not (tmp_path / "out").exists()
 
 
-def test_trust_settings_are_checked_where_they_are_made(keys):
+def test_trust_settings_are_checked_where_they_are_made(keys, cli):
     for bad, match in (([], "none given"), ("", "cannot read"), ([keys[1]], "need the id of the stream")):
         with pytest.raises(ConfigError, match=match):
             TrustedKeys.load(bad, stream_id=None)
@@ -359,7 +365,7 @@ def test_trust_settings_are_checked_where_they_are_made(keys):
         TrustedKeys.load([keys[1]], stream_id=STREAM, max_age_s=float("nan"))
     with pytest.raises(ConfigError, match="unknown field"):
         TrustedKeys.from_info({"keys": [], "stream": "x"})
-    r = _cli("verify", "/nonexistent", "--stream-id", STREAM, "--max-age-s", "60")
+    r = cli("verify", "/nonexistent", "--stream-id", STREAM, "--max-age-s", "60")
     assert r.returncode == 2 and "given without --trusted-key" in r.stderr, r.stderr
 
 
