@@ -80,6 +80,7 @@ class Retrying:
     retry_base_s: float
     retry_max_s: float
     _option_names: frozenset[str]
+    _secrets: tuple[str, ...] = ()  # the store's own secret values (what its backend's words may quote)
     _answered: bool  # has the store ever answered? (then a failed connect is an outage, not a wrong URL)
     _throttled_until: float = 0.0  # monotonic time until which the store asked to be left alone
 
@@ -117,7 +118,7 @@ class Retrying:
                 self._answered = True
                 raise
             except Exception as e:
-                scrub(e)  # the backend's own words, kept as the cause: no secret in them
+                scrub(e, also=self._secrets)  # the backend's own words, kept as the cause: no secret in them
                 failure = classify_failure(e, self._option_names)
                 if failure is not None and not (failure.kind == "unreachable" and self._answered):
                     raise self._refusal(failure, what) from e
@@ -133,9 +134,10 @@ class Retrying:
                     self._throttled_until = time.monotonic() + delay
                 spent = time.monotonic() - started
                 if attempt == self.retries or spent + delay > self.retry_max_s:
-                    raise StoreError(redact(f"{self.url}: {what} failed after {attempt + 1} attempts in {spent:.1f}s: "
-                                            f"{e}")) from e
-                log.warning("%s: %s failed (%s); retrying in %.2fs", self.url, what, redact(str(e)), delay)
+                    raise StoreError(f"{self.url}: {what} failed after {attempt + 1} attempts in {spent:.1f}s: "
+                                     f"{redact(str(e), also=self._secrets)}") from e
+                log.warning("%s: %s failed (%s); retrying in %.2fs", self.url, what,
+                            redact(str(e), also=self._secrets), delay)
                 failed = True
                 time.sleep(delay)
             else:
@@ -149,20 +151,20 @@ class Retrying:
             return bool(self.call(f"read back {what}", landed))
         except Exception as e:  # noqa: BLE001 - the conflict is reported, with this reason logged
             log.warning("%s: could not read back %s to tell a lost reply from a conflict: %s", self.url, what,
-                        redact(str(e)))
+                        redact(str(e), also=self._secrets))
             return False
 
     def _settings_failed(self, error: BaseException, what: str) -> StoreConfigError:
         """The error for a backend that failed on its settings (a wrong type, a value it cannot use): the user's
         to fix, never retried, naming the options given (their names, never their values)."""
-        detail = redact(" ".join(f"{type(error).__name__}: {error}".split()))[:300]
+        detail = redact(" ".join(f"{type(error).__name__}: {error}".split()), also=self._secrets)[:300]
         return StoreConfigError(
             f"{self.url}: {what}: the {self.protocol!r} filesystem failed on its settings ({detail}); check each "
             f"storage option's type and value (options given: {', '.join(sorted(self._option_names))})")
 
     def _refusal(self, failure: StoreFailure, what: str) -> Exception:
         """The error a user sees for a failure that retrying cannot mend: what, why, and what to check."""
-        detail = redact(" ".join(failure.detail.split()))  # one line, whatever the backend wrote, no secret
+        detail = redact(" ".join(failure.detail.split()), also=self._secrets)  # one line, no secret
         hint = failure.hint(self.protocol)
         if failure.kind == "no_credentials":
             return StoreAuthError(f"{self.url}: {what}: no credentials found ({detail}); {hint}")

@@ -8,9 +8,10 @@ stored document (docs/SECURITY.md). Two guards, by construction:
   refuses it; the holder calls :meth:`Secret.reveal` where the value is needed (handing it to a backend).
   Settings records keep their secrets in it (``deltasync.Store`` accepts it as a storage option's value).
 - Every secret value a :class:`~deltasync.store.Store` is given (storage options whose names say secret, key,
-  token, password, ...; a URL's password) is remembered in this process, and :func:`redact` scrubs all of them
-  from a text: what a backend says in an error (which may quote its own settings) is redacted before it is put
-  in a deltasync error or log line, and the command line redacts everything it prints on stderr.
+  token, password, ...; a URL's password) is scrubbed from what its backend says in an error (which may quote its
+  own settings) before it is put in a deltasync error or log line; those of at least 16 characters (what
+  credentials are: a shorter one would mangle ordinary words) and URL passwords are remembered in this process,
+  and :func:`redact` scrubs them from any text: the command line redacts everything it prints on stderr.
 
 Example::
 
@@ -24,7 +25,7 @@ import hmac
 import re
 import threading
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 __all__ = ["Secret", "hidden", "redact", "redact_url", "remember", "reveal", "scrub", "secret_values", "wrap"]
@@ -33,7 +34,8 @@ HIDDEN = "<hidden>"
 # parts of an option's name that mark its value as a secret (S3 "secret", "token", HF "token", Azure "account_key",
 # "sas_token", GCS "token", "password", "client_secret", "credential(s)", ...)
 _SECRET_NAME = re.compile(r"secret|token|passw|credential|(^|_)key$|account_key|sas|signature|auth|session", re.I)
-MIN_SECRET_CHARS = 6  # a shorter value is not scrubbed from text (it would mangle ordinary words)
+MIN_SECRET_CHARS = 16  # scrubbed from any text: shorter values only from a backend's own words (``redact(also=)``)
+MIN_LOCAL_CHARS = 6  # a shorter value is not scrubbed even there (it would mangle ordinary words)
 _URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:)(?P<password>[^/@\s]+)@")
 
 _known: set[str] = set()
@@ -55,7 +57,6 @@ class Secret:
         if not isinstance(value, (str, bytes)):
             raise TypeError(f"Secret: expected a str or bytes, got {type(value).__name__}")
         self._value = value
-        remember(value)
 
     def reveal(self) -> Any:
         return self._value
@@ -145,15 +146,17 @@ def hidden(options: Any, *, _depth: int = 0) -> Any:
     return options
 
 
-def remember(*values: Any) -> None:
-    """Remember secret values (strings, bytes, ``Secret``s) so that :func:`redact` scrubs them from any text."""
+def remember(*values: Any, public: str = "", min_chars: int = MIN_SECRET_CHARS) -> None:
+    """Remember secret values (strings, bytes, ``Secret``s) so that :func:`redact` scrubs them from any text; a
+    value that ``public`` (a URL that is shown anyway) contains is no secret, and is not scrubbed (a test store's
+    secret that is also its bucket's name would otherwise turn every message into ``<hidden>``)."""
     with _lock:
         for v in values:
             if isinstance(v, Secret):
                 v = v.reveal()
             if isinstance(v, bytes):
                 v = v.decode("utf-8", "replace")
-            if isinstance(v, str) and len(v) >= MIN_SECRET_CHARS:
+            if isinstance(v, str) and len(v) >= min_chars and v not in public:
                 _known.add(v)
 
 
@@ -162,17 +165,21 @@ def redact_url(url: str) -> str:
     if not isinstance(url, str) or "@" not in url:
         return url
     for m in _URL_PASSWORD.finditer(url):
-        remember(urllib.parse.unquote(m.group("password")), m.group("password"))
+        # a URL's password is a secret whatever its length (ordinary words are rarely one)
+        remember(urllib.parse.unquote(m.group("password")), m.group("password"), min_chars=MIN_LOCAL_CHARS)
     return _URL_PASSWORD.sub(lambda m: f"{m.group('head')}{HIDDEN}@", url)
 
 
-def redact(text: str) -> str:
-    """``text`` with every secret this process was given (:func:`remember`) and every URL password hidden."""
+def redact(text: str, *, also: Iterable[str] = ()) -> str:
+    """``text`` with every secret this process was given (:func:`remember`: values of at least 16 characters, what
+    credentials are; a shorter one would mangle ordinary words) and every URL password hidden; ``also``: more
+    values to hide here (a store's own secrets, however short, in what its backend said)."""
     if not isinstance(text, str):
         text = str(text)
     text = redact_url(text)  # first: a password in a URL is then scrubbed wherever else the text repeats it
     with _lock:
-        known = sorted(_known, key=len, reverse=True)
+        known = sorted(_known | {a for a in also if isinstance(a, str) and len(a) >= MIN_LOCAL_CHARS},
+                       key=len, reverse=True)
     for value in known:
         if value in text:
             text = text.replace(value, HIDDEN)
@@ -193,9 +200,9 @@ def wrap(options: Any, *, _secret: bool = False, _depth: int = 0) -> Any:
     return options
 
 
-def scrub(error: BaseException) -> None:
+def scrub(error: BaseException, *, also: Iterable[str] = ()) -> None:
     """Redact the messages of ``error`` and its causes in place (best effort: an exception whose text comes from
-    its ``args``), so that a traceback that prints the chain shows no secret either."""
+    its ``args``), so that a traceback that prints the chain shows no secret either (``also``: as ``redact``)."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [error]
     while todo and len(seen) < 8:
@@ -205,7 +212,7 @@ def scrub(error: BaseException) -> None:
         seen.add(id(e))
         try:
             text = str(e)
-            clean = redact(text)
+            clean = redact(text, also=also)
             if clean != text and e.args:
                 e.args = (clean,)
         except Exception:  # noqa: BLE001 - an exception whose str() fails is left as it is

@@ -93,7 +93,9 @@ class Store(StoreObjects, Retrying):
         # what an engine reading the same store needs: credentials held as Secrets, so that no repr shows them
         options = wrap(dict(storage_options or {}))
         self.storage_options = options
-        remember(*secret_values(options))  # scrubbed from every error and log line (deltasync/secrets.py)
+        # scrubbed from every error and log line (deltasync/secrets.py): what the backend says may quote them
+        self._secrets = tuple(v for v in secret_values(options) if v not in self.url)
+        remember(*self._secrets, public=self.url)
         self._option_names = frozenset(options)
         self.transport = transport if transport is not None else self._open(url, options)
         self.root = redact_url(self.transport.root or url)
@@ -126,7 +128,7 @@ class Store(StoreObjects, Retrying):
                 raise self._settings_failed(e, "open it") from e
             raise self._refusal(failure, "open it") from e
         except ValueError as e:
-            raise StoreError(redact(f"cannot open store {self.url!r}: {e}")) from e
+            raise StoreError(f"cannot open store {self.url!r}: {redact(str(e), also=self._secrets)}") from e
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
