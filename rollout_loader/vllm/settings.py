@@ -23,6 +23,7 @@ from deltasync.engine import (
     check_max_age_s,
     check_stream_id,
     name_matches,
+    pem_text,
     pem_texts,
     rdma_options,
     reveal,
@@ -56,8 +57,10 @@ class EngineSettings:
             or just the controller's address.
         notify: an event feed (``http://HOST:PORT/events``: a mirror's or a publisher's) the engine's prefetchers
             listen to, polling the store only as a safety net.
-        trusted_keys: public keys (PEM text, or files where these settings are made): the engine then applies
-            only steps one of them signed. Kept as PEM text, so a server elsewhere needs no file.
+        trusted_keys: public keys (PEM text, or files where these settings are made; or a follower's whole
+            ``TrustedKeys``, which also gives ``stream_id``, ``max_age_s`` and ``revoked_keys`` where those are not
+            set): the engine then applies only steps one of them signed. Kept as PEM text, so a server elsewhere
+            needs no file.
         revoked_keys: public keys (the same forms) the engine refuses, with every key they endorsed, even where a
             trusted key endorsed them: a leaked key (docs/SECURITY.md). Only beside ``trusted_keys``.
         stream_id: the stream the trusted keys sign for (docs/FORMAT.md section 5e: pinned beside the keys, never
@@ -106,6 +109,15 @@ class EngineSettings:
         if self.notify is not None and not (isinstance(self.notify, str)
                                             and self.notify.startswith(("http://", "https://"))):
             raise _bad("notify", "an event feed URL (http://HOST:PORT/events)", self.notify)
+        trust = self.trusted_keys
+        if isinstance(trust, TrustedKeys):  # a follower's whole trust: its keys, stream, freshness and revocations
+            object.__setattr__(self, "trusted_keys", tuple(pem_texts(trust)))
+            if self.stream_id is None:
+                object.__setattr__(self, "stream_id", trust.stream_id)
+            if self.max_age_s is None and trust.max_age_s is not None:
+                object.__setattr__(self, "max_age_s", trust.max_age_s)
+            if self.revoked_keys is None and trust.revoked:
+                object.__setattr__(self, "revoked_keys", tuple(pem_text(k) for k in sorted(trust.revoked)))
         for name in ("trusted_keys", "revoked_keys"):
             keys = getattr(self, name)
             if keys is None:
