@@ -19,10 +19,11 @@ from typing import Any, Literal, get_args
 from deltasync.engine import CONSUMER_ID, MAX_STEP, TrustedKeys, name_matches, pem_texts, rdma_options
 from deltasync.errors import ConfigError
 
-__all__ = ["EngineSettings", "EngineVerify", "Mode"]
+__all__ = ["EngineSettings", "EngineVerify", "Mode", "Representation"]
 
 EngineVerify = Literal["incremental", "changed", "all"]
 Mode = Literal["auto", "live", "reload"]
+Representation = Literal["checkpoint", "fp8"]
 MAX_SETTINGS_BYTES = 1 << 20  # a few PEM keys and storage options: nothing legitimate is larger
 
 
@@ -50,6 +51,12 @@ class EngineSettings:
             only steps one of them signed. Kept as PEM text, so a server elsewhere needs no file.
         revoked_keys: public keys (the same forms) the engine refuses, with every key they endorsed, even where a
             trusted key endorsed them: a leaked key (docs/SECURITY.md). Only beside ``trusted_keys``.
+        representation: what the stream's tensors are: ``"checkpoint"`` (the engine's checkpoint tensors; layers
+            vLLM transforms after loading are re-loaded from host copies) or ``"fp8"`` (an FP8 engine's own
+            representation, docs/FORMAT.md section 7: FP8 bytes and scales written in place, no host copy).
+        max_host_bytes: the most host memory, in bytes, the engine may keep as host copies of checkpoint tensors
+            (stated at init); above it init is refused with a ``ConfigError`` before anything is read. None: no
+            limit.
 
     Raises:
         ConfigError: a value of the wrong type or out of range, naming the setting.
@@ -70,6 +77,8 @@ class EngineSettings:
     notify: str | None = None
     trusted_keys: tuple[str, ...] | None = None
     revoked_keys: tuple[str, ...] | None = None
+    representation: Representation = "checkpoint"
+    max_host_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.url is not None and not (isinstance(self.url, str) and self.url):
@@ -87,6 +96,10 @@ class EngineSettings:
             raise _bad("prefetch", "true or false", self.prefetch)
         if self.rdma is not None:
             object.__setattr__(self, "rdma", _rdma(self.rdma))
+        _choice("representation", self.representation, Representation)
+        if self.max_host_bytes is not None and (isinstance(self.max_host_bytes, bool)
+                                                or not isinstance(self.max_host_bytes, int) or self.max_host_bytes < 0):
+            raise _bad("max_host_bytes", "a number of bytes (an integer >= 0) or null", self.max_host_bytes)
         if self.notify is not None and not (isinstance(self.notify, str)
                                             and self.notify.startswith(("http://", "https://"))):
             raise _bad("notify", "an event feed URL (http://HOST:PORT/events)", self.notify)
