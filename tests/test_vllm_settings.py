@@ -51,6 +51,8 @@ def _values(tmp_path, public) -> dict:
         "notify": ("http://127.0.0.1:1/events", "http://127.0.0.1:1/events"),
         "trusted_keys": ([public], [pem]),
         "revoked_keys": ([_leaked(public)], [open(_leaked(public)).read()]),
+        "representation": ("fp8", "fp8"),
+        "max_host_bytes": (1 << 30, 1 << 30),
     }
 
 
@@ -117,6 +119,8 @@ CLI = {
     "notify": lambda v: ["--notify", v],
     "trusted_keys": lambda v: ["--trusted-key", v[0]],
     "revoked_keys": lambda v: ["--trusted-key", str(Path(v[0]).with_name("trainer.key.pub")), "--revoked-key", v[0]],
+    "representation": lambda v: ["--representation", v],
+    "max_host_bytes": lambda v: ["--max-host-bytes", str(v)],
 }
 
 
@@ -155,6 +159,11 @@ def test_a_bad_or_unknown_setting_is_named_everywhere(tmp_path, monkeypatch, cap
         VllmTarget("http://127.0.0.1:1", verfy="all")
     with pytest.raises(ConfigError, match="setting verify"):
         VllmTarget("http://127.0.0.1:1", verify="some")
+    with pytest.raises(ConfigError, match="setting representation: expected one of 'checkpoint', 'fp8', got 'bf16'"):
+        VllmTarget("http://127.0.0.1:1", representation="bf16")
+    for bad in (-1, 1.5, True, "1GiB"):
+        with pytest.raises(ConfigError, match=r"setting max_host_bytes: expected a number of bytes \(an integer >= 0\)"):
+            EngineSettings(url="s3://b/run", max_host_bytes=bad)
     with pytest.raises(ConfigError, match="settings must be an EngineSettings"):
         VllmTarget("http://127.0.0.1:1", {"verify": "all"})
     url = _stream(tmp_path)
