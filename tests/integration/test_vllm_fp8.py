@@ -125,3 +125,58 @@ def test_fp8_engine_follows_its_fp8_representation_in_place_bit_exact(tmp_path, 
     differ = [n for n in want if followed[n][:2] != want[n][:2] or not torch.equal(followed[n][2], want[n][2])]
     assert not differ, f"{len(differ)} of {len(want)} tensors differ from a fresh FP8 engine: {differ[:6]}"
     assert tokens == want_tokens
+
+
+@pytest.mark.outside_ci  # three or four engines per scheme: ~1 min (./run.sh test -m outside_ci); CI runs the one above
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_per_channel"])
+def test_fp8_stream_at_every_kind_of_step_and_its_replay_loads(quantization, tmp_path, cpu_env) -> None:
+    """Per tensor and per channel: an FP8 engine follows the FP8 stream through a delta, a delta on it and an
+    anchor, compared after the second delta and after the anchor with fresh FP8 engines from those steps' bf16
+    checkpoints. Per tensor, the replayed FP8 step is itself a checkpoint vLLM loads as FP8 (``quant_method: fp8``):
+    the same FP8 weights and scale values as the online engine's, the same greedy output."""
+    from rollout_loader.vllm.fp8 import Fp8Quantizer, fp8_plan
+
+    model_dir = build_family("llama", tmp_path / "llama")
+    plan = fp8_plan(model_dir, quantization=quantization, dtype="bfloat16")
+    bf16_url, fp8_url = str(tmp_path / "bf16"), str(tmp_path / "fp8")
+    _publish_both(model_dir, bf16_url, fp8_url, Fp8Quantizer(plan), steps=(1, 2, 3), anchors=(3,))
+    followed, tokens = {}, {}
+    llm = _start(model_dir, True, quantization=quantization)
+    try:
+        llm.init_weight_transfer_engine({"init_info": {"url": fp8_url, "step": 0, "representation": "fp8",
+                                                       "verify": "incremental", "max_host_bytes": 0}})
+        for step in (1, 2, 3):
+            update_to(llm, step)
+            if step in (2, 3):
+                tokens[step], followed[step] = generate(llm), _held(llm)
+    finally:
+        _close(llm)
+        del llm
+        gc.collect()
+    for step in (2, 3):
+        replayed = replay_to_folder(bf16_url, step, str(tmp_path / f"replay{step}"))
+        fresh = _start(save_like(model_dir, tmp_path / f"fresh{step}", load_state(Path(replayed.path))), True,
+                       quantization=quantization)
+        try:
+            want_tokens, want = generate(fresh), _held(fresh)
+        finally:
+            _close(fresh)
+            del fresh
+            gc.collect()
+        differ = [n for n in want if followed[step][n][:2] != want[n][:2]
+                  or not torch.equal(followed[step][n][2], want[n][2])]
+        assert not differ, f"step {step}: {len(differ)} tensors differ from a fresh FP8 engine: {differ[:6]}"
+        assert tokens[step] == want_tokens
+    if quantization != "fp8":
+        return
+    fp8_dir = replay_to_folder(fp8_url, 3, str(tmp_path / "fp8-replay3")).path
+    replayed_fp8 = _start(Path(fp8_dir), True)  # its config.json says quant_method fp8
+    try:
+        got_tokens, got = generate(replayed_fp8), _held(replayed_fp8)
+    finally:
+        _close(replayed_fp8)
+        del replayed_fp8
+        gc.collect()
+    assert got.keys() == want.keys() and got_tokens == want_tokens
+    for n in want:  # vLLM holds a serialized checkpoint's fused scale 0-d, an online one as [1]: same bits
+        assert got[n][0] == want[n][0] and torch.equal(got[n][2], want[n][2]), n
