@@ -162,7 +162,7 @@ def test_a_bad_or_unknown_setting_is_named_everywhere(tmp_path, monkeypatch, cap
     with pytest.raises(ConfigError, match="setting representation: expected one of 'checkpoint', 'fp8', got 'bf16'"):
         VllmTarget("http://127.0.0.1:1", representation="bf16")
     for bad in (-1, 1.5, True, "1GiB"):
-        with pytest.raises(ConfigError, match=r"setting max_host_bytes: expected a number of bytes \(an integer >= 0\)"):
+        with pytest.raises(ConfigError, match=r"setting max_host_bytes: expected a number of bytes \(an integer"):
             EngineSettings(url="s3://b/run", max_host_bytes=bad)
     with pytest.raises(ConfigError, match="settings must be an EngineSettings"):
         VllmTarget("http://127.0.0.1:1", {"verify": "all"})

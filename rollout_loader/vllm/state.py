@@ -132,7 +132,10 @@ class WorkerState:
             return (". This engine follows its FP8 representation (representation='fp8', docs/FORMAT.md section 7) and "
                     "the stream carries a checkpoint's tensors: follow it with representation='checkpoint', or publish "
                     "the FP8 representation (rollout_loader.vllm.Fp8Quantizer)")
-        if self.representation != "fp8" and fp8:
+        if self.representation == "fp8":
+            return (". The stream's FP8 tensors do not fit this engine's FP8 layers: quantize with the engine's own "
+                    "plan (rollout_loader.vllm.fp8_plan with the engine's checkpoint and --quantization)")
+        if fp8:
             return (". The stream carries FP8 tensors (an FP8 engine's representation, docs/FORMAT.md section 7): "
                     "follow it with representation='fp8' on an engine that quantizes as the stream's plan says")
         return ""
