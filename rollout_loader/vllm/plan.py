@@ -107,7 +107,8 @@ def build_state(
                for n, pieces in table.routes.items() if reloading[n] or any(r.casts for r in pieces)}
     host_names = sorted(n for n in table.routes if reloading[n] or n in mirrors)
     host_bytes = sum(math.prod(shapes[n]) * dtypes.get(n, torch.bfloat16).itemsize for n in host_names)
-    _check_host_bytes(host_bytes, max_host_bytes, host_names, feeds, transformed, fp8=_quantizes_fp8(model))
+    _check_host_bytes(host_bytes, max_host_bytes, host_names, feeds, transformed,
+                      fp8=_quantizes_fp8(model) and plan is None)
     host = read_checkpoint(checkpoint, host_names, shapes) if host_names else {}
     whole = _owned_whole(table)
     params = dict(model.named_parameters())
@@ -164,7 +165,8 @@ def _quantizes_fp8(model: torch.nn.Module) -> bool:
 
 def _check_host_bytes(host_bytes: int, budget: int | None, names: list[str], feeds: dict[str, tuple[str, ...]],
                       transformed: dict[str, str], *, fp8: bool) -> None:
-    """State the host copies' memory, and refuse it above ``budget`` (before any is read)."""
+    """State the host copies' memory, and refuse it above ``budget`` (before any is read). ``fp8``: an FP8 engine
+    fed the checkpoint's tensors (its FP8 representation would need none for its FP8 linear layers)."""
     gib = host_bytes / 2**30
     log.info("deltasync: host copies of %d checkpoint tensor(s) for %d module(s) vLLM transforms after loading or "
              "re-loads: %.3f GiB of host memory (budget: %s)", len(names), len(feeds), gib,
@@ -177,8 +179,8 @@ def _check_host_bytes(host_bytes: int, budget: int | None, names: list[str], fee
               "host copies of them. Publish its FP8 representation instead (rollout_loader.vllm.Fp8Quantizer, "
               "docs/FORMAT.md section 7) and follow it with representation='fp8': FP8 bytes and scales written in "
               "place, no host copy" if fp8 else
-              "Keep CPU linear weights live (rollout_loader.vllm.enable_live_cpu_weights) where they are repacked, or "
-              "raise max_host_bytes")
+              "These modules have no in-place path: keep CPU linear weights live "
+              "(rollout_loader.vllm.enable_live_cpu_weights) where they are repacked, or raise max_host_bytes")
     raise ConfigError(
         f"deltasync engine setting max_host_bytes: this engine would keep host copies of {len(names)} checkpoint "
         f"tensor(s) ({host_bytes} bytes, {gib:.3f} GiB) for {len(modules)} module(s) whose parameters vLLM transforms "
