@@ -131,6 +131,22 @@ def test_the_quantizer_gives_the_stream_layout_and_each_member_dequantizes_to_it
     assert torch.equal(out[NORM], weights[NORM].bfloat16())
 
 
+def test_a_publisher_takes_the_pairs_as_it_takes_the_state(stand_in, tmp_path):
+    """``publish(step, weights=quantizer.pairs(...))`` (one group held at a time) commits the same tensors as the
+    quantized state dict: the same step checksum."""
+    from deltasync import DeltaPublisher, StreamReader
+
+    plan = _plan()
+    weights = _weights(plan)
+    quantizer = Fp8Quantizer(plan)
+    with DeltaPublisher(str(tmp_path / "state"), quantizer.quantize(weights)) as pub:
+        pub.publish(0)
+    with DeltaPublisher(str(tmp_path / "pairs"), None) as pub:
+        pub.publish(0, weights=quantizer.pairs(weights.items()))
+    with StreamReader(str(tmp_path / "state")) as a, StreamReader(str(tmp_path / "pairs")) as b:
+        assert a.manifest(0).state_checksum == b.manifest(0).state_checksum
+
+
 def test_the_quantizer_streams_pairs_and_writes_in_place(stand_in):
     plan = _plan()
     weights = _weights(plan, torch.bfloat16)
