@@ -66,6 +66,7 @@ def _publish_both(model_dir: Path, bf16_url: str, fp8_url: str, quantizer, steps
 
 def test_fp8_engine_follows_its_fp8_representation_in_place_bit_exact(tmp_path, cpu_env) -> None:
     from rollout_loader.vllm.fp8 import Fp8Quantizer, fp8_plan
+    from rollout_loader.vllm.worker import transfer_status
 
     model_dir = build_family("llama", tmp_path / "llama")
     plan = fp8_plan(model_dir, quantization="fp8", dtype="bfloat16")  # the trainer's: vLLM's model on meta
@@ -103,6 +104,7 @@ def test_fp8_engine_follows_its_fp8_representation_in_place_bit_exact(tmp_path, 
         assert engine._state.plan == plan  # the engine's own plan is the trainer's
         summary = engine.init_summary
         assert summary["host_copies"] == 0 and summary["host_bytes"] == 0 and summary["fp8_layers"] == 8
+        assert transfer_status(llm, checksums=False)["host_bytes"] == 0  # what a client reads
         for step in (1, 2, 3):  # a delta, an anchor, a delta on it
             update_to(llm, step)
         assert engine.held_step == 3
