@@ -63,6 +63,8 @@ def test_a_bad_plan_is_refused_naming_what_is_wrong():
     with pytest.raises(ConfigError, match="already holds .*weight_scale.*an FP8 checkpoint"):
         Fp8Plan(groups=(Fp8Group(module="a", members=(Q,), scheme="per_tensor"),),
                 tensors={**tensors, Q.replace("weight", "weight_scale"): ("F32", ())})
+    with pytest.raises(ConfigError, match=r"tensors \['model.norm.weight'\] have no dtype name"):
+        Fp8Plan(groups=(), tensors={NORM: ("bfloat16", (8,))})
     with pytest.raises(ConfigError, match=r"members start at rows \[0, 256, 320\], not on multiples of the block's"):
         _plan("per_block", (128, 128), rows=(256, 64, 64))
     for text in ("{", json.dumps({"format": "other"}), json.dumps({"format": "deltasync.fp8-plan/1"}),

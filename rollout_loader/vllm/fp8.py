@@ -46,6 +46,7 @@ PLAN_FORMAT = "deltasync.fp8-plan/1"
 FP8 = "F8_E4M3"  # the stream's FP8 dtype (torch.float8_e4m3fn); vLLM's other FP8 (e4m3fnuz, ROCm) has no stream name
 SCALE = "F32"
 MAX_PLAN_BYTES = 64 << 20  # a plan names every checkpoint tensor once: Kimi-K2's ~70k fit in a few MiB
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
 
 def scale_name(member: str, scheme: Scheme) -> str:
@@ -112,6 +113,11 @@ class Fp8Plan:
         if self.param_dtype not in DTYPES:
             raise ConfigError(f"FP8 plan: param_dtype must be a dtype name ({sorted(DTYPES)}), got "
                               f"{self.param_dtype!r}")
+        bad = [n for n, (d, shape) in self.tensors.items()
+               if d not in DTYPES or not all(isinstance(x, int) and x >= 0 for x in shape)]
+        if bad:
+            raise ConfigError(f"FP8 plan: tensors {bad[:3]} have no dtype name ({sorted(DTYPES)}) and shape (sizes "
+                              f">= 0): {[self.tensors[n] for n in bad[:3]]}")
         for g in self.groups:
             for m in g.members:
                 if m in self._member_group:
@@ -165,11 +171,11 @@ class Fp8Plan:
 
     def model_files(self, folder: str | Path) -> dict[str, bytes]:
         """The checkpoint folder's model files for an FP8 stream (``DeltaPublisher(files=...)``): every top-level
-        ``*.json``, ``*.txt`` and tokenizer file as it is, ``config.json`` with the plan's ``quantization_config``
-        (docs/FORMAT.md section 7), so that a replayed step is an FP8 checkpoint."""
+        file but weights, shard indexes and hidden files (docs/FORMAT.md section 5), as it is, and ``config.json``
+        with the plan's ``quantization_config`` (section 7), so that a replayed step is an FP8 checkpoint."""
         files: dict[str, bytes] = {}
         for f in sorted(Path(folder).iterdir()):
-            if f.is_file() and not f.name.startswith(".") and f.suffix in (".json", ".txt", ".model", ".jinja") \
+            if f.is_file() and not f.name.startswith(".") and f.suffix not in WEIGHT_SUFFIXES \
                     and not f.name.endswith(".index.json"):
                 files[f.name] = f.read_bytes()
         config = self.quantization_config()
