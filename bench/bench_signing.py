@@ -30,15 +30,19 @@ def _median_us(fn, repeats: int) -> float:
 
 
 def measure(store, steps: list[int], key, trusted, repeats: int) -> dict[str, float]:
-    """Medians over ``steps``: read + parse a manifest (baseline), sign, read the signature + check."""
-    sid = store.stream_id()
+    """Medians over ``steps``: read + parse a manifest (baseline), sign, check (the statement covers the manifest's
+    SHA-256 as stored: hashing it is part of the check)."""
+    from deltasync.signing import StreamSigner, sha256_hex
+
+    signer = StreamSigner(key=key, stream_id=trusted.stream_id)
     read, sign, check = [], [], []
     for s in steps:
-        m = store.manifest(s)
-        raw = key.sign_step(m, sid)
+        m, _, body = store.manifest_record(s)
+        raw = signer.sign_step(m, body)
         read.append(_median_us(lambda: store.manifest(s), repeats))  # noqa: B023 - _median_us() calls it at once
-        sign.append(_median_us(lambda: key.sign_step(m, sid), repeats))  # noqa: B023 - _median_us() calls it at once
-        check.append(_median_us(lambda: trusted.check(raw, m, sid, where="bench"), repeats))  # noqa: B023 - _median_us() calls it at once
+        sign.append(_median_us(lambda: signer.sign_step(m, body), repeats))  # noqa: B023 - _median_us() calls it at once
+        check.append(_median_us(lambda: trusted.check(raw, m, manifest_sha256=sha256_hex(body),  # noqa: B023
+                                                      where="bench"), repeats))
     return {"manifest_read_us": statistics.median(read), "sign_us": statistics.median(sign),
             "check_us": statistics.median(check)}
 
@@ -48,18 +52,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
     from deltasync import DeltaPublisher, Store
-    from deltasync.signing import SigningKey, TrustedKeys, keygen
+    from deltasync.signing import SigningKey, keygen
+    from deltasync.trust import TrustedKeys
     from tests.test_large_streams import _manifest
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-signing-") as tmp:
         root = Path(tmp)
         private, public = keygen(root / "k")
-        key, trusted = SigningKey(private), TrustedKeys.load([public])
+        key, trusted = SigningKey(private), TrustedKeys.load([public], stream_id="bench")
         run = Training(args)
         url = str(root / "stream")
         with DeltaPublisher(url, run.model, dtype=torch.bfloat16, anchor_every=5, on_backlog="block",
-                            signing_key=key) as pub:
+                            signing_key=key, stream_id="bench") as pub:
             for step in range(args.steps):
                 if step:
                     run.step()

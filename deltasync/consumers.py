@@ -8,7 +8,9 @@ tools (readers) use it, and neither owns it.
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import dataclass
 
 from deltasync.errors import FormatError
 from deltasync.format.documents import ConsumerPosition, check_step, encode
@@ -16,6 +18,19 @@ from deltasync.format.names import CONSUMER_ID, check
 from deltasync.store import Store
 
 CONSUMERS_DIR = "consumers"
+FUTURE_SKEW_S = 60.0
+"""A heartbeat dated more than this ahead of the reader's clock is suspect: never live, never respected by gc (a
+consumer's clock may run a little ahead; ten years ahead is a lie or a broken clock)."""
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UnreadableHeartbeat:
+    """A heartbeat file that could not be read as one: its file (``consumers/<name>``) and why."""
+
+    file: str
+    error: str
 
 
 def write_heartbeat(store: Store, consumer_id: str, step: int, *, newest_step: int | None = None,
@@ -39,13 +54,23 @@ def check_consumer_id(consumer_id: str) -> str:
 
 
 def read_heartbeats(store: Store) -> list[ConsumerPosition]:
-    """Every consumer's last heartbeat.
+    """Every consumer's last heartbeat that can be read (the others are logged, and skipped: see
+    :func:`read_heartbeats_checked`)."""
+    positions, unreadable = read_heartbeats_checked(store)
+    for bad in unreadable:
+        log.warning("%s/%s: unreadable heartbeat, skipped: %s", store.url, bad.file, bad.error)
+    return positions
 
-    A heartbeat that cannot be read is an error (``FormatError`` naming it), not skipped: garbage collection
-    must not delete what an unknown consumer may still need. Delete the file to forget that consumer.
+
+def read_heartbeats_checked(store: Store) -> tuple[list[ConsumerPosition], list[UnreadableHeartbeat]]:
+    """Every consumer's last heartbeat, and the heartbeat files that could not be read as one.
+
+    One bad heartbeat (a consumer's credentials can write only its own) costs that consumer only: the others are
+    read all the same, ``deltasync status`` reports it on its own line, and garbage collection does not respect
+    it (it names no step a consumer holds). Delete the file to forget that consumer.
     """
     paths = [e.key for e in store.list(CONSUMERS_DIR)]  # the transport lists afresh: other processes write heartbeats
-    out = []
+    out, bad = [], []
     for path in sorted(p for p in paths if p.endswith(".json")):
         name = path.rsplit("/", 1)[-1]
         rel = f"{CONSUMERS_DIR}/{name}"
@@ -53,8 +78,12 @@ def read_heartbeats(store: Store) -> list[ConsumerPosition]:
             position = store.read_document(rel, ConsumerPosition)
         except FileNotFoundError:
             continue  # removed since the listing
+        except FormatError as e:
+            bad.append(UnreadableHeartbeat(file=rel, error=str(e)))
+            continue
         if f"{position.consumer_id}.json" != name:
-            raise FormatError(f"{store.url}/{rel}: heartbeat names consumer {position.consumer_id!r}, not its file "
-                              "name")
+            bad.append(UnreadableHeartbeat(file=rel, error=f"{store.url}/{rel}: heartbeat names consumer "
+                                                           f"{position.consumer_id!r}, not its file name"))
+            continue
         out.append(position)
-    return out
+    return out, bad

@@ -45,11 +45,13 @@ from deltasync.format.parts import PartedObject
 from deltasync.format.patch import Patch
 from deltasync.notify import EventFeed, Notifier
 from deltasync.rdma.options import RdmaOptions, rdma_options
-from deltasync.signing import TrustedKeys, pem_texts
+from deltasync.secrets import Secret, redact, redact_url, reveal
+from deltasync.signing import SigningKey, pem_text, pem_texts, read_public_key
 from deltasync.stages.apply import Replica, Verify, apply_staged, xor_apply, xor_apply_all
 from deltasync.stages.staging import Layout, StagedStep, TensorSpec, layout_of, stage
 from deltasync.store import Manifest, Part
 from deltasync.threads import parallel_map, submit_all
+from deltasync.trust import TrustedKeys, check_max_age_s, check_stream_id
 from deltasync.watch import PollPolicy, StepWatch
 
 __all__ = [
@@ -95,7 +97,17 @@ __all__ = [
     "EventFeed",
     "Notifier",
     "TrustedKeys",
+    "check_stream_id",
+    "check_max_age_s",
+    "pem_text",
     "pem_texts",
+    "SigningKey",
+    "read_public_key",
+    # secrets that never print (docs/SECURITY.md)
+    "Secret",
+    "reveal",
+    "redact",
+    "redact_url",
     "RdmaOptions",
     "rdma_options",
     "CONSUMER_ID",

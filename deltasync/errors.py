@@ -106,6 +106,16 @@ class UntrustedKeyError(SignatureError):
     """A step is signed by a key the reader does not trust for it (unknown, revoked, or retired by rotation)."""
 
 
+class RollbackError(SignatureError):
+    """A signed head names a step the store no longer holds: steps were deleted after they were committed
+    (docs/FORMAT.md section 5e). The reader keeps the step it holds; it may be repaired (the steps put back)."""
+
+
+class StaleStreamError(SignatureError):
+    """No signed head of the stream is as recent as the reader requires (``max_age_s``): the publisher stopped,
+    or somebody holds the stream's new steps back (docs/FORMAT.md section 5e)."""
+
+
 class ConfigError(DeltaSyncError, ValueError):
     """An argument, option or setting has a value deltasync cannot use (a verify or worker mode, an engine)."""
 
@@ -330,9 +340,11 @@ __all__ = [
     "RdmaTimeoutError",
     "ResourceLimitError",
     "RingFullError",
+    "RollbackError",
     "ScheduleError",
     "SignatureError",
     "StaleMetadataError",
+    "StaleStreamError",
     "StaleSlotError",
     "StepExistsError",
     "StepNotFoundError",

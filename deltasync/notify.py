@@ -21,6 +21,7 @@ the newest step first, then each new one, a comment every 15 s to keep proxies f
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import logging
 import random
@@ -34,6 +35,7 @@ from typing import Protocol
 
 from deltasync.errors import ConfigError
 from deltasync.format.documents import MAX_STEP
+from deltasync.secrets import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,9 @@ __all__ = ["EventFeed", "EventServer", "Notifier", "host_port"]
 
 MAX_LINE_BYTES = 4096  # an event line longer than this is not ours: the feed is dropped and reconnected
 KEEPALIVE_S = 15.0
+HEADER_TIMEOUT_S = 10.0  # a client must send its whole request (line and headers) within this, or is dropped
+MAX_HEAD_BYTES = 8192  # a request's line and headers together: a GET of /events needs a few hundred
+WRITE_TIMEOUT_S = 60.0  # a follower that takes longer than this to take an event is dropped
 
 
 def host_port(value: object, *, what: str = "--events") -> tuple[str, int]:
@@ -66,12 +71,17 @@ class Notifier(Protocol):
 
 
 class Announcements:
-    """The subscriber list every notifier keeps (a base class)."""
+    """The subscriber list every notifier keeps (a base class).
+
+    Every announcement is passed on but a repeat of the one before: what a notifier hears is a hint, which the
+    subscriber checks against the store (:class:`~deltasync.watch.StepWatch`). Keeping only announcements past
+    the largest so far would let one announcement of a step far ahead silence every real one after it.
+    """
 
     def __init__(self) -> None:
         self._callbacks: list[Callable[[int], None]] = []
         self._lock = threading.Lock()
-        self.newest: int | None = None
+        self.newest: int | None = None  # the last step announced (a hint, not necessarily the largest)
 
     def subscribe(self, callback: Callable[[int], None]) -> None:
         with self._lock:
@@ -82,7 +92,7 @@ class Announcements:
 
     def _announce(self, step: int) -> None:
         with self._lock:
-            if self.newest is not None and step <= self.newest:
+            if step == self.newest:
                 return
             self.newest = step
             callbacks = list(self._callbacks)
@@ -105,6 +115,35 @@ def _step_from(data: str) -> int | None:
     return None
 
 
+class EventParser:
+    """Server-sent events, one line at a time, as a feed reads them: each complete ``step`` event whose data is
+    ``{"step": N}`` with N a step number gives N; anything else gives nothing. A line over
+    :data:`MAX_LINE_BYTES` is a ``ConnectionError`` (the feed drops the connection); at most 16 data lines count
+    per event."""
+
+    def __init__(self) -> None:
+        self._event = "message"
+        self._data: list[str] = []
+
+    def feed(self, line: bytes) -> int | None:
+        if len(line) > MAX_LINE_BYTES:
+            raise ConnectionError(f"an event line over {MAX_LINE_BYTES} bytes")
+        text = line.decode("utf-8", "replace").rstrip("\r\n")
+        if not text:  # end of one event
+            step = _step_from("\n".join(self._data)) if self._event == "step" else None
+            self._event, self._data = "message", []
+            return step
+        if text.startswith(":"):
+            return None  # keep-alive
+        field, _, value = text.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "event":
+            self._event = value[:64]
+        elif field == "data" and len(self._data) < 16:
+            self._data.append(value)
+        return None
+
+
 class EventFeed(Announcements):
     """Follow an :class:`EventServer`'s ``/events`` (a mirror's) in a daemon thread.
 
@@ -124,7 +163,14 @@ class EventFeed(Announcements):
         super().__init__()
         parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"EventFeed: expected an http(s) URL of a mirror's /events, got {url!r}")
+            raise ConfigError(f"EventFeed: expected an http(s) URL of a mirror's /events, got {redact_url(str(url))!r}")
+        try:
+            parts.port  # noqa: B018 - a port that is not one fails here, not in the feed's thread
+        except ValueError:
+            raise ConfigError(f"EventFeed: {redact_url(url)!r} names no valid port") from None
+        if parts.username is not None or parts.password is not None:  # never sent, and it would show in logs
+            raise ConfigError(f"EventFeed: {redact_url(url)!r} carries a user or password: an event feed is read "
+                              "without credentials (they would only show in logs); expected http://HOST:PORT/events")
         self.url = url
         self._parts = parts
         self.timeout_s = timeout_s
@@ -181,32 +227,82 @@ class EventFeed(Announcements):
                 raise ConnectionError(f"expected 200 text/event-stream, got {reply.status} "
                                       f"{reply.getheader('Content-Type', '')!r}")
             self._alive = True
-            event = "message"
-            data: list[str] = []
+            parser = EventParser()
             while not self._stop.is_set():
                 line = reply.readline(MAX_LINE_BYTES + 1)
                 if not line:
                     raise ConnectionError("the server closed the stream")
-                if len(line) > MAX_LINE_BYTES:
-                    raise ConnectionError(f"an event line over {MAX_LINE_BYTES} bytes")
-                text = line.decode("utf-8", "replace").rstrip("\r\n")
-                if not text:  # end of one event
-                    step = _step_from("\n".join(data)) if event == "step" else None
-                    if step is not None:
-                        self._announce(step)
-                    event, data = "message", []
-                elif text.startswith(":"):
-                    continue  # keep-alive
-                else:
-                    field, _, value = text.partition(":")
-                    value = value[1:] if value.startswith(" ") else value
-                    if field == "event":
-                        event = value
-                    elif field == "data" and len(data) < 16:
-                        data.append(value)
+                step = parser.feed(line)
+                if step is not None:
+                    self._announce(step)
         finally:
             self._sock = None
             conn.close()
+
+
+def _read_head(sock: socket.socket, *, deadline: float, max_bytes: int) -> bytes:
+    """A request's line and headers, read within ``deadline`` (monotonic) and ``max_bytes``; b"" when the client
+    is too slow, sends too much, or goes away (the handler then closes the connection without a reply). The
+    deadline is for the whole head, not per read: a client sending a byte now and then cannot stretch it."""
+    buf = bytearray()
+    while b"\r\n\r\n" not in buf and b"\n\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0 or len(buf) > max_bytes:
+            return b""
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(4096)
+        except OSError:  # a timeout, a reset
+            return b""
+        if not chunk:
+            return b""
+        buf += chunk
+    return bytes(buf) if len(buf) <= max_bytes else b""
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A threading HTTP server that counts connections, not requests: beyond ``max_connections`` a connection is
+    answered 503 at once by the accepting thread and closed, so no client can hold more than that many threads,
+    however slowly it sends its request."""
+
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog: a burst of connections is accepted (and answered), not dropped
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *,
+                 max_connections: int) -> None:
+        self.max_connections = max_connections
+        self.connections = 0
+        self._count_lock = threading.Lock()
+        super().__init__(address, handler)
+
+    def verify_request(self, request, client_address) -> bool:  # noqa: ANN001 - socketserver's signature
+        with self._count_lock:
+            if self.connections < self.max_connections:
+                self.connections += 1
+                return True
+        try:  # refused without a thread and without reading: a reply that cannot wait
+            request.setblocking(False)
+            request.send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        except OSError:
+            pass
+        return False
+
+    def process_request(self, request, client_address) -> None:  # noqa: ANN001
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._left()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:  # noqa: ANN001
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._left()
+
+    def _left(self) -> None:
+        with self._count_lock:
+            self.connections -= 1
 
 
 class EventServer:
@@ -214,7 +310,10 @@ class EventServer:
 
     Args:
         host, port: where to listen (port 0: any free port; ``url`` says which).
-        max_clients: connections beyond this are answered 503 (each holds a thread).
+        max_clients: followers streaming events at once; beyond, a request is answered 503. Connections (each
+            holds a thread, streaming or still sending its request) are bounded at twice this plus 8 (requests
+            being answered): beyond, a new one is answered 503 at once, before anything is read from it.
+        header_timeout_s: a client that has not sent its whole request within this is dropped.
 
     Example::
 
@@ -222,7 +321,14 @@ class EventServer:
             server.announce(3)   # every connected follower hears "step 3" now
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_clients: int = 512) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_clients: int = 512,
+                 header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
+        if isinstance(max_clients, bool) or not isinstance(max_clients, int) or not 0 < max_clients <= 100_000:
+            raise ConfigError(f"EventServer: max_clients must be a number of connections (1..100000), got "
+                              f"{max_clients!r}")
+        if isinstance(header_timeout_s, bool) or not isinstance(header_timeout_s, (int, float)) or not (
+                0 < header_timeout_s <= 3600):
+            raise ConfigError(f"EventServer: header_timeout_s must be seconds in (0, 3600], got {header_timeout_s!r}")
         self.max_clients = max_clients
         self.newest: int | None = None
         self._changed = threading.Condition()
@@ -235,6 +341,15 @@ class EventServer:
 
             def log_message(self, *args: object) -> None:  # no line per request on stderr
                 pass
+
+            def setup(self) -> None:
+                super().setup()
+                # the request is read whole within the deadline, then parsed from memory (a GET has no body)
+                head = _read_head(self.connection, deadline=time.monotonic() + header_timeout_s,
+                                  max_bytes=MAX_HEAD_BYTES)
+                self.rfile.close()  # the socket's reader, unused: the head was read from the socket itself
+                self.rfile = io.BytesIO(head)
+                self.connection.settimeout(WRITE_TIMEOUT_S)  # a follower that stops taking events is dropped
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 if self.path.split("?", 1)[0] != "/events":
@@ -254,8 +369,7 @@ class EventServer:
                 finally:
                     server._leave()
 
-        self._http = ThreadingHTTPServer((host, port), Handler)
-        self._http.daemon_threads = True
+        self._http = _BoundedServer((host, port), Handler, max_connections=2 * max_clients + 8)
         self._thread = threading.Thread(target=self._http.serve_forever, name="deltasync-event-server", daemon=True)
         self._thread.start()
 

@@ -20,9 +20,9 @@ from deltasync.errors import (
 from deltasync.format.objects import StepObject
 from deltasync.format.parts import PartedObject
 from deltasync.node_cache import NodeCache
-from deltasync.signing import TrustedKeys
 from deltasync.stages.apply import Replica, Verify
 from deltasync.store import Manifest, Part, Store
+from deltasync.trust import SignedStep, TrustedKeys, newest_trusted
 
 # deltas up to this size are fetched from a remote store into memory and opened from there (no cache file);
 # anchors and larger deltas go through the download cache and are read from the file
@@ -73,6 +73,8 @@ class _HeldObject(StepObject):
 
 
 MANIFEST_CACHE_BYTES = 64 << 20  # what a reader keeps of parsed manifests (estimated: _manifest_cost)
+RECORDS = 4  # manifests (and signatures) kept as stored: the newest few a watch read
+RECORD_BYTES = 1 << 20
 
 
 def _manifest_cost(m: Manifest) -> int:
@@ -95,9 +97,12 @@ class StreamReader:
     (or a ``with`` block) removes the cache; a reader that is dropped or still open at interpreter exit is
     cleaned up too. A reader made from a ``Store`` leaves closing that store to its owner.
 
-    ``trusted_keys`` (public key files made by ``deltasync keygen``, or a ``TrustedKeys``): every step this
-    reader reads must be signed by one of them (docs/FORMAT.md section 5e); otherwise ``UnsignedStepError``,
-    ``UntrustedKeyError`` or ``SignatureError`` names the step, and nothing of it is read.
+    ``trusted_keys`` (a ``TrustedKeys``: the public keys made by ``deltasync keygen`` and the stream they sign
+    for, ``TrustedKeys.load(files, stream_id=...)``): every step this reader reads must be signed by one of them
+    for that stream, over its manifest as stored (docs/FORMAT.md section 5e); otherwise ``UnsignedStepError``,
+    ``UntrustedKeyError`` or ``SignatureError`` names the step, and nothing of it is read. Such a reader's
+    newest step (``latest_step``) is the newest a trusted key signed: a forged manifest does not exist for it,
+    and a chain's signatures are accepted oldest first (``chain``).
     """
 
     def __init__(
@@ -112,19 +117,36 @@ class StreamReader:
     ) -> None:
         # read when a reader is made (not when this module is imported): tests lower it to cover the cache path
         self.memory_object_bytes = MEMORY_OBJECT_BYTES if memory_object_bytes is None else memory_object_bytes
+        self._manifests: OrderedDict[int, tuple[Manifest, int, SignedStep | None]] = OrderedDict()
+        self._manifest_bytes = 0
+        # the last few manifests and signatures as stored (a mirror copies them byte for byte without a second GET)
+        self._records: OrderedDict[int, tuple[Manifest, str, bytes, bytes | None]] = OrderedDict()
         # with keys, every manifest this reader returns is of a step a trusted key signed (docs/FORMAT.md 5e)
         self.trusted = None if trusted_keys is None else TrustedKeys.load(trusted_keys)
         self._owns_store = not isinstance(url, Store)
         self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options, cache_dir=cache_dir,
                                                                  node_cache=node_cache)
-        # committed manifests never change: kept to save a GET each, least recently used first out, bounded in
-        # bytes (a version-2 manifest of 64 ranks x 300 tensors is megabytes: a count would not bound memory)
-        self._manifests: OrderedDict[int, tuple[Manifest, int]] = OrderedDict()
-        self._manifest_bytes = 0
+        self.refused: dict[int, str]  # with trusted keys: steps that do not count as committed, and why
 
     @property
     def url(self) -> str:
         return self.store.url
+
+    @property
+    def trusted(self) -> TrustedKeys | None:
+        """The trust this reader checks every step with (None: origin unchecked)."""
+        return self._trusted
+
+    @trusted.setter
+    def trusted(self, trust: Any) -> None:
+        # committed manifests never change: kept to save a GET each, least recently used first out, bounded in
+        # bytes (a version-2 manifest of 64 ranks x 300 tensors is megabytes: a count would not bound memory);
+        # new trust: those read before it are read (and checked) again
+        self._trusted = None if trust is None else TrustedKeys.load(trust)
+        self._manifests.clear()
+        self._records.clear()
+        self._manifest_bytes = 0
+        self.refused = {}
 
     def close(self) -> None:
         """Remove the downloaded objects and the cache folder (of the store this reader made)."""
@@ -143,25 +165,56 @@ class StreamReader:
         return self.store.steps()
 
     def latest_step(self) -> int | None:
-        return self.store.latest_step()
+        """The newest committed step (a listing); with trusted keys, the newest one a trusted key signed (an
+        unsigned or forged manifest past it is skipped and logged once: docs/FORMAT.md section 5e)."""
+        if self.trusted is None:
+            return self.store.latest_step()
+        return newest_trusted(self.store.steps(), lambda s: self.manifest(s, nearby=False), refused=self.refused,
+                              where=self.url)
 
     def manifest(self, step: int, *, nearby: bool = True) -> Manifest:
-        """Step ``step``'s manifest, read once and kept (see ``Store.manifest`` for ``nearby``)."""
+        """Step ``step``'s manifest, read once and kept (see ``Store.manifest`` for ``nearby``); with trusted keys,
+        only once its signature proved it (``signed``)."""
+        return self._entry(step, nearby=nearby)[0]
+
+    def record(self, step: int) -> tuple[Manifest, str, bytes, bytes | None]:
+        """Step ``step``'s manifest, the SHA-256 of its bytes, those bytes and its ``signature.json`` (None: none),
+        as stored: from what this reader read last where it can (a mirror copies the step the watch just saw
+        without reading it again), else read now. Nothing here is checked against trusted keys: a caller that
+        copies checks it (the mirror does)."""
+        hit = self._records.get(step)
+        if hit is not None:  # an untrusted reader did not read the signature: read now
+            return hit if self.trusted is not None else (*hit[:3], self.store.signature(step))
+        m, digest, raw = self.store.manifest_record(step)
+        return m, digest, raw, self.store.signature(step)
+
+    def signed(self, step: int) -> SignedStep | None:
+        """What step ``step``'s signature proved (its key, the model files it vouches for), None without trusted
+        keys; raises what ``manifest`` raises."""
+        return self._entry(step, nearby=False)[2]
+
+    def _entry(self, step: int, *, nearby: bool) -> tuple[Manifest, int, SignedStep | None]:
         hit = self._manifests.get(step)
         if hit is not None:
             self._manifests.move_to_end(step)
-            return hit[0]
-        m = self.store.manifest(step, nearby=nearby)
+            return hit
+        signed = None
+        m, digest, raw = self.store.manifest_record(step, nearby=nearby)
+        signature = self.store.signature(step) if self.trusted is not None else None
+        if len(raw) <= RECORD_BYTES:
+            self._records[step] = (m, digest, raw, signature)
+            while len(self._records) > RECORDS:
+                self._records.popitem(last=False)
         if self.trusted is not None:  # checked once: only a manifest that passed is kept
-            self.trusted.check(self.store.signature(step), m, self.store.stream_id(), where=self.url)
-        cost = _manifest_cost(m)
-        if cost <= MANIFEST_CACHE_BYTES:
-            self._manifests[step] = (m, cost)
-            self._manifest_bytes += cost
+            signed = self.trusted.check(signature, m, manifest_sha256=digest, where=self.url)
+        entry = (m, _manifest_cost(m), signed)
+        if entry[1] <= MANIFEST_CACHE_BYTES:
+            self._manifests[step] = entry
+            self._manifest_bytes += entry[1]
             while self._manifest_bytes > MANIFEST_CACHE_BYTES:
-                _, (_, freed) = self._manifests.popitem(last=False)
+                _, (_, freed, _) = self._manifests.popitem(last=False)
                 self._manifest_bytes -= freed
-        return m
+        return entry
 
     def wait_for(self, step: int | None = None, *, timeout_s: float = 60.0, poll_s: float = 0.05) -> int:
         """Block until ``step`` (or, with None, any step) is committed; returns the latest committed step."""
@@ -291,8 +344,14 @@ class StreamReader:
                 cost += m.object_bytes
                 s = m.base_step
         if start is not None and s == start and (plain is None or cost <= plain[1]):
-            return out[::-1]
-        return (plain[0] if plain is not None else out)[::-1]
+            chosen = out[::-1]
+        else:
+            chosen = (plain[0] if plain is not None else out)[::-1]
+        if self.trusted is not None and chosen:  # the keys of the whole chain, oldest first (FORMAT.md section 5e)
+            held = [start] if start is not None and start < chosen[0] and start in self._manifests else []
+            self.trusted.accept_chain([signed for x in held + chosen if (signed := self.signed(x)) is not None],
+                                      where=self.url)
+        return chosen
 
     def replica(self, step: int | None = None, *, verify: Verify = "incremental", device: str = "cpu") -> Replica:
         """The exact weights of ``step`` (default: latest), from its nearest anchor plus deltas."""

@@ -7,20 +7,68 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TypeVar
 
 from deltasync.errors import (
+    DeltaSyncError,
     StoreAuthError,
     StoreConfigError,
     StoreError,
     StoreUnreachableError,
 )
+from deltasync.secrets import Secret, redact, scrub
 from deltasync.transports import StoreFailure, classify_failure, is_throttling, is_transient, retry_after_s
 
 log = logging.getLogger("deltasync.store")
 
 T = TypeVar("T")
+
+
+def _from_backend(error: BaseException) -> bool:
+    """Whether ``error`` is a backend's reaction to its input (a ``TypeError``, ``AttributeError``, ``KeyError`` or
+    ``ValueError`` raised in a backend's own code, not deltasync's)."""
+    if not isinstance(error, (TypeError, AttributeError, KeyError, ValueError)) or isinstance(error, DeltaSyncError):
+        return False
+    tb = error.__traceback__
+    last = None
+    while tb is not None:
+        last = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+    return last is not None and _PACKAGE not in last
+
+
+_PACKAGE = str(Path(__file__).resolve().parent)
+
+# the types of the storage options users set most, per backend: a wrong one is named before the backend trips on
+# it somewhere deep (a str where a bool belongs, an int for a URL); others the backend checks itself
+_OPTION_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    "s3": {"anon": (bool,), "use_ssl": (bool,), "requester_pays": (bool,), "version_aware": (bool,),
+           "endpoint_url": (str,), "key": (str, Secret), "secret": (str, Secret), "token": (str, Secret),
+           "profile": (str,), "client_kwargs": (Mapping,), "config_kwargs": (Mapping,),
+           "s3_additional_kwargs": (Mapping,)},
+    "hf": {"token": (str, Secret, bool), "endpoint": (str,)},
+    "gs": {"token": (str, Secret, Mapping), "project": (str,), "endpoint_url": (str,)},
+}
+
+
+def check_option_types(protocol: str, options: Mapping[str, object]) -> None:
+    """``StoreConfigError`` for a well-known storage option of the wrong type (named, with the type it has; never
+    its value: it may be a credential)."""
+    family = {"s3a": "s3", "gcs": "gs"}.get(protocol, protocol)
+    types = _OPTION_TYPES.get(family, {})
+    for name, value in options.items():
+        want = types.get(name)
+        if want is not None and value is not None and not (isinstance(value, want)
+                                                           and not (bool not in want and isinstance(value, bool))):
+            names = " or ".join(_TYPE_WORDS.get(w, w.__name__) for w in want)
+            raise StoreConfigError(f"storage option {name!r} of the {protocol!r} filesystem must be {names}, got "
+                                   f"{_TYPE_WORDS.get(type(value), type(value).__name__)}")
+
+
+_TYPE_WORDS: dict[type, str] = {bool: "true or false", str: "a string", Secret: "a Secret", Mapping: "an object",
+                                dict: "an object", int: "a number", float: "a number", list: "a list"}
 
 
 class Retrying:
@@ -32,6 +80,7 @@ class Retrying:
     retry_base_s: float
     retry_max_s: float
     _option_names: frozenset[str]
+    _secrets: tuple[str, ...] = ()  # the store's own secret values (what its backend's words may quote)
     _answered: bool  # has the store ever answered? (then a failed connect is an outage, not a wrong URL)
     _throttled_until: float = 0.0  # monotonic time until which the store asked to be left alone
 
@@ -69,10 +118,13 @@ class Retrying:
                 self._answered = True
                 raise
             except Exception as e:
+                scrub(e, also=self._secrets)  # the backend's own words, kept as the cause: no secret in them
                 failure = classify_failure(e, self._option_names)
                 if failure is not None and not (failure.kind == "unreachable" and self._answered):
                     raise self._refusal(failure, what) from e
                 if not is_transient(e):
+                    if self._option_names and _from_backend(e):  # the backend tripped over a setting: the user's
+                        raise self._settings_failed(e, what) from e
                     raise
                 delay = self.retry_base_s * 2**attempt * (0.5 + random.random())
                 asked = retry_after_s(e)
@@ -83,8 +135,9 @@ class Retrying:
                 spent = time.monotonic() - started
                 if attempt == self.retries or spent + delay > self.retry_max_s:
                     raise StoreError(f"{self.url}: {what} failed after {attempt + 1} attempts in {spent:.1f}s: "
-                                     f"{e}") from e
-                log.warning("%s: %s failed (%s); retrying in %.2fs", self.url, what, str(e), delay)
+                                     f"{redact(str(e), also=self._secrets)}") from e
+                log.warning("%s: %s failed (%s); retrying in %.2fs", self.url, what,
+                            redact(str(e), also=self._secrets), delay)
                 failed = True
                 time.sleep(delay)
             else:
@@ -97,12 +150,21 @@ class Retrying:
         try:
             return bool(self.call(f"read back {what}", landed))
         except Exception as e:  # noqa: BLE001 - the conflict is reported, with this reason logged
-            log.warning("%s: could not read back %s to tell a lost reply from a conflict: %s", self.url, what, e)
+            log.warning("%s: could not read back %s to tell a lost reply from a conflict: %s", self.url, what,
+                        redact(str(e), also=self._secrets))
             return False
+
+    def _settings_failed(self, error: BaseException, what: str) -> StoreConfigError:
+        """The error for a backend that failed on its settings (a wrong type, a value it cannot use): the user's
+        to fix, never retried, naming the options given (their names, never their values)."""
+        detail = redact(" ".join(f"{type(error).__name__}: {error}".split()), also=self._secrets)[:300]
+        return StoreConfigError(
+            f"{self.url}: {what}: the {self.protocol!r} filesystem failed on its settings ({detail}); check each "
+            f"storage option's type and value (options given: {', '.join(sorted(self._option_names))})")
 
     def _refusal(self, failure: StoreFailure, what: str) -> Exception:
         """The error a user sees for a failure that retrying cannot mend: what, why, and what to check."""
-        detail = " ".join(failure.detail.split())  # one line, whatever the backend wrote
+        detail = redact(" ".join(failure.detail.split()), also=self._secrets)  # one line, no secret
         hint = failure.hint(self.protocol)
         if failure.kind == "no_credentials":
             return StoreAuthError(f"{self.url}: {what}: no credentials found ({detail}); {hint}")

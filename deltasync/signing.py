@@ -4,16 +4,19 @@ Why Ed25519 from ``cryptography``: small keys and signatures, fast (tens of micr
 parameters to get wrong, and the library every Python deployment already trusts for TLS. A DSSE envelope
 (``securesystemslib``) would add a dependency for the same guarantee; the statement here is as plain.
 
-The publisher signs a small statement naming the stream, the step, its base and kind, the state checksum
-and every object's SHA-256 (:func:`statement`); the reader checks it against the manifest it read
-(:meth:`TrustedKeys.check`). Keys rotate by endorsement: the old key signs the new public key with the
-step from which it signs (``deltasync keygen NEW --endorsed-by OLD``).
+This module says *what* is signed and makes signatures: the step statement (:func:`statement`: the stream, the
+step, its base and kind, the state checksum, every object's SHA-256, and the SHA-256 of the manifest and of
+``files.json`` as stored), the head statement (:func:`head_statement`: the newest step at a time), the keys
+(:class:`SigningKey`, :func:`keygen`) and a writer's signer bound to its stream (:class:`StreamSigner`).
+*Who* is trusted for what (pinned stream, rotation, revocation, freshness) is deltasync/trust.py's.
+Keys rotate by endorsement: the old key signs the new public key with the step from which it signs
+(``deltasync keygen NEW --endorsed-by OLD``).
 
 Example::
 
     deltasync keygen trainer.key                       # trainer.key (0600) and trainer.key.pub
-    DeltaPublisher(url, model, signing_key="trainer.key")
-    Follower(url, target, trusted_keys=["trainer.key.pub"])
+    DeltaPublisher(url, model, signing_key="trainer.key", stream_id="run-7")
+    Follower(url, target, trusted_keys=TrustedKeys.load(["trainer.key.pub"], stream_id="run-7"))
 """
 
 from __future__ import annotations
@@ -23,19 +26,22 @@ import hashlib
 import json
 import os
 import stat
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
 
-from deltasync.errors import ConfigError, SignatureError, UnsignedStepError, UntrustedKeyError
+from deltasync.errors import ConfigError
 from deltasync.format.documents import Manifest, Step, decode
 
-__all__ = ["SigningKey", "TrustedKeys", "keygen", "SIGNATURE"]
+__all__ = ["SIGNATURE", "SigningKey", "StreamSigner", "keygen"]
 
 SIGNATURE = "signature.json"
-STATEMENT_TYPE = "deltasync.step/1"
+STATEMENT_TYPE = "deltasync.step/2"  # what writers sign (docs/FORMAT.md section 5e)
+STATEMENT_TYPE_V1 = "deltasync.step/1"  # what earlier writers signed: read where that is safe
+HEAD_TYPE = "deltasync.head/1"
 ENDORSEMENT_CONTEXT = b"deltasync.key-endorsement/1\n"
 MAX_SIGNATURE_BYTES = 64 << 10
 MAX_CHAIN = 8
@@ -71,12 +77,33 @@ def key_id(public_key: bytes) -> str:
     return hashlib.sha256(public_key).hexdigest()[:16]
 
 
-def statement(manifest: Manifest, stream_id: str | None) -> bytes:
-    """What a step's signature covers (docs/FORMAT.md section 5e), as the exact bytes signed."""
-    objects = {p.object: p.object_sha256 for p in manifest.stored_objects}
-    return _canonical({"type": STATEMENT_TYPE, "stream_id": stream_id, "step": manifest.step,
-                       "base_step": manifest.base_step, "kind": manifest.kind,
-                       "state_checksum": manifest.state_checksum, "objects": objects})
+def statement_fields(manifest: Manifest) -> dict[str, Any]:
+    """The fields of a step statement that the manifest's parsed values decide (both statement types)."""
+    return {"step": manifest.step, "base_step": manifest.base_step, "kind": manifest.kind,
+            "state_checksum": manifest.state_checksum,
+            "objects": {p.object: p.object_sha256 for p in manifest.stored_objects}}
+
+
+def statement(manifest: Manifest, stream_id: str, *, manifest_sha256: str, files_sha256: str | None) -> bytes:
+    """What a step's signature covers (docs/FORMAT.md section 5e), as the exact bytes signed: the manifest's
+    fields, the SHA-256 of ``manifest.json`` and of ``files.json`` as stored, and the stream."""
+    return _canonical({"type": STATEMENT_TYPE, "stream_id": stream_id, **statement_fields(manifest),
+                       "manifest": manifest_sha256, "files": files_sha256})
+
+
+def statement_v1(manifest: Manifest, stream_id: str | None) -> bytes:
+    """What earlier writers signed for a step (``deltasync.step/1``: no manifest or files digest)."""
+    return _canonical({"type": STATEMENT_TYPE_V1, "stream_id": stream_id, **statement_fields(manifest)})
+
+
+def head_statement(stream_id: str, step: int, *, signed_unix_ms: int, closed: bool) -> bytes:
+    """A signed head (docs/FORMAT.md section 5e): at ``signed_unix_ms``, ``step`` was the stream's newest step."""
+    return _canonical({"type": HEAD_TYPE, "stream_id": stream_id, "step": step, "signed_unix_ms": signed_unix_ms,
+                       "closed": closed})
+
+
+def sha256_hex(data: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _b64(raw: bytes) -> str:
@@ -127,18 +154,43 @@ class SigningKey:
     def sign(self, data: bytes) -> bytes:
         return self._key.sign(data)
 
-    def sign_step(self, manifest: Manifest, stream_id: str | None) -> bytes:
-        """``signature.json`` for ``manifest``'s step."""
-        text = statement(manifest, stream_id)
+    def envelope(self, text: bytes) -> bytes:
+        """``text`` signed, as the JSON envelope ``signature.json`` and a head use."""
         doc = SignatureDoc(format_version=1, algorithm="ed25519", public_key=_b64(self.public_key),
                            statement=text.decode(), signature=_b64(self.sign(text)), endorsements=self.endorsements)
         return msgspec.json.encode(doc)
+
+    def __repr__(self) -> str:
+        return f"SigningKey({str(self.path)!r}, key {self.key_id})"
 
     def endorse(self, public_key: bytes, from_step: int) -> Endorsement:
         """Hand signing over to ``public_key`` from ``from_step`` on."""
         e = Endorsement(public_key=_b64(public_key), signed_by=_b64(self.public_key), from_step=from_step,
                         signature=_b64(b"\0" * 64))
         return msgspec.structs.replace(e, signature=_b64(self.sign(e.payload())))
+
+
+@dataclass(kw_only=True)
+class StreamSigner:
+    """A writer's signing key bound to the stream it writes: what a step's and a head's statement name besides
+    the step (docs/FORMAT.md section 5e). ``stream_id`` is the stream the writer was told or made itself, never
+    one read from a store it has not checked; ``files_sha256`` the ``files.json`` it vouches for (one it wrote,
+    or one a step it signed named already), else None.
+    """
+
+    key: SigningKey
+    stream_id: str
+    files_sha256: str | None = None
+
+    def sign_step(self, manifest: Manifest, manifest_bytes: bytes) -> bytes:
+        """``signature.json`` for ``manifest``'s step, whose stored bytes will be ``manifest_bytes``."""
+        return self.key.envelope(statement(manifest, self.stream_id, manifest_sha256=sha256_hex(manifest_bytes),
+                                           files_sha256=self.files_sha256))
+
+    def sign_head(self, step: int, *, closed: bool = False, now_unix_s: float | None = None) -> bytes:
+        """A head envelope: ``step`` is the newest step now (``closed``: and the writer closed after it)."""
+        now = time.time() if now_unix_s is None else now_unix_s
+        return self.key.envelope(head_statement(self.stream_id, step, signed_unix_ms=int(now * 1000), closed=closed))
 
 
 PEM_PUBLIC = "-----BEGIN PUBLIC KEY-----"
@@ -198,14 +250,27 @@ def keygen(path: str | os.PathLike[str], *, endorsed_by: str | os.PathLike[str] 
 
 
 def pem_texts(keys: Any) -> list[str]:
-    """The PEM text of each public key in ``keys`` (files or PEM text), to send to an engine elsewhere."""
+    """The PEM text of each public key in ``keys`` (files or PEM text, or a ``TrustedKeys``: the keys it was
+    given), to send to an engine elsewhere."""
+    if hasattr(keys, "roots"):  # a TrustedKeys: the keys it was given (it learns the endorsed ones itself)
+        raw = set(keys.roots)
+    else:
+        if isinstance(keys, (str, os.PathLike)):
+            keys = [keys]
+        if not isinstance(keys, (list, tuple, set)) or not keys or len(keys) > 64:
+            raise ConfigError("trusted keys: expected 1 to 64 public keys (files made by `deltasync keygen`, or PEM "
+                              f"text), got {type(keys).__name__}")
+        raw = {read_public_key(k) for k in keys}
+    return [pem_text(k) for k in sorted(raw)]
+
+
+def pem_text(raw: bytes) -> str:
+    """The PEM text of a raw Ed25519 public key."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-    raw = TrustedKeys.load(keys).keys
-    return [Ed25519PublicKey.from_public_bytes(k).public_bytes(serialization.Encoding.PEM,
-                                                                serialization.PublicFormat.SubjectPublicKeyInfo).decode()
-            for k in sorted(raw)]
+    return Ed25519PublicKey.from_public_bytes(raw).public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
 
 
 def _verify(public_key: bytes, signature: bytes, data: bytes) -> bool:
@@ -219,97 +284,14 @@ def _verify(public_key: bytes, signature: bytes, data: bytes) -> bool:
         return False
 
 
-@dataclass
-class TrustedKeys:
-    """The keys a reader accepts steps from (``keys``: raw public keys, or PEM files), and those it refuses
-    outright (``revoked``). Endorsements seen in verified steps extend the set for later steps (and retire
-    the endorsing key from then on).
-
-    Example: ``TrustedKeys.load(["trainer.key.pub"])``.
-    """
-
-    keys: set[bytes]
-    revoked: set[bytes] = field(default_factory=set)
-    _handovers: dict[bytes, int] = field(default_factory=dict)  # endorsing key -> step it hands over at
-
-    @classmethod
-    def load(cls, keys: Any, revoked: Any = ()) -> TrustedKeys:
-        """From paths to PEM public keys (a path, a list, or ``TrustedKeys``); ``ConfigError`` for a bad one."""
-        if isinstance(keys, TrustedKeys):
-            return keys
-        if isinstance(keys, (str, os.PathLike)):
-            keys = [keys]
-        if not isinstance(keys, (list, tuple, set)) or len(keys) > 64:
-            raise ConfigError("trusted keys: expected a list of public key files (at most 64), got "
-                              f"{type(keys).__name__}")
-        loaded = {read_public_key(k) for k in keys}
-        if not loaded:
-            raise ConfigError("trusted keys: none given (a path to a public key made by `deltasync keygen`)")
-        return cls(keys=loaded, revoked={read_public_key(k) for k in revoked})
-
-    def check(self, raw: bytes | None, manifest: Manifest, stream_id: str | None, *, where: str) -> str:
-        """Accept ``manifest``'s step as signed by a trusted key, returning that key's id; raise
-        ``UnsignedStepError`` (no signature), ``UntrustedKeyError`` (signed by a key not trusted for this
-        step) or ``SignatureError`` (a bad signature, or a statement that does not match the step)."""
-        if raw is None:
-            raise UnsignedStepError(f"{where}: step {manifest.step} is not signed (no {SIGNATURE}); this reader "
-                                    "trusts only signed steps")
-        doc = decode(raw, SignatureDoc, where=f"{where}/{SIGNATURE}", max_bytes=MAX_SIGNATURE_BYTES)
-        if doc.format_version != 1 or doc.algorithm != "ed25519":
-            raise SignatureError(f"{where}: a signature of format {doc.format_version} with {doc.algorithm!r}; "
-                                 "expected format 1, ed25519")
-        signer = base64.b64decode(doc.public_key)
-        text = doc.statement.encode()
-        if not _verify(signer, base64.b64decode(doc.signature), text):
-            raise SignatureError(f"{where}: step {manifest.step}'s signature does not verify over its statement "
-                                 f"(key {key_id(signer)})")
-        want = statement(manifest, stream_id)
-        if text != want:
-            raise SignatureError(f"{where}: step {manifest.step} is signed, but for other contents: the statement "
-                                 f"signed says {_diff(text, want)}")
-        self._trust(signer, doc.endorsements, manifest.step, where=where)
-        return key_id(signer)
-
-    def _trust(self, signer: bytes, endorsements: list[Endorsement], step: int, *, where: str) -> None:
-        if signer in self.revoked:
-            raise UntrustedKeyError(f"{where}: step {step} is signed by key {key_id(signer)}, which is revoked")
-        handover = self._handovers.get(signer)
-        if signer in self.keys and (handover is None or step < handover):
-            return
-        if signer in self.keys:
-            raise UntrustedKeyError(f"{where}: step {step} is signed by key {key_id(signer)}, which handed signing "
-                                    f"over to another key from step {handover} on")
-        # a key endorsed, in a chain, by a trusted key, for steps from the endorsement's step on
-        by_key = {base64.b64decode(e.public_key): e for e in endorsements}
-        key, chain = signer, []
-        for _ in range(MAX_CHAIN):
-            e = by_key.get(key)
-            if e is None:
-                break
-            endorser = base64.b64decode(e.signed_by)
-            if endorser in self.revoked or not _verify(endorser, base64.b64decode(e.signature), e.payload()):
-                break
-            if step < e.from_step:
-                raise UntrustedKeyError(f"{where}: step {step} is signed by key {key_id(signer)}, endorsed only "
-                                        f"from step {e.from_step}")
-            chain.append((endorser, key, e.from_step))
-            if endorser in self.keys and (self._handovers.get(endorser) is None
-                                          or e.from_step <= self._handovers[endorser]):
-                for old, new, at in chain:  # seen in a verified step: later steps of the old key are refused
-                    self.keys.add(new)
-                    self._handovers[old] = min(at, self._handovers.get(old, at))
-                return
-            key = endorser
-        raise UntrustedKeyError(f"{where}: step {step} is signed by key {key_id(signer)}, which is not trusted "
-                                f"(trusted: {', '.join(sorted(key_id(k) for k in self.keys))})")
+def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
+    """Whether ``signature`` is ``public_key``'s Ed25519 signature over ``data``."""
+    return _verify(public_key, signature, data)
 
 
-def _diff(signed: bytes, want: bytes) -> str:
-    try:
-        a, b = json.loads(signed), json.loads(want)
-    except ValueError:
-        return "something unreadable"
-    if not isinstance(a, dict):
-        return "something that is not a statement"
-    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-    return "; ".join(f"{k}={json.dumps(a.get(k))[:80]} where the stream has {json.dumps(b.get(k))[:80]}" for k in keys)
+def __getattr__(name: str) -> Any:
+    if name == "TrustedKeys":  # it lives in deltasync/trust.py now; importable from here as before
+        from deltasync.trust import TrustedKeys
+
+        return TrustedKeys
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,6 +11,7 @@ the URL's scheme; this module knows keys, never a backend.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import logging
 import re
 import statistics
@@ -18,6 +19,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any, TypeVar
+
+import msgspec
 
 from deltasync.errors import (
     CorruptObjectError,
@@ -41,9 +44,10 @@ from deltasync.format.documents import (
 )
 from deltasync.lease import WRITER, WriterLease  # noqa: F401 - WRITER: the lease's name in the layout
 from deltasync.node_cache import NodeCache, node_cache_from_env
-from deltasync.retries import Retrying
+from deltasync.retries import Retrying, check_option_types
 from deltasync.scratch import plain_name
-from deltasync.signing import MAX_SIGNATURE_BYTES, SIGNATURE, SigningKey
+from deltasync.secrets import redact, redact_url, remember, reveal, secret_values, wrap
+from deltasync.signing import MAX_SIGNATURE_BYTES, SIGNATURE, StreamSigner, sha256_hex
 from deltasync.store_objects import MANIFEST, StoreObjects, sha256_file, step_dir  # noqa: F401 - re-exported
 from deltasync.transports import Transport, classify_failure, open_transport, scheme_of
 from deltasync.transports.base import Entry
@@ -83,13 +87,18 @@ class Store(StoreObjects, Retrying):
         retry_max_s: float = 60.0,
         transport: Transport | None = None,
     ) -> None:
-        self.url = url
+        self.location = url  # as given: what an engine reading the same store needs (a password in it too)
+        self.url = redact_url(url)  # what messages, reports and metrics show: a URL's password hidden
         self.protocol = scheme_of(url) or "file"
-        options = dict(storage_options or {})
-        self.storage_options = options  # as given: what an engine reading the same store needs (never logged)
+        # what an engine reading the same store needs: credentials held as Secrets, so that no repr shows them
+        options = wrap(dict(storage_options or {}))
+        self.storage_options = options
+        # scrubbed from every error and log line (deltasync/secrets.py): what the backend says may quote them
+        self._secrets = tuple(v for v in secret_values(options) if v not in self.url)
+        remember(*self._secrets, public=self.url)
         self._option_names = frozenset(options)
         self.transport = transport if transport is not None else self._open(url, options)
-        self.root = self.transport.root or url
+        self.root = redact_url(self.transport.root or url)
         self.is_local = self.transport.capabilities.local_files
         self._answered = False  # has the store ever answered? (then a failed connect is an outage, not a wrong URL)
         self.retries = retries
@@ -103,20 +112,23 @@ class Store(StoreObjects, Retrying):
         self._lease = WriterLease(self)
         self._committed_at: float | None = None  # monotonic time of this writer's last commit
         self._gaps: list[float] = []  # its last few times between commits (seconds)
+        self._last_hint: LatestHint | None = None  # what this writer last wrote to latest.json (heads refresh it)
 
     def _open(self, url: str, options: dict[str, Any]) -> Transport:
-        """The URL's transport; a storage option the backend refuses at once is a ``StoreConfigError``."""
+        """The URL's transport (given the options' secrets revealed); a storage option the backend refuses at once,
+        or one of a type it cannot take, is a ``StoreConfigError`` (naming the option, never its value)."""
+        check_option_types(self.protocol, options)
         try:
-            return open_transport(url, options)
+            return open_transport(url, reveal(options))
         except DeltaSyncError:
             raise
         except TypeError as e:  # a backend that checks its options at once
             failure = classify_failure(e, self._option_names)
             if failure is None:
-                raise
+                raise self._settings_failed(e, "open it") from e
             raise self._refusal(failure, "open it") from e
         except ValueError as e:
-            raise StoreError(f"cannot open store {url!r}: {e}") from e
+            raise StoreError(f"cannot open store {self.url!r}: {redact(str(e), also=self._secrets)}") from e
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -244,16 +256,25 @@ class Store(StoreObjects, Retrying):
     def manifest(self, step: int, *, nearby: bool = True) -> Manifest:
         """Step ``step``'s manifest (one read). ``StepNotFoundError`` if it is not committed, naming the nearest
         committed steps (a listing) unless ``nearby`` is False (a caller that probes step numbers)."""
+        return self.manifest_and_digest(step, nearby=nearby)[0]
+
+    def manifest_and_digest(self, step: int, *, nearby: bool = True) -> tuple[Manifest, str]:
+        """``manifest(step)`` and the SHA-256 of its bytes as stored (what a step's signature covers)."""
+        m, digest, _ = self.manifest_record(step, nearby=nearby)
+        return m, digest
+
+    def manifest_record(self, step: int, *, nearby: bool = False) -> tuple[Manifest, str, bytes]:
+        """Step ``step``'s manifest, the SHA-256 of its bytes as stored, and those bytes (a mirror copies them)."""
         rel = f"{step_dir(step)}/{MANIFEST}"
         try:
-            m = decode(self.read_bytes(rel, max_bytes=MAX_MANIFEST_BYTES), Manifest, where=f"{self.url}/{rel}",
-                       max_bytes=MAX_MANIFEST_BYTES)
+            raw = self.read_bytes(rel, max_bytes=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             near = self._nearby(step) if nearby else ""
             raise StepNotFoundError(f"{self.url}: step {step} is not committed{near}") from None
+        m = decode(raw, Manifest, where=f"{self.url}/{rel}", max_bytes=MAX_MANIFEST_BYTES)
         if m.step != step:
             raise FormatError(f"{self.url}: manifest in folder of step {step} describes step {m.step}")
-        return m
+        return m, sha256_hex(raw), raw
 
     def _nearby(self, step: int) -> str:
         steps = self.steps()
@@ -284,11 +305,14 @@ class Store(StoreObjects, Retrying):
         self.call(f"upload {rel}", lambda: self.transport.put(rel, source))
 
     def commit(self, manifest: Manifest, data: ObjectData | None, *, owner: str | None = None,
-               signer: SigningKey | None = None, signature: bytes | None = None) -> None:
+               signer: StreamSigner | None = None, signature: bytes | None = None,
+               manifest_bytes: bytes | None = None, head: bytes | None = None) -> None:
         """Publish one step: object, then signature, then manifest (the commit, create-only), then the latest hint.
 
         ``signer`` signs the step (``signature.json``, docs/FORMAT.md section 5e) before the manifest makes it
-        visible; ``signature`` is a signature made elsewhere (a mirror copying a signed step).
+        visible, and the head in ``latest.json``; ``signature`` is a signature made elsewhere (a mirror copying a
+        signed step), with ``manifest_bytes`` the manifest exactly as the signature covers it and ``head`` the
+        source's head envelope (relayed only if it names this step or an earlier one).
 
         With ``owner``, the writer's lease is checked right before the manifest is written (and renewed if it
         ran out meanwhile): a writer that lost the stream commits nothing (``WriterConflictError``). A step
@@ -304,20 +328,54 @@ class Store(StoreObjects, Retrying):
             self.put_object(manifest, data)
         elif not manifest.is_multipart:
             raise ValueError(f"{self.url} step {manifest.step}: a single-object step is committed with its object")
+        body = manifest_bytes if manifest_bytes is not None else manifest.to_json().encode()
         if signer is not None:
-            signature = signer.sign_step(manifest, self.stream_id())
+            signature = signer.sign_step(manifest, body)
         if signature is not None:  # before the commit: a committed step of a signed stream is signed
             self.write_bytes(f"{step_dir(manifest.step)}/{SIGNATURE}", signature)
         if owner is not None:
             self.hold_lease(owner)
         try:
-            self.write_bytes(manifest_rel, manifest.to_json().encode(), if_absent=True)
+            self.write_bytes(manifest_rel, body, if_absent=True)
         except FileExistsError:
             raise StepExistsError(
                 f"{self.url}: step {manifest.step} was committed by another writer meanwhile; a committed step is "
                 "never replaced"
             ) from None
-        self.write_bytes(LATEST, encode(self._hint(manifest.step)))
+        hint = self._hint(manifest.step)
+        if signer is not None:
+            hint = dataclasses.replace(hint, head=msgspec.Raw(signer.sign_head(manifest.step)))
+        elif head is not None:
+            hint = dataclasses.replace(hint, head=msgspec.Raw(head))
+        self._last_hint = hint
+        self.write_bytes(LATEST, encode(hint))
+
+    def refresh_head(self, signer: StreamSigner, *, closed: bool = False) -> bool:
+        """Sign the head again for the step this writer committed last (docs/FORMAT.md section 5e: a publisher
+        does it every third of its lease while it runs, and with ``closed`` when it closes), keeping the rest of
+        ``latest.json`` as this writer wrote it. Returns False (writing nothing) when it committed nothing."""
+        hint = self._last_hint
+        if hint is None:
+            return False
+        hint = dataclasses.replace(hint, head=msgspec.Raw(signer.sign_head(hint.step, closed=closed)))
+        self._last_hint = hint
+        self.write_bytes(LATEST, encode(hint))
+        return True
+
+    def resume_head(self, step: int, signer: StreamSigner | None) -> None:
+        """A writer resuming after ``step`` (its newest trusted step) keeps ``latest.json``'s times for it, and signs
+        its head at the next refresh."""
+        hint = self.latest_hint()
+        self._last_hint = LatestHint(step=step, committed_unix_s=hint.committed_unix_s if hint and hint.step == step
+                                     else None, interval_s=hint.interval_s if hint and hint.step == step else None)
+        if signer is None:
+            self._last_hint = None
+
+    def relay_head(self, head: bytes, step: int) -> None:
+        """Write ``latest.json`` for ``step`` carrying ``head`` (a mirror: the source's head, for steps it holds)."""
+        hint = self.latest_hint()
+        base = hint if hint is not None and hint.step == step else LatestHint(step=step)
+        self.write_bytes(LATEST, encode(dataclasses.replace(base, head=msgspec.Raw(head))))
 
     def _hint(self, step: int) -> LatestHint:
         """``latest.json`` for a commit now, with this writer's time between commits: the median of its last
@@ -348,6 +406,13 @@ class Store(StoreObjects, Retrying):
         if len(raw) > MAX_SIGNATURE_BYTES:
             raise FormatError(f"{self.url}: step {step}'s {SIGNATURE} is over {MAX_SIGNATURE_BYTES} bytes")
         return raw
+
+    def files_sha256(self) -> str | None:
+        """The SHA-256 of ``files.json`` as stored (what a step's signature names), or None where there is none."""
+        try:
+            return sha256_hex(self.read_bytes("files.json", max_bytes=MAX_DOCUMENT_BYTES))
+        except FileNotFoundError:
+            return None
 
     def stream_info(self) -> StreamInfo | None:
         """``stream.json`` (written when a stream is created), or None where there is none."""
@@ -393,15 +458,16 @@ class Store(StoreObjects, Retrying):
         """The stream's lease as stored now, or None."""
         return self._lease.current()
 
-    def acquire_lease(self, owner: str, *, ttl_s: float, take_over: bool = False) -> Lease:
+    def acquire_lease(self, owner: str, *, ttl_s: float, take_over: bool = False,
+                      stream_id: str | None = None) -> Lease:
         """Become the stream's only writer, or raise ``WriterConflictError`` naming the holder.
 
         The lease is written with a compare-and-swap on what was read (atomic where the transport's
         capabilities say so): of two writers racing for a stream, one wins. Also creates the stream
-        (``stream.json``) if needed.
+        (``stream.json``, with ``stream_id`` when given, else a random id) if needed.
         """
         lease = self._lease.acquire(owner, ttl_s=ttl_s, take_over=take_over)
-        self.create_stream()
+        self.create_stream(None if stream_id is None else StreamInfo(created_unix_s=time.time(), stream_id=stream_id))
         return lease
 
     def renew_lease(self, owner: str, *, ttl_s: float) -> Lease:

@@ -10,8 +10,18 @@ the stream is quiet, with jitter, and wider while the store throttles. docs/FORM
 
 With a :class:`~deltasync.notify.Notifier` (a mirror's event feed, the trainer's RDMA announcements) a
 pushed step wakes :meth:`StepWatch.wait` at once and :meth:`StepWatch.newest` checks that step's manifest
-instead of reading ``latest.json``; a pushed step that is not committed is ignored (logged). While the
-notifier is connected, polls slow to ``push_poll_s``: a safety net for a lost notification.
+instead of reading ``latest.json``; a pushed step that is not committed is ignored (logged). A pushed step is a
+hint bounded by what the store confirms: the last few announcements are kept (not the largest: one announcement
+of a step far ahead must not hide the real ones after it), each costs at most one manifest read, and while a
+notifier's announcements turned out false within ``push_poll_s`` it is not relied on (polls keep their
+cadence). While the notifier is connected and truthful, polls slow to ``push_poll_s``: a safety net for a
+lost notification.
+
+With trusted keys (the reader's, deltasync/trust.py) a step that is not trusted does not exist here: a hinted,
+pushed or listed step whose signature does not prove it is skipped (logged once), and the newest trusted one
+is the newest. The signed head ``latest.json`` carries (docs/FORMAT.md section 5e) is checked on every read of
+it: a head naming a step the store no longer holds raises ``RollbackError``; with ``max_age_s`` a newest head
+older than that (and not closed), or none, raises ``StaleStreamError``.
 
     watch = StepWatch(reader)
     while True:
@@ -26,18 +36,22 @@ import logging
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from deltasync.errors import ConfigError, StepNotFoundError
+from deltasync.errors import ConfigError, RollbackError, StaleStreamError, StepNotFoundError
 from deltasync.format.documents import LatestHint
+from deltasync.trust import UNTRUSTED, Head, newest_trusted
 
 if TYPE_CHECKING:
     from deltasync.notify import Notifier
     from deltasync.reader import StreamReader
 
 log = logging.getLogger(__name__)
+
+MAX_REFUSED = 100_000  # steps a trusted reader remembers as not existing (each refused once, then free)
 
 __all__ = ["PollPolicy", "StepWatch", "retry_delay_s"]
 
@@ -100,14 +114,22 @@ class StepWatch:
     """
 
     def __init__(self, reader: StreamReader, policy: PollPolicy | None = None, *, notifier: Notifier | None = None,
-                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
+                 wall: Callable[[], float] = time.time) -> None:
         self.reader = reader
         self.policy = policy or PollPolicy()
         self._owns_notifier = notifier is None
         self.notifier = reader.store.transport.step_events() if notifier is None else notifier
         self.wake = threading.Event()  # set by a pushed step (or the owner): ends wait() early
-        self._pushed: int | None = None  # the newest step pushed and not yet checked
+        self._pushed: deque[int] = deque(maxlen=4)  # the last steps pushed, not yet checked (not the largest)
+        self._pushed_lock = threading.Lock()
+        self._lied_at: float | None = None  # when a pushed step last turned out not committed (or not trusted)
+        self._woken_at: float | None = None  # when a pushed step last woke the poller
         self._clock = clock
+        self._wall = wall
+        self.head: Head | None = None  # with trusted keys: the newest valid signed head seen
+        self.last_hint: LatestHint | None = None  # latest.json as last read (a mirror relays its head)
+        self._bad_head: bytes | None = None  # a head that did not verify (logged once)
         self._rng = rng or random.Random()
         self._known: int | None = None  # newest step whose manifest was seen
         self._listed_at: float | None = None  # when the manifests were last listed
@@ -129,21 +151,30 @@ class StepWatch:
     def newest(self) -> int | None:
         """The newest committed step (None while the stream has none): one read of ``latest.json``, plus the
         newer step's manifest when the hint moved, plus a listing when the hint cannot be used or an audit
-        is due."""
+        is due. With trusted keys, the newest trusted step; raises ``RollbackError`` or ``StaleStreamError``
+        (module docstring) after it updated what it knows."""
         self.polls += 1
         now = self._clock()
-        pushed, self._pushed = self._pushed, None
-        if pushed is not None and not self._must_list and self._known is not None and pushed <= self._known:
-            return self._known  # a step already seen (a feed that connected or reconnected says its newest): no request
-        if pushed is not None and not self._must_list:
-            try:
-                self.reader.manifest(pushed, nearby=False)  # a pushed step is a hint: committed?
-            except StepNotFoundError:
-                log.info("%s: step %d was announced but is not committed: ignored", self.reader.url, pushed)
-            else:
-                self._arrived(pushed, now, None)
-                return pushed
-        hint = self.reader.store.latest_hint()
+        with self._pushed_lock:
+            pushed = sorted(set(self._pushed), reverse=True)
+            self._pushed.clear()
+        if pushed and not self._must_list:
+            known = -1 if self._known is None else self._known
+            fresh = [s for s in pushed if s > known]
+            hit = None
+            for s in fresh:  # newest first, one read each at most: the newest committed one wins
+                if self._exists(s, "was announced but"):
+                    hit = s
+                    break
+                self._lied_at = now  # a false announcement: the notifier is not relied on for a while
+            if hit is not None:
+                self._arrived(hit, now, None)
+                if not self._needs_head():
+                    return hit
+            elif not fresh and self._known is not None and not self._needs_head():
+                return self._known  # steps already seen (a feed that (re)connected says its newest): no request
+        hint = self.last_hint = self.reader.store.latest_hint()
+        self._read_head(hint)
         if hint is not None and hint.step == self._refused:
             hint = None  # it named a step that is not committed: unusable until it changes
         listed: int | None = None
@@ -151,32 +182,118 @@ class StepWatch:
         if hint is None and self._listed_at is not None and now - self._listed_at >= 3 * self.policy.idle_max_s:
             list_now = True  # no usable hint: list, but not on every poll
         if hint is not None and not list_now and (self._known is None or hint.step > self._known):
-            try:
-                self.reader.manifest(hint.step, nearby=False)  # committed? (the follower reads it next anyway)
-            except StepNotFoundError:
-                log.info("%s: latest.json names step %d, which is not committed: listing", self.reader.url, hint.step)
+            if not self._exists(hint.step, "is named by latest.json but"):  # the follower reads it next anyway
                 self._refused, hint, list_now = hint.step, None, True
         if list_now:
             steps = self.reader.store.steps()
             self.listings += 1
             self._listed_at, self._must_list = now, False
-            listed = steps[-1] if steps else None
+            if self.reader.trusted is None:
+                listed = steps[-1] if steps else None
+            else:  # the newest a trusted key signed: a forged manifest past it does not exist here
+                listed = newest_trusted(steps, lambda s: self.reader.manifest(s, nearby=False),
+                                        refused=self.reader.refused, where=self.reader.url)
             if hint is not None and listed is not None and hint.step > listed:
                 hint = None  # a hint ahead of every manifest is not believed
         newest = max((s for s in (self._known, listed, hint.step if hint else None) if s is not None), default=None)
         if newest is not None and newest != self._known:
             self._arrived(newest, now, hint)
+        return self._check_head(newest)
+
+    def _exists(self, step: int, what: str) -> bool:
+        """Whether ``step`` is committed (and, with trusted keys, trusted): one manifest read, which the follower
+        needs next anyway (the reader keeps it); a step that is not is logged, once per step."""
+        if self.reader.trusted is not None and step in self.reader.refused:
+            return False
+        try:
+            self.reader.manifest(step, nearby=False)
+        except StepNotFoundError:
+            log.info("%s: step %d %s is not committed: ignored", self.reader.url, step, what)
+            return False
+        except UNTRUSTED as e:
+            if self.reader.trusted is None:
+                raise
+            if len(self.reader.refused) < MAX_REFUSED:
+                self.reader.refused[step] = str(e)
+            log.warning("%s: step %d %s does not count as committed for this reader: %s: %s", self.reader.url, step,
+                        what, type(e).__name__, e)
+            return False
+        return True
+
+    def _needs_head(self) -> bool:
+        """Whether ``latest.json`` must be read even though a pushed step answered: a reader that requires
+        freshness whose newest head is half its age limit old."""
+        trusted = self.reader.trusted
+        if trusted is None or trusted.max_age_s is None:
+            return False
+        return self.head is None or self._wall() - self.head.signed_unix_s > trusted.max_age_s / 2
+
+    def _read_head(self, hint: LatestHint | None) -> None:
+        """Keep the newest valid signed head of ``hint`` (trusted readers only); a bad one is logged once."""
+        trusted = self.reader.trusted
+        raw = None if hint is None else hint.head_bytes
+        if trusted is None or raw is None:
+            return
+        try:
+            head = trusted.check_head(raw, where=self.reader.url)
+        except UNTRUSTED as e:
+            if raw != self._bad_head:
+                self._bad_head = raw
+                log.warning("%s: ignoring latest.json's head: %s: %s", self.reader.url, type(e).__name__, e)
+            return
+        if self.head is None or head.signed_unix_s > self.head.signed_unix_s:
+            self.head = head
+
+    def _check_head(self, newest: int | None) -> int | None:
+        """``newest``, checked for rollback and freshness against the newest signed head (docs/FORMAT.md section
+        5e); the head's step where it names a committed step the listing did not show yet."""
+        trusted, head = self.reader.trusted, self.head
+        if trusted is None:
+            return newest
+        if head is not None and (newest is None or head.step > newest):
+            if not self._exists(head.step, "is named by a signed head but"):
+                when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(head.signed_unix_s))
+                raise RollbackError(
+                    f"{self.reader.url}: a head signed at {when} by key {head.key_id} names step {head.step} as the "
+                    f"newest, but the store holds no trusted step from {head.step} on (newest: {newest}): steps were "
+                    "deleted or replaced after they were committed; keeping the step held")
+            newest = head.step
+            self._arrived(head.step, self._clock(), None)
+        if trusted.max_age_s is None:
+            return newest
+        if head is None:
+            raise StaleStreamError(f"{self.reader.url}: no valid signed head in latest.json, and this reader requires "
+                                   f"one no older than {trusted.max_age_s:g} s (max_age_s): the stream's publisher "
+                                   "does not sign heads, or somebody removed them")
+        if not head.closed and self._wall() - head.signed_unix_s > trusted.max_age_s:
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(head.signed_unix_s))
+            raise StaleStreamError(
+                f"{self.reader.url}: the newest signed head (step {head.step}, signed {when}) is older than "
+                f"max_age_s={trusted.max_age_s:g}: the publisher stopped, or somebody holds the stream's new steps "
+                "back; keeping the step held")
         return newest
 
     def distrust(self) -> None:
         """The step :meth:`newest` named turned out not to be readable: list the manifests at the next poll."""
         self._must_list = True
 
+    def refuse(self, step: int, why: str) -> None:
+        """Step ``step`` (which :meth:`newest` named) turned out not to be trusted after all (its chain broke the
+        chain of trust): it does not exist for this watch from now on, and the next poll lists the manifests for
+        the newest step that does (a trusted reader only; otherwise as :meth:`distrust`)."""
+        if self.reader.trusted is not None:
+            if len(self.reader.refused) < MAX_REFUSED:
+                self.reader.refused[step] = why
+            if self._known is not None and self._known >= step:
+                self._known = None
+        self._must_list = True
+
     def delay(self) -> float:
         """Seconds until the next poll, by the stream's cadence, with jitter; longer while the store throttles."""
         p = self.policy
         now = self._clock()
-        if self.notifier is not None and self.notifier.alive:
+        truthful = self._lied_at is None or now - self._lied_at >= p.push_poll_s
+        if self.notifier is not None and self.notifier.alive and truthful:
             d = p.push_poll_s  # steps are pushed: a poll only catches a lost notification
         elif self._due is not None and now < self._due - p.window_s:
             d = min(self._due - p.window_s - now, p.idle_max_s)  # sleep until the window opens
@@ -207,9 +324,16 @@ class StepWatch:
     # --- internals ---
 
     def _heard(self, step: int) -> None:
-        """A notifier's callback (its thread): remember the step and wake the poller."""
-        if self._pushed is None or step > self._pushed:
-            self._pushed = step
+        """A notifier's callback (its thread): remember the step among the last few and wake the poller; a notifier
+        that lied lately wakes it at most every ``fast_s`` (a flood of false steps costs a read per ``fast_s``,
+        not one per announcement)."""
+        now = self._clock()
+        with self._pushed_lock:
+            self._pushed.append(step)
+            lying = self._lied_at is not None and now - self._lied_at < self.policy.push_poll_s
+            if lying and self._woken_at is not None and now - self._woken_at < self.policy.fast_s:
+                return  # kept: the next poll checks it
+            self._woken_at = now
         self.wake.set()
 
     def _arrived(self, step: int, now: float, hint: LatestHint | None) -> None:

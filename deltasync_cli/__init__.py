@@ -34,6 +34,9 @@ def main() -> None:
     ``DeltaSyncError``s, ``OSError``s (a disk, a permission) and usage errors (an unknown option, a bad value).
     Anything else is a bug: one line, exit 3. ``DELTASYNC_DEBUG=1`` adds the traceback."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # log lines quote stores and peers: shown inert
+        if type(handler) is logging.StreamHandler and not isinstance(handler.formatter, _InertFormatter):
+            handler.setFormatter(_InertFormatter(handler.formatter))
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # `kill`, a scheduler, `docker stop`: as Ctrl-C, so
         signal.signal(signal.SIGTERM, _interrupted)     # downloads, spools and scratch folders are removed
     try:
@@ -82,9 +85,29 @@ def _fail(message: str, code: int) -> None:
     if _debug():
         import traceback
 
-        traceback.print_exc()
-    typer.echo(f"error: {one_line(message)}", err=True)
+        from deltasync.secrets import redact
+
+        sys.stderr.write(redact(traceback.format_exc()))  # the causes quote backends: no secret in them either
+    from deltasync.secrets import redact
+
+    typer.echo(f"error: {one_line(redact(message))}", err=True)
     sys.exit(code)
+
+
+class _InertFormatter(logging.Formatter):
+    """A formatter whose lines show control characters inert (``deltasync_cli.app.inert``) and no secret
+    (``deltasync.secrets.redact``): log messages quote what stores, peers and event feeds sent, and what backends
+    said of their settings."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self._inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        from deltasync.secrets import redact
+        from deltasync_cli.app import inert
+
+        return inert(redact(self._inner.format(record)))
 
 
 if __name__ == "__main__":

@@ -68,29 +68,84 @@ def _storage_options(pairs: list[str] | None) -> dict[str, Any]:
 
 
 TRUSTED_KEYS_ENV = "DELTASYNC_TRUSTED_KEYS"
+REVOKED_KEYS_ENV = "DELTASYNC_REVOKED_KEYS"
+STREAM_ID_ENV = "DELTASYNC_STREAM_ID"
+MAX_AGE_ENV = "DELTASYNC_MAX_AGE_S"
 TrustedKeyOpt = Annotated[
     list[Path] | None,
     typer.Option("--trusted-key", help=f"Public key (from `deltasync keygen`) that must have signed every step; "
-                                       f"repeatable. Default: ${TRUSTED_KEYS_ENV} (paths separated by ':')."),
+                                       f"repeatable. Default: ${TRUSTED_KEYS_ENV} (paths separated by ':'). Needs "
+                                       "--stream-id."),
+]
+RevokedKeyOpt = Annotated[
+    list[Path] | None,
+    typer.Option("--revoked-key", help=f"Public key trusted for nothing, nor any key it endorsed (a leaked key); "
+                                       f"repeatable. Default: ${REVOKED_KEYS_ENV} (paths separated by ':')."),
+]
+StreamIdOpt = Annotated[
+    str | None,
+    typer.Option("--stream-id", help=f"The stream the trusted keys sign for (what the trainer logs, or its "
+                                     f"stream_id option); never read from the store. Default: ${STREAM_ID_ENV}."),
+]
+MaxAgeOpt = Annotated[
+    float | None,
+    typer.Option("--max-age-s", help=f"Refuse a stream whose newest signed head is older than this (a frozen or "
+                                     f"held-back stream). Default: ${MAX_AGE_ENV}, else not required."),
 ]
 
 
-def _trusted(keys: list[Path] | None) -> list[str] | None:
-    """The trusted key files: the flags, else the environment variable, else None (origin unchecked)."""
+def _env_list(name: str) -> list[str] | None:
+    """A ':'-separated list of paths from the environment: None when unset; set but empty, or with an empty entry
+    (a template that did not expand), is a ``ConfigError``: trust settings fail closed."""
     import os
 
-    if keys:
-        return [str(k) for k in keys]
-    env = os.environ.get(TRUSTED_KEYS_ENV)
-    return [k for k in env.split(os.pathsep) if k] or None if env else None
+    from deltasync.errors import ConfigError
+
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    entries = raw.split(os.pathsep)
+    if not raw.strip() or any(not e.strip() for e in entries):
+        raise ConfigError(f"{name} is set to {raw[:200]!r}: expected one or more key files separated by "
+                          f"{os.pathsep!r}, with no empty entry (unset it to check nothing)")
+    return entries
 
 
-def _reader(url: str, storage_option: list[str] | None, trusted_key: list[Path] | None = None) -> Any:
+def _trust(trusted_key: list[Path] | None, revoked_key: list[Path] | None = None, stream_id: str | None = None,
+           max_age_s: float | None = None) -> Any:
+    """The trust setting (a ``TrustedKeys``) from the flags, else the environment; None when neither names a
+    trusted key (origin unchecked). Anything set but unusable is a ``ConfigError``, never unchecked."""
+    import os
+
+    from deltasync.errors import ConfigError
+    from deltasync.trust import TrustedKeys
+
+    keys = [str(k) for k in trusted_key] if trusted_key else _env_list(TRUSTED_KEYS_ENV)
+    revoked = [str(k) for k in revoked_key] if revoked_key else _env_list(REVOKED_KEYS_ENV)
+    flags = [name for name, value in (("--revoked-key", revoked_key), ("--stream-id", stream_id),
+                                      ("--max-age-s", max_age_s)) if value is not None and value != []]
+    if keys is None:
+        if flags:
+            raise ConfigError(f"{', '.join(flags)} given without --trusted-key (or ${TRUSTED_KEYS_ENV}): nothing "
+                              "would be checked")
+        return None
+    if stream_id is None:
+        stream_id = os.environ.get(STREAM_ID_ENV)
+    if max_age_s is None and os.environ.get(MAX_AGE_ENV) is not None:
+        raw = os.environ[MAX_AGE_ENV]
+        try:
+            max_age_s = float(raw)
+        except ValueError:
+            raise ConfigError(f"{MAX_AGE_ENV}: expected seconds, got {raw[:100]!r}") from None
+    return TrustedKeys.load(keys, revoked or (), stream_id=stream_id, max_age_s=max_age_s)
+
+
+def _reader(url: str, storage_option: list[str] | None, trust: Any = None) -> Any:
     """A ``StreamReader`` for a command; open it in a ``with`` block, so that its downloads are removed
-    when the command ends, fails or is interrupted (Ctrl-C). With trusted keys, only signed steps are read."""
+    when the command ends, fails or is interrupted (Ctrl-C). With a trust setting, only signed steps are read."""
     from deltasync.reader import StreamReader
 
-    return StreamReader(url, storage_options=_storage_options(storage_option), trusted_keys=_trusted(trusted_key))
+    return StreamReader(url, storage_options=_storage_options(storage_option), trusted_keys=trust)
 
 
 def _load_safetensors(path: Path) -> dict:
@@ -106,6 +161,31 @@ def _load_safetensors(path: Path) -> dict:
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (stable keys) instead of tables.")]
+
+
+def inert(text: object) -> str:
+    """``text`` (anything read from a store, a peer or an error) as a terminal shows it inert: every control
+    character (escape sequences such as an OSC 52 clipboard write or a screen clear, bells, carriage returns),
+    every invisible formatting character (bidirectional overrides, zero-width marks) and line or paragraph
+    separator written as a visible escape (``\\x1b``, ``\\u202e``); tabs and newlines of our own are kept."""
+    import unicodedata
+
+    out = []
+    for ch in str(text):
+        if ch in "\n\t" or unicodedata.category(ch) not in ("Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"):
+            out.append(ch)
+        else:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+    return "".join(out)
+
+
+def shown(text: object) -> str:
+    """``inert(text)`` for a place that reads rich markup (a table cell, ``print`` with markup): its square
+    brackets escaped too, so that ``[link=...]`` or ``[red]`` from a store is shown as written, never rendered."""
+    from rich.markup import escape
+
+    return escape(inert(text).replace("\n", "\\x0a"))
 
 
 @contextmanager

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
 from deltasync_cli.app import (
+    MaxAgeOpt,
+    RevokedKeyOpt,
     StorageOpt,
+    StreamIdOpt,
     TrustedKeyOpt,
     _progress,
     _storage_options,
-    _trusted,
+    _trust,
     app,
     err,
-    one_line,
     out,
+    shown,
 )
 
 if TYPE_CHECKING:  # imported inside the command: --help imports neither torch nor deltasync
@@ -64,10 +66,9 @@ def follow(
                                              "the store stays the fallback.")] = None,
     storage_option: StorageOpt = None,
     trusted_key: TrustedKeyOpt = None,
-    revoked_key: Annotated[list[Path] | None, typer.Option(
-        "--revoked-key", help="Public key whose steps are refused, with every key it endorsed, even where a trusted "
-        "key endorsed it (a leaked key: docs/SECURITY.md); needs --trusted-key; repeatable. The server's engine "
-        "refuses them too.")] = None,
+    revoked_key: RevokedKeyOpt = None,
+    stream_id: StreamIdOpt = None,
+    max_age_s: MaxAgeOpt = None,
 ) -> None:
     """Keep a running vLLM server at the newest step of a stream (prints one line per step, with how many steps it
     runs behind the newest committed step).
@@ -77,8 +78,6 @@ def follow(
     no vLLM package here, and no access to the server's filesystem.
     """
     import time
-
-    from rich.markup import escape
 
     from deltasync.notify import EventFeed
     from rollout_loader import Follower
@@ -90,14 +89,7 @@ def follow(
     settings = EngineSettings(step=engine_step, mode=mode, verify=verify, prefetch=prefetch, rdma=_rdma_option(rdma),
                               representation=representation, max_host_bytes=max_host_bytes)
     target = VllmTarget(server, settings)
-    keys: Any = _trusted(trusted_key)
-    if revoked_key:
-        if keys is None:
-            raise typer.BadParameter("revoking keys needs --trusted-key (without trusted keys no step is checked)",
-                                     param_hint="--revoked-key")
-        from deltasync.engine import TrustedKeys
-
-        keys = TrustedKeys.load(keys, revoked=[str(k) for k in revoked_key])
+    keys = _trust(trusted_key, revoked_key, stream_id, max_age_s)
     feed = EventFeed(notify) if notify is not None else None  # a bad URL: one line, exit 2
 
     def report(step: int) -> None:
@@ -122,15 +114,15 @@ def follow(
             follower.wait_for(until, timeout_s=timeout_s)  # retries like the thread; raises what stopped it
             return
         follower.start()
-        shown: str | None = None
+        said: str | None = None
         while follower.running:
             time.sleep(0.2)
             error = follower.last_error
-            if error is not None and str(error) != shown:  # once per distinct error
-                shown = str(error)
-                err.print(f"[yellow]retrying:[/yellow] {escape(one_line(f'{type(error).__name__}: {error}'))}")
+            if error is not None and str(error) != said:  # once per distinct error
+                said = str(error)
+                err.print(f"[yellow]retrying:[/yellow] {shown(f'{type(error).__name__}: {error}')}")
             elif error is None:
-                shown = None
+                said = None
         if follower.stopped_by is not None:  # a permanent error stopped the thread: one line, exit 2
             raise follower.stopped_by
     except KeyboardInterrupt:
@@ -187,14 +179,16 @@ def mirror(
     dst_option: Annotated[list[str] | None, typer.Option("--dst-option", "-D", help="Storage option KEY=VALUE of the "
                                                          "destination (-S: of the source); repeatable.")] = None,
     trusted_key: TrustedKeyOpt = None,
+    revoked_key: RevokedKeyOpt = None,
+    stream_id: StreamIdOpt = None,
+    max_age_s: MaxAgeOpt = None,
 ) -> None:
     """Replicate a stream into another store (a bucket in another cloud, a region's disk), verified and in commit
     order: followers there read the copy, so egress from the source is paid once. Safe to kill at any point and to
     run several at once; the copy keeps its own retention (deltasync gc on it). Steps' signatures are copied with
-    them; with --trusted-key only signed steps are copied."""
+    them and manifests byte for byte; with --trusted-key only steps (and model files) a trusted signature covers are
+    copied."""
     import threading
-
-    from rich.markup import escape
 
     from deltasync.history.mirror import mirror as mirror_once
     from deltasync.history.mirror import mirror_follow
@@ -203,6 +197,7 @@ def mirror(
     from deltasync.watch import PollPolicy
 
     src_options, dst_options = _storage_options(storage_option), _storage_options(dst_option)
+    trust = _trust(trusted_key, revoked_key, stream_id, max_age_s)
 
     def report(step: int, nbytes: int) -> None:
         out.print(f"step {step} copied ({nbytes / 1e6:,.2f} MB)", markup=False)
@@ -212,16 +207,16 @@ def mirror(
         if once:
             with _progress() as progress:
                 source.download_progress = progress  # large objects: a bar of bytes on a terminal
-                r = mirror_once(source, dst, dst_options=dst_options, on_step=report,
-                                trusted_keys=_trusted(trusted_key))
+                r = mirror_once(source, dst, dst_options=dst_options, on_step=report, trusted_keys=trust)
     if once:
+        refused = f", {len(r.refused)} not covered by a trusted signature" if r.refused else ""
         out.print(f"{dst}: {len(r.copied)} step(s) copied ({r.bytes_copied / 1e6:,.2f} MB), {r.present} already there"
-                  f"{', model files copied' if r.files_copied else ''} in {r.seconds:.1f}s", markup=False,
-                  soft_wrap=True)
+                  f"{', model files copied' if r.files_copied else ''}{refused} in {r.seconds:.1f}s",
+                  markup=False, soft_wrap=True)
         return
 
     def warn(error: BaseException) -> None:
-        err.print(f"[yellow]retrying:[/yellow] {escape(one_line(f'{type(error).__name__}: {error}'))}")
+        err.print(f"[yellow]retrying:[/yellow] {shown(f'{type(error).__name__}: {error}')}")
 
     stop = threading.Event()
     server = feed = None
@@ -232,7 +227,7 @@ def mirror(
         feed = EventFeed(notify) if notify is not None else None
         mirror_follow(src, dst, src_options=src_options, dst_options=dst_options, until=until, stop=stop,
                       policy=PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s)), on_step=report,
-                      on_error=warn, notifier=feed, events=server, trusted_keys=_trusted(trusted_key))
+                      on_error=warn, notifier=feed, events=server, trusted_keys=trust)
     except KeyboardInterrupt:
         stop.set()
     finally:

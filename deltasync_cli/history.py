@@ -12,7 +12,10 @@ from rich.table import Table
 
 from deltasync_cli.app import (
     JsonOpt,
+    MaxAgeOpt,
+    RevokedKeyOpt,
     StorageOpt,
+    StreamIdOpt,
     TrustedKeyOpt,
     _dtype,
     _mb,
@@ -22,8 +25,11 @@ from deltasync_cli.app import (
     _progress,
     _reader,
     _storage_options,
+    _trust,
     app,
+    inert,
     out,
+    shown,
 )
 
 
@@ -37,27 +43,34 @@ def replay(
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
     trusted_key: TrustedKeyOpt = None,
+    revoked_key: RevokedKeyOpt = None,
+    stream_id: StreamIdOpt = None,
+    max_age_s: MaxAgeOpt = None,
     sign: Annotated[Path | None, typer.Option("--sign", help="An ECDSA private key (deltasync keygen --ecdsa): sign "
                                               "the folder with OpenSSF model_signing (model.sig inside).")] = None,
+    weights_only: Annotated[bool, typer.Option("--weights-only", help="Write the weights alone, not the stream's "
+                                               "model files (config, tokenizer, code).")] = False,
 ) -> None:
     """Write the exact weights of a step as a checkpoint folder that transformers and vLLM load as it is.
 
     Written beside the folder and renamed into place only after every checksum matched the step's manifest
-    (and, with --trusted-key, every step of its chain was signed by a trusted key).
+    (and, with --trusted-key, every step of its chain was signed by a trusted key, and the model files are the
+    ones the step's signature names).
     """
     from deltasync.history.rebuild import replay_to_folder
 
-    with _reader(url, storage_option, trusted_key) as reader, _progress() as progress:
+    trust = _trust(trusted_key, revoked_key, stream_id, max_age_s)
+    with _reader(url, storage_option, trust) as reader, _progress() as progress:
         reader.store.download_progress = progress
         r = replay_to_folder(reader, step, output, overwrite=overwrite, reread=reread, progress=progress,
-                             sign_with=sign)
+                             sign_with=sign, model_files=not weights_only)
     if as_json:
         _print_json(r.to_dict())
         return
     out.print(f"{r.path}: step {r.step} from anchor {r.chain[0]} + {len(r.chain) - 1} delta(s), {r.tensors} tensors, "
               f"{_mb(r.weights_bytes)} of weights + {len(r.model_files)} model files in {r.seconds:.2f}s; "
               f"checksums match the manifest (state {r.state_checksum[:16]}…)", soft_wrap=True, markup=False)
-    if not r.model_files:
+    if not r.model_files and not weights_only:
         out.print("note: the stream holds no model files (config, tokenizer): publish with files=... or push a folder",
                   soft_wrap=True, markup=False)
 
@@ -76,6 +89,8 @@ def push(
     storage_option: StorageOpt = None,
     signing_key: Annotated[Path | None, typer.Option("--signing-key", help="Sign the step with this private key "
                                                      "(deltasync keygen), as a signing publisher does.")] = None,
+    stream_id: Annotated[str | None, typer.Option("--stream-id", help="The stream's id (a new stream is made with it; "
+                                                  "an existing one must have it).")] = None,
 ) -> None:
     """Publish a safetensors checkpoint as a step: a delta on the latest step (an anchor on an empty stream)."""
     from deltasync.history.push import push_checkpoint
@@ -83,8 +98,7 @@ def push(
 
     with Store(url, storage_options=_storage_options(storage_option)) as store:
         m = push_checkpoint(store, step, checkpoint, anchor=anchor, dtype=_dtype(dtype), files=files,
-                            take_over=take_over,
-                            signing_key=signing_key)
+                            take_over=take_over, signing_key=signing_key, stream_id=stream_id)
     if as_json:
         _print_json(m.to_dict())
         return
@@ -116,7 +130,7 @@ def compare_(
         for col in ("name", "elements", "changed", "density", "rel L2", "max |change|"):  # names wrap, never cut
             table.add_column(col, justify="left" if col == "name" else "right", overflow="fold", no_wrap=col != "name")
         for d in rows:
-            table.add_row(d.name, f"{d.numel:,}", f"{d.changed:,}", _pct(d.density), _num(d.rel_l2),
+            table.add_row(shown(d.name), f"{d.numel:,}", f"{d.changed:,}", _pct(d.density), _num(d.rel_l2),
                           _num(d.max_abs_change))
         out.print(table)
 
@@ -176,27 +190,46 @@ def verify_(
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
     trusted_key: TrustedKeyOpt = None,
+    revoked_key: RevokedKeyOpt = None,
+    stream_id: StreamIdOpt = None,
+    max_age_s: MaxAgeOpt = None,
 ) -> None:
     """Check every committed step by replaying it: objects, headers, chains and checksums, and with
-    --trusted-key each step's signature. Exit 1 on a problem."""
+    --trusted-key each step's signature and the stream's signed head. Exit 1 on a problem."""
     from deltasync.history.verify import verify
 
-    with _reader(url, storage_option, trusted_key) as reader, _progress() as progress:
+    trust = _trust(trusted_key, revoked_key, stream_id, max_age_s)
+    with _reader(url, storage_option, trust) as reader, _progress() as progress:
         reader.store.download_progress = progress
         report = verify(reader, first=first, last=last, all_problems=all_problems, progress=progress)
     if as_json:
         _print_json(report.to_dict())
     elif report.ok:
-        origin = ("every step signed by a trusted key" if report.origin_checked else
-                  "origin unchecked (no --trusted-key: anyone who can write the store could have written them)")
+        origin = ("every step signed by a trusted key for stream " + inert(trust.stream_id) if report.origin_checked
+                  else "origin unchecked (no --trusted-key: anyone who can write the store could have written them)")
         out.print(f"{url}: steps {report.first}..{report.last} verified ({len(report.verified)} steps): objects, "
                   "headers, "
-                  f"chains and checksums (by replaying every tensor) all match; {origin}", soft_wrap=True, markup=False)
+                  f"chains and checksums (by replaying every tensor) all match; {origin}{_head_words(report)}",
+                  soft_wrap=True, markup=False)
     else:
         for p in report.problems:
-            out.print(f"step {p.step}: {p.kind}: {p.message}", soft_wrap=True, markup=False)
+            out.print(f"step {p.step}: {p.kind}: {inert(p.message)}", soft_wrap=True, markup=False)
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _head_words(report: Any) -> str:
+    """What the report says of the stream's newest step: vouched for by a signed head, or not provable."""
+    if not report.origin_checked:
+        return ""
+    head = report.head
+    if head is None:
+        return f"; no signed head: step {report.last} cannot be proved the newest (a deleted tail would look the same)"
+    import time
+
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(head["signed_unix_s"]))
+    closed = ", closed by its publisher" if head["closed"] else ""
+    return f"; a head signed {when} names step {head['step']} the newest{closed}"
 
 
 @app.command("gc")
@@ -252,10 +285,12 @@ def _show_plan(url: str, plan: Any, *, planned: bool) -> None:
     for col in ("steps", "action", "why"):
         table.add_column(col)
     for first, last, action, why in _runs(rows):
-        table.add_row(str(first) if first == last else f"{first}..{last}", action, why)
+        table.add_row(str(first) if first == last else f"{first}..{last}", action, shown(why))
     out.print(table)
     for c in plan.live_consumers:
-        out.print(f"live consumer {c.consumer_id} at step {c.step}", soft_wrap=True, markup=False)
+        out.print(f"live consumer {inert(c.consumer_id)} at step {c.step}", soft_wrap=True, markup=False)
+    for file, error in plan.unreadable:
+        out.print(f"{inert(file)}: unreadable heartbeat, not respected ({inert(error)})", soft_wrap=True, markup=False)
 
 
 def _runs(rows: list[tuple[int, str, str]]) -> Iterator[tuple[int, int, str, str]]:

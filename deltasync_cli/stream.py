@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from deltasync_cli.app import StorageOpt, _load_safetensors, _storage_options, app, out
+from deltasync_cli.app import StorageOpt, _load_safetensors, _storage_options, app, inert, out, shown
 
 
 @app.command()
@@ -137,18 +137,23 @@ def status(
         print(prometheus_text(fleet), end="")
         return
     newest = "no committed step" if fleet.newest_step is None else f"newest committed step {fleet.newest_step}"
-    table = Table(title=f"{url}: {len(fleet.consumers)} consumer(s), {newest}")
+    table = Table(title=shown(f"{url}: {len(fleet.consumers)} consumer(s), {newest}"))
     for col in ("consumer", "step", "behind", "last report", "weight version", "errors", "state"):
-        table.add_column(col, justify="left" if col in ("consumer", "state") else "right")
-    for c in fleet.consumers:
-        table.add_row(c.consumer_id, str(c.step), "-" if c.lag_steps is None else str(c.lag_steps),
-                      time.strftime("%H:%M:%S", time.localtime(time.time() - c.age_s)) + f" ({c.age_s:.0f} s ago)",
-                      c.weight_version or "-", "-" if c.errors is None else str(c.errors),
-                      "[red]stale[/red]" if c.stale else "live")
+        table.add_column(col, justify="left" if col in ("consumer", "state") else "right", overflow="fold")
+    for c in fleet.consumers:  # everything a heartbeat says is shown inert (docs/SECURITY.md)
+        when = time.strftime("%H:%M:%S", time.localtime(time.time() - c.age_s))
+        table.add_row(shown(c.consumer_id), str(c.step), "-" if c.lag_steps is None else str(c.lag_steps),
+                      f"{when} ({c.age_s:.0f} s ago)" if not c.suspect else f"{c.age_s:.0f} s (in the future)",
+                      shown(c.weight_version or "-"), "-" if c.errors is None else str(c.errors),
+                      "[red]suspect: its time is ahead of this clock[/red]" if c.suspect
+                      else "[red]stale[/red]" if c.stale else "live")
     out.print(table)
     if fleet.stale:
         out.print(f"{len(fleet.stale)} stale: no heartbeat within {stale_after_s:g} s "
-                  f"({', '.join(c.consumer_id for c in fleet.stale[:10])})")
+                  f"({', '.join(inert(c.consumer_id) for c in fleet.stale[:10])})", markup=False)
+    for bad in fleet.unreadable:  # one line each; the fleet's other consumers are shown all the same
+        out.print(f"{inert(bad.file)}: unreadable heartbeat ({inert(bad.error)}): that consumer's position is unknown",
+                  markup=False, soft_wrap=True)
 
 
 @app.command()
@@ -176,15 +181,15 @@ def show(
         print(json.dumps({"manifest": m.to_dict(), "aliases": h.aliases, "tensors": tensors}, indent=1))
         return
     out.print(f"step {m.step} ({m.kind}{'' if m.base_step is None else f' on step {m.base_step}'}), {m.object_bytes:,} "
-              "bytes")
+              "bytes", markup=False)
     out.print(f"state checksum {m.state_checksum}")
     table = Table()
     for col in ("tensor", "dtype", "shape", "changed", "density", "checksum"):
         # a name wraps rather than being cut ("model.layers.1…" names nothing); other cells keep their width
         table.add_column(col, overflow="fold", min_width=None if col == "tensor" else len(col), no_wrap=col != "tensor")
     for n, t in h.tensors.items():
-        table.add_row(n, t.dtype, "x".join(map(str, t.shape)), f"{t.changed:,}", f"{t.changed / max(t.numel, 1):.2%}",
-                      t.checksum)
+        table.add_row(shown(n), t.dtype, "x".join(map(str, t.shape)), f"{t.changed:,}",
+                      f"{t.changed / max(t.numel, 1):.2%}", t.checksum)
     out.print(table)
 
 

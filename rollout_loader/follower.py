@@ -33,6 +33,7 @@ from deltasync.engine import (
 from deltasync.errors import (
     ConfigError,
     FollowError,
+    SignatureError,
     StepNotFoundError,
     WaitTimeoutError,
     can_retry,
@@ -194,6 +195,7 @@ class Follower:
     def _sync(self, step: int | None) -> list[int]:
         self._at_step = None
         self.connect()
+        chosen = step is None  # the watch's newest, not a step the caller asked for
         if step is None:
             step = self.watch.newest()
             self.stats.saw_newest(step)
@@ -206,7 +208,12 @@ class Follower:
             return []
         held = self.target.step
         # walk back only to the step the target holds (or to the nearest anchor when it is not on the chain)
-        chain = self.reader.chain(step, start=None if self._from_anchor else held)
+        try:
+            chain = self.reader.chain(step, start=None if self._from_anchor else held)
+        except SignatureError as e:
+            if chosen:  # the newest step's chain breaks the chain of trust: it does not exist (docs/FORMAT.md 5e)
+                self.watch.refuse(step, str(e))
+            raise
         if len(chain) > self.max_chain and self.reader.manifest(chain[0]).kind == "delta":
             chain = self.reader.chain(step)  # too far behind: start again from the nearest anchor
         applied = []

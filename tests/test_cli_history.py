@@ -119,7 +119,7 @@ def test_verify_exit_codes(stream_copy, monkeypatch, capsys):
         "but no manifest.json)"
     ]
     d = run_json("verify", stream_copy, "--all")
-    assert list(d) == ["url", "first", "last", "verified", "problems", "origin_checked", "ok"]
+    assert list(d) == ["url", "first", "last", "verified", "problems", "origin_checked", "head", "ok"]
     assert [(p["step"], p["kind"]) for p in d["problems"]] == [(3, "chain")]
     assert d["verified"] == [0, 1, 4, 5, 6, 7, 8, 9] and d["ok"] is False
     code, _, _ = run_main(monkeypatch, capsys, "verify", stream_copy, "--from", "4")
@@ -128,7 +128,8 @@ def test_verify_exit_codes(stream_copy, monkeypatch, capsys):
 
 def test_gc(stream_copy):
     d = run_json("gc", stream_copy, "--keep-last", "3", "--dry-run")
-    assert list(d) == ["keep", "delete", "leftovers", "freed_bytes", "live_consumers", "stale_consumers", "dry_run"]
+    assert list(d) == ["keep", "delete", "leftovers", "freed_bytes", "live_consumers", "stale_consumers", "unreadable",
+                       "dry_run"]
     assert d["delete"] == [3, 2, 1, 0] and d["dry_run"] is True
     assert d["keep"][0] == {"step": 4, "reason": "in the chain of step 7"}
     assert StreamReader(stream_copy).steps() == list(range(10))

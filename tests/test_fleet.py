@@ -11,7 +11,6 @@ import torch
 
 from deltasync import DeltaPublisher
 from deltasync.consumers import read_heartbeats
-from deltasync.errors import FormatError
 from deltasync.format.documents import ConsumerPosition, encode
 from deltasync.history.fleet import fleet_status, prometheus_text
 from deltasync.store import Store
@@ -65,16 +64,55 @@ def test_status_shows_each_consumer_its_lag_and_the_stale_ones(tmp_path, monkeyp
     assert steady(out) == steady(prometheus_text(fleet_status(store)))  # the same text as the library's
 
 
-def test_a_damaged_heartbeat_is_named_and_a_missing_stream_is_one_line(tmp_path, monkeypatch, capsys):
+def test_one_bad_heartbeat_is_reported_on_its_own_line_and_the_fleet_is_shown(tmp_path, monkeypatch, capsys):
+    """Issue 30 item 14: an unparsable heartbeat (or one naming another consumer) costs that consumer only: status
+    shows every other consumer and one line per bad file, exit 0; gc goes on and does not respect it."""
     url = str(tmp_path / "stream")
-    _stream(url, range(2))
-    Store(url).write_bytes("consumers/x.json", b'{"consumer_id": "y", "step": 1, "updated_unix_s": 1.0}')
-    with pytest.raises(FormatError, match="consumers/x.json: heartbeat names consumer 'y'"):
-        fleet_status(Store(url))
-    code, _, err = run_main(monkeypatch, capsys, "status", url)
-    assert_one_line_error(code, err, "FormatError", "consumers/x.json")
+    _stream(url, range(4))
+    store = Store(url)
+    store.write_bytes("consumers/x.json", b'{"consumer_id": "y", "step": 1, "updated_unix_s": 1.0}')
+    store.write_bytes("consumers/broken.json", b"{not json")
+    store.write_bytes("consumers/ok.json", encode(ConsumerPosition(consumer_id="ok", step=2,
+                                                                   updated_unix_s=time.time())))
+    fleet = fleet_status(store)
+    assert [c.consumer_id for c in fleet.consumers] == ["ok"]
+    assert sorted(u.file for u in fleet.unreadable) == ["consumers/broken.json", "consumers/x.json"]
+    code, out, _ = run_main(monkeypatch, capsys, "status", url)
+    assert code == 0 and "ok" in out, out
+    lines = [line for line in out.splitlines() if "unreadable heartbeat" in line]
+    assert len(lines) == 2 and "consumers/x.json" in lines[1] and "heartbeat names consumer 'y'" in lines[1], out
+    code, out, _ = run_main(monkeypatch, capsys, "status", url, "--json")
+    assert code == 0 and len(json.loads(out)["unreadable"]) == 2
+    from deltasync.history.gc import collect_garbage
+
+    plan = collect_garbage(url, keep_last=1, dry_run=True)
+    assert [c.consumer_id for c in plan.live_consumers] == ["ok"] and len(plan.unreadable) == 2
     code, _, err = run_main(monkeypatch, capsys, "status", str(tmp_path / "nothing"))
     assert_one_line_error(code, err, "StreamNotFoundError")
+
+
+def test_a_heartbeat_from_the_future_is_suspect_never_live_and_holds_nothing_back(tmp_path, monkeypatch, capsys):
+    url = str(tmp_path / "stream")
+    _stream(url, range(6))
+    store = Store(url)
+    ahead = time.time() + 10 * 365 * 86400
+    store.write_bytes("consumers/liar.json", encode(ConsumerPosition(consumer_id="liar", step=0,
+                                                                     updated_unix_s=ahead)))
+    store.write_bytes("consumers/skewed.json", encode(ConsumerPosition(consumer_id="skewed", step=5,
+                                                                       updated_unix_s=time.time() + 5)))
+    rows = {c.consumer_id: c for c in fleet_status(store).consumers}
+    assert rows["liar"].suspect and not rows["liar"].stale and rows["liar"].age_s < 0
+    assert not rows["skewed"].suspect and rows["skewed"].age_s == 0.0  # a clock a few seconds ahead is fine
+    code, out, _ = run_main(monkeypatch, capsys, "status", url)
+    assert code == 0 and "suspect" in out and "live, 0 s" not in out, out
+    code, out, _ = run_main(monkeypatch, capsys, "status", url, "--prometheus")
+    assert f'deltasync_fleet_suspect_consumers{{stream="{url}"}} 1' in out
+    from deltasync.history.gc import collect_garbage
+
+    plan = collect_garbage(url, keep_last=1, dry_run=True)
+    assert [c.consumer_id for c in plan.live_consumers] == ["skewed"]
+    assert not any("liar" in why for why in plan.keep.values())
+    assert [c.consumer_id for c in plan.stale_consumers] == ["liar"]
 
 
 def test_heartbeats_are_bounded_and_the_last_step_is_recorded(tmp_path):
@@ -104,3 +142,24 @@ def test_heartbeats_are_bounded_and_the_last_step_is_recorded(tmp_path):
     assert len(writes) == 2 and read_heartbeats(store)[0].step == 5  # the step it holds, on close
     with pytest.raises(Exception, match="heartbeat_s must be a positive number"):
         Follower(url, StateDictTarget(), consumer_id="r1", heartbeat_s=0)
+
+
+HOSTILE = "\x1b]52;c;ZXZpbA==\x07\x1b[2J[red]x[/red]\u202e"  # a clipboard write, a screen clear, markup, bidi
+
+
+def test_what_a_heartbeat_says_is_shown_inert(tmp_path, monkeypatch, capsys):
+    """Issue 30 item 13: escape sequences and markup in a heartbeat's fields reach no terminal: every byte read from
+    the store is shown as visible escapes, markup as written (table, JSON, Prometheus, the error line)."""
+    url = str(tmp_path / "stream")
+    _stream(url, range(2))
+    store = Store(url)
+    store.write_bytes("consumers/evil.json", encode(ConsumerPosition(consumer_id="evil", step=1,
+                                                                     updated_unix_s=time.time(),
+                                                                     weight_version=HOSTILE)))
+    for args in ((), ("--json",), ("--prometheus",)):
+        code, out, err = run_main(monkeypatch, capsys, "status", url, *args)
+        assert code == 0, err
+        assert not any(c in out + err for c in "\x1b\x07\u202e"), repr(out)
+    code, out, _ = run_main(monkeypatch, capsys, "status", url)
+    # the weight version's cell, folded over lines: visible escapes, and the markup as written
+    assert "\\x1b]52;c;ZXZpb" in out and "red]x[/red]" in out and "\\u20" in out, out

@@ -22,7 +22,7 @@ def _doc_json_blocks() -> list[dict]:
 
 
 def test_format_doc_examples_parse():
-    header, manifest, anchor, manifest_v2, signature, statement = _doc_json_blocks()
+    header, manifest, anchor, manifest_v2, signature, statement, latest = _doc_json_blocks()
     header["state_checksum"] = "0" * 64
     for t in header["tensors"].values():
         t["checksum"] = t["checksum"] if len(t["checksum"]) == 18 else "0x" + "0" * 16
@@ -52,7 +52,18 @@ def test_format_doc_examples_parse():
     assert set(signature) == set(SignatureDoc.__struct_fields__)
     assert set(signature["endorsements"][0]) == {"public_key", "signed_by", "from_step", "signature"}
     assert statement["type"] == STATEMENT_TYPE and list(statement) == sorted(statement)
-    assert set(statement) == {"type", "stream_id", "step", "base_step", "kind", "state_checksum", "objects"}
+    assert set(statement) == {"type", "stream_id", "step", "base_step", "kind", "state_checksum", "objects",
+                              "manifest", "files"}
+    # and latest.json with a signed head: a hint readers parse, the head a statement of its own
+    from deltasync.format.documents import LatestHint, decode
+    from deltasync.signing import HEAD_TYPE
+
+    hint = decode(json.dumps(latest), LatestHint, where="FORMAT.md")
+    head = json.loads(hint.head_bytes)
+    assert set(head) == set(SignatureDoc.__struct_fields__)
+    said = json.loads(head["statement"])
+    assert said["type"] == HEAD_TYPE and list(said) == sorted(said) and said["step"] == hint.step
+    assert set(said) == {"type", "stream_id", "step", "signed_unix_ms", "closed"}
 
 
 def _delta_file(tmp_path, small_state, gen):

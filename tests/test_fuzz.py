@@ -86,8 +86,9 @@ def test_outcomes_are_classified_by_what_happened():
 
 
 def test_input_fuzzer_short_run_finds_no_failure():
-    """Version-2 manifests, RDMA control messages and announcements, init_info/update_info and the server's
-    HTTP replies (tests/fuzz/inputs.py): every target reached, both accepted and rejected inputs seen."""
+    """Version-2 manifests, RDMA control messages and announcements, init_info/update_info, the server's HTTP
+    replies, heartbeats as status shows them, ranks' status replies, event-feed lines and node-cache entries
+    (tests/fuzz/inputs.py): every target reached, both accepted and rejected inputs seen."""
     from tests.fuzz.inputs import TARGETS, run_inputs
 
     report = run_inputs(CI_SEED, 8000)
@@ -118,6 +119,36 @@ def test_input_fuzzer_sees_a_planted_defect(monkeypatch):
     monkeypatch.setattr(link.ConsumerLink, "file", unbounded)
     report = run_inputs(CI_SEED, 200, targets=("announcement",))
     assert "grew past its bound" in report.failure_text()
+
+
+def test_input_fuzzer_sees_planted_trust_defects(monkeypatch):
+    """Issue 30's surfaces: status output that prints a heartbeat raw, a node cache that writes through links, an
+    event parser that keeps only the largest step, are each found."""
+    import deltasync.node_cache
+    import deltasync_cli.stream
+    from deltasync.notify import EventParser
+    from tests.fuzz.inputs import run_inputs
+
+    monkeypatch.setattr(deltasync_cli.stream, "shown", lambda text: str(text).replace("[", "\\["))
+    report = run_inputs(CI_SEED, 1000, targets=("heartbeat",))
+    assert "status output holds control character" in report.failure_text(), report.table()
+
+    import os
+
+    def careless(self, digest, data):  # noqa: ANN001 - written in place, following whatever is there
+        fd = os.open(self._path(digest), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+
+    monkeypatch.setattr(deltasync.node_cache.NodeCache, "_add", careless)
+    monkeypatch.setattr(deltasync.node_cache, "_remove", lambda path: None)  # and what is found there stays
+    report = run_inputs(CI_SEED, 300, targets=("node_cache",))
+    assert "a write went through a link" in report.failure_text(), report.table()
+
+    real = EventParser.feed
+    monkeypatch.setattr(EventParser, "feed", lambda self, line: 10**13 if real(self, line) is not None else None)
+    report = run_inputs(CI_SEED, 400, targets=("event_line",))
+    assert "announced 10000000000000" in report.failure_text(), report.table()
 
 
 def test_the_long_run_entry_point_writes_its_figures(tmp_path):

@@ -122,8 +122,12 @@ def test_trusted_keys_need_a_signing_key_and_go_to_a_given_target(tmp_path):
         DeltasyncWeightTransfer("stream", SERVER, trusted_keys=[public])
     with pytest.raises(ConfigError, match="trusted_keys goes to the VllmTarget given as server"):
         DeltasyncWeightTransfer("stream", VllmTarget(SERVER), trusted_keys=[public])
+    _, other = keygen(tmp_path / "other.key")
+    with pytest.raises(ConfigError, match="none of trusted_keys is the public half of signing_key"):
+        DeltasyncWeightTransfer("stream", SERVER, trusted_keys=[other], signing_key=tmp_path / "trainer.key")
     signed = DeltasyncWeightTransfer("stream", SERVER, trusted_keys=[public], signing_key=tmp_path / "trainer.key")
-    assert signed.target.settings.trusted_keys == (public.read_text(),)
+    # the server's trust is the publisher's (its key, pinned to its stream), given when the stream is opened
+    assert signed.target.settings.trusted_keys is None
 
 
 def test_construction_touches_nothing(tmp_path):

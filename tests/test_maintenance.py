@@ -3,6 +3,7 @@ import json
 import pytest
 
 from deltasync import StreamReader, collect_garbage, verify
+from deltasync.consumers import read_heartbeats_checked
 from deltasync.engine import read_heartbeats, write_heartbeat
 from deltasync.errors import ConfigError, FormatError, StepNotFoundError
 from deltasync.format.documents import ConsumerPosition
@@ -177,14 +178,16 @@ def test_heartbeats(tmp_path, small_state):
     assert beats.keys() == {"a", "b.1"} and beats["b.1"].step == 5
     assert json.loads(store.read_bytes("consumers/a.json")).keys() == {
         "consumer_id", "step", "updated_unix_s", "newest_step", "weight_version", "errors"}  # docs/FORMAT.md section 5
-    # an unreadable heartbeat is an error, not skipped: gc must not delete what an unknown consumer needs
+    # an unreadable heartbeat costs that consumer only (issue 30 item 14): the others are read, it is reported
     store.write_bytes("consumers/broken.json", b"{")
-    with pytest.raises(FormatError, match="consumers/broken.json: not valid JSON"):
-        read_heartbeats(store)
+    positions, bad = read_heartbeats_checked(store)
+    assert {p.consumer_id for p in positions} == {"a", "b.1"}
+    assert [b.file for b in bad] == ["consumers/broken.json"] and "not valid JSON" in bad[0].error
     store.write_bytes("consumers/broken.json",
                       json.dumps({"consumer_id": "other", "step": 1, "updated_unix_s": 1.0}).encode())
-    with pytest.raises(FormatError, match="names consumer 'other'"):
-        read_heartbeats(store)
+    _, bad = read_heartbeats_checked(store)
+    assert "names consumer 'other'" in bad[0].error
+    assert {c.consumer_id for c in read_heartbeats(store)} == {"a", "b.1"}
     with pytest.raises(ValueError, match="consumer id '../x'"):
         write_heartbeat(store, "../x", 1)
     with pytest.raises(ValueError):

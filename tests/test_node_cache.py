@@ -6,9 +6,13 @@ tests/integration/test_follow_requests.py."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import logging
 import multiprocessing as mp
 import os
+import shutil
+import threading
 import uuid
 from pathlib import Path
 
@@ -166,3 +170,133 @@ def test_step_objects_are_keyed_by_content_not_name(remote, tmp_path):
         assert fs.exists(f"{copy.removeprefix('memory://')}/{step_dir(0)}")
     finally:
         fs.rm(copy.removeprefix("memory://"), recursive=True)
+
+
+# --- issue 30 items 10-12: the cache folder is this user's, nothing is followed, nothing blocks, a broken cache
+# costs the sharing only ---
+
+
+def test_a_foreign_or_unsafe_cache_folder_is_refused(tmp_path):
+    """A world-writable folder lets any user of the host plant links in it: refused, naming the fix."""
+    folder = tmp_path / "shared"
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    with pytest.raises(ConfigError, match="writable by other users"):
+        NodeCache(folder)
+    folder.chmod(0o700)
+    (folder / "objects").mkdir(mode=0o777)
+    (folder / "objects").chmod(0o777)
+    with pytest.raises(ConfigError, match="writable by other users"):
+        NodeCache(folder)
+    made = NodeCache(tmp_path / "new")  # made by the cache: this user's, 0700 whatever the umask
+    for sub in ("", "objects", "locks", "tmp"):
+        st = os.stat(made.folder / sub)
+        assert st.st_uid == os.getuid() and st.st_mode & 0o077 == 0, sub
+
+
+@pytest.mark.parametrize("into", ["memory", "file"])
+def test_a_link_planted_in_the_cache_is_never_followed(tmp_path, remote, monkeypatch, into):
+    """A symlink at the temporary path a read writes to (or at an object's path) makes no write land elsewhere and
+    no read come from elsewhere, whether the object is read into memory or into a file."""
+    if into == "memory":
+        monkeypatch.undo()  # the fixture sends every object through a file; by default small deltas are read
+    url, truth = remote
+    node = NodeCache(tmp_path / "node")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    with StreamReader(url) as plain:
+        m = plain.manifest(5)
+    digest = m.object_sha256
+    os.symlink(victim, node.folder / "tmp" / f"{digest}.{os.getpid()}.part")
+    with StreamReader(url, node_cache=node) as reader:
+        assert states_equal(reader.state_dict(5), truth[5])
+    assert victim.read_text() == "precious"
+    assert not (node.folder / "objects" / digest).is_symlink()
+    (node.folder / "objects" / digest).unlink()
+    os.symlink(victim, node.folder / "objects" / digest)  # a link where the object belongs: not read through
+    reads: list[str] = []
+    real_open = open
+
+    def watched(path, *args, **kwargs):  # noqa: ANN001
+        reads.append(str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", watched)
+    with StreamReader(url, node_cache=node) as reader:
+        assert states_equal(reader.state_dict(5), truth[5])
+    monkeypatch.undo()
+    assert str(victim) not in reads and victim.read_text() == "precious"
+
+
+@pytest.mark.parametrize("into", ["memory", "file"])
+def test_a_special_file_in_the_cache_blocks_nothing(tmp_path, remote, monkeypatch, into):
+    """A FIFO at an object's cache path is not opened for reading (that blocks, holding the stripe's lock):
+    dropped, downloaded again."""
+    if into == "memory":
+        monkeypatch.undo()
+    url, truth = remote
+    node = NodeCache(tmp_path / "node")
+    with StreamReader(url) as plain:
+        digests = [plain.manifest(s).object_sha256 for s in plain.chain(5)]
+    for d in digests:
+        os.mkfifo(node.folder / "objects" / d)
+    done = threading.Event()
+    result: list[object] = []
+
+    def read() -> None:
+        try:
+            with StreamReader(url, node_cache=node) as reader:
+                result.append(states_equal(reader.state_dict(5), truth[5]))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            result.append(e)
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not done.wait(60):  # a blocked open would hang for ever: unblock it, then fail
+        for d in digests:
+            try:
+                fd = os.open(node.folder / "objects" / d, os.O_WRONLY | os.O_NONBLOCK)
+                os.close(fd)
+            except OSError:
+                pass
+        done.wait(10)
+        pytest.fail("a read blocked on a FIFO in the node cache")
+    assert result == [True], result
+
+
+@pytest.mark.parametrize("breakage", ["tmp removed", "objects removed", "locks removed", "disk full"])
+def test_a_broken_or_full_cache_falls_back_to_the_store_and_says_so_once(tmp_path, remote, caplog, monkeypatch,
+                                                                          breakage):
+    url, truth = remote
+    monkeypatch.undo()  # small deltas read into memory too: both ways through the cache
+    node = NodeCache(tmp_path / "node")
+    if breakage == "disk full":
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr("deltasync.node_cache._write_new", full)  # deltas read into memory
+        monkeypatch.setattr("deltasync.node_cache._link_or_copy", full)  # anchors downloaded to a file
+    else:
+        shutil.rmtree(node.folder / breakage.split()[0])
+    with caplog.at_level(logging.WARNING, logger="deltasync.node_cache"):
+        for _ in range(2):
+            with StreamReader(url, node_cache=node) as reader:
+                assert states_equal(reader.state_dict(5), truth[5])  # an anchor and two deltas
+    said = [r for r in caplog.records if r.name == "deltasync.node_cache"]
+    assert len(said) == 1 and "reading from the store" in said[0].getMessage(), [r.getMessage() for r in said]
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to make another user's folder")
+def test_another_users_folder_or_link_is_refused(tmp_path):
+    folder = tmp_path / "theirs"
+    folder.mkdir(mode=0o700)
+    os.chown(folder, 4242, 4242)
+    with pytest.raises(ConfigError, match="belongs to uid 4242"):
+        NodeCache(folder)
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    os.lchown(link, 4242, 4242)  # a link another user planted, pointing at a folder of ours
+    with pytest.raises(ConfigError, match="a link another user made"):
+        NodeCache(link)

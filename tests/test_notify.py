@@ -156,12 +156,13 @@ def test_a_pushed_step_is_checked_against_the_commit(tmp_path, caplog):
             server.announce(1)
             watch.wait(30)
             assert watch.newest() == 1 and hints == []  # a step already known: not a single request
+            assert watch.delay() > 100  # connected: polls are a safety net
             with caplog.at_level(logging.INFO, logger="deltasync.watch"):
                 server.announce(40)  # never committed
                 watch.wait(30)
                 assert watch.newest() == 1
             assert "step 40 was announced but is not committed: ignored" in caplog.text
-            assert watch.delay() > 100  # connected: polls are a safety net
+            assert watch.delay() < 100  # a feed that lied is not relied on: the usual cadence, for push_poll_s
         finally:
             feed.close()
         assert watch.delay() < 100  # the feed is gone: the usual cadence again
@@ -305,3 +306,113 @@ def test_a_publisher_that_cannot_listen_says_so_and_leaves_the_stream_untouched(
     assert not (tmp_path / "s").exists()
     with DeltaPublisher(str(tmp_path / "s"), _state(0)) as pub:  # no lease was left behind either
         pub.publish(0)
+
+
+class Scripted(BaseHTTPRequestHandler):
+    """An event feed that sends whatever steps the test appends to ``events``, in that order (a mirror that lies
+    once, then tells the truth)."""
+
+    protocol_version = "HTTP/1.1"
+    events: list[int] = []
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        sent = 0
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            while sent < len(Scripted.events):
+                self.wfile.write(f'event: step\ndata: {{"step": {Scripted.events[sent]}}}\n\n'.encode())
+                self.wfile.flush()
+                sent += 1
+            time.sleep(0.01)
+
+
+def test_one_announcement_far_ahead_does_not_silence_the_feed(tmp_path):
+    """Issue 30 item 8: a feed announces step 999999999999 (a hostile mirror, a spoofed event); every real step
+    after it is still heard and found at once, and the false one cost one manifest read."""
+    url = str(tmp_path / "s")
+    with DeltaPublisher(url, _state(0), on_backlog="block") as pub:
+        pub.publish(0)
+    lie = 10**12 - 1
+    with serving(Scripted) as base, StreamReader(url) as reader:
+        Scripted.events.clear()
+        feed = EventFeed(f"{base}/events")
+        try:
+            heard = _heard(feed)
+            watch = StepWatch(reader, PollPolicy(fast_s=1.0, idle_max_s=2.0, push_poll_s=600.0), notifier=feed)
+            assert watch.newest() == 0  # the first poll lists
+            _until(lambda: feed.alive)
+            reads: list[int] = []
+            original = reader.store.manifest_record
+            reader.store.manifest_record = (  # type: ignore[method-assign]
+                lambda step, **kw: reads.append(step) or original(step, **kw))
+            Scripted.events.append(lie)
+            _until(lambda: lie in heard)
+            assert watch.newest() == 0 and reads == [lie]  # one read: not committed, ignored
+            with DeltaPublisher(url, _state(1), on_backlog="block") as pub:
+                for s in (1, 2):
+                    pub.source = _state(s)
+                    pub.publish(s)
+                    pub.flush()
+                    Scripted.events.append(s)  # smaller than the lie: heard all the same
+                    _until(lambda s=s: s in heard)  # type: ignore[misc]
+                    assert watch.newest() == s
+            assert reads.count(lie) == 1
+        finally:
+            feed.close()
+
+
+def test_slow_clients_hold_no_thread_for_ever(tmp_path):
+    """Issue 30 item 9: connections that never finish their request are dropped at the header deadline and,
+    beyond the server's connection bound, refused at once; a real follower is served meanwhile and after."""
+    before = threading.active_count()
+    with EventServer(max_clients=2, header_timeout_s=0.3) as server:
+        host, port = server._http.server_address[:2]
+        slow = [socket.create_connection((host, port), timeout=10) for _ in range(60)]
+        try:
+            for s in slow[:3]:
+                s.sendall(b"GET /ev")  # a request line that never ends
+            assert threading.active_count() - before <= 2 * 2 + 8 + 1  # the bound, plus the server's own thread
+            for s in slow:  # each is answered 503 or closed at the deadline: none is held
+                data = s.recv(4096)
+                assert data == b"" or data.startswith(b"HTTP/1.1 503"), data[:80]
+            feed = EventFeed(server.url)
+            try:
+                got = _heard(feed)
+                server.announce(7)
+                _until(lambda: got and got[-1] == 7)
+            finally:
+                feed.close()
+        finally:
+            for s in slow:
+                s.close()
+    _until(lambda: threading.active_count() <= before + 1)
+
+
+def test_a_flood_of_false_announcements_costs_a_read_per_poll_period(tmp_path):
+    """A feed that lied is not relied on: thousands of false steps wake the poller at most once per fast_s, so
+    the store sees a bounded number of reads, not one per announcement."""
+    url = str(tmp_path / "s")
+    with DeltaPublisher(url, _state(0), on_backlog="block") as pub:
+        pub.publish(0)
+    now = [100.0]
+    with StreamReader(url) as reader:
+        watch = StepWatch(reader, PollPolicy(fast_s=1.0, idle_max_s=2.0, push_poll_s=60.0), clock=lambda: now[0])
+        assert watch.newest() == 0
+        watch._heard(10**12 - 1)
+        assert watch.newest() == 0  # the lie: checked once
+        watch.wake.clear()
+        wakes = 0
+        for fake in range(1000, 3000):  # within one fast_s of the clock
+            watch._heard(fake)
+            wakes += watch.wake.is_set()
+            watch.wake.clear()
+        assert wakes <= 1
+        now[0] += 1.5
+        watch._heard(5000)
+        assert watch.wake.is_set()  # the next period: heard again

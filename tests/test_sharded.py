@@ -20,6 +20,7 @@ from deltasync.history.stats import layer_density
 from deltasync.history.verify import verify
 from deltasync.reader import StreamReader
 from deltasync.store import Store
+from deltasync.trust import TrustedKeys
 
 # one rank of a sharded (FSDP2) trainer publishing every step, run under torchrun (gloo, CPU)
 WORKER = r"""import json, os, signal, sys
@@ -84,7 +85,7 @@ publishing = mode != "ddp" or rank == 0
 spool = os.path.join(out, f"spool-{rank}") if mode == "kill" else None
 key = os.environ.get("DS_TEST_SIGNING_KEY") if rank == 0 else None  # rank 0 signs each commit; ranks need no key
 pub = DeltaPublisher(url, model, anchor_every=3, lease_s=30, take_over=mode == "resume", spool_dir=spool,
-                     signing_key=key) if publishing else None
+                     signing_key=key, stream_id=os.environ.get("DS_TEST_STREAM_ID")) if publishing else None
 events = {}
 for step in range(first, last + 1):
     g = torch.Generator().manual_seed(1000 * step + rank)
@@ -121,6 +122,7 @@ def _run(tmp_path: Path, stream: Path, mode: str, world: int, first: int, last: 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     if signing_key is not None:
         env["DS_TEST_SIGNING_KEY"] = str(signing_key)
+        env["DS_TEST_STREAM_ID"] = "run-7"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", str(script),
            str(stream), mode, str(out), str(first), str(last)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, check=False)
@@ -135,6 +137,24 @@ def _events(out: Path, world: int) -> list[dict[str, str]]:
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
+
+
+def _a_rewritten_alias_is_refused(stream: Path, trust: TrustedKeys) -> None:
+    """Issue 30 item 3: a multi-part manifest's ``aliases`` decide what a follower writes (a tied name and the stored
+    tensor it takes); a bucket writer who adds one (or points one elsewhere) is refused, since the signature
+    covers the manifest as stored (docs/FORMAT.md section 5e)."""
+    from deltasync.errors import SignatureError
+
+    path = stream / "steps" / f"{5:012d}" / "manifest.json"
+    original = path.read_bytes()
+    m = json.loads(original)
+    path.write_text(json.dumps({**m, "aliases": {"head.weight": "emb.weight"}}))
+    with StreamReader(str(stream)) as plain:  # without keys the alias is read (and would be written)
+        assert plain.manifest(5).aliases == {"head.weight": "emb.weight"}
+    with StreamReader(str(stream), trusted_keys=trust.fresh()) as reader:
+        with pytest.raises(SignatureError, match="step 5 is signed, but for other contents: .*manifest="):
+            reader.manifest(5)
+    path.write_bytes(original)
 
 
 def _assert_bit_exact(reader: StreamReader, out: Path, steps: list[int]) -> None:
@@ -153,9 +173,11 @@ def test_fsdp2_ranks_publish_their_own_shards_bit_exact(tmp_path, world):
     stream = tmp_path / "stream"
     private, public = keygen(tmp_path / "trainer.key")  # rank 0 signs every multi-part commit
     _, out = _run(tmp_path, stream, "train", world, 1, 5, "run", signing_key=private)
-    with StreamReader(str(stream), trusted_keys=[public]) as signed:  # every part's digest under the signature
+    trust = TrustedKeys.load([public], stream_id="run-7")
+    with StreamReader(str(stream), trusted_keys=trust) as signed:  # every part's digest under the signature
         assert [signed.manifest(s).step for s in range(1, 6)] == [1, 2, 3, 4, 5]
         _assert_bit_exact(signed, out, [5])
+    _a_rewritten_alias_is_refused(stream, trust)
     assert all(set(e.values()) == {"ok"} for e in _events(out, world))
     reader = StreamReader(str(stream))
     assert reader.steps() == [1, 2, 3, 4, 5]

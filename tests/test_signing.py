@@ -17,9 +17,15 @@ import torch
 from deltasync import DeltaPublisher, StreamReader
 from deltasync.errors import ConfigError, SignatureError, UnsignedStepError, UntrustedKeyError
 from deltasync.signing import SIGNATURE, keygen
+from deltasync.trust import TrustedKeys
 from rollout_loader import Follower, StateDictTarget
 
 ROOT = Path(__file__).resolve().parent.parent
+STREAM = "run-7"  # the stream id the trainers here are told, and followers pin beside the key
+
+
+def trust(*keys: Path, stream_id: str = STREAM, **kw) -> TrustedKeys:
+    return TrustedKeys.load(list(keys), stream_id=stream_id, **kw)
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -34,7 +40,9 @@ def _train(state: dict[str, torch.Tensor], step: int) -> None:
 
 def _publish(url: str, key: Path | None, steps: range, state: dict[str, torch.Tensor], **kw) -> dict[int, dict]:
     truth = {}
-    with DeltaPublisher(url, state, signing_key=key, anchor_every=4, on_backlog="block", **kw) as pub:
+    kw.setdefault("stream_id", STREAM)
+    kw.setdefault("anchor_every", 4)
+    with DeltaPublisher(url, state, signing_key=key, on_backlog="block", **kw) as pub:
         for s in steps:
             if s:
                 _train(state, s)
@@ -69,17 +77,17 @@ def test_a_signed_stream_is_followed_bit_exactly(signed, keys):
     for s in range(6):
         assert (_step_dir(stream, s) / SIGNATURE).exists()
     target = StateDictTarget(verify="full")
-    with Follower(str(stream), target, trusted_keys=[keys[1]]) as follower:
+    with Follower(str(stream), target, trusted_keys=trust(keys[1])) as follower:
         assert follower.wait_for(5, timeout_s=30) == 5
     assert _same(target.state_dict(), truth[5])
-    with StreamReader(str(stream), trusted_keys=[keys[1]]) as reader:
+    with StreamReader(str(stream), trusted_keys=trust(keys[1])) as reader:
         assert _same(reader.state_dict(2), truth[2])
 
 
 def _refused_at(stream: Path, pub: Path, step: int, error: type, match: str) -> None:
     """A follower that holds step 5 refuses ``step``, names why, and keeps step 5's weights."""
     target = StateDictTarget(verify="full")
-    follower = Follower(str(stream), target, trusted_keys=[pub])
+    follower = Follower(str(stream), target, trusted_keys=trust(pub))
     try:
         follower.sync(5)
         held = {n: t.clone() for n, t in target.state_dict().items()}
@@ -110,19 +118,19 @@ def test_an_old_signed_step_replayed_under_a_new_number_is_refused(signed, keys)
     manifest.update(step=9, base_step=5)
     (new / "manifest.json").write_text(json.dumps(manifest))
     _refused_at(stream, keys[1], 9, SignatureError, r"signed, but for other contents: .*base_step=4 where the stream "
-                                                     r"has 5; step=5 where the stream has 9")
+                                                     r"has 5; .*step=5 where the stream has 9")
 
 
 def test_a_deleted_signature_or_a_signature_over_other_bytes_is_refused(signed, keys):
     stream, _, _ = signed
     (_step_dir(stream, 3) / SIGNATURE).unlink()
-    with StreamReader(str(stream), trusted_keys=[keys[1]]) as reader:
+    with StreamReader(str(stream), trusted_keys=trust(keys[1])) as reader:
         with pytest.raises(UnsignedStepError, match="step 3 is not signed"):
             reader.manifest(3)
     doc = json.loads((_step_dir(stream, 4) / SIGNATURE).read_text())
     doc["statement"] = doc["statement"].replace('"step":4', '"step":40')
     (_step_dir(stream, 4) / SIGNATURE).write_text(json.dumps(doc))
-    with StreamReader(str(stream), trusted_keys=[keys[1]]) as reader:
+    with StreamReader(str(stream), trusted_keys=trust(keys[1])) as reader:
         with pytest.raises(SignatureError, match="does not verify over its statement"):
             reader.manifest(4)
 
@@ -130,7 +138,7 @@ def test_a_deleted_signature_or_a_signature_over_other_bytes_is_refused(signed, 
 def test_a_latest_pointing_back_never_moves_a_follower_back(signed, keys):
     stream, truth, _ = signed
     target = StateDictTarget(verify="full")
-    with Follower(str(stream), target, trusted_keys=[keys[1]], poll_s=0.01) as follower:
+    with Follower(str(stream), target, trusted_keys=trust(keys[1]), poll_s=0.01) as follower:
         follower.wait_for(5, timeout_s=30)
         (stream / "latest.json").write_text(json.dumps({"step": 1}))  # validly signed step 1, older
         follower.watch.distrust()
@@ -145,7 +153,7 @@ def test_keys_rotate_mid_stream_and_the_old_key_retires(tmp_path, keys):
     new = keygen(tmp_path / "next.key", endorsed_by=keys[0], from_step=4)
     truth |= _publish(str(stream), new[0], range(4, 8), state)
     target = StateDictTarget(verify="full")
-    follower = Follower(str(stream), target, trusted_keys=[keys[1]])  # followers know only the first key
+    follower = Follower(str(stream), target, trusted_keys=trust(keys[1]))  # followers know only the first key
     try:
         for s in range(8):  # step by step: history verifies against the key of its time
             follower.sync(s)
@@ -157,16 +165,14 @@ def test_keys_rotate_mid_stream_and_the_old_key_retires(tmp_path, keys):
         assert target.step == 7
     finally:
         follower.close()
-    with StreamReader(str(stream), trusted_keys=[keys[1]], ) as reader:  # a fresh reader replays old history
+    with StreamReader(str(stream), trusted_keys=trust(keys[1]), ) as reader:  # a fresh reader replays old history
         assert _same(reader.state_dict(2), truth[2])
 
 
 def test_revoked_keys_sign_nothing(signed, keys):
-    from deltasync.signing import TrustedKeys
-
     stream, _, _ = signed
-    trust = TrustedKeys.load([keys[1]], revoked=[keys[1]])
-    with StreamReader(str(stream), trusted_keys=trust) as reader:
+    revoked = TrustedKeys.load([keys[1]], revoked=[keys[1]], stream_id=STREAM)
+    with StreamReader(str(stream), trusted_keys=revoked) as reader:
         with pytest.raises(UntrustedKeyError, match="revoked"):
             reader.manifest(0)
 
@@ -181,7 +187,7 @@ def test_key_files_are_guarded(tmp_path, keys):
         DeltaPublisher(str(tmp_path / "s"), _state(), signing_key=private)
     assert not (tmp_path / "s").exists()  # checked before anything is written
     with pytest.raises(ConfigError, match="not a PEM public key"):  # the private half given by mistake
-        Follower(str(tmp_path), StateDictTarget(), trusted_keys=[private])
+        Follower(str(tmp_path), StateDictTarget(), trusted_keys=trust(private))
 
 
 def test_a_mirror_copies_signatures_and_its_followers_check_them(signed, keys, tmp_path):
@@ -189,14 +195,15 @@ def test_a_mirror_copies_signatures_and_its_followers_check_them(signed, keys, t
 
     stream, truth, _ = signed
     copy = tmp_path / "copy"
-    report = mirror(str(stream), str(copy), trusted_keys=[keys[1]])
+    report = mirror(str(stream), str(copy), trusted_keys=trust(keys[1]))
     assert report.copied == (0, 1, 2, 3, 4, 5)
-    with StreamReader(str(copy), trusted_keys=[keys[1]]) as reader:
+    with StreamReader(str(copy), trusted_keys=trust(keys[1])) as reader:
         assert _same(reader.state_dict(5), truth[5])
     (_step_dir(stream, 5) / SIGNATURE).unlink()  # a mirror that checks origin copies nothing unsigned
     shutil.rmtree(copy)
-    with pytest.raises(UnsignedStepError):
-        mirror(str(stream), str(copy), trusted_keys=[keys[1]])
+    report = mirror(str(stream), str(copy), trusted_keys=trust(keys[1]))
+    assert report.copied == (0, 1, 2, 3, 4) and report.refused == (5,)
+    assert not _step_dir(copy, 5).exists()
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -211,13 +218,14 @@ def test_the_cli_makes_keys_and_verify_says_what_it_checked(tmp_path):
     _publish(str(stream), tmp_path / "k", range(3), _state())
     r = _cli("verify", str(stream))
     assert r.returncode == 0 and "origin unchecked" in r.stdout, r.stdout + r.stderr
-    r = _cli("verify", str(stream), "--trusted-key", str(tmp_path / "k.pub"))
-    assert r.returncode == 0 and "every step signed by a trusted key" in r.stdout, r.stdout + r.stderr
+    r = _cli("verify", str(stream), "--trusted-key", str(tmp_path / "k.pub"), "--stream-id", STREAM)
+    assert r.returncode == 0 and "every step signed by a trusted key for stream run-7" in r.stdout, r.stdout + r.stderr
+    assert "a head signed" in r.stdout and "names step 2 the newest, closed by its publisher" in r.stdout, r.stdout
     (_step_dir(stream, 2) / SIGNATURE).unlink()
-    r = _cli("verify", str(stream), "--trusted-key", str(tmp_path / "k.pub"))
+    r = _cli("verify", str(stream), "--trusted-key", str(tmp_path / "k.pub"), "--stream-id", STREAM)
     assert r.returncode == 1 and "step 2: signature: " in r.stdout and "not signed" in r.stdout, r.stdout + r.stderr
     r = _cli("replay", str(stream), "--step", "2", "-o", str(tmp_path / "out"), "--trusted-key",
-             str(tmp_path / "k.pub"))
+             str(tmp_path / "k.pub"), "--stream-id", STREAM)
     assert r.returncode == 2 and r.stderr.startswith("error: UnsignedStepError"), r.stderr
     assert not (tmp_path / "out").exists()
 
@@ -255,30 +263,35 @@ def test_a_pushed_checkpoint_is_signed_like_a_published_step(signed, keys, tmp_p
     new["w"][0, :4] += 3.0
     save_file(new, tmp_path / "ckpt.safetensors")
     push_checkpoint(str(stream), 6, tmp_path / "ckpt.safetensors", signing_key=keys[0])
-    with StreamReader(str(stream), trusted_keys=[keys[1]]) as reader:
+    with StreamReader(str(stream), trusted_keys=trust(keys[1])) as reader:
         assert _same(reader.state_dict(6), new)
 
 
 def test_signature_json_is_what_format_md_says(signed, keys):
     """An independent reading of docs/FORMAT.md section 5e, not TrustedKeys: the statement is the sorted,
-    space-free JSON naming the stream, the step, its base, kind, state checksum and every stored object's
-    SHA-256 (from the manifest and stream.json as stored), and the Ed25519 signature over its bytes verifies
-    with the trainer's public key, read with cryptography directly."""
+    space-free JSON naming the stream, the step, its base, kind, state checksum, every stored object's SHA-256,
+    the SHA-256 of manifest.json and of files.json as stored (null: none), and the Ed25519 signature over its bytes
+    verifies with the trainer's public key, read with cryptography directly. tests/test_reference_trust.py reads
+    whole streams this way."""
     import base64
+    import hashlib
 
     from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
     stream, _, _ = signed
     public = load_pem_public_key(keys[1].read_bytes())
     stream_id = json.loads((stream / "stream.json").read_text())["stream_id"]
+    assert stream_id == STREAM
     for step in (0, 4, 5):  # anchors carry their own delta (section 5): it is a stored object too
-        m = json.loads((_step_dir(stream, step) / "manifest.json").read_text())
+        raw = (_step_dir(stream, step) / "manifest.json").read_bytes()
+        m = json.loads(raw)
         objects = {m["object"]: m["object_sha256"]}
         if m.get("delta"):
             objects[m["delta"]["object"]] = m["delta"]["object_sha256"]
-        want = json.dumps({"type": "deltasync.step/1", "stream_id": stream_id, "step": step,
+        want = json.dumps({"type": "deltasync.step/2", "stream_id": stream_id, "step": step,
                            "base_step": m["base_step"], "kind": m["kind"], "state_checksum": m["state_checksum"],
-                           "objects": objects}, sort_keys=True, separators=(",", ":"))
+                           "objects": objects, "manifest": hashlib.sha256(raw).hexdigest(), "files": None},
+                          sort_keys=True, separators=(",", ":"))
         doc = json.loads((_step_dir(stream, step) / SIGNATURE).read_text())
         assert (doc["format_version"], doc["algorithm"]) == (1, "ed25519")
         assert doc["statement"] == want

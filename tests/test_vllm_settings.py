@@ -14,6 +14,7 @@ import torch
 from deltasync import DeltaPublisher, StreamReader
 from deltasync.errors import ConfigError
 from deltasync.notify import EventFeed
+from deltasync.trust import TrustedKeys
 from rollout_loader import Follower
 from rollout_loader.vllm import EngineSettings, VllmTarget
 from tests.test_cli_errors import run_main
@@ -51,6 +52,8 @@ def _values(tmp_path, public) -> dict:
         "notify": ("http://127.0.0.1:1/events", "http://127.0.0.1:1/events"),
         "trusted_keys": ([public], [pem]),
         "revoked_keys": ([_leaked(public)], [open(_leaked(public)).read()]),
+        "stream_id": ("run-7", "run-7"),
+        "max_age_s": (600, 600.0),
         "representation": ("fp8", "fp8"),
         "max_host_bytes": (1 << 30, 1 << 30),
     }
@@ -58,7 +61,7 @@ def _values(tmp_path, public) -> dict:
 
 def _stream(tmp_path, private=None) -> str:
     url = str(tmp_path / "stream")
-    with DeltaPublisher(url, {"w": torch.zeros(8)}, signing_key=private) as pub:
+    with DeltaPublisher(url, {"w": torch.zeros(8)}, signing_key=private, stream_id="run-7") as pub:
         pub.publish(0)
     return url
 
@@ -96,14 +99,15 @@ def test_the_store_its_options_keys_and_feed_come_from_the_follower(tmp_path, ke
     url = _stream(tmp_path, keys[0])
     with fake_server() as (fake, base):
         feed = EventFeed("http://127.0.0.1:1/events")
-        f = Follower(url, VllmTarget(base), storage_options={"auto_mkdir": True}, trusted_keys=[keys[1]],
-                     notifier=feed)
+        f = Follower(url, VllmTarget(base), storage_options={"auto_mkdir": True},
+                     trusted_keys=TrustedKeys.load([keys[1]], stream_id="run-7", max_age_s=600), notifier=feed)
         f.connect()
         f.close()
         feed.close()
         sent = _sent(fake)
     assert sent["url"] == url and sent["storage_options"] == {"auto_mkdir": True}
     assert sent["trusted_keys"] == [open(keys[1]).read()] and sent["notify"] == "http://127.0.0.1:1/events"
+    assert sent["stream_id"] == "run-7" and sent["max_age_s"] == 600.0  # the pin and the freshness, with the keys
 
 
 # how `deltasync follow` sets each setting; url/storage_options/trusted_keys/revoked_keys/notify reach the engine
@@ -117,16 +121,21 @@ CLI = {
     "prefetch": lambda v: ["--no-prefetch"],
     "rdma": lambda v: ["--rdma", v],
     "notify": lambda v: ["--notify", v],
-    "trusted_keys": lambda v: ["--trusted-key", v[0]],
-    "revoked_keys": lambda v: ["--trusted-key", str(Path(v[0]).with_name("trainer.key.pub")), "--revoked-key", v[0]],
+    "trusted_keys": lambda v: ["--trusted-key", v[0], "--stream-id", "run-7"],
+    "revoked_keys": lambda v: ["--trusted-key", str(Path(v[0]).with_name("trainer.key.pub")), "--stream-id", "run-7",
+                               "--revoked-key", v[0]],
+    "stream_id": lambda v: ["--trusted-key", KEY_FILE[0], "--stream-id", v],
+    "max_age_s": lambda v: ["--trusted-key", KEY_FILE[0], "--stream-id", "run-7", "--max-age-s", str(v)],
     "representation": lambda v: ["--representation", v],
     "max_host_bytes": lambda v: ["--max-host-bytes", str(v)],
 }
+KEY_FILE: list[str] = []  # the trusted key's file, for the flags that need one beside them
 
 
 @pytest.mark.parametrize("name", FIELDS)
 def test_every_setting_reaches_the_engine_from_the_command_line(name, tmp_path, keys, monkeypatch, capsys):
     assert sorted(CLI) == sorted(FIELDS)
+    KEY_FILE[:] = [str(keys[1])]
     value, want = _values(tmp_path, keys[1])[name]
     url = _stream(tmp_path, keys[0])
     with fake_server() as (fake, base):
@@ -201,6 +210,8 @@ def test_an_engine_reads_no_key_file_a_client_names(tmp_path, keys):
     assert EngineSettings.parse({"url": "s3://b/run", "trusted_keys": [str(keys[1])]},
                                 key_files=True).trusted_keys == (pem,)
     assert EngineSettings(url="s3://b/run", trusted_keys=[keys[1]]).init_info()["trusted_keys"] == [pem]
+    with pytest.raises(ConfigError, match="need the id of the stream they sign for"):  # a pin beside them
+        EngineSettings(url="s3://b/run", trusted_keys=[keys[1]]).trusted()
     pytest.importorskip("vllm")
     from rollout_loader.vllm.engine import DeltasyncWeightTransferEngine
     from rollout_loader.vllm.trainer import DeltasyncTrainerInitInfo
@@ -236,18 +247,18 @@ def test_the_engine_refuses_what_the_follower_revoked(tmp_path):
     would be applied. Here A endorsed B from step 2, then B leaked: revoked at the follower, whose engine settings
     carry the revocation, and the engine's reader (built from them as the engine builds it) refuses B's steps."""
     from deltasync.errors import UntrustedKeyError
-    from deltasync.signing import TrustedKeys, keygen
+    from deltasync.signing import keygen
 
     a = keygen(str(tmp_path / "a.key"))
     b = keygen(str(tmp_path / "b.key"), endorsed_by=a[0], from_step=2)
     url = str(tmp_path / "stream")
     state = {"w": torch.zeros(8)}
     for key, steps in ((a[0], (0, 1)), (b[0], (2, 3))):
-        with DeltaPublisher(url, state, signing_key=key, on_backlog="block") as pub:
+        with DeltaPublisher(url, state, signing_key=key, on_backlog="block", stream_id="run-7") as pub:
             for step in steps:
                 state["w"][step] += 1
                 pub.publish(step)
-    trust = TrustedKeys.load([a[1]], revoked=[b[1]])
+    trust = TrustedKeys.load([a[1]], revoked=[b[1]], stream_id="run-7")
     with fake_server() as (fake, base):
         follower = Follower(url, VllmTarget(base), trusted_keys=trust)
         try:
@@ -258,10 +269,29 @@ def test_the_engine_refuses_what_the_follower_revoked(tmp_path):
         finally:
             follower.close()
     assert sent["revoked_keys"] == [open(b[1]).read()] and sent["trusted_keys"] == [open(a[1]).read()]
+    assert sent["stream_id"] == "run-7"
     engine_side = EngineSettings.parse(sent)
     with StreamReader(url, trusted_keys=engine_side.trusted()) as reader:
         reader.manifest(1)
         with pytest.raises(UntrustedKeyError, match="revoked"):
             reader.manifest(2)
-    with pytest.raises(ConfigError, match="setting revoked_keys: expected trusted_keys beside them"):
+    with pytest.raises(ConfigError, match="setting revoked_keys: expected trusted_keys beside it"):
         EngineSettings(url=url, revoked_keys=[b[1]]).trusted()
+
+
+def test_a_signing_trainers_engines_are_sent_its_trust(tmp_path, keys):
+    """A trainer that signs (TRL, verl, the vLLM trainer engine: TrainerSync) points its engines at the stream
+    with its own trust: its key, pinned to its stream, so they apply nothing a bucket writer forged."""
+    from deltasync import PublishOptions
+    from rollout_loader.vllm.trainer_sync import TrainerSync
+
+    url = str(tmp_path / "stream")
+    with fake_server() as (fake, base):
+        sync = TrainerSync(url, source={"w": torch.zeros(8)}, target=VllmTarget(base), served_dtype=False,
+                           options=PublishOptions(signing_key=keys[0], stream_id="run-7"))
+        try:
+            sync.open()
+            sent = _sent(fake)
+        finally:
+            sync.close()
+    assert sent["stream_id"] == "run-7" and sent["trusted_keys"] == [open(keys[1]).read()]

@@ -415,11 +415,29 @@ class Manifest:
 @dataclass(frozen=True, kw_only=True)
 class LatestHint:
     """``latest.json``: the newest committed step when it was written (a hint: readers trust manifests), with
-    when it was written and the writer's average time between commits (docs/FORMAT.md sections 5, 5c)."""
+    when it was written and the writer's average time between commits (docs/FORMAT.md sections 5, 5c), and a
+    signing writer's signed head (section 5e: an envelope kept as raw JSON here; deltasync/trust.py checks it)."""
 
     step: Step
     committed_unix_s: UnixTime | None = None
     interval_s: Seconds | None = None
+    head: msgspec.Raw = None  # type: ignore[assignment]  # msgspec takes no Raw | None: absent or null is None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"step": self.step, "committed_unix_s": self.committed_unix_s,
+                             "interval_s": self.interval_s}
+        head = self.head_bytes
+        if head is not None:
+            d["head"] = json.loads(head)
+        return d
+
+    @property
+    def head_bytes(self) -> bytes | None:
+        """The head envelope's JSON text, or None where the hint carries none (or ``null``)."""
+        if self.head is None:
+            return None
+        raw = bytes(self.head)
+        return None if raw.strip() == b"null" else raw
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -428,7 +446,8 @@ class StreamInfo:
 
     format_version: Version = FORMAT_VERSION
     created_unix_s: UnixTime = 0.0
-    stream_id: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")] | None = None  # signed statements name it
+    # signed statements name it; readers with trusted keys pin it (docs/FORMAT.md section 5e)
+    stream_id: Annotated[str, msgspec.Meta(pattern=whole(names.STREAM_ID))] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

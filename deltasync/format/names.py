@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["CHECKSUM", "CONSUMER_ID", "FILE_NAME", "OBJECT_NAME", "PEER_NAME", "SHA256", "check", "whole"]
+__all__ = ["CHECKSUM", "CONSUMER_ID", "FILE_NAME", "OBJECT_NAME", "PEER_NAME", "SHA256", "STREAM_ID", "check", "whole"]
 
 SHA256 = r"[0-9a-f]{64}"
 CHECKSUM = r"0x[0-9a-f]{16}"
@@ -19,6 +19,8 @@ FILE_NAME = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,254}"
 OBJECT_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.safetensors"
 CONSUMER_ID = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 PEER_NAME = r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}"  # NIXL agents and RDMA peers
+# a stream's id (stream.json): random hex by default, or a name the operator chose (docs/FORMAT.md section 5e)
+STREAM_ID = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 
 
 def whole(pattern: str) -> str:

@@ -18,14 +18,17 @@ from typing import Any, BinaryIO
 
 import torch
 
-from deltasync.errors import CorruptObjectError, FormatError
+from deltasync.errors import CorruptObjectError, FormatError, SignatureError
 from deltasync.format.documents import (
+    MAX_DOCUMENT_BYTES,
     FileEntry,
     FilesIndex,
     TensorHeader,
     check_file_name,
+    decode,
     encode,
 )
+from deltasync.signing import sha256_hex
 from deltasync.store import Store
 
 log = logging.getLogger(__name__)
@@ -59,14 +62,29 @@ def collect_model_files(source: str | Path | ModelFiles) -> dict[str, bytes]:
 
 def write_model_files(store: Store, files: ModelFiles) -> bool:
     """Upload ``files`` under ``URL/files/``, then the index; skipped (returns False) when identical ones are there."""
+    return store_model_files(store, files)[0]
+
+
+def store_model_files(store: Store, files: ModelFiles) -> tuple[bool, str]:
+    """``write_model_files``, and the SHA-256 of ``files.json`` as it now stands for ``files``: of the bytes this
+    call wrote, or of identical ones it found (what a signing writer's steps name, docs/FORMAT.md section 5e)."""
     index = FilesIndex(files={check_file_name(name, what="model file name"): FileEntry(
         bytes=len(data), sha256=hashlib.sha256(data).hexdigest()) for name, data in files.items()})
-    if read_model_file_index(store) == index:
-        return False
-    store.write_many([(data, f"{FILES_DIR}/{name}") for name, data in files.items()])
-    store.write_bytes(FILES_INDEX, encode(index, indent=1))
+    try:
+        raw: bytes | None = store.read_bytes(FILES_INDEX, max_bytes=MAX_DOCUMENT_BYTES)
+    except FileNotFoundError:
+        raw = None
+    if raw is not None:
+        try:
+            if decode(raw, FilesIndex, where=f"{store.url}/{FILES_INDEX}") == index:
+                return False, sha256_hex(raw)
+        except FormatError:
+            pass  # replaced below
+    data = encode(index, indent=1)
+    store.write_many([(content, f"{FILES_DIR}/{name}") for name, content in files.items()])
+    store.write_bytes(FILES_INDEX, data)
     log.info("%s: stored model files %s", store.url, sorted(files))
-    return True
+    return True, sha256_hex(data)
 
 
 def read_model_file_index(store: Store) -> FilesIndex | None:
@@ -77,10 +95,29 @@ def read_model_file_index(store: Store) -> FilesIndex | None:
         return None
 
 
-def read_model_files(store: Store) -> dict[str, bytes]:
-    """The stream's model files, each checked against the index (empty when the stream has none)."""
+def read_model_files(store: Store, *, files_sha256: str | None | bool = False,
+                     where: str = "") -> dict[str, bytes]:
+    """The stream's model files, each checked against the index (empty when the stream has none).
+
+    ``files_sha256`` (a trusted reader: what the signed step they go with names, docs/FORMAT.md section 5e): the
+    index must be exactly those bytes; None (the step vouches for no model files) refuses any. Either refusal is a
+    ``SignatureError`` naming ``where`` (the step). Left False: no signature is asked for.
+    """
     out = {}
-    index = read_model_file_index(store)
+    try:
+        raw: bytes | None = store.read_bytes(FILES_INDEX, max_bytes=MAX_DOCUMENT_BYTES)
+    except FileNotFoundError:
+        raw = None
+    if files_sha256 is not False and raw is not None:
+        if files_sha256 is None:
+            raise SignatureError(f"{store.url}: the stream holds model files ({FILES_INDEX}), and {where} vouches for "
+                                 "none (its signature names no files, or predates signatures that do): they are "
+                                 "refused; export the weights alone (replay model_files=False, CLI --weights-only)")
+        if sha256_hex(raw) != files_sha256:
+            raise SignatureError(f"{store.url}: {FILES_INDEX} is not the one {where} was signed with (SHA-256 "
+                                 f"{sha256_hex(raw)[:16]}…, signed {str(files_sha256)[:16]}…): the model files were "
+                                 "changed after that step was signed; refused")
+    index = None if raw is None else decode(raw, FilesIndex, where=f"{store.url}/{FILES_INDEX}")
     for name, entry in (index.files if index else {}).items():
         try:
             data = store.read_bytes(f"{FILES_DIR}/{name}", max_bytes=entry.bytes)

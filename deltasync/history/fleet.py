@@ -14,11 +14,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deltasync.consumers import read_heartbeats
+from deltasync.consumers import FUTURE_SKEW_S, UnreadableHeartbeat, read_heartbeats_checked
 from deltasync.errors import ConfigError
 from deltasync.store import Store
 
-__all__ = ["ConsumerStatus", "FleetStatus", "fleet_status", "prometheus_text"]
+__all__ = ["ConsumerStatus", "FleetStatus", "UnreadableHeartbeat", "fleet_status", "prometheus_text"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,8 +28,9 @@ class ConsumerStatus:
     consumer_id: str
     step: int
     lag_steps: int | None  # None: the stream's newest step is unknown (no committed step)
-    age_s: float  # since its last heartbeat
+    age_s: float  # since its last heartbeat (negative: dated ahead of this clock)
     stale: bool  # no heartbeat within stale_after_s: stopped, cut off, or its heartbeats fail
+    suspect: bool  # dated more than FUTURE_SKEW_S ahead of this clock: never live (a lie or a broken clock)
     newest_seen: int | None
     weight_version: str | None
     errors: int | None
@@ -43,14 +44,20 @@ class FleetStatus:
     newest_step: int | None
     stale_after_s: float
     consumers: tuple[ConsumerStatus, ...]
+    unreadable: tuple[UnreadableHeartbeat, ...] = ()  # heartbeat files that could not be read as one
 
     @property
     def stale(self) -> tuple[ConsumerStatus, ...]:
         return tuple(c for c in self.consumers if c.stale)
 
+    @property
+    def suspect(self) -> tuple[ConsumerStatus, ...]:
+        return tuple(c for c in self.consumers if c.suspect)
+
     def to_dict(self) -> dict[str, Any]:
         return {"url": self.url, "newest_step": self.newest_step, "stale_after_s": self.stale_after_s,
-                "consumers": [asdict(c) for c in self.consumers]}
+                "consumers": [asdict(c) for c in self.consumers],
+                "unreadable": [asdict(u) for u in self.unreadable]}
 
 
 def fleet_status(store: Store, *, stale_after_s: float = 900.0, now_unix_s: float | None = None) -> FleetStatus:
@@ -62,8 +69,9 @@ def fleet_status(store: Store, *, stale_after_s: float = 900.0, now_unix_s: floa
             5 minutes while idle by default, so 15 minutes means three missed reports).
         now_unix_s: the time to measure ages from (tests).
 
-    Raises ``ConfigError`` for a bad ``stale_after_s``; ``FormatError`` for a heartbeat that cannot be read
-    (named); store errors as the store raises them.
+    A heartbeat that cannot be read is reported in ``unreadable`` (the others are read all the same); one dated
+    more than a minute ahead of this clock is ``suspect`` (never live). Raises ``ConfigError`` for a bad
+    ``stale_after_s``; store errors as the store raises them.
 
     Example: ``[c.consumer_id for c in fleet_status(Store(url)).stale]``
     """
@@ -73,18 +81,24 @@ def fleet_status(store: Store, *, stale_after_s: float = 900.0, now_unix_s: floa
     steps = store.steps()
     newest = steps[-1] if steps else None
     consumers = []
-    for p in read_heartbeats(store):
+    positions, unreadable = read_heartbeats_checked(store)
+    for p in positions:
         lag = None if newest is None else len(steps) - bisect.bisect_right(steps, p.step)
-        age = max(0.0, now - p.updated_unix_s)
+        age = now - p.updated_unix_s
+        suspect = age < -FUTURE_SKEW_S
+        age = age if suspect else max(0.0, age)
         consumers.append(ConsumerStatus(consumer_id=p.consumer_id, step=p.step, lag_steps=lag, age_s=round(age, 3),
-                                        stale=age > stale_after_s, newest_seen=p.newest_step,
-                                        weight_version=p.weight_version, errors=p.errors))
+                                        stale=not suspect and age > stale_after_s, suspect=suspect,
+                                        newest_seen=p.newest_step, weight_version=p.weight_version, errors=p.errors))
     consumers.sort(key=lambda c: (c.step, c.consumer_id))
     return FleetStatus(url=store.url, newest_step=newest, stale_after_s=float(stale_after_s),
-                       consumers=tuple(consumers))
+                       consumers=tuple(consumers), unreadable=tuple(unreadable))
 
 
 def _label(value: str) -> str:
+    """A label value in the text format: its escapes, and no other control character (a store's text is shown
+    inert wherever it lands, a scrape that ends up on a terminal too)."""
+    value = "".join(c if c.isprintable() or c == "\n" else "\ufffd" for c in value)
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
@@ -104,6 +118,10 @@ def prometheus_text(status: FleetStatus) -> str:
     family("consumers", "Consumers with a heartbeat.", [("{" + stream + "}", len(status.consumers))])
     family("stale_consumers", "Consumers whose last heartbeat is older than stale_after_s.",
            [("{" + stream + "}", len(status.stale))])
+    family("suspect_consumers", "Consumers whose heartbeat is dated ahead of this clock (never live).",
+           [("{" + stream + "}", len(status.suspect))])
+    family("unreadable_heartbeats", "Heartbeat files that could not be read as one.",
+           [("{" + stream + "}", len(status.unreadable))])
     per = [(c, "{" + f'{stream},consumer="{_label(c.consumer_id)}"' + "}") for c in status.consumers]
     family("consumer_step", "Step the consumer holds.", [(lab, c.step) for c, lab in per])
     family("consumer_lag_steps", "Committed steps after the one the consumer holds.",

@@ -8,6 +8,7 @@ consumer with a recent heartbeat holds or may still need to catch up.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deltasync.consumers import read_heartbeats
+from deltasync.consumers import FUTURE_SKEW_S, read_heartbeats_checked
 from deltasync.errors import ConfigError
 from deltasync.format.documents import ConsumerPosition
 from deltasync.history.replay import ProgressFn, require_steps
@@ -50,7 +51,8 @@ class GcPlan:
     leftovers: tuple[int, ...]  # step folders without a manifest, older than the latest step
     freed_bytes: int
     live_consumers: tuple[ConsumerPosition, ...]
-    stale_consumers: tuple[ConsumerPosition, ...]
+    stale_consumers: tuple[ConsumerPosition, ...]  # too old, or dated ahead of this clock (suspect): not respected
+    unreadable: tuple[tuple[str, str], ...] = ()  # heartbeat files that could not be read: (file, why)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -88,14 +90,16 @@ def plan_gc(
 
     Retained: the last ``keep_last`` committed steps; with ``keep_anchor_every`` M, the first anchor of
     every M-step window (a sparse history to replay from); for each consumer whose heartbeat is at most
-    ``consumer_max_age_s`` old, the step it holds and every later step (it may still replay each).
+    ``consumer_max_age_s`` old, the step it holds and every later step (it may still replay each). A heartbeat
+    dated more than ``FUTURE_SKEW_S`` ahead of ``now_unix_s`` is suspect and never respected (a consumer could
+    otherwise hold back every step for ever by dating its heartbeat ten years ahead).
     Every retained step keeps its whole chain (its anchor and the deltas in between). ``folders`` are
     the stream's step folders: those without a manifest and older than the latest step are leftovers.
     """
     check_gc_options(keep_last, keep_anchor_every, consumer_max_age_s)
     by_step = {m.step: m for m in manifests}
     steps = sorted(by_step)
-    live = tuple(c for c in consumers if now_unix_s - c.updated_unix_s <= consumer_max_age_s)
+    live = tuple(c for c in consumers if -FUTURE_SKEW_S <= now_unix_s - c.updated_unix_s <= consumer_max_age_s)
     stale = tuple(c for c in consumers if c not in live)
     roots: dict[int, str] = {}
     for s in steps[-keep_last:]:
@@ -158,20 +162,23 @@ def collect_garbage(
 ) -> GcPlan:
     """Plan a garbage collection of the stream at ``url`` (``plan_gc``) and, unless ``dry_run``, execute it.
 
-    Fails, deleting nothing, when a manifest cannot be read.
+    Fails, deleting nothing, when a manifest cannot be read. A heartbeat that cannot be read is not respected
+    (it names no step), and is listed in the plan's ``unreadable``.
     """
     check_gc_options(keep_last, keep_anchor_every, consumer_max_age_s)  # before the store is touched
     store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
     manifests = [StepSummary.of(store.manifest(s)) for s in require_steps(StreamReader(store))]  # one at a time
+    consumers, unreadable = read_heartbeats_checked(store)
     plan = plan_gc(
         manifests,
         keep_last=keep_last,
         keep_anchor_every=keep_anchor_every,
-        consumers=read_heartbeats(store),
+        consumers=consumers,
         now_unix_s=time.time(),
         consumer_max_age_s=consumer_max_age_s,
         folders=store.step_folders(),
     )
+    plan = dataclasses.replace(plan, unreadable=tuple((u.file, u.error) for u in unreadable))
     if not dry_run:
         run_gc(store, plan, progress=progress)
     return plan

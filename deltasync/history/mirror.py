@@ -7,8 +7,12 @@ in the source's commit order. So a mirror killed at any point leaves nothing hal
 folder at most, which the next run or ``gc`` replaces), a restarted one goes on where the destination stands,
 and several mirrors of one pair commit each step once: a step another mirror committed first is compared with
 the source's manifest and, if equal, counted as present (a different one is an error: two streams under one
-name). Model files (``files/``, ``files.json``) and ``stream.json`` are copied too. The destination keeps its
-own retention (``deltasync gc`` there, which respects its own consumers' heartbeats).
+name). Model files (``files/``, ``files.json``) and ``stream.json`` are copied too, manifests and ``files.json``
+byte for byte (a signature covers them as stored), and the source's signed head goes with the steps it names
+(docs/FORMAT.md section 5e). With trusted keys a mirror copies only what a trusted signature covers: an
+unsigned or forged step does not exist for it (skipped, logged, reported in ``refused``), and model files are
+copied only while ``files.json`` is the one the newest step copied names. The destination keeps its own
+retention (``deltasync gc`` there, which respects its own consumers' heartbeats).
 
     report = mirror("s3://trainer/run-7", "gs://region-b/run-7")           # what is committed now
     mirror_follow(src, dst, until=1000)                                     # and what comes, as it comes
@@ -16,6 +20,7 @@ own retention (``deltasync gc`` there, which respects its own consumers' heartbe
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import threading
@@ -26,12 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from deltasync.errors import StepExistsError, StepNotFoundError, can_retry
-from deltasync.history.checkpoints import read_model_file_index, read_model_files, write_model_files
+from deltasync.format.documents import LatestHint
+from deltasync.history.checkpoints import FILES_DIR, FILES_INDEX, read_model_file_index, read_model_files
 from deltasync.notify import EventServer, Notifier
 from deltasync.reader import StreamReader
 from deltasync.scratch import ScratchFolder
-from deltasync.signing import TrustedKeys
+from deltasync.signing import sha256_hex
 from deltasync.store import Manifest, Part, Store
+from deltasync.trust import UNTRUSTED, TrustedKeys
 from deltasync.watch import PollPolicy, StepWatch
 
 log = logging.getLogger(__name__)
@@ -47,6 +54,7 @@ class MirrorReport:
     bytes_copied: int
     files_copied: bool
     seconds: float
+    refused: tuple[int, ...] = ()  # with trusted keys: steps no trusted signature covers (not copied)
 
 
 def _store(where: str | Store, options: dict[str, Any] | None) -> tuple[Store, bool]:
@@ -56,7 +64,7 @@ def _store(where: str | Store, options: dict[str, Any] | None) -> tuple[Store, b
 def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | None = None,
            dst_options: dict[str, Any] | None = None, after: int | None = None, newest: int | None = None,
            on_step: Callable[[int, int], None] | None = None, trusted_keys: Any = None,
-           reader: StreamReader | None = None) -> MirrorReport:
+           reader: StreamReader | None = None, hint: LatestHint | None = None) -> MirrorReport:
     """Copy every committed step of ``src`` that ``dst`` lacks (those after ``after`` only, if given), in order.
 
     Args:
@@ -66,15 +74,20 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
             looked up by their manifests (one read each, which copying needs anyway), not by listing the source,
             and the stream and model files are not checked again.
         on_step: called with (step, object bytes) after each step is committed at the destination.
-        trusted_keys: public key files (or ``TrustedKeys``): only steps one of them signed are copied. Either
-            way a step's signature is copied with it (before its manifest), and the copy keeps the source's
-            stream id, so the copy's followers check the same signatures.
-        reader: a reader of ``src`` whose cached manifests to use (a follower's: the step it just saw is
-            not read again).
+        trusted_keys: a ``TrustedKeys`` (keys and the stream they sign for): only steps one of them signed are
+            copied (the others are skipped and reported in ``refused``), and model files only as the newest
+            step copied names them. Either way a step's signature is copied with it (before its manifest), and
+            the copy keeps the source's stream id, so the copy's followers check the same signatures.
+        reader: a reader of ``src`` whose last manifests and signatures (as stored) to use (a follower's: the step
+            it just saw is not read again).
+        hint: the source's ``latest.json`` as the caller just read it (its head goes with the steps it names);
+            None: read here.
 
     Raises ``StreamNotFoundError`` (no stream at ``src``), ``CorruptObjectError`` (a source object that does not
     match its manifest: nothing of that step is committed), ``StepExistsError`` (the destination holds a
     different step under the same number), store errors. A failure leaves every step before it committed.
+    With trusted keys, a step that breaks the chain of trust (a retired key's, a forgery) is never an error:
+    it does not exist for the mirror.
 
     Example: ``mirror("s3://trainer/run-7", "/mnt/region-b/run-7").copied``
     """
@@ -84,33 +97,48 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
     trusted = None if trusted_keys is None else TrustedKeys.load(trusted_keys)
     scratch = ScratchFolder("mirror")
     copied: list[int] = []
+    refused: list[int] = []
     nbytes = 0
+    files = False
     try:
         incremental = after is not None and newest is not None and 0 < newest - after <= 16
         if incremental:  # following: the next few step numbers, by their manifests (a gap in numbering costs one read)
             assert after is not None and newest is not None
-            steps, held, files = list(range(after + 1, newest + 1)), set(), False
+            steps, held = list(range(after + 1, newest + 1)), set()
         else:
             source.require_stream()
             _same_stream(source, target.create_stream(like=source.stream_info()), target)
-            files = _copy_files(source, target)
+            if trusted is None:
+                files = _copy_files(source, target, False)
             steps = [s for s in source.steps() if after is None or s > after]
             held = set(target.steps())
             common = sorted(held.intersection(steps))
             if after is None and common:  # one comparison per pass: the same stream, not another under its name
                 _same_step(source, target, common[-1])
+        head = _source_head(source, trusted, hint)
         present = sum(1 for s in steps if s in held)
+        vouched: str | None | bool = False  # the files.json digest the newest trusted step copied (or held) names
         for step in steps:
             if step in held:
+                if trusted is not None:
+                    vouched = _vouched(source, trusted, step, vouched)
                 continue
             try:
-                size = _copy_step(source, target, step, scratch, trusted,
-                                  manifest=reader.manifest if reader is not None else source.manifest)
+                size, signed = _copy_step(source, target, step, scratch, trusted, head=head,
+                                          record=reader.record if reader is not None else None)
             except StepNotFoundError:
                 if not incremental and step in source.steps():
                     raise
                 log.debug("%s: no step %d (not committed, or collected before it was copied)", source.url, step)
                 continue
+            except UNTRUSTED as e:
+                if trusted is None:
+                    raise
+                refused.append(step)
+                log.warning("%s: step %d is not copied: %s: %s", source.url, step, type(e).__name__, e)
+                continue
+            if signed is not None:
+                vouched = signed
             if size is None:
                 present += 1  # another mirror committed the same step first
                 continue
@@ -118,6 +146,12 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
             nbytes += size
             if on_step is not None:
                 on_step(step, size)
+        if trusted is not None and not incremental and vouched is not False:
+            files = _copy_files(source, target, vouched)
+        if head is not None:
+            done = target.steps()
+            if done and head[1] <= done[-1]:
+                target.relay_head(head[0], done[-1])
     finally:
         scratch.remove()
         if own_src:
@@ -125,14 +159,64 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
         if own_dst:
             target.close()
     return MirrorReport(copied=tuple(copied), present=present, bytes_copied=nbytes, files_copied=files,
-                        seconds=round(time.perf_counter() - t0, 3))
+                        seconds=round(time.perf_counter() - t0, 3), refused=tuple(refused))
 
 
-def _copy_files(source: Store, target: Store) -> bool:
-    """The model files, each checked against the source's index; written only where the destination differs."""
+def _source_head(source: Store, trusted: TrustedKeys | None, hint: LatestHint | None) -> tuple[bytes, int] | None:
+    """The source's head envelope and the step it names (verified with trusted keys; else the mirror relays what
+    it read and the followers of the copy verify it), or None."""
+    hint = hint if hint is not None else source.latest_hint()
+    raw = None if hint is None else hint.head_bytes
+    step = None if raw is None else _head_step(raw, trusted, source.url)
+    return None if raw is None or step is None else (raw, step)
+
+
+def _head_step(raw: bytes, trusted: TrustedKeys | None, where: str) -> int | None:
+    """The step a head envelope names: verified with trusted keys; else as it reads (the mirror relays it, the
+    copy's followers verify it)."""
+    if trusted is not None:
+        try:
+            return trusted.check_head(raw, where=where).step
+        except UNTRUSTED as e:
+            log.warning("%s: not relaying its head: %s: %s", where, type(e).__name__, e)
+            return None
+    try:
+        step = json.loads(json.loads(raw)["statement"])["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _vouched(source: Store, trusted: TrustedKeys, step: int, current: str | None | bool) -> str | None | bool:
+    """The files digest step ``step`` (held at the destination already) names, if its signature proves it."""
+    try:
+        m, digest = source.manifest_and_digest(step, nearby=False)
+        return trusted.check(source.signature(step), m, manifest_sha256=digest, where=source.url).files_sha256
+    except (*UNTRUSTED, StepNotFoundError):
+        return current
+
+
+def _copy_files(source: Store, target: Store, vouched: str | None | bool) -> bool:
+    """The model files, each checked against the source's index, and the index byte for byte; written only where
+    the destination differs. ``vouched``: with trusted keys, the ``files.json`` digest a trusted step names (None:
+    none; then no file is copied); False: copied unchecked."""
     if read_model_file_index(source) is None:
         return False
-    return write_model_files(target, read_model_files(source))
+    try:
+        files = read_model_files(source, files_sha256=vouched, where="the newest step copied")
+    except UNTRUSTED as e:
+        log.warning("%s: model files not copied: %s", source.url, e)
+        return False
+    raw = source.read_bytes(FILES_INDEX, max_bytes=1 << 20)
+    if vouched not in (False, None) and sha256_hex(raw) != vouched:
+        log.warning("%s: model files not copied: files.json changed while it was read", source.url)
+        return False
+    if target.files_sha256() == sha256_hex(raw):
+        return False
+    target.write_many([(data, f"{FILES_DIR}/{name}") for name, data in files.items()])
+    target.write_bytes(FILES_INDEX, raw)
+    log.info("%s: stored model files %s", target.url, sorted(files))
+    return True
 
 
 def _same_stream(source: Store, info: Any, target: Store) -> None:
@@ -145,14 +229,22 @@ def _same_stream(source: Store, info: Any, target: Store) -> None:
                               "copy of this stream)")
 
 
-def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder, trusted: Any = None, *,
-               manifest: Callable[..., Manifest]) -> int | None:
+def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder, trusted: TrustedKeys | None, *,
+               head: tuple[bytes, int] | None,
+               record: Callable[[int], tuple[Manifest, str, bytes, bytes | None]] | None = None,
+               ) -> tuple[int | None, str | None | bool]:
     """Commit ``step`` at the destination: its objects (checked against the manifest), its signature, then the
-    manifest. Returns the bytes copied, or None when the destination already holds exactly this step."""
-    m = manifest(step, nearby=False)
-    signature = source.signature(step)
+    manifest (byte for byte), then ``latest.json`` with ``head`` where it names this step or an earlier one.
+    Returns the bytes copied (None when the destination already holds exactly this step) and, with trusted keys,
+    the files digest the step's signature names (False without)."""
+    if record is not None:
+        m, digest, raw, signature = record(step)
+    else:
+        m, digest, raw = source.manifest_record(step)
+        signature = source.signature(step)
+    files: str | None | bool = False
     if trusted is not None:
-        trusted.check(signature, m, source.stream_id(), where=source.url)
+        files = trusted.check(signature, m, manifest_sha256=digest, where=source.url).files_sha256
     objects = [(m, part) for part in m.objects]
     if m.delta is not None:  # an anchor's own delta: a second object of the step (docs/FORMAT.md section 5)
         own = m.as_delta()
@@ -172,16 +264,17 @@ def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder, 
         # every object before the manifest: the step's parts, or the anchor's own delta beside its object
         for part, path in local if m.is_multipart else local[1:]:
             target.put_part(step, part, path)
-        target.commit(m, None if m.is_multipart else local[0][1], signature=signature)
+        target.commit(m, None if m.is_multipart else local[0][1], signature=signature, manifest_bytes=raw,
+                      head=head[0] if head is not None and head[1] <= step else None)
     except StepExistsError:
         _same_step(source, target, step, m)
-        return None
+        return None, files
     finally:
         for owner, part in held:
             source.release_object(owner, part)
         for path in made:
             path.unlink(missing_ok=True)
-    return sum(part.object_bytes for part, _ in local)
+    return sum(part.object_bytes for part, _ in local), files
 
 
 def _same_step(source: Store, target: Store, step: int, manifest: Any = None) -> None:
@@ -212,7 +305,8 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
     destination, so the region's followers hear of it at once instead of polling (deltasync/notify.py)."""
     stop = stop or threading.Event()
     trusted = None if trusted_keys is None else TrustedKeys.load(trusted_keys)  # one set: endorsements seen persist
-    reader = StreamReader(src, storage_options=src_options)
+    # the watch's reader checks with the same trust: a forged newest step does not exist for the mirror either
+    reader = StreamReader(src, storage_options=src_options, trusted_keys=trusted)
     watch = StepWatch(reader, policy, notifier=notifier)
     target = Store(dst, storage_options=dst_options)
     done: int | None = None
@@ -224,16 +318,18 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
         if on_step is not None:
             on_step(step, nbytes)
 
+    relayed: bytes | None = None  # the source's head last relayed (refreshed heads follow while it is idle)
     try:
         while not stop.is_set():
             try:
                 newest = watch.newest()
                 if newest is not None and (done is None or newest > done):
                     mirror(reader.store, target, after=done, newest=newest, on_step=copied, trusted_keys=trusted,
-                           reader=reader)  # the step the watch just checked is not read again
+                           reader=reader, hint=watch.last_hint)  # the step the watch just saw is not read again
                     done = newest
                     if events is not None:
                         events.announce(done)  # steps the destination held already count too
+                relayed = _relay_refreshed(watch, target, trusted, done, relayed)
                 failures = 0
                 delay = watch.delay()
             except Exception as e:  # noqa: BLE001 - the source or the destination may come back
@@ -251,6 +347,20 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
         target.close()
         reader.close()
     return done
+
+
+def _relay_refreshed(watch: StepWatch, target: Store, trusted: TrustedKeys | None, done: int | None,
+                     relayed: bytes | None) -> bytes | None:
+    """Relay the source's head as the watch last read it, when it changed and names a step the copy holds."""
+    hint = watch.last_hint
+    raw = None if hint is None else hint.head_bytes
+    if raw is None or raw == relayed or done is None:
+        return relayed
+    head = _head_step(raw, trusted, watch.reader.url)
+    if head is not None and head <= done:
+        target.relay_head(raw, done)
+        return raw
+    return relayed
 
 
 def _wait(watch: StepWatch, stop: threading.Event, seconds: float) -> None:

@@ -21,7 +21,7 @@ from deltasync.history.checkpoints import (
     collect_model_files,
     load_checkpoint,
     read_model_file_index,
-    write_model_files,
+    store_model_files,
 )
 from deltasync.history.rebuild import reconstruct_state_dict
 from deltasync.publish.names import named_tensors
@@ -30,6 +30,7 @@ from deltasync.reader import StreamReader
 from deltasync.signing import SigningKey
 from deltasync.stages.diff import Snapshot
 from deltasync.store import Manifest, Store
+from deltasync.trust import own_trust, writer_signer
 
 
 def push_checkpoint(
@@ -43,6 +44,7 @@ def push_checkpoint(
     storage_options: dict[str, Any] | None = None,
     take_over: bool = False,
     signing_key: str | Path | SigningKey | None = None,
+    stream_id: str | None = None,
 ) -> Manifest:
     """Publish a safetensors file or a checkpoint folder as ``step`` of a stream; returns its manifest.
 
@@ -50,17 +52,24 @@ def push_checkpoint(
     ``dtype`` publishes floating tensors in that dtype. Model files (``files``, else the folder's own) are
     stored when the stream has none yet. Holds the writer lease while it writes: a running publisher
     makes it fail with ``WriterConflictError`` (``take_over`` to override). ``signing_key`` signs the step
-    (docs/FORMAT.md section 5e), as a signing publisher does.
+    (docs/FORMAT.md section 5e), as a signing publisher does: for ``stream_id`` (else the stream's own, checked
+    against the newest step the key signed), after the newest step the key signed, diffed against that step's
+    weights read through the key's own trust (a forged manifest does not exist for it).
     """
     key = signing_key if signing_key is None or isinstance(signing_key, SigningKey) else SigningKey(signing_key)
     store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
     check_step(step, what=f"{store.url}: step", error=StepOrderError)
     owner = f"push-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    store.acquire_lease(owner, ttl_s=600.0, take_over=take_over)
+    store.acquire_lease(owner, ttl_s=600.0, take_over=take_over, stream_id=stream_id)
     try:
         store.remove_uncommitted(older_than_s=600.0)
-        committed = store.steps()  # writers trust manifests, never the latest.json hint
-        latest = committed[-1] if committed else None
+        signer, trust = None, None
+        if key is not None:
+            signer, latest = writer_signer(store, key, stream_id=stream_id)
+            trust = own_trust(key, signer.stream_id)
+        else:
+            committed = store.steps()  # writers trust manifests, never the latest.json hint
+            latest = committed[-1] if committed else None
         if latest is not None and step <= latest:
             raise StepOrderError(f"{store.url}: step {step} is not after the stream's latest step {latest}")
         t0 = time.perf_counter()
@@ -68,7 +77,7 @@ def push_checkpoint(
         delta = latest is not None and not anchor
         aliases: dict[str, str] = {}
         if delta:
-            base, aliases = named_tensors(reconstruct_state_dict(StreamReader(store), latest))
+            base, aliases = named_tensors(reconstruct_state_dict(StreamReader(store, trusted_keys=trust), latest))
             snapshot = Snapshot(base, dtype=dtype)
             del base  # the snapshot's copy is the one we need
             changes = [c for c in snapshot.diff(_without_aliases(tensors, aliases, checkpoint)) if c.changed]
@@ -78,7 +87,9 @@ def push_checkpoint(
         source = files if files is not None else checkpoint if Path(checkpoint).is_dir() else None
         model_files = collect_model_files(source) if source is not None else {}
         if model_files and read_model_file_index(store) is None:
-            write_model_files(store, model_files)
+            _, files_sha256 = store_model_files(store, model_files)
+            if signer is not None:
+                signer.files_sha256 = files_sha256
         with tempfile.TemporaryDirectory(prefix="deltasync-push-") as tmp:
             kind: Kind = "delta" if delta else "anchor"
             local = Path(tmp) / f"{kind}.safetensors"
@@ -94,7 +105,9 @@ def push_checkpoint(
                 aliases=aliases,
             )
             manifest = step_manifest(written, header, capture_s=capture_s, encode_s=time.perf_counter() - t1)
-            store.commit(manifest, local, owner=owner, signer=key)
+            store.commit(manifest, local, owner=owner, signer=signer)
+            if signer is not None:
+                store.refresh_head(signer, closed=True)  # a push is a writer that closes after its step
         return manifest
     finally:
         store.release_lease(owner)

@@ -98,6 +98,7 @@ def replay_to_folder(
     reread: bool = False,
     progress: ProgressFn | None = None,
     sign_with: str | Path | None = None,
+    model_files: bool = True,
 ) -> ReplayResult:
     """Write the exact weights of ``step`` as a checkpoint folder that transformers and vLLM load as it is.
 
@@ -106,6 +107,10 @@ def replay_to_folder(
     only once every tensor's checksum matched step ``step``'s header and manifest; ``reread`` also reads
     the written file back and checksums it. An existing non-empty ``out_dir`` is replaced only with
     ``overwrite``.
+
+    With trusted keys (the reader's), the model files are written only when the step's signature names
+    ``files.json`` as stored (docs/FORMAT.md section 5e); otherwise ``SignatureError``, and nothing is written.
+    ``model_files=False`` writes the weights alone.
 
     ``sign_with`` (an ECDSA private key in PEM, ``deltasync keygen --ecdsa``) signs the folder with the OpenSSF
     ``model_signing`` library (``model.sig`` inside it, written before the folder is renamed into place), so
@@ -120,7 +125,14 @@ def replay_to_folder(
     reader = open_reader(url, storage_options)
     with Chain.open(reader, step, progress=progress) as chain:
         header = chain.header
-        files = read_model_files(reader.store)
+        if not model_files:
+            files = {}
+        elif reader.trusted is not None:  # model files only as the step's signature names them
+            signed = reader.signed(step)
+            files = read_model_files(reader.store, files_sha256=None if signed is None else signed.files_sha256,
+                                     where=f"step {step}")
+        else:
+            files = read_model_files(reader.store)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
         try:

@@ -26,14 +26,14 @@ from deltasync.history.replay import (
     require_steps,
 )
 from deltasync.reader import StreamReader
-from deltasync.signing import TrustedKeys
 from deltasync.store import MANIFEST
+from deltasync.trust import UNTRUSTED, TrustedKeys
 
 log = logging.getLogger(__name__)
 
 
 # "resource": this machine could not read the step (open files, memory), which says nothing of the stream
-ProblemKind = Literal["manifest", "object", "header", "chain", "checksum", "resource", "signature"]
+ProblemKind = Literal["manifest", "object", "header", "chain", "checksum", "resource", "signature", "head"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +55,7 @@ class VerifyReport:
     verified: tuple[int, ...]
     problems: tuple[Problem, ...]
     origin_checked: bool = False  # every verified step was signed by a trusted key (the reader had keys)
+    head: dict[str, Any] | None = None  # with trusted keys: the stream's signed head (docs/FORMAT.md section 5e)
 
     @property
     def ok(self) -> bool:
@@ -76,8 +77,10 @@ def verify(
 ) -> VerifyReport:
     """Check every committed step in ``first..last``: manifest, object (size, SHA-256), header (valid, and
     agreeing with the manifest), chain (each delta's base is committed and sound) and checksums, by
-    replaying every tensor through every step. With ``trusted_keys`` (or a reader that has them), also
-    origin: each step's signature (a ``signature`` problem otherwise; ``origin_checked`` says it was done).
+    replaying every tensor through every step. With ``trusted_keys`` (a ``TrustedKeys``, or a reader that has
+    them), also origin: each step's signature (a ``signature`` problem otherwise; ``origin_checked`` says it was
+    done), and the signed head in ``latest.json`` (``head``): one that names a step past every committed one is a
+    ``head`` problem (steps deleted after their commit: a rollback).
 
     Stops at the first problem (the lowest step) unless ``all_problems``. A step whose chain starts below
     ``first`` is replayed from its anchor; problems there are reported under their own step.
@@ -103,13 +106,33 @@ def verify(
     for s in targets:  # an anchor's own delta must lead from its base to exactly the anchor's weights
         if not run.done(s) and s in run.replayed:
             run.anchor_delta(s)
+    head = _head(reader, committed, run) if reader.trusted is not None else None
     problems = sorted(run.problems, key=lambda p: p.step)
     if not all_problems:
         problems = problems[:1]
     bad = {p.step for p in run.problems}
     verified = tuple(s for s in targets if s in run.replayed and s not in bad)
     return VerifyReport(url=reader.url, first=lo, last=hi, verified=verified, problems=tuple(problems),
-                        origin_checked=reader.trusted is not None)
+                        origin_checked=reader.trusted is not None, head=head)
+
+
+def _head(reader: StreamReader, committed: list[int], run: _Verification) -> dict[str, Any] | None:
+    """The stream's signed head as a report shows it; a head past every committed step is a ``head`` problem."""
+    assert reader.trusted is not None
+    hint = reader.store.latest_hint()
+    raw = None if hint is None else hint.head_bytes
+    if raw is None:
+        return None
+    try:
+        head = reader.trusted.check_head(raw, where=reader.url)
+    except UNTRUSTED as e:
+        run.report(committed[-1], "head", f"latest.json's head does not prove anything: {e}")
+        return None
+    if head.step > committed[-1]:
+        run.report(head.step, "head", f"{reader.url}: a signed head names step {head.step} as the newest, but the "
+                                      f"store's newest committed step is {committed[-1]}: steps were deleted after "
+                                      "they were committed (a rollback)")
+    return {"step": head.step, "signed_unix_s": head.signed_unix_s, "closed": head.closed, "key_id": head.key_id}
 
 
 class _Verification:

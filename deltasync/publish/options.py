@@ -51,6 +51,10 @@ class PublishOptions:
         sharded: publish from every rank of a sharded (DTensor) model; None detects it.
         files: the model's non-weight files (a checkpoint folder, or name -> bytes), stored once per stream.
         signing_key: a private key (``deltasync keygen``) that signs every step.
+        stream_id: the stream's id (1 to 128 letters, digits, ``.``, ``_``, ``-``): a new stream is created with
+            it, an existing one must have it (``ConfigError`` otherwise), and a signing publisher signs for it.
+            Followers pin the same id beside the trusted keys (docs/FORMAT.md section 5e). None: a new stream gets
+            a random id (``DeltaPublisher.stream_id``, logged).
         events: ``"HOST:PORT"`` (port 0: any free port): serve an event feed there announcing each step as it
             is committed (``DeltaPublisher.events_url``), the feed a mirror serves with ``--events``. Followers
             and engines given it (``notify``) fetch a step as soon as it lands instead of at their next poll.
@@ -81,6 +85,7 @@ class PublishOptions:
     sharded: bool | None = None
     files: str | Path | ModelFiles | None = None
     signing_key: str | Path | SigningKey | None = None
+    stream_id: str | None = None
     events: str | None = None
 
     def __post_init__(self) -> None:
@@ -110,6 +115,10 @@ class PublishOptions:
             raise ConfigError(f"publish option dtype must be a torch.dtype, got {self.dtype!r}")
         if self.events is not None:
             host_port(self.events, what="publish option events")
+        if self.stream_id is not None:
+            from deltasync.trust import check_stream_id
+
+            check_stream_id(self.stream_id, what="publish option stream_id")
         if self.writer_id is not None and (not isinstance(self.writer_id, str) or not self.writer_id):
             raise ConfigError(f"publish option writer_id must be a non-empty string, got {self.writer_id!r}")
 

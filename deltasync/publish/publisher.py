@@ -25,7 +25,7 @@ from deltasync.errors import ConfigError, DeltaSyncError, PublishError, StepOrde
 from deltasync.format.documents import Kind, check_step
 from deltasync.format.objects import TensorHeader
 from deltasync.format.patch import Patch
-from deltasync.history.checkpoints import collect_model_files, write_model_files
+from deltasync.history.checkpoints import collect_model_files, store_model_files
 from deltasync.notify import EventServer, host_port
 from deltasync.publish.names import canonical_name, named_tensors
 from deltasync.publish.options import PublishOptions
@@ -38,9 +38,10 @@ from deltasync.publish.steps import (
 )
 from deltasync.publish.stream import StreamCapture, Weights, checked_entry, drain, stream_entries
 from deltasync.scratch import ScratchFolder
-from deltasync.signing import SigningKey
+from deltasync.signing import SigningKey, StreamSigner
 from deltasync.stages.diff import Snapshot
 from deltasync.store import Store
+from deltasync.trust import TrustedKeys, own_trust, writer_signer
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,10 @@ class DeltaPublisher:
     arguments of the same names; ``ConfigError`` names one that makes no sense, ``TypeError`` an unknown one.
 
     ``signing_key`` (a private key file made by ``deltasync keygen``, mode 0600) signs every step before it
-    is committed (docs/FORMAT.md section 5e): followers given its public half accept nothing else.
+    is committed, and the stream's head in ``latest.json`` after each commit, every third of the lease while it
+    runs and, closed, when it closes (docs/FORMAT.md section 5e): followers given its public half and the stream's
+    id (``stream_id``, logged; pin it with the ``stream_id`` option) accept nothing else. A signing publisher
+    resumes after the newest step its own key signed: a forged manifest in the store does not exist for it.
 
     A framework that hands weights over as a stream (verl's per-tensor generator, vLLM's ``WeightSource``, TRL's
     ``send_weights`` iterator) passes ``source=None`` and gives every step's tensors as
@@ -197,9 +201,11 @@ class DeltaPublisher:
             sharded = source is not None and (
                 not callable(source) and is_sharded(source)
                 or isinstance(source, torch.nn.Module) and is_sharded(source.state_dict()))
-        self._sharded = (ShardedWriter(source, opts, self.store, writer_id=self.writer_id, signing_key=self.signing_key,
+        # rank 0 signs what it commits: its signer (the key bound to the stream) is set once the stream is found
+        self._sharded = (ShardedWriter(source, opts, self.store, writer_id=self.writer_id, signing_key=None,
                                        spool=lambda: self._spool, group=ShardGroup()) if sharded else None)
         self._holds_lease = self._sharded is None or self._sharded.rank == 0  # one lease per stream: rank 0's
+        self.signer: StreamSigner | None = None  # the key bound to this stream (rank 0 of a signing publisher)
         # the committer announces each step to followers that listen (before the lease: a port in use fails here;
         # on a sharded trainer every rank fails with rank 0, below)
         self._events: EventServer | None = None
@@ -223,18 +229,43 @@ class DeltaPublisher:
         opts = self.options
         self.last_committed_step: int | None = None
         if self._holds_lease and start_error is None:
+            held = False
             try:
-                self.store.acquire_lease(self.writer_id, ttl_s=opts.lease_s, take_over=opts.take_over)
+                info = self.store.stream_info()  # a stream told apart before its lease is taken
+                if opts.stream_id is not None and info is not None and info.stream_id != opts.stream_id:
+                    raise ConfigError(f"{self.store.url}: stream.json names stream {info.stream_id!r}, this publisher "
+                                      f"was told to write stream {opts.stream_id!r}: another stream lives at this URL")
+                if self.signing_key is not None and opts.stream_id is None and info is None and self.store.steps():
+                    # a new random id would orphan every step signed before: whoever deleted stream.json wins nothing
+                    raise ConfigError(f"{self.store.url}: the stream has steps but no stream.json, and this signing "
+                                      "publisher was given no stream_id: give it the id its steps were signed for "
+                                      "(stream_id=..., the id followers pin)")
+                self.store.acquire_lease(self.writer_id, ttl_s=opts.lease_s, take_over=opts.take_over,
+                                         stream_id=opts.stream_id)
+                held = True
                 # leftovers of a writer that died; a young folder may belong to a writer still finishing its upload
                 self.store.remove_uncommitted(older_than_s=opts.lease_s)
-                # resume after the newest committed manifest, never after the latest.json hint (it may be stale)
-                committed = self.store.steps()
-                self.last_committed_step = committed[-1] if committed else None
+                # resume after the newest committed manifest, never after the latest.json hint (it may be stale);
+                # a signing publisher after the newest its own key signed (a forged manifest does not exist for it)
+                if self.signing_key is not None:
+                    self.signer, self.last_committed_step = writer_signer(self.store, self.signing_key,
+                                                                          stream_id=opts.stream_id)
+                    if self.last_committed_step is not None:
+                        self.store.resume_head(self.last_committed_step, self.signer)
+                else:
+                    committed = self.store.steps()
+                    self.last_committed_step = committed[-1] if committed else None
             except DeltaSyncError as e:
+                if held:  # a publisher that cannot start leaves the stream to the next one
+                    try:
+                        self.store.release_lease(self.writer_id)
+                    except DeltaSyncError as released:
+                        log.warning("could not release the writer lease: %s", released)
                 if self._sharded is None:
                     raise
                 start_error, self.last_committed_step = e, None
         if self._sharded is not None:  # every rank starts where rank 0 found the stream, or fails with it
+            self._sharded.signing_key = self.signer  # rank 0 commits, and signs what it commits
             mine = self.last_committed_step if self._holds_lease else None
             start_error, self.last_committed_step = self._sharded.group.broadcast((start_error, mine))
             if start_error is not None:
@@ -415,7 +446,7 @@ class DeltaPublisher:
         from deltasync.reader import StreamReader  # (the reader sits above the publisher)
 
         try:
-            with StreamReader(self.store) as reader, reader.open(step) as obj:
+            with StreamReader(self.store, trusted_keys=self.trust) as reader, reader.open(step) as obj:
                 headers = dict(obj.header.tensors)
                 aliases = dict(obj.header.aliases)
             differ: list[str] = []
@@ -461,15 +492,32 @@ class DeltaPublisher:
                     self._thread.join()
                 try:
                     if self._holds_lease:
+                        if self.signer is not None:  # the newest step, closed: no freshness expected after it
+                            self.store.check_lease(self.writer_id)
+                            self.store.refresh_head(self.signer, closed=True)
                         self.store.release_lease(self.writer_id)
                 except DeltaSyncError as e:
-                    log.warning("could not release the writer lease: %s", e)
+                    log.warning("could not close the stream's head and release the writer lease: %s", e)
                 if self._sharded is not None:
                     self._sharded.group.destroy()
             finally:
                 self._spool_folder.remove()  # also after a failed step: nothing stays in the temp folder
                 if self._events is not None:
                     self._events.close()
+
+    @property
+    def stream_id(self) -> str | None:
+        """The id of the stream this publisher writes (what followers pin beside the trusted keys, docs/FORMAT.md
+        section 5e); None on the ranks of a sharded trainer other than rank 0."""
+        if self.signer is not None:
+            return self.signer.stream_id
+        return self.store.stream_id() if self._holds_lease else None
+
+    @property
+    def trust(self) -> TrustedKeys | None:
+        """What this signing publisher trusts of its own stream (its key, and the key that endorsed it for the
+        steps before), pinned to it; None without a signing key."""
+        return None if self.signer is None else own_trust(self.signer.key, self.signer.stream_id)
 
     @property
     def events_url(self) -> str | None:
@@ -591,6 +639,8 @@ class DeltaPublisher:
     def _renew_lease(self) -> None:
         try:
             self.store.renew_lease(self.writer_id, ttl_s=self.options.lease_s)
+            if self.signer is not None:  # the head stays fresh while the publisher runs (docs/FORMAT.md 5e)
+                self.store.refresh_head(self.signer)
         except DeltaSyncError as e:
             log.error("%s", e)
             with self._lock:
@@ -631,12 +681,14 @@ class DeltaPublisher:
         try:
             if self._model_files is not None:  # once, before the first commit: a reader of any step finds them
                 self.store.check_lease(self.writer_id)
-                write_model_files(self.store, self._model_files)
+                _, files_sha256 = store_model_files(self.store, self._model_files)
+                if self.signer is not None:  # the files.json it wrote (or found identical): what its steps name
+                    self.signer.files_sha256 = files_sha256
                 self._model_files = None
             if delta is not None and delta_local is not None:  # uploaded before the manifest, like the anchor itself
                 self.store.put_part(job.step, delta.part, delta_local)
             # never commit after losing the stream: the lease is proven right before the manifest is written
-            self.store.commit(manifest, local, owner=self.writer_id, signer=self.signing_key)
+            self.store.commit(manifest, local, owner=self.writer_id, signer=self.signer)
         finally:
             local.unlink(missing_ok=True)
             if delta_local is not None:

@@ -52,7 +52,7 @@ from deltasync.threads import parallel_map
 
 if TYPE_CHECKING:
     from deltasync.publish.options import PublishOptions
-    from deltasync.signing import SigningKey
+    from deltasync.signing import StreamSigner
     from deltasync.store import Store
 
 log = logging.getLogger(__name__)
@@ -272,7 +272,7 @@ class ShardedWriter:
     """
 
     def __init__(self, source: Any, options: PublishOptions, store: Store, *, writer_id: str,
-                 signing_key: SigningKey | None, spool: Callable[[], Path], group: ShardGroup) -> None:
+                 signing_key: StreamSigner | None, spool: Callable[[], Path], group: ShardGroup) -> None:
         self.source, self.options, self.store = source, options, store
         self.writer_id, self.signing_key = writer_id, signing_key
         self.spool = spool  # the publisher's spool folder, made on first use (anchors are written there)

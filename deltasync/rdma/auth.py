@@ -47,6 +47,9 @@ def cluster_secret(secret: str | None = None, *, where: str = "rdma") -> bytes:
         raise ConfigError(f"{where}: the RDMA control plane is authenticated: set {SECRET_ENV} (or the rdma option "
                           f"'secret') to the same random string of at least {MIN_SECRET_CHARS} characters on the "
                           "controller and every trainer and consumer, e.g. the output of `openssl rand -hex 32`")
+    from deltasync.secrets import remember
+
+    remember(value)  # scrubbed from every error and log line (deltasync/secrets.py)
     return check_secret(value, where=where).encode()
 
 

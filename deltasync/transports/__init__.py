@@ -119,7 +119,8 @@ def unregister_transport(scheme: str) -> None:
 
 
 def open_transport(url: str, storage_options: dict[str, Any] | None = None) -> Transport:
-    """The transport for ``url``; ``storage_options`` go to the backend (credentials, endpoint, ...).
+    """The transport for ``url``; ``storage_options`` go to the backend (credentials, endpoint, ...; a
+    ``deltasync.Secret`` as its value).
 
     ``StoreConfigError`` for a scheme no backend takes; ``MissingDependencyError`` (with the extra to
     install) where the backend's package is missing. The backend's own errors pass through.
@@ -127,14 +128,18 @@ def open_transport(url: str, storage_options: dict[str, Any] | None = None) -> T
     scheme = scheme_of(url)
     entry = _lookup(scheme)
     if entry is None:
+        from deltasync.secrets import redact_url
+
         raise StoreConfigError(
-            f"cannot open store {url!r}: no transport for scheme {scheme!r} (built in: "
+            f"cannot open store {redact_url(url)!r}: no transport for scheme {scheme!r} (built in: "
             f"{', '.join(sorted(s for s in _REGISTRY if s))}; others through register_transport, the "
             f"{ENTRY_POINT_GROUP!r} entry points, or fsspec)"
         )
     factory, extra = (entry, None) if callable(entry) else _import(entry, url)
-    try:
-        return factory(url, dict(storage_options or {}))
+    from deltasync.secrets import reveal
+
+    try:  # a backend is given the values of deltasync.Secret options (it needs them; nothing else does)
+        return factory(url, reveal(dict(storage_options or {})))
     except ImportError as e:  # a package the backend imports on first use (fsspec's gcsfs, adlfs, ...)
         raise _missing(url, e, extra) from e
 

@@ -56,6 +56,7 @@ import logging
 import math
 import urllib.parse
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -133,8 +134,10 @@ class DeltasyncWeightTransfer:
             notify, rdma, or another URL the engine reads the same stream by, e.g. a mirror).
         storage_options: the store's options (credentials, endpoint), for the trainer and sent to the server.
         step_fn: returns the step number of each sync (default: counts syncs; see the module docstring).
-        trusted_keys: public key files: the server applies only steps signed by one of them (pair it with
-            ``signing_key=``). With a ``VllmTarget``, give them to the target.
+        trusted_keys: public key files, one of them the public half of ``signing_key=`` (required with it): the
+            server applies only steps this trainer's key signed for this trainer's stream (the publisher's
+            ``trust``, pinned to its stream id). A signing trainer's server checks that with or without this
+            argument; with a ``VllmTarget``, its own ``trusted_keys`` (a ``TrustedKeys``) decide.
         timeout_s: how long a sync waits for its step to be committed (seconds).
         options: the publisher's settings (:class:`deltasync.PublishOptions`); ``publisher_kwargs`` set the
             same ones by name (``files=`` the model folder, so that ``deltasync replay`` writes loadable
@@ -175,9 +178,8 @@ class DeltasyncWeightTransfer:
             raise ConfigError(f"{_WHO}: sharded=True cannot apply: TRL hands the full tensors to rank 0 alone, "
                               "so rank 0 publishes them (leave sharded unset)")
         self.target = _target(server, trusted_keys)
-        if self.target.settings.trusted_keys and self.options.signing_key is None:
-            raise ConfigError(f"{_WHO}: trusted_keys makes the server apply signed steps only, and no signing_key= "
-                              "signs them: give the private key the trusted keys belong to")
+        if trusted_keys is not None:
+            _check_signing_pair(trusted_keys, self.options.signing_key)
         self.url = url
         self.storage_options = storage_options
         self.step_fn = step_fn
@@ -249,6 +251,22 @@ class DeltasyncWeightTransfer:
         return step
 
 
+def _check_signing_pair(trusted_keys: Any, signing_key: Any) -> None:
+    """``trusted_keys`` must hold the public half of ``signing_key`` (the server then applies what it signs)."""
+    from deltasync.engine import SigningKey, read_public_key
+
+    if signing_key is None:
+        raise ConfigError(f"{_WHO}: trusted_keys makes the server apply signed steps only, and no signing_key= "
+                          "signs them: give the private key the trusted keys belong to")
+    files = [trusted_keys] if isinstance(trusted_keys, (str, Path)) else trusted_keys
+    if not isinstance(files, (list, tuple)) or not files:
+        raise ConfigError(f"{_WHO}: trusted_keys must be a list of public key files, got {type(trusted_keys).__name__}")
+    key = signing_key if isinstance(signing_key, SigningKey) else SigningKey(signing_key)
+    if key.public_key not in {read_public_key(k) for k in files}:
+        raise ConfigError(f"{_WHO}: none of trusted_keys is the public half of signing_key ({key.path}): the server "
+                          "would refuse every step this trainer signs")
+
+
 def _target(server: Any, trusted_keys: Any) -> VllmTarget:
     """The engine target for ``server`` (a URL or a ``VllmTarget``); ``ConfigError`` naming ``server``."""
     if isinstance(server, VllmTarget):
@@ -261,6 +279,6 @@ def _target(server: Any, trusted_keys: Any) -> VllmTarget:
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"{_WHO}: server must be the vLLM server's URL (http://host:port, what "
                               f"AsyncGRPOConfig.vllm_server_base_url names), got {server!r}")
-        return VllmTarget(server) if trusted_keys is None else VllmTarget(server, trusted_keys=trusted_keys)
+        return VllmTarget(server)  # a signing trainer's server checks its signatures (TrainerSync gives the trust)
     raise ConfigError(f"{_WHO}: server must be the vLLM server's URL (http://host:port) or a VllmTarget, got "
                       f"{type(server).__name__}")

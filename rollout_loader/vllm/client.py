@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal, Protocol, get_args
 import msgspec
 
 from deltasync import DeltaSyncError
+from deltasync.engine import redact_url
 from deltasync.errors import (
     ConfigError,
     EngineConfigError,
@@ -185,7 +186,11 @@ class HttpWeightTransfer:
                  pause_mode: PauseMode = "keep") -> None:
         parts = urllib.parse.urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"{base_url!r} is not a server URL: expected http://host:port (a vLLM OpenAI server)")
+            raise ConfigError(f"{redact_url(base_url)!r} is not a server URL: expected http://host:port (a vLLM OpenAI "
+                              "server)")
+        if parts.username is not None or parts.password is not None:  # never sent, and it would show in messages
+            raise ConfigError(f"{redact_url(base_url)!r}: a server URL carries no user or password (they would not be "
+                              "sent, and messages would show them); expected http://host:port")
         if pause_mode not in get_args(PauseMode):
             raise ConfigError(f"{type(self).__name__}: pause_mode must be one of {get_args(PauseMode)}, not "
                               f"{pause_mode!r}")

@@ -16,7 +16,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from deltasync.engine import CONSUMER_ID, MAX_STEP, TrustedKeys, name_matches, pem_texts, rdma_options
+from deltasync.engine import (
+    CONSUMER_ID,
+    MAX_STEP,
+    TrustedKeys,
+    check_max_age_s,
+    check_stream_id,
+    name_matches,
+    pem_texts,
+    rdma_options,
+    reveal,
+)
 from deltasync.errors import ConfigError
 
 __all__ = ["EngineSettings", "EngineVerify", "Mode", "Representation"]
@@ -51,6 +61,10 @@ class EngineSettings:
             only steps one of them signed. Kept as PEM text, so a server elsewhere needs no file.
         revoked_keys: public keys (the same forms) the engine refuses, with every key they endorsed, even where a
             trusted key endorsed them: a leaked key (docs/SECURITY.md). Only beside ``trusted_keys``.
+        stream_id: the stream the trusted keys sign for (docs/FORMAT.md section 5e: pinned beside the keys, never
+            read from the store; a key may sign several streams). Required beside ``trusted_keys``.
+        max_age_s: the engine refuses a stream whose newest signed head is older than this (a frozen or held-back
+            stream; docs/FORMAT.md section 5e). Only beside ``trusted_keys``.
         representation: what the stream's tensors are: ``"checkpoint"`` (the engine's checkpoint tensors; layers
             vLLM transforms after loading are re-loaded from host copies) or ``"fp8"`` (an FP8 engine's own
             representation, docs/FORMAT.md section 7: FP8 bytes and scales written in place, no host copy).
@@ -77,6 +91,8 @@ class EngineSettings:
     notify: str | None = None
     trusted_keys: tuple[str, ...] | None = None
     revoked_keys: tuple[str, ...] | None = None
+    stream_id: str | None = None
+    max_age_s: float | None = None
     representation: Representation = "checkpoint"
     max_host_bytes: int | None = None
 
@@ -113,6 +129,10 @@ class EngineSettings:
                 object.__setattr__(self, name, tuple(pem_texts(list(keys))))
             except ConfigError as e:
                 raise ConfigError(f"deltasync engine setting {name}: {e}") from None
+        if self.stream_id is not None:
+            check_stream_id(self.stream_id, what="deltasync engine setting stream_id")
+        object.__setattr__(self, "max_age_s",
+                           check_max_age_s(self.max_age_s, what="deltasync engine setting max_age_s"))
         size = 0
         for name, value in self.init_info().items():  # what travels is JSON: a value that is not is named here
             try:
@@ -168,7 +188,8 @@ class EngineSettings:
         info = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         info["trusted_keys"] = None if self.trusted_keys is None else list(self.trusted_keys)
         info["revoked_keys"] = None if self.revoked_keys is None else list(self.revoked_keys)
-        info["rdma"] = None if self.rdma is None else dict(self.rdma)
+        info["rdma"] = None if self.rdma is None else reveal(dict(self.rdma))
+        info["storage_options"] = reveal(self.storage_options)  # a deltasync.Secret travels as its value (JSON)
         return info
 
     def stream(self) -> tuple[str, dict[str, Any]]:
@@ -178,15 +199,21 @@ class EngineSettings:
         return self.url, dict(self.storage_options)
 
     def trusted(self) -> TrustedKeys | None:
-        """The keys the engine checks every step against (None: steps are not checked): the trusted keys, less the
-        revoked ones and what they endorsed. ``ConfigError`` for revoked keys without trusted ones (nothing would
-        be checked: the revocation would protect nothing)."""
+        """The trust the engine checks every step with (None: steps are not checked): the trusted keys, less the
+        revoked ones and what they endorsed, pinned to ``stream_id``, with ``max_age_s``. ``ConfigError`` for
+        trusted keys without a stream (docs/FORMAT.md section 5e), or revoked keys, a stream or ``max_age_s``
+        without trusted keys (nothing would be checked: they would protect nothing)."""
         if self.trusted_keys is None:
-            if self.revoked_keys:
-                raise _bad("revoked_keys", "trusted_keys beside them (without trusted keys no step is checked)",
-                           f"{len(self.revoked_keys)} revoked key(s) and no trusted key")
+            given = [n for n in ("revoked_keys", "stream_id", "max_age_s") if getattr(self, n)]
+            if given:
+                raise _bad(given[0], "trusted_keys beside it (without trusted keys no step is checked)",
+                           f"{given[0]} and no trusted key")
             return None
-        return TrustedKeys.load(list(self.trusted_keys), revoked=list(self.revoked_keys or ()))
+        try:
+            return TrustedKeys.load(list(self.trusted_keys), revoked=list(self.revoked_keys or ()),
+                                    stream_id=self.stream_id, max_age_s=self.max_age_s)
+        except ConfigError as e:
+            raise ConfigError(f"deltasync engine setting trusted_keys: {e}") from None
 
     def replace(self, **changes: Any) -> EngineSettings:
         """A copy with ``changes`` (checked again)."""
@@ -194,9 +221,10 @@ class EngineSettings:
 
     def same_stream(self, other: EngineSettings | None) -> bool:
         """Whether ``other`` follows the same stream in the same way (what an engine keeps its step across)."""
-        return other is not None and (self.url, self.storage_options, self.rdma, self.trusted_keys,
-                                      self.revoked_keys) == (other.url, other.storage_options, other.rdma,
-                                                             other.trusted_keys, other.revoked_keys)
+        mine = (self.url, self.storage_options, self.rdma, self.trusted_keys, self.revoked_keys, self.stream_id,
+                self.max_age_s)
+        return other is not None and mine == (other.url, other.storage_options, other.rdma, other.trusted_keys,
+                                              other.revoked_keys, other.stream_id, other.max_age_s)
 
 
 def _bad(name: str, expected: str, got: Any) -> ConfigError:

@@ -20,7 +20,7 @@ import os
 from typing import Any
 
 from deltasync import StreamReader
-from deltasync.engine import TrustedKeys, pem_texts
+from deltasync.engine import pem_text, pem_texts
 from deltasync.errors import ConfigError, HeldStepError
 
 from .client import WORKER_EXTENSION, WeightTransfer, weight_transfer, worker_module
@@ -98,15 +98,20 @@ class VllmTarget:
         reader's URL (made absolute when local), storage options, trusted and revoked keys, and ``notify``."""
         s = self.settings
         changes: dict[str, Any] = {}
-        changes["url"] = _absolute(reader.url if s.url is None else s.url)
+        changes["url"] = _absolute(reader.store.location if s.url is None else s.url)  # as given, password too
         if s.url is None and not s.storage_options:  # the follower's store: its options too
             changes["storage_options"] = dict(reader.store.storage_options)
-        if s.trusted_keys is None and reader.trusted is not None:
-            changes["trusted_keys"] = tuple(pem_texts(reader.trusted))
-        if s.revoked_keys is None and reader.trusted is not None and reader.trusted.revoked:
+        trust = reader.trusted
+        if s.trusted_keys is None and trust is not None:  # the follower's trust, whole: keys, stream, freshness
+            changes["trusted_keys"] = tuple(pem_texts(trust))
+            if s.stream_id is None:
+                changes["stream_id"] = trust.stream_id
+            if s.max_age_s is None and trust.max_age_s is not None:
+                changes["max_age_s"] = trust.max_age_s
+        if s.revoked_keys is None and trust is not None and trust.revoked:
             # the follower's revocations too: an engine that trusted what the follower refuses (a leaked key, and
             # the keys it endorsed) would apply a step swapped in the store after the follower checked it
-            changes["revoked_keys"] = tuple(pem_texts(TrustedKeys(keys=set(reader.trusted.revoked))))
+            changes["revoked_keys"] = tuple(pem_text(k) for k in sorted(trust.revoked))
         if s.notify is None and notify is not None:
             changes["notify"] = notify
         return s.replace(**changes)

@@ -93,7 +93,10 @@ class TrainerSync:
         publisher = DeltaPublisher(self.url, self.source, options, storage_options=self.storage_options)
         try:
             if self.target is not None:
-                with StreamReader(self.url, storage_options=self.storage_options) as reader:
+                # a signing trainer's engines apply only what its key signed for its stream (docs/FORMAT.md 5e),
+                # unless the target's settings name their own trust
+                with StreamReader(self.url, storage_options=self.storage_options,
+                                  trusted_keys=publisher.trust) as reader:
                     sent = self.target.engine_settings(reader).storage_options
                     if sent and sent == dict(self.storage_options or {}):
                         # the trainer's store options may carry write access; an engine only reads (SECURITY.md)

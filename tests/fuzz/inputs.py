@@ -1,6 +1,8 @@
 """Fuzzing the inputs that arrive from outside other than a stored stream (issue 19): version-2 (multi-part)
 manifests, RDMA control messages (to the controller) and announcements (to a consumer), ``init_info`` and
-``update_info`` of the vLLM engine, and the HTTP replies the server client reads.
+``update_info`` of the vLLM engine, and the HTTP replies the server client reads; and (issue 30) consumers'
+heartbeats as ``deltasync status`` shows them, the engine ranks' status replies, event-feed lines, and the
+entries a node cache holds (files, links, FIFOs, folders where an object or a lock belongs).
 
 Each target has valid seed inputs; a case takes one and mutates it (a value swapped for a hostile one, a
 key dropped or added, a type changed, bytes flipped, cut or inserted), from ``(seed, index)`` alone, so
@@ -23,11 +25,12 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from deltasync.errors import DeltaSyncError
+from deltasync.errors import CorruptObjectError, DeltaSyncError, FormatError
 from tests.http_server import serving
 
 from .operations import library_frame
@@ -472,6 +475,220 @@ class _HttpUnderTest:
         self._cm.__exit__(None, None, None)
 
 
+# --- issue 30: heartbeats, status replies, event-feed lines, node-cache entries ---
+
+_CONTROL = {chr(c) for c in range(32) if c != 10} | {chr(127)} | {chr(c) for c in range(0x80, 0xA0)}
+
+
+def _heartbeat_seeds() -> list[Any]:
+    return [{"consumer_id": "rollout-0", "step": 1, "updated_unix_s": time.time(), "newest_step": 2,
+             "weight_version": "1", "errors": 0},
+            {"consumer_id": "rollout-0", "step": 0, "updated_unix_s": 1.0},
+            {"consumer_id": "rollout-0", "step": 1, "updated_unix_s": time.time() + 10**8,
+             "weight_version": "\x1b]52;c;ZXZpbA==\x07[red]x[/red]\u202e"}]
+
+
+class _StatusUnderTest:
+    """``deltasync status`` (table, JSON, Prometheus) over a small local stream whose heartbeat a case writes."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        import torch
+
+        from deltasync import DeltaPublisher
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="deltasync-fuzz-status-")
+        self.url = f"{self._tmp.name}/stream"
+        with DeltaPublisher(self.url, {"w": torch.zeros(8)}, on_backlog="block") as pub:
+            for s in range(3):
+                pub.publish(s)
+
+    def case(self, rng: random.Random) -> Callable[[], None]:
+        import io
+
+        from rich.console import Console
+
+        from deltasync.history.fleet import fleet_status, prometheus_text
+        from deltasync.store import Store
+        from deltasync_cli import stream as cli_stream
+
+        seed = rng.choice(_heartbeat_seeds())
+        raw = _json(mutate_value(seed, rng)) if rng.random() < 0.8 else mutate_bytes(_json(seed), rng)
+        name = rng.choice(["rollout-0", "rollout-0", "other", "x" * 200, "a b"])
+        url = self.url
+
+        def run() -> None:
+            import os
+
+            folder = f"{url}/consumers"
+            os.makedirs(folder, exist_ok=True)
+            for old in os.listdir(folder):
+                os.unlink(os.path.join(folder, old))
+            with open(os.path.join(folder, f"{name}.json"), "wb") as f:
+                f.write(raw)
+            with Store(url) as store:
+                fleet = fleet_status(store)
+                if len(fleet.consumers) + len(fleet.unreadable) != 1:
+                    raise Broken("a heartbeat file is neither a consumer nor reported unreadable")
+                if any(c.suspect and (c.stale or c.age_s >= 0) for c in fleet.consumers):
+                    raise Broken("a heartbeat from the future is shown stale or aged")
+                texts = [json.dumps(fleet.to_dict()), prometheus_text(fleet)]
+            buffer = io.StringIO()
+            console, cli_stream.out = cli_stream.out, Console(file=buffer, width=120)
+            try:
+                cli_stream.status(url, stale_after_s=900.0, as_json=False, prometheus=False, storage_option=None)
+            finally:
+                cli_stream.out = console
+            texts.append(buffer.getvalue())
+            for text in texts:
+                bad = _CONTROL & set(text)
+                if bad:
+                    raise Broken(f"status output holds control character(s) {sorted(map(ord, bad))}")
+            if fleet.unreadable:
+                raise FormatError("the heartbeat was reported unreadable (and the fleet shown)")  # a rejection
+
+        return run
+
+    def close(self) -> None:
+        self._tmp.cleanup()
+
+
+def _status_seeds() -> list[Any]:
+    rank = {"held_step": 7, "arrived": {"7": "rdma", "6": "store: timeout"}, "pauses_s": [0.01],
+            "checksums": {"w": 2**63 + 5, "b": 3}}
+    return [[rank, dict(rank, checksums={"w": 1, "b": 2})], [rank], [{"error": "boom"}], [dict(rank, held_step=None)]]
+
+
+def t_status_reply(rng: random.Random) -> Callable[[], None]:
+    from rollout_loader.vllm.client import combine_status
+
+    ranks = mutate_value(rng.choice(_status_seeds()), rng)
+
+    def run() -> None:
+        if not isinstance(ranks, list):
+            return  # the client checks that the reply is a list of ranks before combining them
+        s = combine_status(ranks, where="fuzz")
+        held = s["held_step"]
+        if held is not None and not (type(held) is int and 0 <= held < 10**12):
+            raise Broken(f"accepted held step {held!r}")
+        if any(not (type(v) is int and 0 <= v < 2**64) for v in s["checksums"].values()):
+            raise Broken("accepted a checksum that is not 64 bits")
+        if any(not (type(k) is int and 0 <= k < 10**12) for k in s["arrived"]):
+            raise Broken("accepted an arrival that names no step")
+
+    return run
+
+
+def _event_seeds() -> list[bytes]:
+    return [b'event: step\ndata: {"step": 12}\n\n', b": keep-alive\n\n", b'data: {"step": 3}\n\n',
+            b'event: step\r\ndata: {"step": 999999999999}\r\n\r\nevent: step\ndata: {"step": 4}\n\n',
+            b"event: step\ndata: {\ndata: \"step\": 5}\n\n"]
+
+
+def t_event_line(rng: random.Random) -> Callable[[], None]:
+    from deltasync.notify import MAX_LINE_BYTES, EventParser
+
+    raw = rng.choice(_event_seeds())
+    raw = mutate_bytes(raw, rng) if rng.random() < 0.8 else raw
+    if rng.random() < 0.1:
+        raw += b"data: " + b"9" * rng.choice([10, MAX_LINE_BYTES, 10 * MAX_LINE_BYTES]) + b"\n\n"
+
+    def run() -> None:
+        parser = EventParser()
+        heard = []
+        for line in raw.splitlines(keepends=True):
+            try:
+                step = parser.feed(line)
+            except ConnectionError:
+                if len(line) <= MAX_LINE_BYTES:
+                    raise Broken("a line within bounds dropped the feed") from None
+                raise FormatError("the feed was dropped: a line too long") from None  # a rejection
+            if step is not None and not (type(step) is int and 0 <= step < 10**12):
+                raise Broken(f"announced {step!r}")
+            if step is not None:
+                heard.append(step)
+        if not heard:
+            raise FormatError("nothing announced")  # every event refused
+
+    return run
+
+
+class _NodeCacheUnderTest:
+    """A node cache whose entry for an object (and its lock, and its temporary path) a case replaces with
+    something hostile; the read must return the object's true bytes, never block, never write elsewhere."""
+
+    KINDS = ("absent", "right", "wrong bytes", "short", "long", "symlink", "dangling symlink", "fifo", "folder",
+             "empty")
+
+    def __init__(self) -> None:
+        import tempfile
+
+        from deltasync.node_cache import NodeCache
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="deltasync-fuzz-node-")
+        self.root = Path(self._tmp.name)
+        self.cache = NodeCache(self.root / "node", max_bytes=1 << 20)
+        self.victim = self.root / "victim"
+        self.victim.write_bytes(b"precious")
+
+    def case(self, rng: random.Random) -> Callable[[], None]:
+        import hashlib
+        import os
+
+
+        data = bytes(rng.randrange(256) for _ in range(rng.randint(8, 64)))
+        digest = hashlib.sha256(data).hexdigest()
+        entries = {where: rng.choice(self.KINDS) for where in ("object", "lock", "tmp")}
+        cache, victim = self.cache, self.victim
+        paths = {"object": cache.folder / "objects" / digest, "lock": cache.folder / "locks" / f"{digest[:2]}.lock",
+                 "tmp": cache.folder / "tmp" / f"{digest}.{os.getpid()}.part"}
+
+        def plant(path: Path, kind: str) -> None:
+            if path.is_dir() and not path.is_symlink():
+                import shutil
+
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+            content = {"right": data, "wrong bytes": bytes(len(data)), "short": data[:-1], "long": data + b"x",
+                       "empty": b""}
+            if kind in content:
+                path.write_bytes(content[kind])
+            elif kind == "symlink":
+                os.symlink(victim, path)
+            elif kind == "dangling symlink":
+                os.symlink(self.root / "nowhere", path)
+            elif kind == "fifo":
+                os.mkfifo(path)
+            elif kind == "folder":
+                path.mkdir()
+
+        def check(got: bytes) -> None:
+            if hashlib.sha256(got).hexdigest() != digest or len(got) != len(data):
+                raise CorruptObjectError("not the object")
+
+        def run() -> None:
+            for where, kind in entries.items():
+                plant(paths[where], kind)
+            hits = cache.hits
+            got = cache.read(digest, len(data), lambda: data, check)
+            if got != data:
+                raise Broken(f"read returned other bytes than the object's (entries {entries})")
+            if victim.read_bytes() != b"precious":
+                raise Broken(f"a write went through a link (entries {entries})")
+            victim.write_bytes(b"precious")
+            if cache.hits > hits and entries["object"] != "right":
+                raise Broken(f"a hostile entry was served as a hit (entries {entries})")
+            if cache.hits == hits:
+                raise CorruptObjectError("the entry was not used: the object came from the store")  # a rejection
+
+        return run
+
+    def close(self) -> None:
+        self._tmp.cleanup()
+
+
 def _classify(run: Callable[[], None]) -> tuple[str, str]:
     try:
         run()
@@ -485,7 +702,8 @@ def _classify(run: Callable[[], None]) -> tuple[str, str]:
     return "accepted", ""
 
 
-TARGETS = ("manifest", "control", "announcement", "init_info", "update_info", "http_reply")
+TARGETS = ("manifest", "control", "announcement", "init_info", "update_info", "http_reply", "heartbeat",
+           "status_reply", "event_line", "node_cache")
 
 
 def run_inputs(seed: int, iterations: int, *, targets: tuple[str, ...] = TARGETS,
@@ -496,14 +714,15 @@ def run_inputs(seed: int, iterations: int, *, targets: tuple[str, ...] = TARGETS
     Ctrl-C (or SIGTERM in ``python -m tests.fuzz``) ends the run early with the report so far
     (``interrupted``); ``on_progress`` hears the report every 10,000 cases."""
     weights = weights or {"manifest": 30, "control": 30, "announcement": 20, "init_info": 10, "update_info": 5,
-                          "http_reply": 1}
+                          "http_reply": 1, "heartbeat": 1, "status_reply": 10, "event_line": 20, "node_cache": 2}
     report = InputsReport(seed=seed, targets={t: TargetReport() for t in targets})
     shares = [weights.get(t, 1) for t in targets]
     makers: dict[str, Any] = {}
     t0 = time.monotonic()
-    quiet = logging.getLogger("deltasync.rdma")  # the controller logs every refusal: millions here
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)
+    quiet = [logging.getLogger(n) for n in ("deltasync.rdma", "deltasync.node_cache", "deltasync.consumers")]
+    levels = [q.level for q in quiet]  # the controller logs every refusal, a cache every dropped entry: millions
+    for q in quiet:
+        q.setLevel(logging.CRITICAL)
     try:
         for index in range(start, start + iterations):
             if on_progress is not None and index > start and (index - start) % 10_000 == 0:
@@ -513,7 +732,8 @@ def run_inputs(seed: int, iterations: int, *, targets: tuple[str, ...] = TARGETS
             name = rng.choices(targets, shares)[0]
             if name not in makers:
                 makers[name] = {"control": _ControllerUnderTest, "announcement": _ConsumerLinkUnderTest,
-                                "http_reply": _HttpUnderTest}.get(name, lambda: None)()
+                                "http_reply": _HttpUnderTest, "heartbeat": _StatusUnderTest,
+                                "node_cache": _NodeCacheUnderTest}.get(name, lambda: None)()
             under = makers[name]
             make = under.case if under is not None else globals()[f"t_{name}"]
             outcome, detail = _classify(make(rng))
@@ -526,7 +746,8 @@ def run_inputs(seed: int, iterations: int, *, targets: tuple[str, ...] = TARGETS
     except KeyboardInterrupt:
         report.interrupted = True
     finally:
-        quiet.setLevel(level)
+        for q, level in zip(quiet, levels, strict=True):
+            q.setLevel(level)
         for under in makers.values():
             if under is not None:
                 under.close()

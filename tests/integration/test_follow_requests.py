@@ -12,6 +12,7 @@ import torch
 
 from deltasync import DeltaPublisher, StreamReader
 from deltasync.signing import keygen
+from deltasync.trust import TrustedKeys
 from rollout_loader import Follower, StateDictTarget
 from tests.conftest import states_equal
 from tests.integration.counting_proxy import Request, counting_proxy
@@ -36,14 +37,15 @@ def test_an_idle_follower_makes_one_request_per_poll(s3_server, signed, tmp_path
     url = s3_server.new_url()
     opts = s3_server.storage_options
     private, public = keygen(tmp_path / "trainer.key") if signed else (None, None)
-    with DeltaPublisher(url, _state(0), on_backlog="block", storage_options=opts, signing_key=private) as pub:
+    with DeltaPublisher(url, _state(0), on_backlog="block", storage_options=opts, signing_key=private,
+                        stream_id="run-7") as pub:
         for s in range(3):
             pub.source = _state(s)
             pub.publish(s)
     with counting_proxy(opts["client_kwargs"]["endpoint_url"]) as proxy:
         target = StateDictTarget()
         follower = Follower(url, target, poll_s=0.05, max_poll_s=0.4, storage_options=_through(opts, proxy.url),
-                            trusted_keys=[public] if signed else None)
+                            trusted_keys=TrustedKeys.load([public], stream_id="run-7") if signed else None)
         follower.start()
         try:
             follower.wait_for(2, timeout_s=60)
@@ -136,7 +138,8 @@ def test_a_mirror_of_a_signed_stream_reads_each_step_once_and_idles_on_one_reque
     url = s3_server.new_url()
     opts = s3_server.storage_options
     private, public = keygen(tmp_path / "trainer.key")
-    with DeltaPublisher(url, _state(0), on_backlog="block", storage_options=opts, signing_key=private) as pub:
+    with DeltaPublisher(url, _state(0), on_backlog="block", storage_options=opts, signing_key=private,
+                        stream_id="run-7") as pub:
         for s in range(3):
             pub.source = _state(s)
             pub.publish(s)
@@ -152,7 +155,7 @@ def test_a_mirror_of_a_signed_stream_reads_each_step_once_and_idles_on_one_reque
         stop = threading.Event()
         thread = threading.Thread(target=mirror_follow, args=(url, copy), daemon=True, kwargs=dict(
             src_options=_through(opts, proxy.url), policy=PollPolicy(fast_s=0.05, idle_max_s=0.4), stop=stop,
-            trusted_keys=[public]))
+            trusted_keys=TrustedKeys.load([public], stream_id="run-7")))
         thread.start()
         try:
             deadline = time.monotonic() + 60
@@ -166,7 +169,8 @@ def test_a_mirror_of_a_signed_stream_reads_each_step_once_and_idles_on_one_reque
             assert set(idle) == {("GET", "latest.json")} and idle[("GET", "latest.json")] >= 5, idle
             # the publisher talks to S3 directly: from here the proxy counts the mirror's requests alone, the
             # step's included however early the mirror sees it (a take() after the commit raced with that)
-            with DeltaPublisher(url, _state(2), on_backlog="block", storage_options=opts, signing_key=private) as pub:
+            with DeltaPublisher(url, _state(2), on_backlog="block", storage_options=opts, signing_key=private,
+                                stream_id="run-7") as pub:
                 pub.source = _state(3)
                 pub.publish(3)
             while not copied(3):
@@ -179,5 +183,5 @@ def test_a_mirror_of_a_signed_stream_reads_each_step_once_and_idles_on_one_reque
         finally:
             stop.set()
             thread.join(timeout=30)
-    with StreamReader(copy, trusted_keys=[public]) as reader:  # the copy verifies with the same key
+    with StreamReader(copy, trusted_keys=TrustedKeys.load([public], stream_id="run-7")) as reader:  # same key
         assert states_equal(reader.state_dict(3), _state(3))

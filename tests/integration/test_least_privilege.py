@@ -17,6 +17,7 @@ from deltasync.errors import StoreAuthError
 from deltasync.history.gc import collect_garbage
 from deltasync.signing import keygen
 from deltasync.store import Store
+from deltasync.trust import TrustedKeys
 from rollout_loader import Follower, StateDictTarget
 from tests.integration.seaweedfs import _server
 from tests.integration.test_cli_errors_s3 import KEY, SECRET, _require_credentials
@@ -68,7 +69,7 @@ def test_a_read_only_follower_follows_and_can_neither_commit_nor_delete(s3, tmp_
     state = {"w": torch.randn(128, 64), "b": torch.randn(64)}
     truth = {}
     with DeltaPublisher(url, state, storage_options=s3.storage_options, signing_key=private, anchor_every=3,
-                        on_backlog="block") as pub:
+                        on_backlog="block", stream_id="run-7") as pub:
         for step in range(5):
             state["w"][step, :9] += 1.0
             pub.publish(step)
@@ -78,7 +79,8 @@ def test_a_read_only_follower_follows_and_can_neither_commit_nor_delete(s3, tmp_
 
     caplog.set_level(logging.DEBUG)
     target = StateDictTarget(verify="full")
-    with Follower(url, target, storage_options=options, trusted_keys=[public], consumer_id="rollout-7",
+    with Follower(url, target, storage_options=options, trusted_keys=TrustedKeys.load([public], stream_id="run-7"),
+                  consumer_id="rollout-7",
                   heartbeat_s=0.05, poll_s=0.02) as follower:
         assert follower.wait_for(4, timeout_s=60) == 4
         time.sleep(0.5)  # several heartbeats due: each refused, logged, and the follower goes on

@@ -20,6 +20,7 @@ from deltasync.errors import (
 )
 from deltasync.format.checksum import parse_checksum
 from deltasync.signing import keygen
+from deltasync.trust import TrustedKeys
 from rollout_loader import Follower
 from rollout_loader.vllm import VllmTarget
 from tests.integration.conftest import build_checkpoint, engine, generate, save_like
@@ -37,7 +38,7 @@ def train_and_publish(model_dir, url, steps: int, *, lr: float = 3e-4,
     g = torch.Generator().manual_seed(0)
     states = {}
     with DeltaPublisher(url, model, dtype=torch.bfloat16, anchor_every=4, on_backlog="block",
-                        signing_key=signing_key) as pub:
+                        signing_key=signing_key, stream_id="run-7") as pub:
         for step in range(steps):
             if step:
                 batch = torch.randint(0, model.config.vocab_size, (2, 33), generator=g)
@@ -66,8 +67,9 @@ def test_engine_follows_training_bit_exactly(tmp_path, tie):
     last = steps - 1
 
     with engine(model_dir, "bfloat16", live=True) as llm:
-        target = VllmTarget(llm, verify="all", trusted_keys=[public])  # the engine checks every signature itself
-        follower = Follower(url, target, trusted_keys=[public])
+        trust = TrustedKeys.load([public], stream_id="run-7")  # the keys, and the stream they sign for
+        target = VllmTarget(llm, verify="all", trusted_keys=trust)  # the engine checks every signature itself
+        follower = Follower(url, target, trusted_keys=trust)
         before = generate(llm)
         assert follower.sync(2) == [0, 1, 2]  # the anchor, then deltas in place, one verified step at a time
         assert llm.get_weight_version() == "2"

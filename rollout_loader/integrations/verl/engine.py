@@ -126,7 +126,8 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
     def _open_sync(self) -> TrainerSync:
         if self._sync is None:
             s = self.settings
-            options = PublishOptions(anchor_every=s.anchor_every, dtype=s.publish_dtype, signing_key=s.signing_key)
+            options = PublishOptions(anchor_every=s.anchor_every, dtype=s.publish_dtype, signing_key=s.signing_key,
+                                     stream_id=s.stream_id)
             self._sync = TrainerSync(s.url, options=options, storage_options=s.storage_options, who=WHO)
             self._track()
         return self._sync

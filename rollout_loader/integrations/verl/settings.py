@@ -10,7 +10,7 @@ from typing import Any, get_args
 
 import torch
 
-from deltasync.engine import Manifest, TrustedKeys
+from deltasync.engine import Manifest, TrustedKeys, check_stream_id, pem_text, pem_texts
 from deltasync.errors import ConfigError
 from rollout_loader.vllm.settings import EngineSettings, EngineVerify
 
@@ -39,7 +39,11 @@ class VerlSettings:
         anchor_every: a full snapshot every this many published steps (>= 1).
         signing_key: a private key file (``deltasync keygen``, mode 0600) on the actor rank 0's node: every step
             is signed with it.
-        trusted_keys: public keys (PEM text, or files where the reader runs): only steps they signed are read.
+        stream_id: the stream's id (``PublishOptions.stream_id``): the actor creates or checks the stream with it,
+            and readers given ``trusted_keys`` pin it (docs/FORMAT.md section 5e). Needed with ``trusted_keys``.
+        trusted_keys: public keys (PEM text, or files where the reader runs): only steps they signed for
+            ``stream_id`` are read.
+        revoked_keys: public keys trusted for nothing, nor any key they endorsed (a leaked key).
         verify: how the vLLM engines check each step (manager path): ``"incremental"`` (each changed tensor's
             checksum follows from the patched elements), ``"changed"`` or ``"all"`` (recomputed from the bits).
             The registry path's host copy verifies incrementally, or from the bits with the other two.
@@ -64,7 +68,9 @@ class VerlSettings:
     dtype: str | None = "bfloat16"
     anchor_every: int = 20
     signing_key: str | None = None
+    stream_id: str | None = None
     trusted_keys: tuple[str, ...] | None = None
+    revoked_keys: tuple[str, ...] = ()
     verify: EngineVerify = "incremental"
     prefetch: bool = True
     changed_only: bool = True
@@ -100,12 +106,20 @@ class VerlSettings:
             raise _refuse("anchor_every", "a whole number >= 1", self.anchor_every)
         if self.signing_key is not None and (not isinstance(self.signing_key, str) or not self.signing_key):
             raise _refuse("signing_key", "the path of a private key file (deltasync keygen)", self.signing_key)
-        if self.trusted_keys is not None:
-            keys = [self.trusted_keys] if isinstance(self.trusted_keys, str) else self.trusted_keys
+        if self.stream_id is not None:
+            try:
+                check_stream_id(self.stream_id, what=f"{SETTINGS}.stream_id")
+            except ConfigError:
+                raise _refuse("stream_id", "a stream id (letters, digits, '.', '_', '-')", self.stream_id) from None
+        for name in ("trusted_keys", "revoked_keys"):
+            keys = getattr(self, name)
+            if keys is None or (name == "revoked_keys" and not keys):
+                continue
+            keys = [keys] if isinstance(keys, str) else keys
             if (not isinstance(keys, Sequence) or not keys or len(keys) > 64
                     or not all(isinstance(k, str) and k for k in keys)):
-                raise _refuse("trusted_keys", "a list of public keys (PEM text or key files), 1 to 64", keys)
-            object.__setattr__(self, "trusted_keys", tuple(keys))
+                raise _refuse(name, "a list of public keys (PEM text or key files), 1 to 64", keys)
+            object.__setattr__(self, name, tuple(keys))
         if self.verify not in get_args(EngineVerify):
             raise _refuse("verify", f"one of {list(get_args(EngineVerify))}", self.verify)
         if not isinstance(self.prefetch, bool):
@@ -125,15 +139,17 @@ class VerlSettings:
         if self.trusted_keys is None:
             return None
         try:
-            return TrustedKeys.load(list(self.trusted_keys))
+            return TrustedKeys.load(list(self.trusted_keys), list(self.revoked_keys), stream_id=self.stream_id)
         except ConfigError as e:
             raise ConfigError(f"{SETTINGS}.trusted_keys: {e}") from None
 
     def init_info(self) -> dict[str, Any]:
         """The deltasync vLLM engine's ``init_info`` (JSON-safe: key files read here, sent as PEM text)."""
-        self.trusted()  # a bad key is named as verl's setting here, not by the engine's settings
+        trust = self.trusted()  # a bad key is named as verl's setting here, not by the engine's settings
         return EngineSettings(url=self.url, storage_options=self.storage_options, verify=self.verify,
-                              prefetch=self.prefetch, trusted_keys=self.trusted_keys).init_info()
+                              prefetch=self.prefetch, trusted_keys=None if trust is None else tuple(pem_texts(trust)),
+                              revoked_keys=tuple(pem_text(k) for k in sorted(trust.revoked)) if trust else None,
+                              stream_id=None if trust is None else trust.stream_id).init_info()
 
 
 def plain(value: Any) -> Any:
