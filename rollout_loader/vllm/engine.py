@@ -11,9 +11,9 @@ own routes and ``LLM`` methods::
     GET /weight_info  ->  {"weight_version": "12"}
 
 ``init_info``: an :class:`~rollout_loader.vllm.settings.EngineSettings` as JSON (``url``, ``storage_options``,
-``verify``, ``mode``, ``step``, ``prefetch``, ``rdma``, ``notify``, ``trusted_keys``, ``revoked_keys``,
-``representation``, ``max_host_bytes``: settings.py documents each); an unknown or bad setting is a ``ConfigError``
-naming it. Initialising again with the same stream keeps the step the engine holds.
+``verify``, ``mode``, ``step``, ``prefetch``, ``rdma``, ``notify``, ``trusted_keys``, ``revoked_keys``, ``stream_id``,
+``max_age_s``, ``representation``, ``max_host_bytes``: settings.py documents each); an unknown or bad setting is a
+``ConfigError`` naming it. Initialising again with the same stream keeps the step the engine holds.
 
 Errors leave the engine with their record leading their text (``deltasync.errors.to_text``): a client in another
 process rebuilds the error's class and whether retrying can help from it (``deltasync.errors.in_text``).
