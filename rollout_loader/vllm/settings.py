@@ -30,10 +30,11 @@ from deltasync.engine import (
 )
 from deltasync.errors import ConfigError
 
-__all__ = ["EngineSettings", "EngineVerify", "Mode"]
+__all__ = ["EngineSettings", "EngineVerify", "Mode", "Representation"]
 
 EngineVerify = Literal["incremental", "changed", "all"]
 Mode = Literal["auto", "live", "reload"]
+Representation = Literal["checkpoint", "fp8"]
 MAX_SETTINGS_BYTES = 1 << 20  # a few PEM keys and storage options: nothing legitimate is larger
 
 
@@ -67,6 +68,12 @@ class EngineSettings:
             read from the store; a key may sign several streams). Required beside ``trusted_keys``.
         max_age_s: the engine refuses a stream whose newest signed head is older than this (a frozen or held-back
             stream; docs/FORMAT.md section 5e). Only beside ``trusted_keys``.
+        representation: what the stream's tensors are: ``"checkpoint"`` (the engine's checkpoint tensors; layers
+            vLLM transforms after loading are re-loaded from host copies) or ``"fp8"`` (an FP8 engine's own
+            representation, docs/FORMAT.md section 7: FP8 bytes and scales written in place, no host copy).
+        max_host_bytes: the most host memory, in bytes, the engine may keep as host copies of checkpoint tensors
+            (stated at init); above it init is refused with a ``ConfigError`` before anything is read. None: no
+            limit.
 
     Raises:
         ConfigError: a value of the wrong type or out of range, naming the setting.
@@ -89,6 +96,8 @@ class EngineSettings:
     revoked_keys: tuple[str, ...] | None = None
     stream_id: str | None = None
     max_age_s: float | None = None
+    representation: Representation = "checkpoint"
+    max_host_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.url is not None and not (isinstance(self.url, str) and self.url):
@@ -106,6 +115,10 @@ class EngineSettings:
             raise _bad("prefetch", "true or false", self.prefetch)
         if self.rdma is not None:
             object.__setattr__(self, "rdma", _rdma(self.rdma))
+        _choice("representation", self.representation, Representation)
+        if self.max_host_bytes is not None and (isinstance(self.max_host_bytes, bool)
+                                                or not isinstance(self.max_host_bytes, int) or self.max_host_bytes < 0):
+            raise _bad("max_host_bytes", "a number of bytes (an integer >= 0) or null", self.max_host_bytes)
         if self.notify is not None and not (isinstance(self.notify, str)
                                             and self.notify.startswith(("http://", "https://"))):
             raise _bad("notify", "an event feed URL (http://HOST:PORT/events)", self.notify)
