@@ -10,16 +10,20 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from deltasync_cli.app import StorageOpt, _load_safetensors, _storage_options, app, inert, out, shown
+from deltasync_cli.app import StorageOpt, _load_safetensors, _storage_options, command, inert, out, shown
 
 
-@app.command()
+@command(summary="Write the delta between two checkpoints (bit-exact).",
+         examples=["deltasync diff base.safetensors new.safetensors -o step1.delta"])
 def diff(
-    base: Annotated[Path, typer.Argument(help="Base checkpoint (.safetensors).", exists=True, dir_okay=False)],
-    target: Annotated[Path, typer.Argument(help="Target checkpoint (.safetensors).", exists=True, dir_okay=False)],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Delta file to write.")],
-    base_step: Annotated[int, typer.Option(help="Step number recorded for the base.")] = 0,
-    step: Annotated[int | None, typer.Option(help="Step number recorded for the target (default base+1).")] = None,
+    base: Annotated[Path, typer.Argument(metavar="BASE",
+                                         help="Base checkpoint (.safetensors).", exists=True, dir_okay=False)],
+    target: Annotated[Path, typer.Argument(metavar="TARGET",
+                                           help="Target checkpoint (.safetensors).", exists=True, dir_okay=False)],
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="PATH", help="Delta file to write.")],
+    base_step: Annotated[int, typer.Option(metavar="STEP", help="Step number recorded for the base.")] = 0,
+    step: Annotated[int | None, typer.Option(metavar="STEP",
+                                             help="Step number recorded for the target (default base+1).")] = None,
 ) -> None:
     """Write the delta that turns BASE into TARGET (like Unix diff, but bit-exact and compact)."""
     from deltasync.publish.steps import snapshot_headers, write_step
@@ -42,11 +46,14 @@ def diff(
     )
 
 
-@app.command()
+@command(summary="Apply a delta to a checkpoint, verified by checksums.",
+         examples=["deltasync patch base.safetensors step1.delta -o new.safetensors"])
 def patch(
-    base: Annotated[Path, typer.Argument(help="Base checkpoint (.safetensors).", exists=True, dir_okay=False)],
-    delta: Annotated[Path, typer.Argument(help="Delta file made by `deltasync diff` or a stream.", exists=True)],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Checkpoint to write.")],
+    base: Annotated[Path, typer.Argument(metavar="BASE",
+                                         help="Base checkpoint (.safetensors).", exists=True, dir_okay=False)],
+    delta: Annotated[Path, typer.Argument(metavar="DELTA",
+                                          help="Delta file made by `deltasync diff` or a stream.", exists=True)],
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="PATH", help="Checkpoint to write.")],
 ) -> None:
     """Apply DELTA to BASE and write the result; fails (writing nothing) unless every checksum matches."""
     import safetensors.torch
@@ -78,7 +85,9 @@ def patch(
     out.print(f"{output}: step {obj.header.step}, {obj.header.changed} elements patched, checksums verified")
 
 
-@app.command("ls")
+@command("ls", summary="List the committed steps of a stream.",
+         examples=["deltasync ls s3://bucket/run-7 -S endpoint_url=http://127.0.0.1:8333",
+                   "deltasync ls ./stream --json"])
 def ls_(
     url: Annotated[str, typer.Argument(help="Stream URL (local path, s3://, hf://buckets/..., memory://).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -109,10 +118,14 @@ def ls_(
     out.print(table)
 
 
-@app.command()
+@command(summary="Where every consumer of a stream stands.",
+         examples=["deltasync status s3://bucket/run-7",
+                   "deltasync status s3://bucket/run-7 --stale-after-s 600 --json",
+                   "deltasync status s3://bucket/run-7 --prometheus > deltasync.prom"])
 def status(
     url: Annotated[str, typer.Argument(help="Stream URL.")],
-    stale_after_s: Annotated[float, typer.Option(min=1.0, help="Flag consumers whose last heartbeat is older than "
+    stale_after_s: Annotated[float, typer.Option(min=1.0, metavar="SECONDS",
+                                                          help="Flag consumers whose last heartbeat is older than "
                                                                "this.")] = 900.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     prometheus: Annotated[bool, typer.Option("--prometheus", help="Print Prometheus text exposition (for a textfile "
@@ -156,10 +169,11 @@ def status(
                   markup=False, soft_wrap=True)
 
 
-@app.command()
+@command(summary="One step: its manifest and per-tensor changes.",
+         examples=["deltasync show s3://bucket/run-7 12", "deltasync show ./stream 12 --json"])
 def show(
     url: Annotated[str, typer.Argument(help="Stream URL.")],
-    step: Annotated[int, typer.Argument(help="Step number.")],
+    step: Annotated[int, typer.Argument(metavar="STEP", help="Step number.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     storage_option: StorageOpt = None,
 ) -> None:
