@@ -137,6 +137,8 @@ def status(
     its engine's weight version and error count."""
     import time
 
+    if as_json and prometheus:
+        raise typer.BadParameter("--json and --prometheus are two formats of the same report: choose one")
     from deltasync.history.fleet import fleet_status, prometheus_text
     from deltasync.store import Store
 
