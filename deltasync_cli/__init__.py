@@ -58,7 +58,8 @@ def main() -> None:
 def _run() -> int:
     """The command's exit status; user errors and bugs exit here (``_fail``) with their one line."""
     try:
-        code = app(standalone_mode=False)  # errors come back here instead of being printed by click/typer
+        # errors come back here instead of being printed by click/typer; the program is "deltasync" however started
+        code = app(standalone_mode=False, prog_name="deltasync")
     except typer.Exit as e:
         code = e.exit_code
     except KeyboardInterrupt:  # (typer turns one inside a command into exit 130; one outside it lands here)
