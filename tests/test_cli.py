@@ -104,3 +104,42 @@ def test_patch_writes_its_output_with_the_umask_s_mode(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / "out.safetensors").st_mode) == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base.safetensors", "d", "out.safetensors",
                                                           "target.safetensors"]
+
+
+def test_follow_with_a_consumer_id_shows_in_status_and_gc_keeps_its_step(tmp_path, small_state, gen, monkeypatch,
+                                                                         capsys):
+    """(issue 31, item 4) A server kept in sync by ``deltasync follow`` reported nothing: it never showed in
+    ``deltasync status``, and ``gc`` could not protect its step. With ``--consumer-id`` (or
+    ``$DELTASYNC_CONSUMER_ID``) it reports from the start, and the step it reached when it exits."""
+    from tests.test_vllm_client import fake_server
+
+    url = str(tmp_path / "stream")
+    with DeltaPublisher(url, small_state, on_backlog="block", anchor_every=2) as pub:
+        for s in range(4):
+            train(small_state, gen)
+            pub.publish(s)
+
+    def run(*args: str) -> tuple[int, str]:
+        monkeypatch.setattr("sys.argv", ["deltasync", *args])
+        with pytest.raises(SystemExit) as e:
+            main()
+        captured = capsys.readouterr()
+        return e.value.code, captured.out + captured.err
+
+    with fake_server() as (fake, server):
+        code, out = run("follow", url, "--server", server, "--until", "3", "--consumer-id", "gpu-7")
+        assert code == 0, out
+        assert f"following {url} into {server}: it holds no step yet" in out and "as consumer gpu-7" in out
+        assert fake.version == "3"
+        monkeypatch.setenv("DELTASYNC_CONSUMER_ID", "gpu-8")  # the same, from the environment
+        code, out = run("follow", url, "--server", server, "--until", "3")
+        assert code == 0 and "it holds step 3" in out, out
+    code, out = run("status", url, "--json")
+    consumers = {c["consumer_id"]: c for c in json.loads(out)["consumers"]}
+    assert code == 0 and set(consumers) == {"gpu-7", "gpu-8"}, out
+    assert consumers["gpu-7"]["step"] == 3 and consumers["gpu-7"]["lag_steps"] == 0
+    assert consumers["gpu-7"]["weight_version"] == "3"
+    code, out = run("status", url)
+    assert code == 0 and "gpu-7" in out and "live" in out
+    code, out = run("gc", url, "--keep-last", "1", "--dry-run")
+    assert code == 0 and "live consumer gpu-7 at step 3" in out, out
