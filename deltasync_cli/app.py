@@ -216,6 +216,43 @@ def shown(text: object) -> str:
     return escape(inert(text).replace("\n", "\\x0a"))
 
 
+def fit_names(names: Sequence[str], other_columns: Sequence[Sequence[str]], width: int | None = None) -> list[str]:
+    """``names`` (tensor names, consumer ids; from a store: shown inert, markup escaped, as ``shown`` does) as
+    table cells, broken into lines that fit the first column of a table whose other
+    columns hold ``other_columns`` (each: its header, then its cells) on a terminal ``width`` wide (default: this
+    one's): a name wraps after a ``.`` (``model.layers.0.`` / ``self_attn.q_proj.weight``), never inside a part;
+    only a part longer than the column breaks at ``_`` or ``-``, and only one longer still is cut. rich wraps at
+    spaces only, and folding cut names mid-word (``model.layers.0.sel`` / ``f_attn...``)."""
+    import re
+
+    width = out.width if width is None else width
+    others = sum(max((len(c) for c in column), default=0) for column in other_columns)
+    # rich's default box: a border and a space each side of every cell (3 per column, and 1 closing border)
+    room = max(12, width - others - 3 * (len(other_columns) + 1) - 1 - 1)  # (-1: a column of slack)
+
+    def pieces(name: str) -> list[str]:
+        out: list[str] = []
+        for part in re.findall(r"[^.]+\.?|\.", name):
+            if len(part) <= room:
+                out.append(part)
+                continue
+            for sub in re.findall(r"[^_-]+[_-]?|[_-]", part):
+                out += [sub[i:i + room] for i in range(0, len(sub), room)]
+        return out
+
+    from rich.markup import escape
+
+    fitted = []
+    for name in names:
+        lines = [""]
+        for piece in pieces(inert(name).replace("\n", "\\x0a")):  # shown inert, as ``shown`` shows it
+            if lines[-1] and len(lines[-1]) + len(piece) > room:
+                lines.append("")
+            lines[-1] += piece
+        fitted.append("\n".join(escape(line) for line in lines))
+    return fitted
+
+
 @contextmanager
 def _progress() -> Iterator[Any]:
     """A progress callback drawing rich bars on stderr when it is a terminal; None (quiet) otherwise."""

@@ -27,6 +27,7 @@ from deltasync_cli.app import (
     _storage_options,
     _trust,
     command,
+    fit_names,
     inert,
     out,
     shown,
@@ -138,13 +139,16 @@ def compare_(
     if as_json:
         _print_json(c.to_dict())
         return
-    for title, rows in ((f"step {a} -> {b}, per tensor", c.tensors), (f"step {a} -> {b}, per layer", c.layers)):
+    for title, diffs in ((f"step {a} -> {b}, per tensor", c.tensors), (f"step {a} -> {b}, per layer", c.layers)):
         table = Table(title=title)
-        for col in ("name", "elements", "changed", "density", "rel L2", "max |change|"):  # names wrap, never cut
+        cols = ("name", "elements", "changed", "density", "rel L2", "max |change|")
+        rows = [[f"{d.numel:,}", f"{d.changed:,}", _pct(d.density), _num(d.rel_l2), _num(d.max_abs_change)]
+                for d in diffs]
+        names = fit_names([d.name for d in diffs], [[c, *(r[i] for r in rows)] for i, c in enumerate(cols[1:])])
+        for col in cols:  # names wrap between their parts, never inside one
             table.add_column(col, justify="left" if col == "name" else "right", overflow="fold", no_wrap=col != "name")
-        for d in rows:
-            table.add_row(shown(d.name), f"{d.numel:,}", f"{d.changed:,}", _pct(d.density), _num(d.rel_l2),
-                          _num(d.max_abs_change))
+        for name, row in zip(names, rows, strict=True):
+            table.add_row(name, *row)
         out.print(table)
 
 
@@ -260,20 +264,26 @@ def gc_(
                                                       help="Respect consumer heartbeats at most this old.")] = 3600.0,
     dry_run: Annotated[bool, typer.Option(help="Show the plan, delete nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking (on a terminal, gc shows the "
-                                      "plan and asks first).")] = False,
+                                      "plan and asks first; elsewhere it deletes only with --yes).")] = False,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
 ) -> None:
     """Delete steps that no retained step, and no live consumer, needs (never an anchor a kept delta builds on).
-    On a terminal it shows the plan and asks before deleting (--yes: does not ask)."""
+    On a terminal it shows the plan and asks before deleting; elsewhere (a script, a pipe, --json) it deletes only
+    with --yes."""
     from deltasync.history.gc import collect_garbage, run_gc
     from deltasync.store import Store
 
     ask = not (dry_run or yes or as_json) and _on_terminal()
+    refuse = not (dry_run or yes or ask)  # a script, a pipe, --json: nobody to ask, and not told to delete
     with _progress() as progress:
         plan = collect_garbage(url, keep_last=keep_last, keep_anchor_every=keep_anchor_every,
-                               consumer_max_age_s=consumer_max_age_s,
-                  dry_run=dry_run or ask, storage_options=_storage_options(storage_option), progress=progress)
+                               consumer_max_age_s=consumer_max_age_s, dry_run=dry_run or ask or refuse,
+                               storage_options=_storage_options(storage_option), progress=progress)
+    if refuse and (plan.delete or plan.leftovers):
+        raise typer.BadParameter(
+            f"gc would delete {len(plan.delete)} steps ({_mb(plan.freed_bytes)}) and {len(plan.leftovers)} uncommitted "
+            "folders, and there is no terminal to ask: pass --yes to delete them, or --dry-run to see the plan")
     if as_json:
         _print_json({**plan.to_dict(), "dry_run": dry_run})
         return
