@@ -282,7 +282,7 @@ def demo(
         store,
         DemoConfig(steps=steps, lr=lr, hidden_size=hidden_size, layers=layers, engine=engine, transport=transport),
         storage_options=_storage_options(storage_option),
-        echo=out.print,
+        echo=lambda line: out.print(line, markup=False, soft_wrap=True),  # rows as they happen, never re-wrapped
     )
 
 
