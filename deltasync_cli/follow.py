@@ -46,6 +46,13 @@ def follow(
              "the 'changed' tensors recomputed, or 'all'.")] = "incremental",
     mode: Annotated[Literal["auto", "live", "reload"], typer.Option(help="Worker mode: auto, live or "
                                                                          "reload.")] = "auto",
+    representation: Annotated[Literal["checkpoint", "fp8"], typer.Option(
+        help="What the stream's tensors are: the engine's checkpoint tensors, or an FP8 engine's own FP8 "
+             "representation (docs/FORMAT.md section 7: written in place, no host copy).")] = "checkpoint",
+    max_host_bytes: Annotated[int | None, typer.Option(
+        min=0, metavar="BYTES", help="Refuse at init when the engine would keep more host memory than this (bytes) "
+                                     "as host copies of checkpoint tensors (an FP8 engine fed a bf16 stream keeps its "
+                                     "quantized layers' inputs).")] = None,
     poll_s: Annotated[float, typer.Option(min=0.05, metavar="SECONDS",
                                      help="Seconds between polls of the store around the moment the "
                                           "next step is due (one small read each).")] = 0.25,
@@ -97,7 +104,8 @@ def follow(
     # the store, its options, the trusted keys (every step's signature is checked by the follower and by the
     # server's engine) and the event feed (every rank's prefetcher hears of a step before the update asks for it)
     # reach the engine from the follower; the rest of the engine's settings are these
-    settings = EngineSettings(step=engine_step, mode=mode, verify=verify, prefetch=prefetch, rdma=_rdma_option(rdma))
+    settings = EngineSettings(step=engine_step, mode=mode, verify=verify, prefetch=prefetch, rdma=_rdma_option(rdma),
+                              representation=representation, max_host_bytes=max_host_bytes)
     target = VllmTarget(server, settings)
     keys = _trust(trusted_key, revoked_key, stream_id, max_age_s)
     feed = EventFeed(notify) if notify is not None else None  # a bad URL: one line, exit 2

@@ -93,3 +93,16 @@ def test_a_publisher_takes_the_dtype_by_name_as_vllm_and_transformers_do(tmp_pat
     with pytest.raises(ConfigError, match="dtype must be a torch.dtype or its name"):
         DeltaPublisher(str(tmp_path / "bad"), {"w": w}, dtype="bf16")
     assert not (tmp_path / "bad").exists()
+
+
+def test_dtype_casts_master_weights_and_keeps_an_fp8_representation(tmp_path):
+    """``dtype`` publishes fp32 master weights as bf16; 8-bit floats (an engine's FP8 bytes) and integers are
+    published as they are: casting them would change what the engine writes."""
+    url = str(tmp_path / "s")
+    state = {"w": torch.randn(8, 8), "q": torch.randn(8, 8).to(torch.float8_e4m3fn), "i": torch.arange(4)}
+    with DeltaPublisher(url, state, dtype=torch.bfloat16) as pub:
+        pub.publish(0)
+    with StreamReader(url) as reader:
+        got = reader.state_dict(0)
+    assert (got["w"].dtype, got["q"].dtype, got["i"].dtype) == (torch.bfloat16, torch.float8_e4m3fn, torch.int64)
+    assert torch.equal(got["q"].view(torch.uint8), state["q"].view(torch.uint8))

@@ -446,6 +446,7 @@ def test_a_status_reply_that_is_not_one_is_an_engine_error(bad):
     assert combine_status([good, good], where="x")["checksums"] == {"w": (2 * (2**64 - 1)) % 2**64}
 
 
+
 def test_a_long_engine_error_keeps_its_class():
     """vLLM's body around a long engine error (a message of a few thousand characters, JSON-escaped) is read whole:
     a truncated body hides the record, and a setting retrying cannot fix would come back as a retryable error."""
@@ -510,3 +511,13 @@ def test_only_vllms_own_clients_are_swapped_for_deltasyncs():
     assert isinstance(VllmTarget(real).client, HttpWeightTransfer) and VllmTarget(real).client.timeout_s == 12
     real.timeout = (3, 30)  # requests takes a (connect, read) pair: not one number, so the default
     assert VllmTarget(real).client.timeout_s == 600.0
+
+
+def test_a_status_sums_the_ranks_host_memory():
+    """Each rank states the host copies it keeps (``host_bytes``); a rank of an engine that predates it states none."""
+    from rollout_loader.vllm.client import combine_status
+
+    good = {"held_step": 3, "arrived": {}, "pauses_s": [], "checksums": {}}
+    assert combine_status([{**good, "host_bytes": 5}, {**good, "host_bytes": 2}, good], where="x")["host_bytes"] == 7
+    with pytest.raises(EngineError, match="expected a deltasync status"):
+        combine_status([{**good, "host_bytes": -1}], where="x")

@@ -54,6 +54,8 @@ def _values(tmp_path, public) -> dict:
         "revoked_keys": ([_leaked(public)], [open(_leaked(public)).read()]),
         "stream_id": ("run-7", "run-7"),
         "max_age_s": (600, 600.0),
+        "representation": ("fp8", "fp8"),
+        "max_host_bytes": (1 << 30, 1 << 30),
     }
 
 
@@ -124,6 +126,8 @@ CLI = {
                                "--revoked-key", v[0]],
     "stream_id": lambda v: ["--trusted-key", KEY_FILE[0], "--stream-id", v],
     "max_age_s": lambda v: ["--trusted-key", KEY_FILE[0], "--stream-id", "run-7", "--max-age-s", str(v)],
+    "representation": lambda v: ["--representation", v],
+    "max_host_bytes": lambda v: ["--max-host-bytes", str(v)],
 }
 KEY_FILE: list[str] = []  # the trusted key's file, for the flags that need one beside them
 
@@ -164,6 +168,11 @@ def test_a_bad_or_unknown_setting_is_named_everywhere(tmp_path, monkeypatch, cap
         VllmTarget("http://127.0.0.1:1", verfy="all")
     with pytest.raises(ConfigError, match="setting verify"):
         VllmTarget("http://127.0.0.1:1", verify="some")
+    with pytest.raises(ConfigError, match="setting representation: expected one of 'checkpoint', 'fp8', got 'bf16'"):
+        VllmTarget("http://127.0.0.1:1", representation="bf16")
+    for bad in (-1, 1.5, True, "1GiB"):
+        with pytest.raises(ConfigError, match=r"setting max_host_bytes: expected a number of bytes \(an integer"):
+            EngineSettings(url="s3://b/run", max_host_bytes=bad)
     with pytest.raises(ConfigError, match="settings must be an EngineSettings"):
         VllmTarget("http://127.0.0.1:1", {"verify": "all"})
     url = _stream(tmp_path)

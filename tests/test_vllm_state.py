@@ -222,3 +222,61 @@ def test_a_converted_tensor_lands_in_its_parameter_as_the_loader_converts_it() -
     assert torch.equal(model.A_log.detach(), host.float()) and not torch.equal(model.A_log.detach(), before)
     assert s.rollback()
     assert torch.equal(model.A_log.detach(), before)
+
+
+def test_an_fp8_engine_takes_its_representation_and_names_the_other_one() -> None:
+    """An FP8 engine's homes take the stream's dtypes, not only their widths (an ``F8_E5M2`` weight or an ``I32``
+    scale would be other bits): a per-tensor group's second scale is the first one's (checked, never written), and a
+    step in the other representation, or quantized with another plan, is refused saying what to do."""
+    from types import SimpleNamespace
+
+    from rollout_loader.routing import Route
+    from rollout_loader.vllm.layout import TensorHome
+    from rollout_loader.vllm.state import PatchError, WorkerState
+
+    weight = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)
+    scale = torch.tensor([0.5])
+    w_route = Route(hf_name="q.weight", hf_shape=(4, 8), param_name="qkv.weight", param_shape=(4, 8),
+                    hf_start=(0, 0), param_start=(0, 0), extent=(4, 8))
+    s_route = Route(hf_name="q.weight_scale", hf_shape=(), hf_grid=(1,), hf_start=(0,), extent=(1,),
+                    param_name="qkv.weight_scale", param_shape=(1,), param_grid=(1,), param_start=(0,),
+                    param_extent=(1,))
+    homes = {"q.weight": TensorHome(routes=(w_route,), bits=weight.view(torch.int8).reshape(-1), host=False,
+                                    modules=(), dtype="F8_E4M3"),
+             "q.weight_scale": TensorHome(routes=(s_route,), bits=scale.view(torch.int32), host=False, modules=(),
+                                          dtype="F32")}
+
+    def state(representation: str) -> WorkerState:
+        return WorkerState(model=torch.nn.Module(), reload=lambda w, m: None, table=None, mode="live",  # type: ignore[arg-type]
+                           homes=homes, aliases={"k.weight_scale": "q.weight_scale"}, representation=representation)
+
+    def header(**changed: tuple[str, list[int]]) -> SimpleNamespace:
+        tensors = {"q.weight": ("F8_E4M3", [4, 8]), "q.weight_scale": ("F32", []), "k.weight_scale": ("F32", []),
+                   **changed}
+        return SimpleNamespace(tensors={n: SimpleNamespace(dtype=d, shape=s, itemsize={"F8_E4M3": 1, "F8_E5M2": 1,
+                                                                                       "BF16": 2}.get(d, 4))
+                                        for n, (d, s) in tensors.items()})
+
+    s = state("fp8")
+    s.check_header(header(), "step")  # type: ignore[arg-type]
+    assert s.route_patches([("k.weight_scale", None, torch.tensor([7], dtype=torch.int32))]) == []
+    parts = s.checksums(["q.weight_scale", "k.weight_scale"])
+    assert parts["q.weight_scale"] == parts["k.weight_scale"]
+    with pytest.raises(PatchError) as e:
+        s.check_header(header(**{"q.weight": ("BF16", [4, 8])}), "step")  # type: ignore[arg-type]
+    assert "'q.weight': the step has BF16 [4, 8], the engine F8_E4M3 [4, 8]" in str(e.value)
+    assert "follow it with representation='checkpoint', or publish the FP8 representation" in str(e.value)
+    with pytest.raises(PatchError, match="the step has F8_E5M2 .4, 8., the engine F8_E4M3"):
+        s.check_header(header(**{"q.weight": ("F8_E5M2", [4, 8])}), "step")  # type: ignore[arg-type]
+    with pytest.raises(PatchError) as e:  # per channel where the engine quantizes per tensor
+        s.check_header(header(**{"q.weight_scale": ("F32", [4, 1])}), "step")  # type: ignore[arg-type]
+    assert "the step has F32 [4, 1], the engine F32 []" in str(e.value) and "quantize with the engine's own plan" \
+        in str(e.value)
+    bf16 = {"q.weight": TensorHome(routes=(w_route,), bits=torch.zeros(32, dtype=torch.int16), host=False,
+                                   modules=())}
+    checkpoint = WorkerState(model=torch.nn.Module(), reload=lambda w, m: None, table=None, mode="live",  # type: ignore[arg-type]
+                             homes=bf16)
+    with pytest.raises(PatchError) as e:
+        checkpoint.check_header(SimpleNamespace(tensors={"q.weight": SimpleNamespace(  # type: ignore[arg-type]
+            dtype="F8_E4M3", shape=[4, 8], itemsize=1)}), "step")
+    assert "the engine 16-bit [4, 8]" in str(e.value) and "follow it with representation='fp8'" in str(e.value)

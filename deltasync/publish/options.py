@@ -41,8 +41,9 @@ class PublishOptions:
             ``"block"`` (the trainer waits).
         zstd_level: zstd's level for the encoded changes (1-22).
         max_chunk_bytes: host memory a device tensor's diff may use at once.
-        dtype: the published dtype of floating tensors (e.g. ``torch.bfloat16`` for fp32 master weights; or its name,
-            ``"bfloat16"``, from a config file).
+        dtype: the published dtype of floating tensors of 16 bits or more (e.g. ``torch.bfloat16`` for fp32 master
+            weights; or its name, ``"bfloat16"``, from a config file); 8-bit floats (an FP8 representation) are
+            published as they are.
         spool_dir: where objects are written before upload (a temp folder by default).
         writer_id: this writer's name in the stream's lease (host, pid and a random suffix by default).
         take_over: take the stream's lease from another writer that still holds it.

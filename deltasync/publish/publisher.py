@@ -39,7 +39,7 @@ from deltasync.publish.steps import (
 from deltasync.publish.stream import StreamCapture, Weights, checked_entry, drain, stream_entries
 from deltasync.scratch import ScratchFolder
 from deltasync.signing import SigningKey, StreamSigner
-from deltasync.stages.diff import Snapshot
+from deltasync.stages.diff import Snapshot, published_dtype
 from deltasync.store import Store
 from deltasync.trust import TrustedKeys, own_trust, writer_signer
 
@@ -455,8 +455,7 @@ class DeltaPublisher:
                 name, t = checked_entry(entry, index, where) if weights is not None else entry
                 name = canonical_name(name, self.options.names) if weights is not None else name
                 seen.add(name)
-                if self.options.dtype is not None and t.is_floating_point():
-                    t = t.to(self.options.dtype)
+                t = t.to(published_dtype(t, self.options.dtype))
                 # the step's tensor of that name (an alias: the tensor it was published as, whose bits the trainer's
                 # copy must have); a checksum sums elements, so the shape and dtype are compared too
                 h = headers.get(aliases.get(name, name))

@@ -29,6 +29,15 @@ SnapshotDevice = Literal["same", "cpu"]
 TensorChange = Patch  # the name before issue 9: a diff's change is a Patch (always sparse)
 
 
+def published_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``t`` is published in under the publish option ``dtype``: floating tensors of 16 bits or more are
+    cast to it (fp32 master weights published as the bf16 an engine serves); 8-bit floats are an engine's quantized
+    representation (an FP8 stream, docs/FORMAT.md section 7) and are published as they are, like integers."""
+    if dtype is None or not t.is_floating_point() or t.element_size() < 2:
+        return t.dtype
+    return dtype
+
+
 class Snapshot:
     """The last-published copy of a model's tensors, and the diff that advances it.
 
@@ -88,7 +97,7 @@ class Snapshot:
         return kept[1]
 
     def _needs_cast(self, t: torch.Tensor) -> bool:
-        return self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype
+        return published_dtype(t, self.dtype) != t.dtype
 
     @property
     def nbytes(self) -> int:

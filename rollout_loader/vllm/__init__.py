@@ -5,7 +5,12 @@ The weight-transfer engine (:mod:`.engine`) is how deltasync enters vLLM: start 
 routes or ``LLM`` methods, or with a ``Follower`` and :class:`VllmTarget` (an ``LLM`` or a server URL); the
 engine reads the store itself, only step numbers travel. ``deltasync follow URL --server HOST`` does the latter.
 
-Importing this package imports no vLLM; :func:`start_engine`, the worker extension and the engine do.
+An FP8 engine follows its own FP8 representation in place (docs/FORMAT.md section 7): a trainer gets the engine's
+:class:`Fp8Plan` with :func:`fp8_plan`, quantizes with :class:`Fp8Quantizer` and the engine is initialised with
+``representation="fp8"``.
+
+Importing this package imports no vLLM; :func:`start_engine`, :func:`fp8_plan`, the quantizer's arithmetic, the
+worker extension and the engine do.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from .client import (
     SyncClientTransfer,
     WeightTransfer,
 )
+from .fp8 import Fp8Plan, Fp8Quantizer, fp8_plan
 from .ray_client import RayWeightTransfer
-from .settings import EngineSettings, EngineVerify, Mode
+from .settings import EngineSettings, EngineVerify, Mode, Representation
 from .target import VllmTarget, start_engine
 
 __all__ = [
@@ -29,14 +35,18 @@ __all__ = [
     "WORKER_EXTENSION",
     "EngineSettings",
     "EngineVerify",
+    "Fp8Plan",
+    "Fp8Quantizer",
     "HttpWeightTransfer",
     "LocalWeightTransfer",
     "Mode",
     "RayWeightTransfer",
+    "Representation",
     "SyncClientTransfer",
     "VllmTarget",
     "WeightTransfer",
     "enable_live_cpu_weights",
+    "fp8_plan",
     "start_engine",
 ]
 

@@ -96,7 +96,8 @@ _OPENER = urllib.request.build_opener(_NoRedirect)
 def combine_status(ranks: list[Any], *, where: str) -> dict[str, Any]:
     """One status from every rank's ``deltasync_transfer_status`` reply (:mod:`rollout_loader.vllm.worker`): the
     held step every rank agrees on, per step ``"rdma"`` only if every rank read it over NIXL (else the first
-    rank's reason), rank 0's pauses, and each tensor's checksum with the ranks' parts added up. A reply that
+    rank's reason), rank 0's pauses, each tensor's checksum with the ranks' parts added up, and the host memory
+    the ranks keep as host copies of checkpoint tensors (``host_bytes``, summed). A reply that
     is not one is an ``EngineError`` naming ``where``."""
     from deltasync.engine import add_checksums
 
@@ -124,7 +125,8 @@ def combine_status(ranks: list[Any], *, where: str) -> dict[str, Any]:
     if any(r.checksums.keys() != names.keys() for r in checked):
         raise EngineError(f"{where}: the engine's ranks report checksums of different tensors")
     sums = {n: add_checksums(*(r.checksums[n] for r in checked)) for n in names}
-    return {"held_step": held.pop(), "arrived": arrived, "pauses_s": checked[0].pauses_s, "checksums": sums}
+    return {"held_step": held.pop(), "arrived": arrived, "pauses_s": checked[0].pauses_s, "checksums": sums,
+            "host_bytes": sum(r.host_bytes for r in checked)}
 
 
 class _RankStatus(msgspec.Struct, forbid_unknown_fields=False):
@@ -135,6 +137,8 @@ class _RankStatus(msgspec.Struct, forbid_unknown_fields=False):
     pauses_s: list[Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]]
     # and < 2**64
     checksums: dict[Annotated[str, msgspec.Meta(min_length=1, max_length=1024)], Annotated[int, msgspec.Meta(ge=0)]]
+    # bytes of host copies of checkpoint tensors this rank keeps (stated at init; 0 from an engine that predates it)
+    host_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
 
 
 def worker_module() -> Any:

@@ -11,9 +11,9 @@ own routes and ``LLM`` methods::
     GET /weight_info  ->  {"weight_version": "12"}
 
 ``init_info``: an :class:`~rollout_loader.vllm.settings.EngineSettings` as JSON (``url``, ``storage_options``,
-``verify``, ``mode``, ``step``, ``prefetch``, ``rdma``, ``notify``, ``trusted_keys``, ``revoked_keys``: settings.py
-documents each); an unknown or bad setting is a ``ConfigError`` naming it. Initialising again with the same stream
-keeps the step the engine holds.
+``verify``, ``mode``, ``step``, ``prefetch``, ``rdma``, ``notify``, ``trusted_keys``, ``revoked_keys``, ``stream_id``,
+``max_age_s``, ``representation``, ``max_host_bytes``: settings.py documents each); an unknown or bad setting is a
+``ConfigError`` naming it. Initialising again with the same stream keeps the step the engine holds.
 
 Errors leave the engine with their record leading their text (``deltasync.errors.to_text``): a client in another
 process rebuilds the error's class and whether retrying can help from it (``deltasync.errors.in_text``).
@@ -117,6 +117,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         # where the time of each update_weights call that moved the engine went (seconds, see PAUSE_PARTS)
         self.pause_parts: list[dict[str, float]] = []
         self.sealed_steps: list[int] = []  # steps written from a seal (a plain scatter inside the pause)
+        # what init planned: tensors in place, host copies and their bytes, FP8 layers (plan.build_state's summary)
+        self.init_summary: dict[str, Any] = {}
 
     @property
     def held_step(self) -> int | None:
@@ -152,7 +154,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
 
     def _init(self, init_info: EngineSettings) -> None:
         old = self._info
-        if self._state is None or old is None or old.mode != init_info.mode:
+        if self._state is None or old is None or (old.mode, old.representation, old.max_host_bytes) != (
+                init_info.mode, init_info.representation, init_info.max_host_bytes):
             # routes and shadows depend on the model only: learned once, from the engine as it loaded its
             # checkpoint, and kept when the engine is pointed at another stream (its weights may have moved since)
             self.shutdown()
@@ -160,8 +163,10 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
             layout = checkpoint_layout(self.model_config.model)
             self._state, summary = build_state(
                 self.model, layout=layout, checkpoint=self.model_config.model, mode=init_info.mode,
-                reload=self._reload,
+                reload=self._reload, representation=init_info.representation,
+                max_host_bytes=init_info.max_host_bytes,
             )
+            self.init_summary = summary
             log.info("deltasync engine routes: %s", summary)
             old = None
         summed: set[str] = set()  # tensors whose checksums were just computed from the bits held (state.sums)

@@ -43,6 +43,9 @@ class TensorHome:
     # to the parameter's dtype as the loader did)
     mirror: tuple[Route, ...] = ()
     owned_whole: bool = False  # host only: this rank counts every element (it feeds only untraced parameters)
+    # the stream's dtype (safetensors name) this home takes, where the width alone would not tell (an FP8 stream's
+    # F8_E4M3 weights and F32 scales); None: any dtype of the home's width
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.routes:

@@ -23,16 +23,18 @@ from deltasync.engine import (
     check_max_age_s,
     check_stream_id,
     name_matches,
+    pem_text,
     pem_texts,
     rdma_options,
     reveal,
 )
 from deltasync.errors import ConfigError
 
-__all__ = ["EngineSettings", "EngineVerify", "Mode"]
+__all__ = ["EngineSettings", "EngineVerify", "Mode", "Representation"]
 
 EngineVerify = Literal["incremental", "changed", "all"]
 Mode = Literal["auto", "live", "reload"]
+Representation = Literal["checkpoint", "fp8"]
 MAX_SETTINGS_BYTES = 1 << 20  # a few PEM keys and storage options: nothing legitimate is larger
 
 
@@ -56,14 +58,22 @@ class EngineSettings:
             or just the controller's address.
         notify: an event feed (``http://HOST:PORT/events``: a mirror's or a publisher's) the engine's prefetchers
             listen to, polling the store only as a safety net.
-        trusted_keys: public keys (PEM text, or files where these settings are made): the engine then applies
-            only steps one of them signed. Kept as PEM text, so a server elsewhere needs no file.
+        trusted_keys: public keys (PEM text, or files where these settings are made; or a follower's whole
+            ``TrustedKeys``, which also gives ``stream_id``, ``max_age_s`` and ``revoked_keys`` where those are not
+            set): the engine then applies only steps one of them signed. Kept as PEM text, so a server elsewhere
+            needs no file.
         revoked_keys: public keys (the same forms) the engine refuses, with every key they endorsed, even where a
             trusted key endorsed them: a leaked key (docs/SECURITY.md). Only beside ``trusted_keys``.
         stream_id: the stream the trusted keys sign for (docs/FORMAT.md section 5e: pinned beside the keys, never
             read from the store; a key may sign several streams). Required beside ``trusted_keys``.
         max_age_s: the engine refuses a stream whose newest signed head is older than this (a frozen or held-back
             stream; docs/FORMAT.md section 5e). Only beside ``trusted_keys``.
+        representation: what the stream's tensors are: ``"checkpoint"`` (the engine's checkpoint tensors; layers
+            vLLM transforms after loading are re-loaded from host copies) or ``"fp8"`` (an FP8 engine's own
+            representation, docs/FORMAT.md section 7: FP8 bytes and scales written in place, no host copy).
+        max_host_bytes: the most host memory, in bytes, the engine may keep as host copies of checkpoint tensors
+            (stated at init); above it init is refused with a ``ConfigError`` before anything is read. None: no
+            limit.
 
     Raises:
         ConfigError: a value of the wrong type or out of range, naming the setting.
@@ -86,6 +96,8 @@ class EngineSettings:
     revoked_keys: tuple[str, ...] | None = None
     stream_id: str | None = None
     max_age_s: float | None = None
+    representation: Representation = "checkpoint"
+    max_host_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.url is not None and not (isinstance(self.url, str) and self.url):
@@ -103,9 +115,22 @@ class EngineSettings:
             raise _bad("prefetch", "true or false", self.prefetch)
         if self.rdma is not None:
             object.__setattr__(self, "rdma", _rdma(self.rdma))
+        _choice("representation", self.representation, Representation)
+        if self.max_host_bytes is not None and (isinstance(self.max_host_bytes, bool)
+                                                or not isinstance(self.max_host_bytes, int) or self.max_host_bytes < 0):
+            raise _bad("max_host_bytes", "a number of bytes (an integer >= 0) or null", self.max_host_bytes)
         if self.notify is not None and not (isinstance(self.notify, str)
                                             and self.notify.startswith(("http://", "https://"))):
             raise _bad("notify", "an event feed URL (http://HOST:PORT/events)", self.notify)
+        trust = self.trusted_keys
+        if isinstance(trust, TrustedKeys):  # a follower's whole trust: its keys, stream, freshness and revocations
+            object.__setattr__(self, "trusted_keys", tuple(pem_texts(trust)))
+            if self.stream_id is None:
+                object.__setattr__(self, "stream_id", trust.stream_id)
+            if self.max_age_s is None and trust.max_age_s is not None:
+                object.__setattr__(self, "max_age_s", trust.max_age_s)
+            if self.revoked_keys is None and trust.revoked:
+                object.__setattr__(self, "revoked_keys", tuple(pem_text(k) for k in sorted(trust.revoked)))
         for name in ("trusted_keys", "revoked_keys"):
             keys = getattr(self, name)
             if keys is None:

@@ -46,6 +46,7 @@ from deltasync.engine import (
 from deltasync.errors import TensorMismatchError
 from rollout_loader.routing import RoutingTable, chunks
 
+from .fp8 import Fp8Plan
 from .layout import TensorHome, int_bits, localize
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,10 @@ class WorkerState:
     # checkpoint tensors the model ties to another one (a tied head the checkpoint also stores) -> that one: never
     # written (the engine holds one tensor), verified by its checksum, which must be the other one's
     aliases: dict[str, str] = field(default_factory=dict)
+    # what the stream's tensors are: "checkpoint" (the engine's checkpoint tensors) or "fp8" (the engine's FP8
+    # representation, docs/FORMAT.md section 7)
+    representation: str = "checkpoint"
+    plan: Fp8Plan | None = None  # with representation "fp8": how the engine quantizes (rollout_loader/vllm/fp8.py)
     undo: list[tuple[torch.Tensor, Staged]] = field(default_factory=list)  # (bits, what was XORed in)
     undo_modules: set[str] = field(default_factory=set)
     # this rank's part of each tensor's checksum, kept current by every write (incremental verification)
@@ -113,12 +118,27 @@ class WorkerState:
                             f"(the engine's checkpoint has {len(missing)} more tensor(s))")
         for name in sorted(names & known):
             th, t = header.tensors[name], self.homes[self.aliases.get(name, name)]
-            if tuple(th.shape) != t.hf_shape or th.itemsize != t.bits.element_size():
+            if tuple(th.shape) != t.hf_shape or th.itemsize != t.bits.element_size() or t.dtype not in (None, th.dtype):
                 problems.append(f"{name!r}: the step has {th.dtype} {list(th.shape)}, the engine "
-                                f"{8 * t.bits.element_size()}-bit {list(t.hf_shape)}")
+                                f"{t.dtype or f'{8 * t.bits.element_size()}-bit'} {list(t.hf_shape)}")
         if problems:
             raise PatchError(f"{where}: the step does not fit the engine, weights untouched "
-                             f"({len(problems)} problem(s)): " + "; ".join(problems[:8]))
+                             f"({len(problems)} problem(s)): " + "; ".join(problems[:8]) + self._hint(header))
+
+    def _hint(self, header: StepHeader) -> str:
+        """What to do when a stream carries the other representation of an FP8 engine's weights."""
+        fp8 = any(t.dtype == "F8_E4M3" for t in header.tensors.values())
+        if self.representation == "fp8" and not fp8:
+            return (". This engine follows its FP8 representation (representation='fp8', docs/FORMAT.md section 7) and "
+                    "the stream carries a checkpoint's tensors: follow it with representation='checkpoint', or publish "
+                    "the FP8 representation (rollout_loader.vllm.Fp8Quantizer)")
+        if self.representation == "fp8":
+            return (". The stream's FP8 tensors do not fit this engine's FP8 layers: quantize with the engine's own "
+                    "plan (rollout_loader.vllm.fp8_plan with the engine's checkpoint and --quantization)")
+        if fp8:
+            return (". The stream carries FP8 tensors (an FP8 engine's representation, docs/FORMAT.md section 7): "
+                    "follow it with representation='fp8' on an engine that quantizes as the stream's plan says")
+        return ""
 
     def _adopt_tied(self, names: set[str]) -> None:
         """A stream that publishes a tied pair under the other name (a trainer whose state dict lists the head

@@ -184,6 +184,8 @@ class TrainerSync:
         client = None if self.target is None or not self.served_dtype else self.target.client
         if not isinstance(client, HttpWeightTransfer):  # the caller says the dtype
             return options
+        if self.target is not None and self.target.settings.representation != "checkpoint":
+            return options  # the engine's own representation (FP8 bytes, fp32 scales): published as it is
         name = client.served_dtype()
         served = getattr(torch, name.removeprefix("torch."), None)
         if served not in SERVED_DTYPES:  # the server's word decides every step's dtype: only what vLLM serves

@@ -24,7 +24,8 @@ __all__ = ["LIVE_ENV", "DeltaWorkerExtension", "transfer_status"]
 def transfer_status(llm: Any, *, checksums: bool = True) -> dict[str, Any]:
     """What the deltasync weight-transfer engine holds, from every rank of an ``LLM`` in any mode.
 
-    Returns ``{"held_step", "arrived": {step: "rdma" | "store: <why>"}, "pauses_s": [...], "checksums"}``
+    Returns ``{"held_step", "arrived": {step: "rdma" | "store: <why>"}, "pauses_s": [...], "checksums",
+    "host_bytes"}``
     (see :func:`~rollout_loader.vllm.client.combine_status`; each tensor's checksum with the ranks' parts added
     up, none without ``checksums``). Raises ``EngineError`` when the ranks hold different steps or the engine
     has no initialised deltasync weight-transfer engine, ``EngineConfigError`` without this extension.
@@ -56,6 +57,7 @@ class DeltaWorkerExtension:
             "arrived": {str(s): how for s, how in (rdma.arrived if rdma is not None else {}).items()},
             "pauses_s": list(engine.pauses_s),
             "checksums": state.checksums() if checksums else {},
+            "host_bytes": int(engine.init_summary.get("host_bytes", 0)),
         }
 
 

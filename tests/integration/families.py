@@ -137,8 +137,18 @@ MATRIX: list[dict[str, str]] = [
        "test": _test(f, "live", "bf16")}
       for f in FAMILIES),
     {"family": "llama", "tp": "1", "ep": "-", "dtype": "fp8 engine, bf16 stream", "kernels": "live",
-     "path": "linears shadowed: vLLM re-quantizes them (float8 weights, scales)",
+     "path": "linears shadowed: vLLM re-quantizes them (float8 weights, scales) from host copies",
      "test": _test("llama", "live", "fp8")},
+    {"family": "llama", "tp": "1", "ep": "-", "dtype": "fp8 engine, FP8 stream (per tensor)", "kernels": "live",
+     "path": "in place: the FP8 weights and scales the trainer quantized with vLLM's functions (docs/FORMAT.md "
+             "section 7), no host copy",
+     "test": "test_vllm_fp8::test_fp8_engine_follows_its_fp8_representation_in_place_bit_exact (a delta, an anchor, "
+             "a delta; the refusals)"},
+    *({"family": "llama", "tp": "1", "ep": "-", "dtype": f"fp8 engine, FP8 stream ({scheme})", "kernels": "live",
+       "path": "in place, compared after a delta on a delta and after an anchor" + extra,
+       "test": f"test_vllm_fp8::test_fp8_stream_at_every_kind_of_step_and_its_replay_loads[{q}]{OUTSIDE_CI_NOTE}"}
+      for scheme, q, extra in (("per tensor", "fp8", "; the replayed FP8 step loads in vLLM as an FP8 checkpoint"),
+                               ("per channel", "fp8_per_channel", ""))),
     *({"family": f, "tp": "1", "ep": "-", "dtype": "bf16", "kernels": "stock",
        "path": "linears and experts shadowed (CPU repack/prepack)",
        "test": _test(f, "stock", "bf16")}

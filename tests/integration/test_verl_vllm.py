@@ -214,40 +214,13 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
     assert not differ, f"{what}: {len(differ)} of {len(want)} tensors differ from a fresh engine: {differ[:6]}"
 
 
-def test_registry_path_into_verls_vllm_server_through_its_stock_adapter(verl_vllm):
-    """actor ranks -> deltasync checkpoint engine -> store -> CheckpointEngineWorker -> verl's ServerAdapter ->
-    shared-memory buckets -> verl's worker extension -> model.load_weights, three steps."""
-    from verl.checkpoint_engine import CheckpointEngineRegistry, CheckpointEngineWorker
-    from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
-
-    env = verl_vllm
-    url = str(env.root / "stream-registry")
-    model = env.model
-    actors = [actor_worker(model, is_master=True, url=url), actor_worker(model, is_master=False, url=url)]
-    rollout = CheckpointEngineWorker.__new__(CheckpointEngineWorker)
-    rollout.server_adapter = ServerAdapter(config=env.config, model_config=env.model_config, device_mesh=None,
-                                           replica_rank=0)
-    rollout.checkpoint_engine = CheckpointEngineRegistry.new("deltasync", bucket_size=64 << 20, url=url)
-    try:
-        for step in range(3):
-            if step:
-                train(model, seed=10 + step)
-            metrics = asyncio.run(sync(actors, rollout, step))[0]
-            assert metrics["checkpoint_engine/deltasync_step"] == step
-        held, tokens, _ = _served(env)
-    finally:
-        for w in (*actors, rollout):
-            w.checkpoint_engine.close()
-    with StreamReader(url) as reader:
-        assert bits_equal(reader.state_dict(2), {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
-    want, want_tokens = _fresh(env, url, 2)
-    _assert_same(held, want, "registry path, step 2")
-    assert tokens == want_tokens
-
-
 def test_manager_path_applies_each_step_in_place_and_undoes_a_bad_one(verl_vllm):
     """DeltasyncCheckpointManager over verl's vLLMReplica: three steps applied in place by deltasync's engine in
-    the server's worker (no reload), then a step whose checksums do not match: refused, undone, named."""
+    the server's worker (no reload), then a step whose checksums do not match: refused, undone, named.
+
+    First in this module: deltasync's engine learns where each checkpoint element lives from the checkpoint the
+    server loaded, and refuses weights that changed since (the registry path below reloads them through verl's
+    own adapter), as it would in a real run that switched paths."""
     from verl.workers.config import CheckpointEngineConfig
 
     from rollout_loader.integrations.verl import DeltasyncCheckpointManager
@@ -303,4 +276,35 @@ def test_manager_path_applies_each_step_in_place_and_undoes_a_bad_one(verl_vllm)
             w.checkpoint_engine.close()
     want, want_tokens = _fresh(env, url, 2)
     _assert_same(held, want, "manager path, step 2")
+    assert tokens == want_tokens
+
+
+def test_registry_path_into_verls_vllm_server_through_its_stock_adapter(verl_vllm):
+    """actor ranks -> deltasync checkpoint engine -> store -> CheckpointEngineWorker -> verl's ServerAdapter ->
+    shared-memory buckets -> verl's worker extension -> model.load_weights, three steps."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry, CheckpointEngineWorker
+    from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
+
+    env = verl_vllm
+    url = str(env.root / "stream-registry")
+    model = env.model
+    actors = [actor_worker(model, is_master=True, url=url), actor_worker(model, is_master=False, url=url)]
+    rollout = CheckpointEngineWorker.__new__(CheckpointEngineWorker)
+    rollout.server_adapter = ServerAdapter(config=env.config, model_config=env.model_config, device_mesh=None,
+                                           replica_rank=0)
+    rollout.checkpoint_engine = CheckpointEngineRegistry.new("deltasync", bucket_size=64 << 20, url=url)
+    try:
+        for step in range(3):
+            if step:
+                train(model, seed=10 + step)
+            metrics = asyncio.run(sync(actors, rollout, step))[0]
+            assert metrics["checkpoint_engine/deltasync_step"] == step
+        held, tokens, _ = _served(env)
+    finally:
+        for w in (*actors, rollout):
+            w.checkpoint_engine.close()
+    with StreamReader(url) as reader:
+        assert bits_equal(reader.state_dict(2), {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+    want, want_tokens = _fresh(env, url, 2)
+    _assert_same(held, want, "registry path, step 2")
     assert tokens == want_tokens
