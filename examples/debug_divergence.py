@@ -23,8 +23,7 @@ from torch import nn
 
 from deltasync import DeltaPublisher, compare, stream_stats
 from deltasync.errors import MissingDependencyError
-from deltasync.history import layer_density, plot_stats
-from deltasync.history.stats import need_matplotlib
+from deltasync.history import layer_density, need_matplotlib, plot_stats
 
 
 class Model(nn.Module):
