@@ -302,11 +302,3 @@ def _verify(public_key: bytes, signature: bytes, data: bytes) -> bool:
 def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
     """Whether ``signature`` is ``public_key``'s Ed25519 signature over ``data``."""
     return _verify(public_key, signature, data)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "TrustedKeys":  # it lives in deltasync/trust.py now; importable from here as before
-        from deltasync.trust import TrustedKeys
-
-        return TrustedKeys
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -36,7 +36,7 @@ from deltasync.errors import (
     UnsignedStepError,
     UntrustedKeyError,
 )
-from deltasync.format.documents import Manifest, decode
+from deltasync.format.documents import Manifest, StreamInfo, decode
 from deltasync.format.names import SHA256, STREAM_ID, check
 from deltasync.signing import (
     HEAD_TYPE,
@@ -422,8 +422,6 @@ def writer_signer(store: Any, key: SigningKey, *, stream_id: str | None) -> tupl
     its newest signed step vouched for, while ``files.json`` is still those bytes (a writer that stores files
     vouches for its own when it writes them: ``Store.write_model_files``).
     """
-    from deltasync.store import StreamInfo  # the store sits above this module's documents
-
     info = store.stream_info()
     if stream_id is not None:
         check_stream_id(stream_id, what="stream_id")

@@ -14,49 +14,28 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from deltasync.format.checksum import format_checksum, state_checksum, tensor_checksum
-from deltasync.publish.names import named_tensors
+from deltasync.format.checksum import format_checksum, state_checksum
 from deltasync.publish.publisher import DeltaPublisher
 from deltasync.scratch import ScratchFolder
 from deltasync.testing import save_model_dir, stdlib_corpus, tiny_qwen3
+from deltasync_cli.demo_config import DemoConfig, bf16_checksums
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, kw_only=True)
-class DemoConfig:
-    steps: int = 30
-    lr: float = 2e-6
-    anchor_every: int = 10
-    hidden_size: int = 256
-    layers: int = 4
-    seq_len: int = 128
-    batch_size: int = 8
-    seed: int = 0
-    engine: str = "vllm"  # "vllm": a real vLLM engine follows; "torch": a state dict in this process
-    transport: str = "store"  # "store": the follower reads the store; "nixl": trainer and consumer processes over NIXL
-
-
-def bf16_checksums(model: torch.nn.Module) -> dict[str, str]:
-    """The trainer's own view: checksums of the bf16 weights, computed from scratch."""
-    tensors, _ = named_tensors(model)
-    return {n: format_checksum(tensor_checksum(t.to(torch.bfloat16) if t.is_floating_point() else t))
-            for n, t in tensors.items()}
-
-
 def run_demo(
-    url: str | None = None, config: DemoConfig = DemoConfig(), *, storage_options: dict | None = None, echo=print
+    url: str | None = None, config: DemoConfig | None = None, *, storage_options: dict | None = None, echo=print
 ) -> list[dict]:
     """Run the demo; returns one row per step. ``echo`` prints (the library itself never prints).
 
     Without ``url`` the stream lives in a temporary folder, removed at the end with the engine's model folder
     (pass a URL to keep the stream).
     """
+    config = DemoConfig() if config is None else config
     scratch = ScratchFolder("demo")
     try:
         if config.transport == "nixl":

@@ -23,7 +23,7 @@ import torch
 from deltasync.format.checksum import format_checksum, state_checksum
 from deltasync.publish.publisher import DeltaPublisher
 from deltasync.testing import save_model_dir, stdlib_corpus, tiny_qwen3
-from deltasync_cli.demo import DemoConfig, bf16_checksums
+from deltasync_cli.demo_config import DemoConfig, bf16_checksums
 
 log = logging.getLogger(__name__)
 

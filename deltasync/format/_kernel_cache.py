@@ -1,4 +1,5 @@
-"""Where numba keeps deltasync's compiled CPU kernels, so that they compile once per machine and version.
+"""How deltasync's CPU kernels are compiled (numba), and where they are kept, so that they compile once per machine
+and version.
 
 numba's default cache sits beside the source (``__pycache__`` inside the installed package) and trusts a cache
 entry while the source file's modification time and size are unchanged. Both fail users: ``pip install
@@ -20,14 +21,16 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numba
+import numpy as np
 from numba.core import caching
 
-SOURCES = ("_kernels.py", "_byte_kernels.py")  # the modules whose kernels live here (in this folder)
+SOURCES = ("_kernels.py", "_byte_kernels.py", "_kernel_cache.py")  # the kernels, and how they are compiled (here)
 HERE = Path(__file__).resolve().parent
 
 
@@ -116,3 +119,24 @@ def cache_state() -> dict[str, Any]:
         probe = probe.parent
     return {"dir": str(where), "writable": os.access(probe, os.W_OK), "cached_kernels": len(indexes),
             "source_sha256": source_digest()}
+
+
+def jit(fn: Callable[..., Any]) -> Any:
+    """A compiled kernel, cached on disk where it survives reinstalls (this module)."""
+    return use_kernel_cache(numba.njit(cache=False, nogil=True, boundscheck=False)(fn))
+
+
+def pjit(fn: Callable[..., Any]) -> Any:
+    """A compiled ``prange`` kernel (its loops split across cores), cached as :func:`jit`'s are."""
+    return use_kernel_cache(numba.njit(cache=False, nogil=True, boundscheck=False, parallel=True)(fn))
+
+
+def read_only(a: np.ndarray) -> np.ndarray:
+    """``a`` as a read-only view. numba compiles a kernel once per writability of each array argument, and
+    inputs arrive both ways (views of immutable object bytes, writable buffers): the kernel modules' wrappers hand
+    every input-only array over read-only, so each kernel compiles once per dtype instead of twice."""
+    if not a.flags.writeable:
+        return a
+    view = a.view()
+    view.flags.writeable = False
+    return view

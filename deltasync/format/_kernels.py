@@ -20,7 +20,11 @@ import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
 
-from deltasync.format._kernel_cache import cache_dir, use_kernel_cache
+from deltasync.format import _byte_kernels
+from deltasync.format._kernel_cache import cache_dir
+from deltasync.format._kernel_cache import jit as _jit
+from deltasync.format._kernel_cache import pjit as _pjit
+from deltasync.format._kernel_cache import read_only as _ro
 
 
 def _shield_llvmlite() -> None:
@@ -54,16 +58,6 @@ numba's parallel kernels end in a barrier: when another process holds a core, a 
 core waits for it, and a small tensor's work is far shorter than that wait (up to 20x slower under load).
 Callers get parallelism across tensors instead (``deltasync.threads.parallel_map``)."""
 
-def _jit(fn: Callable[..., Any]) -> Any:
-    """A compiled kernel, cached on disk where it survives reinstalls (:mod:`deltasync.format._kernel_cache`)."""
-    return use_kernel_cache(numba.njit(cache=False, nogil=True, boundscheck=False)(fn))
-
-
-def _pjit(fn: Callable[..., Any]) -> Any:
-    """A compiled ``prange`` kernel (its loops split across cores), cached as :func:`_jit`'s are."""
-    return use_kernel_cache(numba.njit(cache=False, nogil=True, boundscheck=False, parallel=True)(fn))
-
-
 def _serial_twin(fn: Callable[..., Any]) -> Any:
     """A single-threaded compilation of a ``prange`` kernel (``prange`` runs as ``range``).
 
@@ -78,17 +72,6 @@ def _serial_twin(fn: Callable[..., Any]) -> Any:
 def _pick(serial: Any, parallel: Any, size: int, want: bool | None) -> Any:
     """The parallel kernel for large work (or when asked), else the serial one."""
     return parallel if (size >= PARALLEL_MIN_ELEMENTS if want is None else want) else serial
-
-
-def _ro(a: np.ndarray) -> np.ndarray:
-    """``a`` as a read-only view. numba compiles a kernel once per writability of each array argument, and
-    inputs arrive both ways (views of immutable object bytes, writable buffers): the wrappers below hand
-    every input-only array over read-only, so each kernel compiles once per dtype instead of twice."""
-    if not a.flags.writeable:
-        return a
-    view = a.view()
-    view.flags.writeable = False
-    return view
 
 
 @_jit
@@ -439,8 +422,6 @@ def span(positions: np.ndarray) -> tuple[int, int]:
 def dispatchers() -> dict[str, Any]:
     """Every kernel of this module that Python calls, by name (what ``warm_kernels`` loads, what tests inspect);
     ``mix64``, ``element_hash`` and ``_hash_change`` are compiled into the kernels that call them."""
-    from deltasync.format import _byte_kernels  # (it imports this module's helpers)
-
     found = {**globals(), **vars(_byte_kernels)}
     return {name: obj for name, obj in found.items()
             if isinstance(obj, numba.core.registry.CPUDispatcher) and name not in _INLINED}
@@ -515,8 +496,6 @@ def kernel_cache_dir() -> str:
 
 def _warm_width(t: Any) -> None:
     """Every kernel signature for elements of unsigned type ``t``."""
-    from deltasync.format._byte_kernels import shuffle_bytes, unshuffle_bytes
-
     n = 64
     idx = np.arange(0, n, 3, dtype=np.int64)
     # input-only arrays go to the kernels read-only whatever they were (``_ro``)
@@ -537,17 +516,15 @@ def _warm_width(t: Any) -> None:
     checksum_at(u, idx)
     compact(pos, xs, counts, n, pos.copy(), xs.copy())
     xor_plain_at(u, idx, x)
-    shuffle_bytes(x)
-    unshuffle_bytes(np.zeros(n * u.itemsize, np.uint8), np.empty(n, t))
+    _byte_kernels.shuffle_bytes(x)
+    _byte_kernels.unshuffle_bytes(np.zeros(n * u.itemsize, np.uint8), np.empty(n, t))
 
 
 def _warm_common() -> None:
     """The kernels of no element width (positions)."""
-    from deltasync.format._byte_kernels import gap16_decode, gap16_encode
-
     idx = np.arange(0, 64, 3, dtype=np.int64)
-    gap16_encode(idx)
-    gap16_decode(np.zeros(8, np.uint8), 4)
+    _byte_kernels.gap16_encode(idx)
+    _byte_kernels.gap16_decode(np.zeros(8, np.uint8), 4)
     span(idx)
 
 
