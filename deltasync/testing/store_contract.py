@@ -93,7 +93,7 @@ class StoreContract:
         with DeltaPublisher(self.store(url), state, on_backlog="block", **kw) as pub:
             for s in range(steps):
                 for v in state.values():
-                    v.copy_(_perturb(v, 0.03, gen))
+                    v.copy_(perturb(v, 0.03, gen))
                 pub.publish(s)
                 truth.append({k: v.clone() for k, v in state.items()})
         return truth
@@ -220,7 +220,7 @@ class StoreContract:
         assert reader.steps() == [0, 1, 2, 3, 4] and reader.latest_step() == 4
         assert [reader.manifest(s).kind for s in range(5)] == ["anchor", "delta", "delta", "anchor", "delta"]
         for s in range(5):
-            assert _states_equal(reader.state_dict(s), truth[s])
+            assert states_equal(reader.state_dict(s), truth[s])
 
     def test_uncommitted_step_is_invisible_and_cleaned(self, url, small_state, gen):
         self.publish(url, small_state, gen, steps=2)
@@ -242,7 +242,7 @@ class StoreContract:
         assert store.remove_uncommitted(older_than_s=0) == [2]
         names = sorted(e.key.rsplit("/", 1)[-1] for e in store.list(step_dir(1)))
         assert names == sorted(["manifest.json", store.manifest(1).object])
-        assert _states_equal(StreamReader(self.store(url)).state_dict(1), truth[1])
+        assert states_equal(StreamReader(self.store(url)).state_dict(1), truth[1])
 
     def test_a_committed_steps_own_files_survive_cleaning(self, url, small_state, gen):
         """An anchor's own delta and a step's signature are the step's: a restarted writer's cleaning keeps them
@@ -259,7 +259,7 @@ class StoreContract:
         reader = StreamReader(self.store(url))
         with reader.open(3, base=2) as obj:  # opened as its own delta from step 2
             assert obj.header.kind == "delta"
-        assert _states_equal(reader.state_dict(3), truth[3])
+        assert states_equal(reader.state_dict(3), truth[3])
 
     def test_stale_latest_hint_is_corrected(self, url, small_state, gen):
         self.publish(url, small_state, gen, steps=3)
@@ -300,8 +300,9 @@ def _manifest(step: int, data: bytes) -> Manifest:
                     object_bytes=len(data), object_sha256=digest, state_checksum="0" * 64, created_unix_s=1.0)
 
 
-def _perturb(t: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
-    """A copy of ``t`` with about ``density`` of its elements given new random bits (a training step)."""
+def perturb(t: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
+    """A copy of ``t`` with about ``density`` of its elements given new random bits (a training step; the tests'
+    conftest uses this one too)."""
     out = t.clone()
     if out.numel() == 0:
         return out
@@ -311,7 +312,7 @@ def _perturb(t: torch.Tensor, density: float, gen: torch.Generator) -> torch.Ten
     return out
 
 
-def _states_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+def states_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     """The same names, shapes, dtypes and bits."""
     return a.keys() == b.keys() and all(
         a[k].shape == b[k].shape and a[k].dtype == b[k].dtype
