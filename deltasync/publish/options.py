@@ -125,7 +125,10 @@ class PublishOptions:
         if self.events is not None:
             host_port(self.events, what="publish option events")
         if self.rdma is not None:  # checked (and made options) now: a config's typo fails here, not on a thread
-            object.__setattr__(self, "rdma", rdma_options(self.rdma))
+            try:
+                object.__setattr__(self, "rdma", rdma_options(self.rdma))
+            except ConfigError as e:
+                raise ConfigError(f"publish option {e}") from None
         if self.stream_id is not None:
             from deltasync.trust import check_stream_id
 
