@@ -220,9 +220,9 @@ class DeltaPublisher:
             if opts.rdma is not None and self._holds_lease:
                 self._rdma = rdma_sink(opts.rdma)
                 self._commits.sinks.append(self._rdma)
-        except DeltaSyncError as e:  # ConfigError, MissingDependencyError
-            if self._sharded is None:
-                self._commits.close()
+        except BaseException as e:  # ConfigError, MissingDependencyError: on a sharded trainer, every rank fails
+            if self._sharded is None or not isinstance(e, DeltaSyncError):
+                self._commits.close()  # a sink made before stops again (the feed's port, the ring's memory)
                 raise
             start_error = e
         try:
