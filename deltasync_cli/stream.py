@@ -178,8 +178,10 @@ def _fleet_table(url: str, fleet: Any, stale_after_s: float) -> None:
 
     newest = "no committed step" if fleet.newest_step is None else f"newest committed step {fleet.newest_step}"
     table = Table(title=shown(f"{url}: {len(fleet.consumers)} consumer(s), {newest}"))
-    cols = ("consumer", "step", "behind", "last report", "weight version", "errors", "pause", "fingerprint", "config",
-            "state")
+    # a replica record's columns only where some heartbeat has one (a state-dict follower's has none)
+    records = any(c.fingerprint or c.pause_s is not None for c in fleet.consumers)
+    cols = ("consumer", "step", "behind", "last report", "weight version", "errors",
+            *(("pause", "fingerprint") if records else ()), "state")
     rows = []
     for c in fleet.consumers:  # everything a heartbeat says is shown inert (docs/SECURITY.md)
         when = time.strftime("%H:%M:%S", time.localtime(time.time() - c.age_s))
@@ -190,21 +192,20 @@ def _fleet_table(url: str, fleet: Any, stale_after_s: float) -> None:
             state += "; differs from the reference"
         if c.last_error:
             state += f"; error: {inert(c.last_error[:120])}"
-        print_ = "-" if c.fingerprint is None else (f"{c.fingerprint[:12]}@{c.fingerprint_step} "
-                                                    f"{inert(c.fingerprint_check or '')}").strip()
+        print_ = "-" if c.fingerprint is None else (f"{c.fingerprint[:12]} of step {c.fingerprint_step}, config "
+                                                    f"{inert(c.config_key)}: {inert(c.fingerprint_check or '?')}")
+        record = ["-" if c.pause_s is None else f"{1e3 * c.pause_s:.1f} ms", print_] if records else []
         rows.append([str(c.step), "-" if c.lag_steps is None else str(c.lag_steps),
                      f"{when} ({c.age_s:.0f} s ago)" if not c.suspect else f"{c.age_s:.0f} s (in the future)",
-                     inert(c.weight_version or "-"), "-" if c.errors is None else str(c.errors),
-                     "-" if c.pause_s is None else f"{1e3 * c.pause_s:.1f} ms", print_, inert(c.config_key or "-"),
-                     state])
+                     inert(c.weight_version or "-"), "-" if c.errors is None else str(c.errors), *record, state])
     ids = fit_names([c.consumer_id for c in fleet.consumers], [[c, *(r[i] for r in rows)] for i, c in
                                                                enumerate(cols[1:])])
     for col in cols:
-        table.add_column(col, justify="left" if col in ("consumer", "state") else "right", overflow="fold",
-                         no_wrap=col != "consumer")
+        table.add_column(col, justify="left" if col in ("consumer", "state", "fingerprint") else "right",
+                         overflow="fold", no_wrap=col not in ("consumer", "fingerprint"))
     for consumer_id, row in zip(ids, rows, strict=True):
         state = escape(row[-1]) if row[-1] == "live" else f"[red]{escape(row[-1])}[/red]"
-        table.add_row(consumer_id, *row[:3], escape(row[3]), row[4], row[5], escape(row[6]), escape(row[7]), state)
+        table.add_row(consumer_id, *row[:3], *(escape(v) for v in row[3:-1]), state)
     out.print(table)
     if fleet.stale:
         out.print(f"{len(fleet.stale)} stale: no heartbeat within {stale_after_s:g} s "

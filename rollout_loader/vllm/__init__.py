@@ -28,9 +28,9 @@ from .client import (
     SyncClientTransfer,
     WeightTransfer,
 )
-from .fingerprint import reference_for_step
 from .fp8 import Fp8Plan, Fp8Quantizer, fp8_plan
 from .ray_client import RayWeightTransfer
+from .reference import reference_for_step
 from .settings import EngineSettings, EngineVerify, Mode, Representation
 from .target import VllmTarget, start_engine
 
