@@ -181,6 +181,11 @@ def test_a_followed_engine_holds_the_fresh_engines_fingerprint(world):
     assert {n: t.checksum for n, t in reference.ranks[0].tensors.items()} == {n: v[0] for n, v in mine.items()}
     assert any(EXPERTS in n for n in mine)
     assert _engine(llm).pause_parts[-1]["fingerprint"] > 0  # inside the pause in this mode
+    # which step produced a completion (docs/INTEGRATIONS.md): vLLM's own spans name the deltasync step
+    from vllm import SamplingParams
+
+    (out,) = llm.generate(["provenance"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [(s.version, s.start, s.end) for s in out.outputs[0].weight_versions] == [("3", 0, 4)]
 
 
 def test_a_mismatch_found_after_the_pause_marks_the_engine_unhealthy_and_the_next_update_undoes_it(world):
