@@ -70,7 +70,7 @@ def _run(name: str, root: Path, args: Any) -> dict[str, Any]:
     without = [p["total"] - p["fingerprint"] for p in parts]
     return {"family": name, "params": numel, "steps": len(parts), "pause_without_s": float(np.median(without)),
             "fingerprint_s": float(np.median(prints)), "ratio": float(np.median([a / b for a, b in
-                                                                                   zip(prints, without)])),
+                                                                                   zip(prints, without, strict=True)])),
             "opaque_modules": status["opaque"], "rows": parts}
 
 
