@@ -53,6 +53,10 @@ def follow(
         min=0, metavar="BYTES", help="Refuse at init when the engine would keep more host memory than this (bytes) "
                                      "as host copies of checkpoint tensors (an FP8 engine fed a bf16 stream keeps its "
                                      "quantized layers' inputs).")] = None,
+    fingerprint: Annotated[Literal["after", "pause", "off"], typer.Option(
+        help="When the engine fingerprints what it computes with after an update (docs/FORMAT.md section 5f): "
+             "'after' (off the pause; a mismatch with the reference marks it unhealthy, the next update undoes the "
+             "step), 'pause' (inside it: a mismatch undoes the update) or 'off'.")] = "after",
     poll_s: Annotated[float, typer.Option(min=0.05, metavar="SECONDS",
                                      help="Seconds between polls of the store around the moment the "
                                           "next step is due (one small read each).")] = 0.25,
@@ -105,7 +109,7 @@ def follow(
     # server's engine) and the event feed (every rank's prefetcher hears of a step before the update asks for it)
     # reach the engine from the follower; the rest of the engine's settings are these
     settings = EngineSettings(step=engine_step, mode=mode, verify=verify, prefetch=prefetch, rdma=_rdma_option(rdma),
-                              representation=representation, max_host_bytes=max_host_bytes)
+                              representation=representation, max_host_bytes=max_host_bytes, fingerprint=fingerprint)
     target = VllmTarget(server, settings)
     keys = _trust(trusted_key, revoked_key, stream_id, max_age_s)
     feed = EventFeed(notify) if notify is not None else None  # a bad URL: one line, exit 2

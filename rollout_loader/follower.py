@@ -11,6 +11,7 @@ the newest step is an anchor it applies only that anchor, so ``on_step`` need no
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import sys
 import threading
@@ -257,8 +258,12 @@ class Follower:
             return False
         try:
             seen = self.stats.status(held)
+            record = self.target.record() if callable(getattr(self.target, "record", None)) else None  # type: ignore[union-attr]
+            if record is not None and record.last_error is None and self.last_error is not None:
+                record = dataclasses.replace(record, last_error=f"{type(self.last_error).__name__}: {self.last_error}")
             write_heartbeat(self.reader.store, self.consumer_id, held, newest_step=seen.newest_step,
-                            weight_version=getattr(self.target, "weight_version", None), errors=seen.errors)
+                            weight_version=getattr(self.target, "weight_version", None), errors=seen.errors,
+                            record=record)
         except Exception as e:  # noqa: BLE001 - a missed heartbeat must not stop the follower
             log.warning("follower: heartbeat for step %d failed: %s", held, str(e))
             return False

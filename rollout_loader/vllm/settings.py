@@ -30,11 +30,12 @@ from deltasync.engine import (
 )
 from deltasync.errors import ConfigError
 
-__all__ = ["EngineSettings", "EngineVerify", "Mode", "Representation"]
+__all__ = ["EngineSettings", "EngineVerify", "FingerprintWhen", "Mode", "Representation"]
 
 EngineVerify = Literal["incremental", "changed", "all"]
 Mode = Literal["auto", "live", "reload"]
 Representation = Literal["checkpoint", "fp8"]
+FingerprintWhen = Literal["after", "pause", "off"]
 MAX_SETTINGS_BYTES = 1 << 20  # a few PEM keys and storage options: nothing legitimate is larger
 
 
@@ -74,6 +75,11 @@ class EngineSettings:
         max_host_bytes: the most host memory, in bytes, the engine may keep as host copies of checkpoint tensors
             (stated at init); above it init is refused with a ``ConfigError`` before anything is read. None: no
             limit.
+        fingerprint: when each rank computes the runtime fingerprint of what it computes with (docs/FORMAT.md
+            section 5f) after an update: ``"after"`` (on a thread of its own once the update returned, off the
+            pause; a mismatch with the reference marks the engine unhealthy, and the next update undoes the step
+            first and raises), ``"pause"`` (inside the update: a mismatch undoes the update whole before it returns,
+            at the cost of one pass over the weights in the pause) or ``"off"``.
 
     Raises:
         ConfigError: a value of the wrong type or out of range, naming the setting.
@@ -98,6 +104,7 @@ class EngineSettings:
     max_age_s: float | None = None
     representation: Representation = "checkpoint"
     max_host_bytes: int | None = None
+    fingerprint: FingerprintWhen = "after"
 
     def __post_init__(self) -> None:
         if self.url is not None and not (isinstance(self.url, str) and self.url):
@@ -116,6 +123,7 @@ class EngineSettings:
         if self.rdma is not None:
             object.__setattr__(self, "rdma", _rdma(self.rdma))
         _choice("representation", self.representation, Representation)
+        _choice("fingerprint", self.fingerprint, FingerprintWhen)
         if self.max_host_bytes is not None and (isinstance(self.max_host_bytes, bool)
                                                 or not isinstance(self.max_host_bytes, int) or self.max_host_bytes < 0):
             raise _bad("max_host_bytes", "a number of bytes (an integer >= 0) or null", self.max_host_bytes)

@@ -19,9 +19,9 @@ import logging
 import os
 from typing import Any
 
-from deltasync import StreamReader
-from deltasync.engine import pem_text, pem_texts
-from deltasync.errors import ConfigError, HeldStepError, MissingDependencyError
+from deltasync import DeltaSyncError, StreamReader
+from deltasync.engine import ReplicaRecord, pem_text, pem_texts
+from deltasync.errors import ConfigError, EngineConfigError, HeldStepError, MissingDependencyError
 
 from .client import (
     SYNC_CLIENT_METHODS,
@@ -202,8 +202,27 @@ class VllmTarget:
         self.client.update(step)
         self._step = step
 
+    def record(self) -> ReplicaRecord:
+        """What this replica says of itself in its heartbeat and metrics (docs/FORMAT.md section 5f): when the step
+        it holds was applied, the last pause, the engine's configuration key and runtime fingerprint, the comparison
+        with a reference, the engine's last error. Reads the engine's status (no checksums); a client that cannot
+        read one (a plain vLLM weight-sync client) gives the pause alone; an engine that does not answer, its error."""
+        pause = self.client.pauses_s[-1] if self.client.pauses_s else None
+        try:
+            st = self.client.status(checksums=False)
+        except EngineConfigError:
+            return ReplicaRecord(pause_s=pause)
+        except DeltaSyncError as e:
+            return ReplicaRecord(pause_s=pause, last_error=f"status: {type(e).__name__}: {e}")
+        fp = st.get("fingerprint") or {}
+        return ReplicaRecord(
+            applied_unix_s=st.get("applied_unix_s"), pause_s=pause, config_key=fp.get("config_key"),
+            fingerprint=fp.get("fingerprint"), fingerprint_step=fp.get("step") if fp.get("fingerprint") else None,
+            fingerprint_check=fp.get("check"), last_error=fp.get("unhealthy") or st.get("last_error"))
+
     def status(self, *, checksums: bool = True) -> dict[str, Any]:
-        """The engine's own account (held step, how steps arrived, pauses, every tensor's checksum); needs the
+        """The engine's own account (held step, how steps arrived, pauses, every tensor's checksum, the runtime
+        fingerprint: ``fingerprint``, docs/FORMAT.md section 5f); needs the
         status extension (:func:`start_engine` installs it; a server: ``--worker-extension-cls``)."""
         return self.client.status(checksums=checksums)
 
