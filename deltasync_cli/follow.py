@@ -98,7 +98,7 @@ def follow(
     import time
 
     from deltasync.notify import EventFeed
-    from rollout_loader import Follower
+    from rollout_loader import Follower, PollPolicy
     from rollout_loader.vllm import EngineSettings, VllmTarget
 
     # the store, its options, the trusted keys (every step's signature is checked by the follower and by the
@@ -116,8 +116,9 @@ def follow(
                   f"{_lag_words(follower.status())}")
 
     try:
-        follower = Follower(url, target, poll_s=poll_s, max_poll_s=max_poll_s, on_step=report,
-                            metrics_port=metrics_port, storage_options=_storage_options(storage_option), notifier=feed,
+        policy = PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s))
+        follower = Follower(url, target, policy=policy, on_step=report, metrics_port=metrics_port,
+                            storage_options=_storage_options(storage_option), notifier=feed,
                             trusted_keys=keys, consumer_id=consumer_id)
     except BaseException:
         if feed is not None:
@@ -256,7 +257,8 @@ def mirror(
             out.print(f"events at {server.url}", markup=False)
         feed = EventFeed(notify) if notify is not None else None
         mirror_follow(src, dst, src_options=src_options, dst_options=dst_options, until=until, stop=stop,
-                      policy=PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s)), on_step=report,
+                      policy=PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s), retry_max_s=60.0),
+                      on_step=report,
                       on_error=warn, notifier=feed, events=server, trusted_keys=trust)
     except KeyboardInterrupt:
         stop.set()
