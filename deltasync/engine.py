@@ -53,7 +53,7 @@ from deltasync.stages.staging import Layout, StagedStep, TensorSpec, layout_of, 
 from deltasync.store import Manifest, Part
 from deltasync.threads import parallel_map, submit_all
 from deltasync.trust import TrustedKeys, check_max_age_s, check_stream_id
-from deltasync.watch import FollowLoop, PollPolicy, StepWatch
+from deltasync.watch import FollowLoop, Polled, PollPolicy, StepWatch, retry_delay_s
 
 __all__ = [
     # decode ahead, write in place, prove it
@@ -97,6 +97,8 @@ __all__ = [
     "StepWatch",
     "PollPolicy",
     "FollowLoop",
+    "Polled",
+    "retry_delay_s",
     "EventFeed",
     "Notifier",
     "TrustedKeys",

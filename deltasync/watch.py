@@ -43,7 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from deltasync.errors import ConfigError, RollbackError, StaleStreamError, StepNotFoundError, can_retry
 from deltasync.format.documents import LatestHint
@@ -57,7 +57,10 @@ log = logging.getLogger(__name__)
 
 MAX_REFUSED = 100_000  # steps a trusted reader remembers as not existing (each refused once, then free)
 
-__all__ = ["FollowLoop", "PollPolicy", "StepWatch", "retry_delay_s"]
+__all__ = ["FollowLoop", "Polled", "PollPolicy", "StepWatch", "retry_delay_s"]
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
 def retry_delay_s(failures: int, *, poll_s: float, max_s: float, rng: random.Random | None = None) -> float:
@@ -363,61 +366,89 @@ class StepWatch:
         self._due = now - lag + interval if interval else None
 
 
-class FollowLoop:
+class Polled(Protocol[T_co]):
+    """What a :class:`FollowLoop` polls: a :class:`StepWatch` (the newest committed step), or a source that another
+    loop feeds (the vLLM engine's other ranks hear what to stage from the rank that watches the stream)."""
+
+    wake: threading.Event  # set to end a wait early (a pushed step, a stop)
+
+    def newest(self) -> T_co:
+        """What is newest now (a step, a plan)."""
+
+    def delay(self) -> float:
+        """Seconds until the next poll."""
+
+    def retry_delay(self, failures: int) -> float:
+        """Seconds to wait after ``failures`` failed turns in a row."""
+
+
+class FollowLoop(Generic[T]):
     """The follow loop, written once: find the newest committed step (:meth:`StepWatch.newest`), act on it, and
-    wait for the next poll by the stream's cadence (at once when a step is pushed or ``watch.wake`` is set).
+    wait for the next poll by the stream's cadence (at once when a step is pushed or ``source.wake`` is set).
 
     Every consumer of a stream drives this one loop body: a follower (in its thread, or in the caller's while it
-    waits for a step), the mirror, the vLLM engine's prefetcher. What differs is ``act`` and what ends the loop.
+    waits for a step), the mirror, the vLLM engine's prefetcher (on the rank that watches the stream, and on the
+    others over what that rank tells them). What differs is ``act`` and what ends the loop.
 
     Args:
-        watch: the stream's watch (its policy spaces the polls and the retries).
-        act: called with the newest committed step (None while the stream has none), in the loop's thread. It may
-            do nothing (the step is held already), or much (fetch and apply a chain of steps).
+        source: the stream's :class:`StepWatch` (its policy spaces the polls and the retries), or another
+            :class:`Polled` source.
+        act: called with the source's newest (for a watch: the newest committed step, None while the stream has
+            none), in the loop's thread. It may do nothing (the step is held already), or much (fetch and apply a
+            chain of steps).
         on_error: hears every failure, of the poll or of ``act``, before it is retried or raised.
         on_success: called after each turn that did not fail (a consumer that logged a failure says it recovered).
         give_up: whether an error retrying cannot help (:func:`~deltasync.errors.can_retry`: the error class
             decides) ends the loop, raised from :meth:`turn` and :meth:`run`. False: it is retried like any other
             (a prefetcher, whose caller meets the error again where it is reported).
         lock: held around each poll and ``act`` (a follower whose caller may also sync).
+        hurry_s: the longest wait while somebody waits for a step (``turn(hurry=True)``); None: no limit.
 
     A failure is retried after :meth:`StepWatch.retry_delay`, doubling with the failures in a row (``failures``)
     up to the policy's ``retry_max_s``; a turn that succeeds resets the count.
 
     Example::
 
-        loop = FollowLoop(StepWatch(reader), lambda newest: print("newest:", newest))
+        loop = FollowLoop(StepWatch(reader), lambda newest: log.info("newest: %s", newest))
         loop.run(stop)                      # until stop is set; raises what retrying cannot help
     """
 
-    def __init__(self, watch: StepWatch, act: Callable[[int | None], object], *,
+    def __init__(self, source: Polled[T], act: Callable[[T], object], *,
                  on_error: Callable[[Exception], None] | None = None, on_success: Callable[[], None] | None = None,
-                 give_up: bool = True, lock: threading.Lock | None = None) -> None:
-        self.watch = watch
+                 give_up: bool = True, lock: threading.Lock | None = None, hurry_s: float | None = None) -> None:
+        self.source = source
         self.act = act
+        self.hurry_s = hurry_s
         self.on_error = on_error
         self.on_success = on_success
         self.give_up = give_up
         self.lock = lock
         self.failures = 0  # failed turns (or failed calls reported with failed()) since the last success
+        self.poll_s = 0.0  # how long the last poll took (a prefetcher reports where the time to a staged step went)
 
     def turn(self, *, hurry: bool = False) -> float:
-        """One pass: poll, act; returns the seconds to wait before the next (at most ``fast_s`` with ``hurry``:
+        """One pass: poll, act; returns the seconds to wait before the next (at most ``hurry_s`` with ``hurry``:
         somebody waits for a step). Raises an error retrying cannot help (with ``give_up``)."""
         try:
             if self.lock is None:
-                self.act(self.watch.newest())
+                self._poll_and_act()
             else:
                 with self.lock:
-                    self.act(self.watch.newest())
+                    self._poll_and_act()
         except Exception as e:
             self.failed(e)
             if self.give_up and not can_retry(e):
                 raise
-            return self.watch.retry_delay(self.failures)
+            return self.source.retry_delay(self.failures)
         self.succeeded()
-        delay = self.watch.delay()
-        return min(self.watch.policy.fast_s, delay) if hurry else delay
+        delay = self.source.delay()
+        return min(self.hurry_s, delay) if hurry and self.hurry_s is not None else delay
+
+    def _poll_and_act(self) -> None:
+        t0 = time.perf_counter()
+        newest = self.source.newest()
+        self.poll_s = time.perf_counter() - t0
+        self.act(newest)
 
     def failed(self, error: Exception) -> None:
         """Count a failure and report it (``on_error``): a turn's, or a call the owner made outside the loop."""
@@ -442,9 +473,9 @@ class FollowLoop:
             self.wait(delay, stop)
 
     def wait(self, seconds: float, stop: threading.Event | None = None) -> None:
-        """Sleep up to ``seconds``: less when a step is pushed or ``watch.wake`` is set (then cleared), or (within
+        """Sleep up to ``seconds``: less when a step is pushed or ``source.wake`` is set (then cleared), or (within
         half a second) when ``stop`` is set."""
-        wake = self.watch.wake
+        wake = self.source.wake
         deadline = time.monotonic() + seconds
         while stop is None or not stop.is_set():
             left = deadline - time.monotonic()

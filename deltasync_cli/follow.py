@@ -102,8 +102,8 @@ def follow(
     from rollout_loader.vllm import EngineSettings, VllmTarget
 
     # the store, its options, the trusted keys (every step's signature is checked by the follower and by the
-    # server's engine) and the event feed (every rank's prefetcher hears of a step before the update asks for it)
-    # reach the engine from the follower; the rest of the engine's settings are these
+    # server's engine) and the event feed (the engine's first rank hears of a step before the update asks for it,
+    # and tells the others what to stage) reach the engine from the follower; the rest of its settings are these
     settings = EngineSettings(step=engine_step, mode=mode, verify=verify, prefetch=prefetch, rdma=_rdma_option(rdma),
                               representation=representation, max_host_bytes=max_host_bytes)
     target = VllmTarget(server, settings)

@@ -135,7 +135,7 @@ class Follower:
         self._sync_lock = threading.Lock()  # one sync at a time (thread and caller)
         # the one follow loop: the newest step, then the chain to it (in the thread, or in a caller that waits)
         self._loop = FollowLoop(self.watch, self._follow, on_error=self._failed, on_success=self._succeeded,
-                                lock=self._sync_lock)
+                                lock=self._sync_lock, hurry_s=self.policy.fast_s)
         self._stop = threading.Event()
         self._poke = self.watch.wake  # wakes the thread: a pushed step, stop(), or a caller began to wait
         self._waiters = 0  # callers in wait_for (under _changed)
