@@ -65,7 +65,7 @@ from deltasync.stages.staging import Layout, StagedStep, TensorSpec, layout_of, 
 from deltasync.store import Manifest, Part
 from deltasync.threads import parallel_map, submit_all
 from deltasync.trust import TrustedKeys, check_max_age_s, check_stream_id
-from deltasync.watch import PollPolicy, StepWatch
+from deltasync.watch import FollowLoop, Polled, PollPolicy, StepWatch, retry_delay_s
 
 __all__ = [
     # decode ahead, write in place, prove it
@@ -108,6 +108,9 @@ __all__ = [
     # following a stream, as a consumer with an identity
     "StepWatch",
     "PollPolicy",
+    "FollowLoop",
+    "Polled",
+    "retry_delay_s",
     "EventFeed",
     "Notifier",
     "TrustedKeys",

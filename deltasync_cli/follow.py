@@ -102,12 +102,12 @@ def follow(
     import time
 
     from deltasync.notify import EventFeed
-    from rollout_loader import Follower
+    from rollout_loader import Follower, PollPolicy
     from rollout_loader.vllm import EngineSettings, VllmTarget
 
     # the store, its options, the trusted keys (every step's signature is checked by the follower and by the
-    # server's engine) and the event feed (every rank's prefetcher hears of a step before the update asks for it)
-    # reach the engine from the follower; the rest of the engine's settings are these
+    # server's engine) and the event feed (the engine's first rank hears of a step before the update asks for it,
+    # and tells the others what to stage) reach the engine from the follower; the rest of its settings are these
     settings = EngineSettings(step=engine_step, mode=mode, verify=verify, prefetch=prefetch, rdma=_rdma_option(rdma),
                               representation=representation, max_host_bytes=max_host_bytes, fingerprint=fingerprint)
     target = VllmTarget(server, settings)
@@ -120,8 +120,9 @@ def follow(
                   f"{_lag_words(follower.status())}")
 
     try:
-        follower = Follower(url, target, poll_s=poll_s, max_poll_s=max_poll_s, on_step=report,
-                            metrics_port=metrics_port, storage_options=_storage_options(storage_option), notifier=feed,
+        policy = PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s))
+        follower = Follower(url, target, policy=policy, on_step=report, metrics_port=metrics_port,
+                            storage_options=_storage_options(storage_option), notifier=feed,
                             trusted_keys=keys, consumer_id=consumer_id)
     except BaseException:
         if feed is not None:
@@ -260,7 +261,8 @@ def mirror(
             out.print(f"events at {server.url}", markup=False)
         feed = EventFeed(notify) if notify is not None else None
         mirror_follow(src, dst, src_options=src_options, dst_options=dst_options, until=until, stop=stop,
-                      policy=PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s)), on_step=report,
+                      policy=PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s), retry_max_s=60.0),
+                      on_step=report,
                       on_error=warn, notifier=feed, events=server, trusted_keys=trust)
     except KeyboardInterrupt:
         stop.set()

@@ -66,7 +66,7 @@ from deltasync.errors import (
 from .fingerprint import engine_config, fingerprint_model, rank_and_size
 from .layout import checkpoint_layout
 from .plan import build_state
-from .prefetch import Prefetcher, Prepared, prepare
+from .prefetch import PlanBoard, Prefetcher, Prepared, prepare
 from .settings import EngineSettings
 from .shadow import reload_as_loaded
 from .state import Staged, WorkerState
@@ -218,16 +218,19 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         if init_info.rdma is not None and self._rdma is None:
             self._rdma = self._rdma_consumer(init_info)
         if init_info.prefetch:
+            # one watcher per engine: the first rank watches the stream and tells the others what to stage
+            board, plans = self._plan_board()
             url, options = init_info.stream()
             reader = self._rdma.reader if self._rdma is not None else StreamReader(url, storage_options=options)
             assert self._reader is not None  # opened above, or by the init this one continues (same stream)
             reader.trusted = self._reader.trusted  # the prefetcher's reader checks with the engine's own key set
-            # over NIXL the trainer announces each step, or a mirror does: the prefetcher hears of it at once (a
+            # over NIXL the trainer announces each step, or a mirror does: the watching rank hears of it at once (a
             # hint it checks); otherwise the store's own feed where it has one, else polls by the stream's cadence
-            if init_info.notify is not None and self._rdma is None:
+            if plans is None and init_info.notify is not None and self._rdma is None:
                 self._feed = EventFeed(init_info.notify)
-            self._prefetcher = Prefetcher(reader, self._state, lambda: self._held, notifier=self._rdma or self._feed,
-                                          anchor_deltas=self._rdma is None)
+            self._prefetcher = Prefetcher(reader, self._state, lambda: self._held,
+                                          notifier=None if plans is not None else self._rdma or self._feed,
+                                          anchor_deltas=self._rdma is None, board=board, plans=plans)
         if self._held is not None and init_info.fingerprint != "off" and (
                 self._print is None or self._print["step"] != self._held):
             self._start_fingerprint(self._held)  # the step it starts at, proved by checksums: now by its runtime bytes
@@ -584,6 +587,35 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         if feed is not None:
             feed.close()
 
+    def _plan_board(self) -> tuple[PlanBoard | None, PlanBoard | None]:
+        """(the board this rank serves, the board it joined): with tensor parallelism only the first rank watches
+        the stream and resolves the chain; it posts what to stage to the others (prefetch.py). A collective: every
+        rank calls it in init. A rank that cannot join watches the stream itself (logged), as does every rank when
+        the first cannot serve."""
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+        if group.world_size == 1:
+            return None, None
+        ips = _all_gather(_host_ip())
+        local = all(ip == ips[0] for ip in ips)  # one machine: the board listens on loopback only
+        board = address = None
+        if group.rank_in_group == 0:
+            try:
+                board = PlanBoard.serve(group.world_size - 1, host="127.0.0.1" if local else "0.0.0.0")
+                address = board.address
+            except OSError as e:
+                log.warning("deltasync: cannot serve stage plans to the other ranks (%s): each watches the stream", e)
+        address = _all_gather(address)[0]
+        if board is not None or address is None:
+            return board, None
+        try:
+            return None, PlanBoard.join("127.0.0.1" if local else ips[0], *address)
+        except OSError as e:
+            log.warning("deltasync: cannot reach the first rank's stage plans at %s (%s): this rank watches the "
+                        "stream itself", ips[0], e)
+            return None, None
+
     def _rdma_consumer(self, info: EngineSettings) -> Any:
         """This rank's NIXL consumer: step objects read from the trainer's ring when announced, from the store
         otherwise (the prefetcher reads through it); one consumer per tensor-parallel rank, grouped by engine."""
@@ -598,3 +630,10 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         url, storage_options = info.stream()
         return RdmaConsumer(url, rdma=options, consumer_id=f"{engine}-tp{rank}", engine=engine,
                             storage_options=storage_options, plan_wait_s=plan_wait_s)
+
+
+def _host_ip() -> str:
+    """This machine's address as vLLM names it (``VLLM_HOST_IP`` or the outbound interface's)."""
+    from vllm.utils.network_utils import get_ip
+
+    return str(get_ip())

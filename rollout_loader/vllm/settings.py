@@ -57,8 +57,9 @@ class EngineSettings:
         prefetch: stage the next committed step (fetch, verify, decode) before the update asks for it.
         rdma: read steps over NIXL first: ``{"controller": "tcp://host:port", ...}`` (deltasync.rdma.options),
             or just the controller's address.
-        notify: an event feed (``http://HOST:PORT/events``: a mirror's or a publisher's) the engine's prefetchers
-            listen to, polling the store only as a safety net.
+        notify: an event feed (``http://HOST:PORT/events``: a mirror's or a publisher's) the engine listens to (its
+            first tensor-parallel rank, which tells the others what to stage), polling the store only as a safety
+            net.
         trusted_keys: public keys (PEM text, or files where these settings are made; or a follower's whole
             ``TrustedKeys``, which also gives ``stream_id``, ``max_age_s`` and ``revoked_keys`` where those are not
             set): the engine then applies only steps one of them signed. Kept as PEM text, so a server elsewhere

@@ -123,8 +123,6 @@ class VllmTarget:
             follower.wait_for(step=10)
     """
 
-    reads_store = True  # the Follower sends step numbers, not objects
-
     def __init__(self, engine: Any, settings: EngineSettings | None = None, **overrides: Any) -> None:
         if settings is not None and not isinstance(settings, EngineSettings):
             raise ConfigError(f"VllmTarget: settings must be an EngineSettings, not {type(settings).__name__}")
@@ -196,9 +194,10 @@ class VllmTarget:
         log.info("vLLM engine holds step %s", self._step)
         return self._step
 
-    def advance(self, step: int) -> None:
+    def advance(self, reader: StreamReader, step: int) -> None:
         """Bring the engine to ``step`` (a delta based on the step held, or an anchor), verified on every rank;
-        on a failure the engine keeps its step and the error is raised."""
+        on a failure the engine keeps its step and the error is raised. The engine reads the step itself, from
+        the stream :meth:`connect` pointed it at (``reader`` is that stream's: nothing is read from it here)."""
         self.client.update(step)
         self._step = step
 
