@@ -50,14 +50,30 @@ from deltasync.format.documents import LatestHint
 from deltasync.trust import UNTRUSTED, Head, newest_trusted
 
 if TYPE_CHECKING:
+    from deltasync.format.documents import Manifest
     from deltasync.notify import Notifier
-    from deltasync.reader import StreamReader
+    from deltasync.store import Store
+    from deltasync.trust import TrustedKeys
 
 log = logging.getLogger(__name__)
 
 MAX_REFUSED = 100_000  # steps a trusted reader remembers as not existing (each refused once, then free)
 
 __all__ = ["FollowLoop", "Polled", "PollPolicy", "StepWatch", "retry_delay_s"]
+
+
+class Watched(Protocol):
+    """What a watch reads through (``deltasync.reader.StreamReader`` is one; the reader builds watches, so the
+    watch knows it only by this): the store, the manifests as the reader trusts them, and the steps it refused."""
+
+    store: Store
+    trusted: TrustedKeys | None
+    refused: dict[int, str]
+
+    @property
+    def url(self) -> str: ...
+
+    def manifest(self, step: int, *, nearby: bool = True) -> Manifest: ...
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -124,7 +140,7 @@ class StepWatch:
     ``wake`` (an event a pushed step sets) may be set from any thread to end a :meth:`wait` early.
     """
 
-    def __init__(self, reader: StreamReader, policy: PollPolicy | None = None, *, notifier: Notifier | None = None,
+    def __init__(self, reader: Watched, policy: PollPolicy | None = None, *, notifier: Notifier | None = None,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
                  wall: Callable[[], float] = time.time) -> None:
         self.reader = reader
