@@ -32,7 +32,7 @@ from typing import Any
 
 from deltasync.errors import StepExistsError, StepNotFoundError, can_retry
 from deltasync.format.documents import LatestHint
-from deltasync.history.checkpoints import FILES_DIR, FILES_INDEX, read_model_file_index, read_model_files
+from deltasync.model_files import FILES_DIR, FILES_INDEX, read_model_file_index, read_model_files
 from deltasync.notify import EventServer, Notifier
 from deltasync.reader import StreamReader
 from deltasync.scratch import ScratchFolder

@@ -21,7 +21,7 @@ from deltasync.rdma.options import RdmaOptions, rdma_options
 from deltasync.stages.diff import SnapshotDevice
 
 if TYPE_CHECKING:
-    from deltasync.history.checkpoints import ModelFiles
+    from deltasync.model_files import ModelFiles
     from deltasync.signing import SigningKey
 
 OnBacklog = Literal["coalesce", "block"]

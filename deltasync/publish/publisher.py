@@ -25,7 +25,7 @@ from deltasync.errors import ConfigError, DeltaSyncError, PublishError, StepOrde
 from deltasync.format.documents import Kind, check_step
 from deltasync.format.objects import TensorHeader
 from deltasync.format.patch import Patch
-from deltasync.history.checkpoints import collect_model_files, store_model_files
+from deltasync.model_files import collect_model_files, store_model_files
 from deltasync.publish.names import canonical_name, named_tensors
 from deltasync.publish.options import PublishOptions
 from deltasync.publish.sharded import ShardedWriter, ShardGroup, is_sharded
