@@ -3,8 +3,8 @@ import json
 import pytest
 
 from deltasync import StreamReader, collect_garbage, verify
-from deltasync.consumers import read_heartbeats_checked
-from deltasync.engine import read_heartbeats, write_heartbeat
+from deltasync.consumers import read_heartbeats, read_heartbeats_checked
+from deltasync.engine import write_heartbeat
 from deltasync.errors import ConfigError, FormatError, StepNotFoundError
 from deltasync.format.documents import ConsumerPosition
 from deltasync.history import plan_gc
@@ -177,7 +177,9 @@ def test_heartbeats(tmp_path, small_state):
     beats = {c.consumer_id: c for c in read_heartbeats(store)}
     assert beats.keys() == {"a", "b.1"} and beats["b.1"].step == 5
     assert json.loads(store.read_bytes("consumers/a.json")).keys() == {
-        "consumer_id", "step", "updated_unix_s", "newest_step", "weight_version", "errors"}  # docs/FORMAT.md section 5
+        "consumer_id", "step", "updated_unix_s", "newest_step", "weight_version", "errors",  # docs/FORMAT.md section 5
+        "applied_unix_s", "pause_s", "config_key", "fingerprint", "fingerprint_step", "fingerprint_check",
+        "last_error"}  # and the replica record of section 5f
     # an unreadable heartbeat costs that consumer only (issue 30 item 14): the others are read, it is reported
     store.write_bytes("consumers/broken.json", b"{")
     positions, bad = read_heartbeats_checked(store)

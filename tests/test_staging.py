@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from deltasync.engine import StagedStep, StepObject, TensorSpec, apply_staged, layout_of, stage
+from deltasync.engine import StepObject
 from deltasync.errors import BaseStepMismatchError, ChecksumMismatchError, FormatError, TensorMismatchError
+from deltasync.stages.apply import apply_staged
+from deltasync.stages.staging import StagedStep, TensorSpec, layout_of, stage
 from tests.conftest import states_equal
 from tests.test_apply import _chain
 from tests.test_reference import bits_of, ref_checksum
