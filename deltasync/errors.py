@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 
@@ -77,6 +78,25 @@ class StepExistsError(DeltaSyncError, FileExistsError):
 
 class PublishError(DeltaSyncError, RuntimeError):
     """A background publishing stage failed; the step was not committed."""
+
+
+class NonFiniteStepError(DeltaSyncError, ValueError):
+    """A publisher refused a step: floating tensors that held only finite values in the step published before hold
+    NaN or ±Inf in this one (a diverged optimizer), or, in a publisher's first step, hold NaN
+    (``PublishOptions.refuse_nonfinite``). Nothing of the step was published, and the publisher still holds the last
+    published step: the next ``publish`` with good weights is its delta from that step.
+
+    Attributes:
+        step: the step refused (None when rebuilt from another process's record).
+        tensors: the names of every tensor that refused it (the message names the first few).
+    """
+
+    retryable = False
+
+    def __init__(self, message: str, *, step: int | None = None, tensors: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.step = step
+        self.tensors: tuple[str, ...] = tuple(tensors)
 
 
 class WaitTimeoutError(DeltaSyncError, TimeoutError):
@@ -334,6 +354,7 @@ __all__ = [
     "FormatError",
     "HeldStepError",
     "MissingDependencyError",
+    "NonFiniteStepError",
     "OutputExistsError",
     "PublishError",
     "RdmaError",
