@@ -92,18 +92,20 @@ def test_layout_changes_are_refused(small_state):
         snap.diff(bad)
 
 
+@pytest.mark.parametrize("offset", [0, 4099], ids=["whole", "shard"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
                                    torch.float8_e5m2])
-def test_track_finite_keeps_which_tensors_hold_nan_or_inf_from_the_changes(dtype, gen):
+def test_track_finite_keeps_which_tensors_hold_nan_or_inf_from_the_changes(dtype, offset, gen):
     """``nonfinite`` after each diff equals a full scan, whether the change is sparse (read at its positions) or
-    dense (read whole), for 8-bit floats too (torch.isfinite has no kernel for some); ``undo`` restores it."""
+    dense (read whole), for 8-bit floats too (torch.isfinite has no kernel for some) and for a rank's shard (a
+    slice at a global offset: positions in its own coordinates); ``undo`` restores it."""
     def scan(state):
         return {n for n, t in state.items() if t.is_floating_point() and not torch.isfinite(t.float()).all()}
 
     base = {"a": torch.randn(4096, generator=gen).to(dtype), "b": torch.randn(64, generator=gen).to(dtype),
             "mask": torch.full((16,), float("-inf")).to(dtype) if dtype != torch.float8_e4m3fn else
             torch.full((16,), float("nan")).to(dtype), "i": torch.arange(4)}
-    snap = Snapshot(base, track_finite=True)
+    snap = Snapshot(base, track_finite=True, offsets=dict.fromkeys(base, offset))
     assert snap.nonfinite == scan(base) == {"mask"}
     steps = []
     a, b, mask = base["a"].clone(), base["b"].clone(), base["mask"].clone()

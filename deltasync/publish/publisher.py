@@ -109,6 +109,10 @@ class DeltaPublisher:
     weights as the bf16 weights the engine serves). ``max_pending`` bounds captured steps waiting for upload;
     ``on_backlog="block"`` waits instead of coalescing. Use as a context manager or call ``close()``.
 
+    Bad steps never reach the fleet: with ``refuse_nonfinite`` (the default) a step whose weights turned NaN or ±Inf
+    is refused on the trainer's thread with ``NonFiniteStepError`` naming the tensors, before anything of it is
+    queued, and the publisher goes on from the last published step (publish/finite.py states the rule).
+
     One publisher per stream: it holds a lease object (``writer_id``, renewed every ``lease_s / 3``) and a
     second publisher is refused with ``WriterConflictError`` unless it passes ``take_over=True``; a writer
     that lost its lease commits nothing more.
