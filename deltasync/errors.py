@@ -11,6 +11,11 @@ import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+CONTEXT = ("url", "step", "key", "tensor", "expected", "found")
+"""What an error is about, as attributes a program reads instead of parsing the message (as huggingface_hub's
+errors carry their response): the stream's ``url``, the ``step``, the store ``key`` (an object, a manifest), the
+``tensor``, and the ``expected`` and ``found`` values (a checksum, a step, a digest, a size). None: not known there."""
+
 
 class DeltaSyncError(Exception):
     """Base class of every error raised by deltasync and rollout_loader.
@@ -18,9 +23,36 @@ class DeltaSyncError(Exception):
     ``retryable`` says whether trying the same operation again can help (a store that comes back, a step that
     is committed later, a damaged download read again): the one answer every follower, mirror and client asks
     (:func:`can_retry`). Subclasses that name a wrong setting, a stream that does not fit the model or a missing
-    package set it False."""
+    package set it False.
+
+    The message says what was expected, what arrived and where, for people; :data:`CONTEXT` says it for programs,
+    as keyword arguments and attributes (each None where the raiser did not know it)::
+
+        try:
+            reader.state_dict(12)
+        except StepNotFoundError as e:
+            print(e.url, e.step)  # "s3://bucket/run-7", 12
+    """
 
     retryable: ClassVar[bool] = True
+    url: str | None = None
+    step: int | None = None
+    key: str | None = None
+    tensor: str | None = None
+    expected: Any = None
+    found: Any = None
+
+    def __init__(self, *args: Any, url: str | None = None, step: int | None = None, key: str | None = None,
+                 tensor: str | None = None, expected: Any = None, found: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # (``name=`` of an ImportError)
+        for field, value in (("url", url), ("step", step), ("key", key), ("tensor", tensor), ("expected", expected),
+                             ("found", found)):
+            if value is not None:
+                setattr(self, field, value)
+
+    def context(self) -> dict[str, Any]:
+        """The :data:`CONTEXT` attributes that are known (not None)."""
+        return {f: getattr(self, f) for f in CONTEXT if getattr(self, f) is not None}
 
 
 class FormatError(DeltaSyncError, ValueError):
@@ -87,16 +119,19 @@ class NonFiniteStepError(DeltaSyncError, ValueError):
     published step: the next ``publish`` with good weights is its delta from that step.
 
     Attributes:
-        step: the step refused (None when rebuilt from another process's record).
-        tensors: the names of every tensor that refused it (the message names the first few).
+        url, step: the stream and the step refused (the :data:`CONTEXT` fields; ``tensor``: the first tensor named).
+        tensors: the names of every tensor that refused it (the message names the first few; empty when rebuilt from
+            another process's record, whose context carries ``tensor`` only).
     """
 
     retryable = False
 
-    def __init__(self, message: str, *, step: int | None = None, tensors: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.step = step
-        self.tensors: tuple[str, ...] = tuple(tensors)
+    def __init__(self, *args: Any, tensors: Sequence[str] = (), **context: Any) -> None:
+        tensors = tuple(tensors)
+        if tensors and context.get("tensor") is None:
+            context["tensor"] = tensors[0]
+        super().__init__(*args, **context)
+        self.tensors: tuple[str, ...] = tensors
 
 
 class WaitTimeoutError(DeltaSyncError, TimeoutError):
@@ -232,7 +267,33 @@ def error_record(error: BaseException) -> dict[str, Any]:
     str}``. The receiving side rebuilds it with :func:`from_record`; nothing is recovered from message text."""
     kind = next((c.__name__ for c in type(error).__mro__ if c.__name__ in __all__ and globals().get(c.__name__) is c),
                 None)
-    return {"type": type(error).__name__, "kind": kind, "retryable": can_retry(error), "message": str(error)}
+    record = {"type": type(error).__name__, "kind": kind, "retryable": can_retry(error), "message": str(error)}
+    context = {f: v for f, v in error.context().items() if _plain(v)} if isinstance(error, DeltaSyncError) else {}
+    return {**record, "context": context} if context else record
+
+
+def _plain(value: Any) -> bool:
+    """A context value that crosses as JSON as it is: a bounded string, an int or float (a bool is neither)."""
+    return (isinstance(value, str) and len(value) <= 1000) or (type(value) in (int, float))
+
+
+def _context(record: dict) -> dict[str, Any]:
+    """The context of a record from another process: known fields of plain values only, text made printable, a
+    step a step number; anything else is left out (it is another process's data, not ours to trust)."""
+    context = record.get("context")
+    if not isinstance(context, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for field in CONTEXT:
+        value = context.get(field)
+        if not _plain(value) or (isinstance(value, float) and value != value):
+            continue
+        if field == "step" and not (type(value) is int and 0 <= value < 10**12):
+            continue
+        if field in ("url", "key", "tensor") and not isinstance(value, str):
+            continue
+        out[field] = printable(value) if isinstance(value, str) else value
+    return out
 
 
 def from_record(record: Any, *, where: str = "") -> DeltaSyncError:
@@ -255,7 +316,7 @@ def from_record(record: Any, *, where: str = "") -> DeltaSyncError:
         cls = globals().get(candidate) if candidate in __all__ else None
         if isinstance(cls, type) and issubclass(cls, DeltaSyncError) and cls.retryable == retryable:
             try:
-                return cls(text)
+                return cls(text, **_context(record))
             except TypeError:  # a class whose constructor wants more (none today): the generic form below
                 break
     generic = EngineError if retryable else EngineConfigError

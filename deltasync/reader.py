@@ -231,7 +231,7 @@ class StreamReader:
                 if left <= 0:
                     raise WaitTimeoutError(
                         f"{self.url}: step {step if step is not None else '(any)'} not committed within {timeout_s}s "
-                        f"(latest: {latest})"
+                        f"(latest: {latest})", url=self.url, step=step, found=latest,
                     )
                 watch.wait(min(left, poll_s))
         finally:
@@ -331,7 +331,8 @@ class StreamReader:
             except StepNotFoundError as e:
                 if plain is not None:
                     break  # a step below the nearest anchor is gone: the anchor still serves
-                raise StepNotFoundError(f"{self.url}: the chain to step {step} is broken at step {s}: {e}") from None
+                raise StepNotFoundError(f"{self.url}: the chain to step {step} is broken at step {s}: {e}",
+                                        url=self.url, step=s) from None
             out.append(s)
             if m.kind == "anchor":
                 if plain is None:
@@ -358,7 +359,7 @@ class StreamReader:
         if step is None:
             step = self.latest_step()
             if step is None:
-                raise StepNotFoundError(f"{self.url}: the stream has no committed steps")
+                raise StepNotFoundError(f"{self.url}: the stream has no committed steps", url=self.url)
         chain = self.chain(step)
         with self.open(chain[0]) as obj:
             rep = Replica.from_anchor(obj, device=device)

@@ -33,7 +33,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from deltasync.errors import ConfigError
+from deltasync.errors import ConfigError, MissingDependencyError
 from deltasync.format.documents import Manifest, Step, decode
 
 __all__ = ["SIGNATURE", "SigningKey", "StreamSigner", "keygen"]
@@ -110,6 +110,16 @@ def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode()
 
 
+def need_cryptography(what: str) -> None:
+    """Raise ``MissingDependencyError`` (naming the ``sign`` extra) where the ``cryptography`` package is missing:
+    ``what`` says which feature asked, e.g. "checking signed steps (--trusted-key)"."""
+    try:
+        import cryptography  # noqa: F401
+    except ImportError as e:
+        raise MissingDependencyError(f"{what} needs the cryptography package ({e}): pip install 'deltasync[sign]'",
+                                     name="cryptography") from None
+
+
 class SigningKey:
     """A private Ed25519 key read from a PEM file only its owner may read (mode 0600 or stricter), and the
     endorsement that hands signing over to it (``<path>.endorsement.json``, when the key was rotated in).
@@ -119,6 +129,7 @@ class SigningKey:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        need_cryptography("a signing key")
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -199,6 +210,7 @@ PEM_PUBLIC = "-----BEGIN PUBLIC KEY-----"
 def read_public_key(path: str | os.PathLike[str]) -> bytes:
     """The 32 raw bytes of the Ed25519 public key in a PEM file, or given as PEM text (what an engine's
     ``init_info`` carries: the server need not have the file); ``ConfigError`` otherwise."""
+    need_cryptography("checking signed steps (a trusted key)")
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -224,6 +236,7 @@ def keygen(path: str | os.PathLike[str], *, endorsed_by: str | os.PathLike[str] 
     ``path.pub``; with ``endorsed_by`` (the current key), also ``path.endorsement.json``: the current key
     hands signing over to the new one from ``from_step`` on. ``ecdsa``: an ECDSA P-256 key instead, for
     exports that OpenSSF ``model_signing`` verifies (``replay --sign``). Returns (private, public) paths."""
+    need_cryptography("making a signing key")
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -266,6 +279,7 @@ def pem_texts(keys: Any) -> list[str]:
 
 def pem_text(raw: bytes) -> str:
     """The PEM text of a raw Ed25519 public key."""
+    need_cryptography("a public key's PEM text")
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -274,6 +288,7 @@ def pem_text(raw: bytes) -> str:
 
 
 def _verify(public_key: bytes, signature: bytes, data: bytes) -> bool:
+    need_cryptography("checking a signature")
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -287,11 +302,3 @@ def _verify(public_key: bytes, signature: bytes, data: bytes) -> bool:
 def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
     """Whether ``signature`` is ``public_key``'s Ed25519 signature over ``data``."""
     return _verify(public_key, signature, data)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "TrustedKeys":  # it lives in deltasync/trust.py now; importable from here as before
-        from deltasync.trust import TrustedKeys
-
-        return TrustedKeys
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

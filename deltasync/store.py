@@ -270,7 +270,8 @@ class Store(StoreObjects, Retrying):
             raw = self.read_bytes(rel, max_bytes=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             near = self._nearby(step) if nearby else ""
-            raise StepNotFoundError(f"{self.url}: step {step} is not committed{near}") from None
+            raise StepNotFoundError(f"{self.url}: step {step} is not committed{near}", url=self.url,
+                                    step=step) from None
         m = decode(raw, Manifest, where=f"{self.url}/{rel}", max_bytes=MAX_MANIFEST_BYTES)
         if m.step != step:
             raise FormatError(f"{self.url}: manifest in folder of step {step} describes step {m.step}")
@@ -299,7 +300,8 @@ class Store(StoreObjects, Retrying):
         size = source.stat().st_size if isinstance(source, Path) else memoryview(source).nbytes
         if size != part.object_bytes:
             raise CorruptObjectError(
-                f"{self.url} step {step}: the object to upload has {size} bytes, its manifest says {part.object_bytes}"
+                f"{self.url} step {step}: the object to upload has {size} bytes, its manifest says {part.object_bytes}",
+                url=self.url, step=step, key=part.object, expected=part.object_bytes, found=size,
             )
         rel = f"{step_dir(step)}/{plain_name(part.object, where=f'{self.url} step {step}')}"
         self.call(f"upload {rel}", lambda: self.transport.put(rel, source))
@@ -323,7 +325,7 @@ class Store(StoreObjects, Retrying):
         manifest_rel = f"{step_dir(manifest.step)}/{MANIFEST}"
         if self.exists(manifest_rel):  # saves an upload; the create-only write below is what guarantees it
             raise StepExistsError(f"{self.url}: step {manifest.step} is already committed; a committed step is never "
-                                  "replaced")
+                                  "replaced", url=self.url, step=manifest.step)
         if data is not None:
             self.put_object(manifest, data)
         elif not manifest.is_multipart:
@@ -340,7 +342,7 @@ class Store(StoreObjects, Retrying):
         except FileExistsError:
             raise StepExistsError(
                 f"{self.url}: step {manifest.step} was committed by another writer meanwhile; a committed step is "
-                "never replaced"
+                "never replaced", url=self.url, step=manifest.step,
             ) from None
         hint = self._hint(manifest.step)
         if signer is not None:
@@ -437,7 +439,7 @@ class Store(StoreObjects, Retrying):
             there = "the location does not exist"
         raise StreamNotFoundError(
             f"no deltasync stream at {self.url} (no {STREAM} and no steps/ folder; {there}); check the bucket, prefix "
-            "or path"
+            "or path", url=self.url,
         )
 
     def create_stream(self, like: StreamInfo | None = None) -> StreamInfo:

@@ -187,7 +187,8 @@ class StoreObjects:
             longer = len(data) > part.object_bytes
             raise CorruptObjectError(
                 f"{where}: {len(data)}{'+' if longer else ''} bytes, manifest says {part.object_bytes} "
-                f"({'more than it says: replaced' if longer else 'truncated or replaced'})"
+                f"({'more than it says: replaced' if longer else 'truncated or replaced'})",
+                url=self.url, key=part.object, expected=part.object_bytes, found=len(data),
             )
         _check_digest(hashlib.sha256(data).hexdigest(), part, where)
 
@@ -196,8 +197,8 @@ class StoreObjects:
         or the store lost it (the manifest is still there)."""
         if not self.exists(f"{step_dir(manifest.step)}/{MANIFEST}"):
             return StepNotFoundError(f"{self.url}: step {manifest.step} was collected (deleted by gc) while it was "
-                                     "being read")
-        return CorruptObjectError(f"{where}: missing, though the step is committed")
+                                     "being read", url=self.url, step=manifest.step)
+        return CorruptObjectError(f"{where}: missing, though the step is committed", url=self.url, step=manifest.step)
 
     def local_object_unhashed(self, manifest: Manifest) -> Path | None:
         """The path of a local single-object step's object, its size checked but not yet its SHA-256: for a
@@ -228,13 +229,15 @@ class StoreObjects:
 
 def _check_size(size: int, part: Part, where: str) -> None:
     if size != part.object_bytes:
-        raise CorruptObjectError(f"{where}: {size} bytes, manifest says {part.object_bytes} (truncated or replaced)")
+        raise CorruptObjectError(f"{where}: {size} bytes, manifest says {part.object_bytes} (truncated or replaced)",
+                                 key=part.object, expected=part.object_bytes, found=size)
 
 
 def _check_digest(digest: str, part: Part, where: str) -> None:
     if digest != part.object_sha256:
         raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's "
-                                 f"{part.object_sha256[:16]}…")
+                                 f"{part.object_sha256[:16]}…", key=part.object, expected=part.object_sha256,
+                                 found=digest)
 
 
 class _watching:

@@ -36,7 +36,7 @@ from deltasync.errors import (
     UnsignedStepError,
     UntrustedKeyError,
 )
-from deltasync.format.documents import Manifest, decode
+from deltasync.format.documents import Manifest, StreamInfo, decode
 from deltasync.format.names import SHA256, STREAM_ID, check
 from deltasync.signing import (
     HEAD_TYPE,
@@ -235,7 +235,7 @@ class TrustedKeys:
         step = manifest.step
         if raw is None:
             raise UnsignedStepError(f"{where}: step {step} is not signed (no {SIGNATURE}); this reader trusts only "
-                                    "signed steps")
+                                    "signed steps", step=step)
         doc, text, fields = self._verified(raw, where=f"{where}/steps/{step:012d}/{SIGNATURE}", what=f"step {step}")
         kind = fields.get("type")
         if kind == STATEMENT_TYPE_V1:
@@ -325,13 +325,14 @@ class TrustedKeys:
 
     def _trust(self, signer: bytes, endorsements: list[Endorsement], step: int, *, where: str) -> None:
         if signer in self.revoked:
-            raise UntrustedKeyError(f"{where}: step {step} is signed by key {key_id(signer)}, which is revoked")
+            raise UntrustedKeyError(f"{where}: step {step} is signed by key {key_id(signer)}, which is revoked",
+                                    step=step, found=key_id(signer))
         handover = self._handovers.get(signer)
         if signer in self.keys and (handover is None or step < handover):
             return
         if signer in self.keys:
             raise UntrustedKeyError(f"{where}: step {step} is signed by key {key_id(signer)}, which handed signing "
-                                    f"over to another key from step {handover} on")
+                                    f"over to another key from step {handover} on", step=step, found=key_id(signer))
         # a key endorsed, in a chain, by a trusted key, for steps from the endorsement's step on
         by_key = {base64.b64decode(e.public_key): e for e in endorsements}
         key, chain = signer, []
@@ -344,10 +345,10 @@ class TrustedKeys:
                 break
             if endorser in self.revoked:
                 raise UntrustedKeyError(f"{where}: step {step} is signed by key {key_id(signer)}, endorsed by key "
-                                        f"{key_id(endorser)}, which is revoked")
+                                        f"{key_id(endorser)}, which is revoked", step=step, found=key_id(signer))
             if step < e.from_step:
                 raise UntrustedKeyError(f"{where}: step {step} is signed by key {key_id(signer)}, endorsed only "
-                                        f"from step {e.from_step}")
+                                        f"from step {e.from_step}", step=step, found=key_id(signer))
             chain.append((endorser, key, e.from_step))
             if endorser in self.keys and (self._handovers.get(endorser) is None
                                           or e.from_step <= self._handovers[endorser]):
@@ -357,7 +358,8 @@ class TrustedKeys:
                 return
             key = endorser
         raise UntrustedKeyError(f"{where}: step {step} is signed by key {key_id(signer)}, which is not trusted "
-                                f"(trusted: {', '.join(sorted(key_id(k) for k in self.keys))})")
+                                f"(trusted: {', '.join(sorted(key_id(k) for k in self.keys))})", step=step,
+                                found=key_id(signer))
 
 
 def _diff(signed: bytes, want: bytes) -> str:
@@ -422,8 +424,6 @@ def writer_signer(store: Any, key: SigningKey, *, stream_id: str | None) -> tupl
     its newest signed step vouched for, while ``files.json`` is still those bytes (a writer that stores files
     vouches for its own when it writes them: ``Store.write_model_files``).
     """
-    from deltasync.store import StreamInfo  # the store sits above this module's documents
-
     info = store.stream_info()
     if stream_id is not None:
         check_stream_id(stream_id, what="stream_id")

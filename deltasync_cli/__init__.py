@@ -3,7 +3,10 @@ demo.
 
 Exit status: 0 done; 1 ``verify`` found a problem; 2 an error caused by input, configuration or environment (one
 line on stderr: the error's type, what was expected, what arrived, and where); 3 an unexpected error, i.e. a
-bug (one line too; ``DELTASYNC_DEBUG=1`` prints the traceback, for any error); 130 interrupted (Ctrl-C).
+bug (one line too; ``DELTASYNC_DEBUG=1`` prints the traceback, for any error); 130 interrupted by Ctrl-C (SIGINT),
+143 ended by SIGTERM (``kill``, a scheduler, ``docker stop``): 128 plus the signal's number, as a shell reports it.
+A command stopped by a signal cleans up (downloads, spools, scratch folders) and never exits 0, so
+``deltasync follow URL --server S --until 10 && start_eval`` does not start the evaluation after a kill.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ __all__ = ["app", "main"]
 
 EXIT_USER_ERROR = 2  # input, configuration or environment: the user can fix it
 EXIT_BUG = 3  # an unexpected exception: a bug in deltasync
+EXIT_SIGINT = 128 + signal.SIGINT  # 130: Ctrl-C
+EXIT_SIGTERM = 128 + signal.SIGTERM  # 143: kill, a scheduler, docker stop
 DEBUG_ENV = "DELTASYNC_DEBUG"
 
 
@@ -37,12 +42,28 @@ def main() -> None:
     for handler in logging.getLogger().handlers:  # log lines quote stores and peers: shown inert
         if type(handler) is logging.StreamHandler and not isinstance(handler.formatter, _InertFormatter):
             handler.setFormatter(_InertFormatter(handler.formatter))
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # `kill`, a scheduler, `docker stop`: as Ctrl-C, so
-        signal.signal(signal.SIGTERM, _interrupted)     # downloads, spools and scratch folders are removed
+    global _signalled
+    _signalled = None
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_DFL:  # `kill`, a scheduler, `docker stop`: as Ctrl-C, so that downloads, spools and
+        signal.signal(signal.SIGTERM, _interrupted)  # scratch folders are removed (restored at the end)
     try:
-        code = app(standalone_mode=False)  # errors come back here instead of being printed by click/typer
+        code = _run()
+    finally:
+        if previous is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, previous)
+    sys.exit(code)
+
+
+def _run() -> int:
+    """The command's exit status; user errors and bugs exit here (``_fail``) with their one line."""
+    try:
+        # errors come back here instead of being printed by click/typer; the program is "deltasync" however started
+        code = app(standalone_mode=False, prog_name="deltasync")
     except typer.Exit as e:
         code = e.exit_code
+    except KeyboardInterrupt:  # (typer turns one inside a command into exit 130; one outside it lands here)
+        code = EXIT_SIGINT
     except OSError as e:
         if isinstance(e, BrokenPipeError):  # `deltasync ls URL | head`: not an error worth a word
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -62,10 +83,18 @@ def main() -> None:
             _fail(f"{type(e).__name__}: {e}", EXIT_USER_ERROR)
         hint = "" if _debug() else f"; rerun with {DEBUG_ENV}=1 for the traceback"
         _fail(f"internal error (a bug in deltasync, please report it): {type(e).__name__}: {e}{hint}", EXIT_BUG)
-    sys.exit(code if isinstance(code, int) else 0)
+    code = code if isinstance(code, int) else 0
+    if code == EXIT_SIGINT and _signalled == signal.SIGTERM:
+        code = EXIT_SIGTERM  # the interrupt was a SIGTERM turned into KeyboardInterrupt (cleanup is the same)
+    return code
+
+
+_signalled: int | None = None  # the signal _interrupted turned into KeyboardInterrupt
 
 
 def _interrupted(signum: int, frame: object) -> None:
+    global _signalled
+    _signalled = signum
     raise KeyboardInterrupt
 
 

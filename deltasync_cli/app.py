@@ -3,22 +3,35 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
+
+from deltasync_cli.help import Command, Group
 
 app = typer.Typer(
     help="Ship only what changed: sparse bit-exact weight deltas from an RL trainer to inference engines.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,  # plain help (deltasync_cli/help.py): rich markup ate "[metrics]" and cut words
+    cls=Group,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 out = Console()
 err = Console(stderr=True)
+
+
+def command(name: str | None = None, *, summary: str, examples: Sequence[str]) -> Callable[[Any], Any]:
+    """Register a command: ``summary`` is its line in ``deltasync -h`` (whole, never cut short: keep it under 60
+    characters), ``examples`` the command lines its help ends with (each runs as written, 76 characters at most:
+    tests/test_cli_help.py checks both)."""
+    cls = type("Command", (Command,), {"examples": tuple(examples)})
+    return app.command(name, cls=cls, short_help=summary)
 
 
 def one_line(text: str) -> str:
@@ -40,17 +53,28 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
+LOG_LEVEL_ENV = "DELTASYNC_LOG_LEVEL"
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
 @app.callback()
 def _options(
     version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
+    log_level: Annotated[LogLevel, typer.Option(
+        "--log-level", envvar=LOG_LEVEL_ENV, case_sensitive=False, metavar="LEVEL",
+       help=f"What the log shows on stderr: debug, info, warning or error (also ${LOG_LEVEL_ENV}); info adds each "
+             "retry and recovery, debug every store request.")] = "warning",
 ) -> None:
     # commands import torch and deltasync inside their bodies: `--help` and `--version` answer at once
-    pass
+    import logging
+
+    logging.getLogger().setLevel(log_level.upper())
 
 StorageOpt = Annotated[
     list[str] | None,
-    typer.Option("--storage-option", "-S", help="fsspec storage option KEY=VALUE (JSON values allowed); repeatable."),
+    typer.Option("--storage-option", "-S", metavar="KEY=VALUE",
+                                           help="fsspec storage option KEY=VALUE (JSON values allowed); repeatable."),
 ]
 
 
@@ -73,23 +97,27 @@ STREAM_ID_ENV = "DELTASYNC_STREAM_ID"
 MAX_AGE_ENV = "DELTASYNC_MAX_AGE_S"
 TrustedKeyOpt = Annotated[
     list[Path] | None,
-    typer.Option("--trusted-key", help=f"Public key (from `deltasync keygen`) that must have signed every step; "
+    typer.Option("--trusted-key", metavar="PATH",
+                                  help=f"Public key (from `deltasync keygen`) that must have signed every step; "
                                        f"repeatable. Default: ${TRUSTED_KEYS_ENV} (paths separated by ':'). Needs "
                                        "--stream-id."),
 ]
 RevokedKeyOpt = Annotated[
     list[Path] | None,
-    typer.Option("--revoked-key", help=f"Public key trusted for nothing, nor any key it endorsed (a leaked key); "
+    typer.Option("--revoked-key", metavar="PATH",
+                                  help=f"Public key trusted for nothing, nor any key it endorsed (a leaked key); "
                                        f"repeatable. Default: ${REVOKED_KEYS_ENV} (paths separated by ':')."),
 ]
 StreamIdOpt = Annotated[
     str | None,
-    typer.Option("--stream-id", help=f"The stream the trusted keys sign for (what the trainer logs, or its "
+    typer.Option("--stream-id", metavar="ID",
+                                help=f"The stream the trusted keys sign for (what the trainer logs, or its "
                                      f"stream_id option); never read from the store. Default: ${STREAM_ID_ENV}."),
 ]
 MaxAgeOpt = Annotated[
     float | None,
-    typer.Option("--max-age-s", help=f"Refuse a stream whose newest signed head is older than this (a frozen or "
+    typer.Option("--max-age-s", metavar="SECONDS",
+                                help=f"Refuse a stream whose newest signed head is older than this (a frozen or "
                                      f"held-back stream). Default: ${MAX_AGE_ENV}, else not required."),
 ]
 
@@ -186,6 +214,43 @@ def shown(text: object) -> str:
     from rich.markup import escape
 
     return escape(inert(text).replace("\n", "\\x0a"))
+
+
+def fit_names(names: Sequence[str], other_columns: Sequence[Sequence[str]], width: int | None = None) -> list[str]:
+    """``names`` (tensor names, consumer ids; from a store: shown inert, markup escaped, as ``shown`` does) as
+    table cells, broken into lines that fit the first column of a table whose other
+    columns hold ``other_columns`` (each: its header, then its cells) on a terminal ``width`` wide (default: this
+    one's): a name wraps after a ``.`` (``model.layers.0.`` / ``self_attn.q_proj.weight``), never inside a part;
+    only a part longer than the column breaks at ``_`` or ``-``, and only one longer still is cut. rich wraps at
+    spaces only, and folding cut names mid-word (``model.layers.0.sel`` / ``f_attn...``)."""
+    import re
+
+    width = out.width if width is None else width
+    others = sum(max((len(c) for c in column), default=0) for column in other_columns)
+    # rich's default box: a border and a space each side of every cell (3 per column, and 1 closing border)
+    room = max(12, width - others - 3 * (len(other_columns) + 1) - 1 - 1)  # (-1: a column of slack)
+
+    def pieces(name: str) -> list[str]:
+        out: list[str] = []
+        for part in re.findall(r"[^.]+\.?|\.", name):
+            if len(part) <= room:
+                out.append(part)
+                continue
+            for sub in re.findall(r"[^_-]+[_-]?|[_-]", part):
+                out += [sub[i:i + room] for i in range(0, len(sub), room)]
+        return out
+
+    from rich.markup import escape
+
+    fitted = []
+    for name in names:
+        lines = [""]
+        for piece in pieces(inert(name).replace("\n", "\\x0a")):  # shown inert, as ``shown`` shows it
+            if lines[-1] and len(lines[-1]) + len(piece) > room:
+                lines.append("")
+            lines[-1] += piece
+        fitted.append("\n".join(escape(line) for line in lines))
+    return fitted
 
 
 @contextmanager

@@ -14,49 +14,28 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from deltasync.format.checksum import format_checksum, state_checksum, tensor_checksum
-from deltasync.publish.names import named_tensors
+from deltasync.format.checksum import format_checksum, state_checksum
 from deltasync.publish.publisher import DeltaPublisher
 from deltasync.scratch import ScratchFolder
 from deltasync.testing import save_model_dir, stdlib_corpus, tiny_qwen3
+from deltasync_cli.demo_config import DemoConfig, bf16_checksums
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, kw_only=True)
-class DemoConfig:
-    steps: int = 30
-    lr: float = 2e-6
-    anchor_every: int = 10
-    hidden_size: int = 256
-    layers: int = 4
-    seq_len: int = 128
-    batch_size: int = 8
-    seed: int = 0
-    engine: str = "vllm"  # "vllm": a real vLLM engine follows; "torch": a state dict in this process
-    transport: str = "store"  # "store": the follower reads the store; "nixl": trainer and consumer processes over NIXL
-
-
-def bf16_checksums(model: torch.nn.Module) -> dict[str, str]:
-    """The trainer's own view: checksums of the bf16 weights, computed from scratch."""
-    tensors, _ = named_tensors(model)
-    return {n: format_checksum(tensor_checksum(t.to(torch.bfloat16) if t.is_floating_point() else t))
-            for n, t in tensors.items()}
-
-
 def run_demo(
-    url: str | None = None, config: DemoConfig = DemoConfig(), *, storage_options: dict | None = None, echo=print
+    url: str | None = None, config: DemoConfig | None = None, *, storage_options: dict | None = None, echo=print
 ) -> list[dict]:
     """Run the demo; returns one row per step. ``echo`` prints (the library itself never prints).
 
     Without ``url`` the stream lives in a temporary folder, removed at the end with the engine's model folder
     (pass a URL to keep the stream).
     """
+    config = DemoConfig() if config is None else config
     scratch = ScratchFolder("demo")
     try:
         if config.transport == "nixl":
@@ -69,9 +48,6 @@ def run_demo(
 
 
 def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_options: dict | None, echo) -> list[dict]:
-    from rich.console import Console
-    from rich.table import Table
-
     from rollout_loader import Follower, StateDictTarget
 
     torch.manual_seed(config.seed)
@@ -108,6 +84,9 @@ def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_opt
     follower = Follower(url, target, on_step=on_step, storage_options=storage_options)
     trainer_sums: dict[int, str] = {}
     published_at: dict[int, float] = {}
+    rows: list[dict] = []
+    who = "vLLM engine" if llm is not None else "follower"
+    table = _RowTable(engine=llm is not None, echo=echo)
     gen = torch.Generator().manual_seed(config.seed)
     with DeltaPublisher(
         url,
@@ -117,6 +96,30 @@ def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_opt
         on_backlog="block",
         storage_options=storage_options,
     ) as pub:
+
+        def print_ready(final: bool = False) -> None:
+            """Rows as they happen: a step's row once it is committed and live (or passed for a newer anchor)."""
+            metrics = {m.step: m for m in pub.metrics}
+            while len(rows) < config.steps:
+                step = len(rows)
+                m = metrics.get(step)
+                decided = step in live_at or any(s > step for s in live_at)
+                if m is None or not (decided or final):
+                    return
+                committed = pub.store.manifest(step).state_checksum == trainer_sums[step]
+                # a follower goes to the newest step: when that is an anchor, the steps before it are never live
+                skipped = step not in live_at and any(s > step for s in live_at)
+                exact = None if skipped and committed else step in live_at and committed
+                lag = (live_at[step] - published_at[step]) * 1e3 if step in live_at else float("nan")
+                rows.append({
+                    **m.to_dict(),
+                    "live_after_publish_ms": lag,
+                    "engine_paused_ms": paused[step] * 1e3 if step in paused else None,
+                    "exact": exact,  # None: skipped for a newer anchor (its committed checksums are the trainer's)
+                })
+                table.row(m, lag, paused.get(step), exact)
+
+        table.header(f"deltasync demo: trainer -> store -> {who}")
         follower.start()
         for step in range(config.steps):
             starts = torch.randint(0, data.numel() - config.seq_len - 1, (config.batch_size,), generator=gen)
@@ -128,9 +131,11 @@ def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_opt
             trainer_sums[step] = state_checksum(bf16_checksums(model))
             pub.publish(step)
             published_at[step] = time.perf_counter()
+            print_ready()
         pub.flush()
         follower.wait_for(config.steps - 1, timeout_s=120)  # a hang guard: the steps arrive in seconds
         follower.close()
+        print_ready(final=True)
     if follower.last_error:
         echo(f"follower error: {follower.last_error}")
 
@@ -142,26 +147,45 @@ def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_opt
     else:
         held = target.status()["checksums"]  # the engine's own bits, every tensor checksummed again
         final = state_checksum({n: format_checksum(held[n]) for n in held})
-    rows = []
-    table = Table(title=f"deltasync demo: trainer -> store -> {'vLLM engine' if llm is not None else 'follower'}")
-    cols = ["step", "kind", "density", "bytes", "vs full", "B/changed", "diff ms", "encode ms", "commit ms", "live +ms"]
-    cols += ["engine paused ms", "exact"] if llm is not None else ["exact"]
-    for col in cols:
-        table.add_column(col, justify="right")
-    for m in pub.metrics:
-        committed = pub.store.manifest(m.step).state_checksum == trainer_sums[m.step]
-        # a follower goes to the newest step: when that is an anchor, the steps before it are never live
-        skipped = m.step not in live_at and any(s > m.step for s in live_at)
-        exact = None if skipped and committed else m.step in live_at and committed
-        lag = (live_at[m.step] - published_at[m.step]) * 1e3 if m.step in live_at else float("nan")
-        row = {
-            **m.to_dict(),
-            "live_after_publish_ms": lag,
-            "engine_paused_ms": paused[m.step] * 1e3 if m.step in paused else None,
-            "exact": exact,  # None: skipped for a newer anchor (its committed checksums are the trainer's)
-        }
-        rows.append(row)
-        table.add_row(
+    ok = all(r["exact"] is not False for r in rows) and rows[-1]["exact"] and final == trainer_sums[config.steps - 1]
+    deltas = [r for r in rows if r["kind"] == "delta"]
+    if deltas:
+        mean_bytes = sum(r["object_bytes"] for r in deltas) / len(deltas)
+        echo(
+            f"deltas: mean {mean_bytes / 1e6:.2f} MB = {mean_bytes / deltas[0]['full_bytes']:.1%} of a full "
+            f"bf16 checkpoint, mean density {sum(r['density'] for r in deltas) / len(deltas):.2%}"
+        )
+    echo(f"{who} weights at step {target.step}: {final[:16]}…  trainer: {trainer_sums[config.steps - 1][:16]}…")
+    n_skipped = sum(r["exact"] is None for r in rows)
+    echo(("BIT-EXACT: every step verified" + (f" ({n_skipped} skipped: the {who} went straight to a newer anchor)"
+                                              if n_skipped else "")) if ok else "MISMATCH: see the table")
+    if not ok:
+        raise SystemExit(1)
+    return rows
+
+
+class _RowTable:
+    """The demo's table, a row printed as each step goes live (a rich table would print only at the end: a minute
+    and more of silence on CPU), in aligned columns that fit 120 characters."""
+
+    COLUMNS = ("step", "kind", "density", "size", "vs full", "B/changed", "diff ms", "encode ms", "commit ms",
+               "live +ms")
+
+    def __init__(self, *, engine: bool, echo) -> None:
+        self.columns = self.COLUMNS + (("paused ms", "exact") if engine else ("exact",))
+        self.widths = [max(len(c), 7) for c in self.columns]
+        self.engine = engine
+        self.echo = echo
+
+    def _line(self, cells: list[str]) -> str:
+        return "  ".join(cell.rjust(width) for cell, width in zip(cells, self.widths, strict=True))
+
+    def header(self, title: str) -> None:
+        self.echo(title)
+        self.echo(self._line(list(self.columns)))
+
+    def row(self, m, lag_ms: float, paused_s: float | None, exact: bool | None) -> None:
+        cells = [
             str(m.step),
             m.kind,
             f"{m.density:.2%}" if m.kind == "delta" else "full",
@@ -171,24 +195,8 @@ def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_opt
             f"{m.capture_s * 1e3:.1f}",
             f"{m.encode_s * 1e3:.1f}",
             f"{(m.write_s + m.upload_s) * 1e3:.1f}",
-            f"{lag:.0f}",
-            *([f"{paused[m.step] * 1e3:.1f}" if m.step in paused else "-"] if llm is not None else []),
+            f"{lag_ms:.0f}" if lag_ms == lag_ms else "-",
+            *([f"{paused_s * 1e3:.1f}" if paused_s is not None else "-"] if self.engine else []),
             "yes" if exact else "skipped" if exact is None else "NO",
-        )
-    Console(width=max(Console().width, 120)).print(table)
-    ok = all(r["exact"] is not False for r in rows) and rows[-1]["exact"] and final == trainer_sums[config.steps - 1]
-    deltas = [r for r in rows if r["kind"] == "delta"]
-    if deltas:
-        mean_bytes = sum(r["object_bytes"] for r in deltas) / len(deltas)
-        echo(
-            f"deltas: mean {mean_bytes / 1e6:.2f} MB = {mean_bytes / deltas[0]['full_bytes']:.1%} of a full "
-            f"bf16 checkpoint, mean density {sum(r['density'] for r in deltas) / len(deltas):.2%}"
-        )
-    who = "vLLM engine" if llm is not None else "follower"
-    echo(f"{who} weights at step {target.step}: {final[:16]}…  trainer: {trainer_sums[config.steps - 1][:16]}…")
-    n_skipped = sum(r["exact"] is None for r in rows)
-    echo(("BIT-EXACT: every step verified" + (f" ({n_skipped} skipped: the {who} went straight to a newer anchor)"
-                                              if n_skipped else "")) if ok else "MISMATCH: see the table")
-    if not ok:
-        raise SystemExit(1)
-    return rows
+        ]
+        self.echo(self._line(cells))

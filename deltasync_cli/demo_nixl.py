@@ -23,7 +23,7 @@ import torch
 from deltasync.format.checksum import format_checksum, state_checksum
 from deltasync.publish.publisher import DeltaPublisher
 from deltasync.testing import save_model_dir, stdlib_corpus, tiny_qwen3
-from deltasync_cli.demo import DemoConfig, bf16_checksums
+from deltasync_cli.demo_config import DemoConfig, bf16_checksums
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +247,7 @@ def _take(q, got: dict, echo, timeout_s: float) -> None:
         got[kind][msg[1]] = msg[2]
     elif kind == "live":
         got["live"][msg[1]] = (msg[2], msg[3])
+        echo(f"step {msg[1]} live in the consumer (read {'over NIXL' if msg[3] == 'rdma' else 'from the store'})")
     elif kind == "error":
         echo(f"{msg[1]} failed: {msg[2]}")
         got["error"] = msg[1:]
@@ -297,7 +298,10 @@ def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage
             while "metrics" not in got or (engine.held if engine else got.get("final", (-1,))[0]) < config.steps - 1:
                 _check(procs, got, deadline)
                 if engine is not None:
+                    held = engine.held
                     engine.advance()
+                    for step in range(held + 1, engine.held + 1):  # as it happens: the table comes at the end
+                        echo(f"step {step} live in the vLLM engine")
                 _take(q, got, echo, 0.02 if vllm else 0.5)
             if engine is not None:
                 status = engine.status()

@@ -15,7 +15,7 @@ from deltasync_cli.app import (
     _progress,
     _storage_options,
     _trust,
-    app,
+    command,
     err,
     out,
     shown,
@@ -25,15 +25,21 @@ if TYPE_CHECKING:  # imported inside the command: --help imports neither torch n
     from rollout_loader.metrics import FollowerStatus
 
 
-@app.command()
+@command(summary="Keep a running vLLM server at a stream's newest step.",
+         examples=["deltasync follow s3://bucket/run-7 --server http://127.0.0.1:8000",
+                   "deltasync follow ./stream --server http://gpu-7:8000 --consumer-id gpu-7",
+                   "deltasync follow ./stream --server http://127.0.0.1:8000 --until 10"])
 def follow(
     url: Annotated[str, typer.Argument(help="Stream URL (a local path is sent to the server as an absolute path).")],
-    server: Annotated[str, typer.Option(help="Base URL of a vLLM OpenAI server started with VLLM_SERVER_DEV_MODE=1 and "
+    server: Annotated[str, typer.Option(metavar="URL",
+                                   help="Base URL of a vLLM OpenAI server started with VLLM_SERVER_DEV_MODE=1 and "
                                         "--weight-transfer-config '{\"backend\": \"deltasync\"}' (it fetches each step "
                                         "from the store itself).")],
-    until: Annotated[int | None, typer.Option(help="Exit once the engine holds this step (default: follow "
+    until: Annotated[int | None, typer.Option(metavar="STEP",
+                                              help="Exit once the engine holds this step (default: follow "
                                                    "forever).")] = None,
-    engine_step: Annotated[int | None, typer.Option(min=0, help="The step the engine's weights are at if it was never "
+    engine_step: Annotated[int | None, typer.Option(min=0, metavar="STEP",
+                                               help="The step the engine's weights are at if it was never "
                                                     "updated (started from that step's checkpoint).")] = None,
     verify: Annotated[Literal["incremental", "changed", "all"], typer.Option(
         help="Checksums after each delta: 'incremental' (from the patched elements: the library's default too), "
@@ -44,26 +50,38 @@ def follow(
         help="What the stream's tensors are: the engine's checkpoint tensors, or an FP8 engine's own FP8 "
              "representation (docs/FORMAT.md section 7: written in place, no host copy).")] = "checkpoint",
     max_host_bytes: Annotated[int | None, typer.Option(
-        min=0, help="Refuse at init when the engine would keep more host memory than this (bytes) as host copies of "
-                    "checkpoint tensors (an FP8 engine fed a bf16 stream keeps its quantized layers' inputs).")] = None,
-    poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls of the store around the moment the "
+        min=0, metavar="BYTES", help="Refuse at init when the engine would keep more host memory than this (bytes) "
+                                     "as host copies of checkpoint tensors (an FP8 engine fed a bf16 stream keeps its "
+                                     "quantized layers' inputs).")] = None,
+    poll_s: Annotated[float, typer.Option(min=0.05, metavar="SECONDS",
+                                     help="Seconds between polls of the store around the moment the "
                                           "next step is due (one small read each).")] = 0.25,
-    max_poll_s: Annotated[float, typer.Option(min=0.05, help="Longest time between polls while the stream is "
+    max_poll_s: Annotated[float, typer.Option(min=0.05, metavar="SECONDS",
+                                                        help="Longest time between polls while the stream is "
                                                              "quiet.")] = 10.0,
-    timeout_s: Annotated[float, typer.Option(min=0.0, help="With --until: give up after this long.")] = 600.0,
+    timeout_s: Annotated[float, typer.Option(min=0.0, metavar="SECONDS",
+                                                      help="With --until: give up after this long.")] = 600.0,
     metrics_port: Annotated[int | None,
-                            typer.Option(min=0, max=65535, help="Serve Prometheus metrics (held step, newest "
+                            typer.Option(min=0, max=65535, metavar="PORT",
+                                                help="Serve Prometheus metrics (held step, newest "
                                                      "committed step, lag, apply/pause seconds, bytes, errors) on "
                                                      "this port of 127.0.0.1 (0: any free port). Needs "
                                                      "deltasync[metrics].")] = None,
-    notify: Annotated[str | None, typer.Option(help="A mirror's event feed (http://HOST:PORT/events, from deltasync "
+    notify: Annotated[str | None, typer.Option(metavar="URL",
+                                          help="A mirror's event feed (http://HOST:PORT/events, from deltasync "
                                                "mirror --events): steps are fetched as soon as they are announced, "
                                                "and the store is polled only as a safety net.")] = None,
     prefetch: Annotated[bool, typer.Option(help="The server's engine stages the next committed step (fetch, verify, "
                                            "decode) before it is asked for it.")] = True,
-    rdma: Annotated[str | None, typer.Option(help="Read steps over NIXL first: the RDMA controller's address "
+    rdma: Annotated[str | None, typer.Option(metavar="ADDRESS|JSON",
+                                        help="Read steps over NIXL first: the RDMA controller's address "
                                              "(tcp://HOST:PORT), or a JSON object of RDMA options (docs/RDMA.md); "
                                              "the store stays the fallback.")] = None,
+    consumer_id: Annotated[str | None, typer.Option(
+        metavar="ID", envvar="DELTASYNC_CONSUMER_ID",
+        help="Report the server's step to the store under this name (consumers/ID.json: after a step, at most "
+             "every 30 s, and every 5 minutes while idle), so that deltasync status shows it and deltasync gc keeps "
+             "the steps it needs (also $DELTASYNC_CONSUMER_ID).")] = None,
     storage_option: StorageOpt = None,
     trusted_key: TrustedKeyOpt = None,
     revoked_key: RevokedKeyOpt = None,
@@ -100,7 +118,7 @@ def follow(
     try:
         follower = Follower(url, target, poll_s=poll_s, max_poll_s=max_poll_s, on_step=report,
                             metrics_port=metrics_port, storage_options=_storage_options(storage_option), notifier=feed,
-                            trusted_keys=keys)
+                            trusted_keys=keys, consumer_id=consumer_id)
     except BaseException:
         if feed is not None:
             feed.close()
@@ -109,9 +127,15 @@ def follow(
         if follower.metrics_server is not None:
             out.print(f"metrics at {follower.metrics_server.url}")
         follower.reader.store.require_stream()  # a wrong URL: one line, exit 2, before the server is touched
-        follower.connect()  # a missing flag or an unreachable server: one line, exit 2
+        held = follower.connect()  # a missing flag or an unreachable server: one line, exit 2
+        follower.heartbeat(force=True)  # with --consumer-id: in `deltasync status` from the start
+        goal = f"until it holds step {until}" if until is not None else "at every new step (Ctrl-C stops)"
+        out.print(f"following {url} into {server}: it holds "
+                  f"{'no step yet (its own checkpoint)' if held is None else f'step {held}'}; updating it {goal}"
+                  + (f"; reporting as consumer {consumer_id}" if consumer_id else ""), markup=False, soft_wrap=True)
         if until is not None:
             follower.wait_for(until, timeout_s=timeout_s)  # retries like the thread; raises what stopped it
+            follower.heartbeat(force=True)  # the step it reached, whenever the last report was
             return
         follower.start()
         said: str | None = None
@@ -125,9 +149,7 @@ def follow(
                 said = None
         if follower.stopped_by is not None:  # a permanent error stopped the thread: one line, exit 2
             raise follower.stopped_by
-    except KeyboardInterrupt:
-        pass
-    finally:
+    finally:  # Ctrl-C or SIGTERM goes on up: exit 130 or 143, never 0 (--until was not reached)
         follower.close()
         if feed is not None:
             feed.close()
@@ -158,25 +180,33 @@ def _lag_words(status: FollowerStatus) -> str:
     return f", {lag} step{'s' if lag != 1 else ''} behind step {status.newest_step}"
 
 
-@app.command()
+@command(summary="Replicate a stream into another store, verified.",
+         examples=["deltasync mirror s3://trainer/run-7 gs://region-b/run-7 -D token=TOKEN",
+                   "deltasync mirror s3://trainer/run-7 /data/run-7 --once",
+                   "deltasync mirror s3://trainer/run-7 /data/run-7 --events 0.0.0.0:8901"])
 def mirror(
-    src: Annotated[str, typer.Argument(help="The stream to copy (URL).")],
-    dst: Annotated[str, typer.Argument(help="Where to keep the copy (URL; an empty location or an earlier copy).")],
+    src: Annotated[str, typer.Argument(metavar="SRC", help="The stream to copy (URL).")],
+    dst: Annotated[str, typer.Argument(metavar="DST",
+                                       help="Where to keep the copy (URL; an empty location or an earlier copy).")],
     once: Annotated[bool, typer.Option("--once", help="Copy what is committed now and exit (default: keep "
                                                       "following).")] = False,
-    until: Annotated[int | None, typer.Option(min=0, help="Exit once this step is copied.")] = None,
-    poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls of the source when a step is "
+    until: Annotated[int | None, typer.Option(min=0, metavar="STEP", help="Exit once this step is copied.")] = None,
+    poll_s: Annotated[float, typer.Option(min=0.05, metavar="SECONDS",
+                                                    help="Seconds between polls of the source when a step is "
                                                          "due.")] = 0.25,
-    max_poll_s: Annotated[float, typer.Option(min=0.05, help="Longest time between polls while the source is "
+    max_poll_s: Annotated[float, typer.Option(min=0.05, metavar="SECONDS",
+                                                        help="Longest time between polls while the source is "
                                                              "quiet.")] = 10.0,
-    events: Annotated[str | None, typer.Option(help="Serve the copy's new steps as server-sent events on HOST:PORT "
+    events: Annotated[str | None, typer.Option(metavar="HOST:PORT",
+                                          help="Serve the copy's new steps as server-sent events on HOST:PORT "
                                                "(GET /events), for this region's followers (deltasync follow "
                                                "--notify, Follower(notifier=EventFeed(url))): they stop "
                                                "polling.")] = None,
-    notify: Annotated[str | None, typer.Option(help="The source's event feed (an upstream mirror's "
+    notify: Annotated[str | None, typer.Option(metavar="URL", help="The source's event feed (an upstream mirror's "
                                                "http://HOST:PORT/events): copy each step as it is announced.")] = None,
     storage_option: StorageOpt = None,
-    dst_option: Annotated[list[str] | None, typer.Option("--dst-option", "-D", help="Storage option KEY=VALUE of the "
+    dst_option: Annotated[list[str] | None, typer.Option("--dst-option", "-D", metavar="KEY=VALUE",
+                                                    help="Storage option KEY=VALUE of the "
                                                          "destination (-S: of the source); repeatable.")] = None,
     trusted_key: TrustedKeyOpt = None,
     revoked_key: RevokedKeyOpt = None,
@@ -230,19 +260,21 @@ def mirror(
                       on_error=warn, notifier=feed, events=server, trusted_keys=trust)
     except KeyboardInterrupt:
         stop.set()
+        raise  # exit 130 (143 for SIGTERM), never 0: --until was not reached
     finally:
         for thing in (feed, server):
             if thing is not None:
                 thing.close()
 
 
-@app.command()
+@command(summary="Train, publish, follow and verify a small model.",
+         examples=["deltasync demo --steps 8", "deltasync demo --engine torch --store ./stream"])
 def demo(
-    store: Annotated[str | None, typer.Option(help="Stream URL (default: a new local folder).")] = None,
-    steps: Annotated[int, typer.Option(help="Training steps.")] = 30,
-    lr: Annotated[float, typer.Option(help="AdamW learning rate (RL-like).")] = 1e-6,
-    hidden_size: Annotated[int, typer.Option(help="Model width (multiple of 64).")] = 256,
-    layers: Annotated[int, typer.Option(help="Transformer layers.")] = 4,
+    store: Annotated[str | None, typer.Option(metavar="URL", help="Stream URL (default: a new local folder).")] = None,
+    steps: Annotated[int, typer.Option(metavar="N", help="Training steps.")] = 30,
+    lr: Annotated[float, typer.Option(metavar="LR", help="AdamW learning rate (RL-like).")] = 1e-6,
+    hidden_size: Annotated[int, typer.Option(metavar="N", help="Model width (multiple of 64).")] = 256,
+    layers: Annotated[int, typer.Option(metavar="N", help="Transformer layers.")] = 4,
     engine: Annotated[Literal["vllm", "torch"], typer.Option(
         help="Who follows: 'vllm' (a real engine) or 'torch' (a state dict).")] = "vllm",
     transport: Annotated[Literal["store", "nixl"], typer.Option(
@@ -258,7 +290,7 @@ def demo(
         store,
         DemoConfig(steps=steps, lr=lr, hidden_size=hidden_size, layers=layers, engine=engine, transport=transport),
         storage_options=_storage_options(storage_option),
-        echo=out.print,
+        echo=lambda line: out.print(line, markup=False, soft_wrap=True),  # rows as they happen, never re-wrapped
     )
 
 

@@ -26,18 +26,22 @@ from deltasync_cli.app import (
     _reader,
     _storage_options,
     _trust,
-    app,
+    command,
+    fit_names,
     inert,
     out,
     shown,
 )
 
 
-@app.command()
+@command(summary="Write any step's exact weights as a checkpoint folder.",
+         examples=["deltasync replay s3://bucket/run-7 --step 12 -o ./step12",
+                   "deltasync replay ./stream --step 12 -o ./step12 --sign export.key"])
 def replay(
     url: Annotated[str, typer.Argument(help="Stream URL.")],
-    step: Annotated[int, typer.Option("--step", help="Step to replay.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Checkpoint folder to write (absent or empty).")],
+    step: Annotated[int, typer.Option("--step", metavar="STEP", help="Step to replay.")],
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="DIR",
+                                                           help="Checkpoint folder to write (absent or empty).")],
     overwrite: Annotated[bool, typer.Option(help="Replace an existing folder.")] = False,
     reread: Annotated[bool, typer.Option("--reread", help="Also read the written file back and checksum it.")] = False,
     as_json: JsonOpt = False,
@@ -46,7 +50,8 @@ def replay(
     revoked_key: RevokedKeyOpt = None,
     stream_id: StreamIdOpt = None,
     max_age_s: MaxAgeOpt = None,
-    sign: Annotated[Path | None, typer.Option("--sign", help="An ECDSA private key (deltasync keygen --ecdsa): sign "
+    sign: Annotated[Path | None, typer.Option("--sign", metavar="PATH",
+                                         help="An ECDSA private key (deltasync keygen --ecdsa): sign "
                                               "the folder with OpenSSF model_signing (model.sig inside).")] = None,
     weights_only: Annotated[bool, typer.Option("--weights-only", help="Write the weights alone, not the stream's "
                                                "model files (config, tokenizer, code).")] = False,
@@ -75,21 +80,29 @@ def replay(
                   soft_wrap=True, markup=False)
 
 
-@app.command()
+@command(summary="Publish a safetensors checkpoint as the next step.",
+         examples=["deltasync push ./stream ./finetuned --step 13",
+                   "deltasync push ./stream model.safetensors --step 13 --dtype bfloat16"])
 def push(
     url: Annotated[str, typer.Argument(help="Stream URL.")],
-    checkpoint: Annotated[Path, typer.Argument(help="A .safetensors file or a checkpoint folder.", exists=True)],
-    step: Annotated[int, typer.Option("--step", help="Step number to publish it as (after the latest).")],
+    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT",
+                                               help="A .safetensors file or a checkpoint folder.", exists=True)],
+    step: Annotated[int, typer.Option("--step", metavar="STEP",
+                                                help="Step number to publish it as (after the latest).")],
     anchor: Annotated[bool, typer.Option(help="Publish a full anchor instead of a delta.")] = False,
-    dtype: Annotated[str | None, typer.Option(help="Publish floating tensors in this dtype (e.g. bfloat16).")] = None,
-    files: Annotated[Path | None, typer.Option(help="Folder of model files to store (default: the checkpoint "
+    dtype: Annotated[str | None, typer.Option(metavar="DTYPE",
+                                              help="Publish floating tensors in this dtype (e.g. bfloat16).")] = None,
+    files: Annotated[Path | None, typer.Option(metavar="DIR",
+                                               help="Folder of model files to store (default: the checkpoint "
                                                     "folder's).")] = None,
     take_over: Annotated[bool, typer.Option(help="Take the stream over from a publisher that holds it.")] = False,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
-    signing_key: Annotated[Path | None, typer.Option("--signing-key", help="Sign the step with this private key "
+    signing_key: Annotated[Path | None, typer.Option("--signing-key", metavar="PATH",
+                                                help="Sign the step with this private key "
                                                      "(deltasync keygen), as a signing publisher does.")] = None,
-    stream_id: Annotated[str | None, typer.Option("--stream-id", help="The stream's id (a new stream is made with it; "
+    stream_id: Annotated[str | None, typer.Option("--stream-id", metavar="ID",
+                                             help="The stream's id (a new stream is made with it; "
                                                   "an existing one must have it).")] = None,
 ) -> None:
     """Publish a safetensors checkpoint as a step: a delta on the latest step (an anchor on an empty stream)."""
@@ -108,11 +121,12 @@ def push(
               markup=False)
 
 
-@app.command("compare")
+@command("compare", summary="What changed between two steps, per tensor and layer.",
+         examples=["deltasync compare s3://bucket/run-7 10 12", "deltasync compare ./stream 0 12 --json"])
 def compare_(
     url: Annotated[str, typer.Argument(help="Stream URL.")],
-    a: Annotated[int, typer.Argument(help="First step.")],
-    b: Annotated[int, typer.Argument(help="Second step.")],
+    a: Annotated[int, typer.Argument(metavar="STEP_A", help="First step.")],
+    b: Annotated[int, typer.Argument(metavar="STEP_B", help="Second step.")],
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
 ) -> None:
@@ -125,39 +139,43 @@ def compare_(
     if as_json:
         _print_json(c.to_dict())
         return
-    for title, rows in ((f"step {a} -> {b}, per tensor", c.tensors), (f"step {a} -> {b}, per layer", c.layers)):
+    for title, diffs in ((f"step {a} -> {b}, per tensor", c.tensors), (f"step {a} -> {b}, per layer", c.layers)):
         table = Table(title=title)
-        for col in ("name", "elements", "changed", "density", "rel L2", "max |change|"):  # names wrap, never cut
+        cols = ("name", "elements", "changed", "density", "rel L2", "max |change|")
+        rows = [[f"{d.numel:,}", f"{d.changed:,}", _pct(d.density), _num(d.rel_l2), _num(d.max_abs_change)]
+                for d in diffs]
+        names = fit_names([d.name for d in diffs], [[c, *(r[i] for r in rows)] for i, c in enumerate(cols[1:])])
+        for col in cols:  # names wrap between their parts, never inside one
             table.add_column(col, justify="left" if col == "name" else "right", overflow="fold", no_wrap=col != "name")
-        for d in rows:
-            table.add_row(shown(d.name), f"{d.numel:,}", f"{d.changed:,}", _pct(d.density), _num(d.rel_l2),
-                          _num(d.max_abs_change))
+        for name, row in zip(names, rows, strict=True):
+            table.add_row(name, *row)
         out.print(table)
 
 
-@app.command()
+@command(summary="Density, bytes and timings over a stream.",
+         examples=["deltasync stats s3://bucket/run-7", "deltasync stats ./stream --from 100 --plot density.png"])
 def stats(
     url: Annotated[str, typer.Argument(help="Stream URL.")],
-    first: Annotated[int | None, typer.Option("--from", help="First step.")] = None,
-    last: Annotated[int | None, typer.Option("--to", help="Last step.")] = None,
-    plot: Annotated[Path | None, typer.Option(help="Draw change density per layer and bytes per step to this "
+    first: Annotated[int | None, typer.Option("--from", metavar="STEP", help="First step.")] = None,
+    last: Annotated[int | None, typer.Option("--to", metavar="STEP", help="Last step.")] = None,
+    plot: Annotated[Path | None, typer.Option(metavar="PNG",
+                                              help="Draw change density per layer and bytes per step to this "
                                                    "PNG.")] = None,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
 ) -> None:
     """Density, bytes, compression and stage timings over a stream (from manifests); --plot draws a heat map."""
-    from deltasync.history.stats import layer_density, plot_stats, stream_stats
+    from deltasync.history.stats import layer_density, need_matplotlib, plot_stats, stream_stats
 
+    if plot is not None:
+        need_matplotlib()  # before reading the stream, not after
     with _reader(url, storage_option) as reader:
         s = stream_stats(reader, first=first, last=last)
         density = None
         if plot is not None:
             with _progress() as progress:
                 density = layer_density(reader, [r.step for r in s.steps], progress=progress)
-            try:
-                plot_stats(s, density, plot)
-            except ImportError as e:
-                raise typer.BadParameter(str(e)) from None
+            plot_stats(s, density, plot)
     if as_json:
         _print_json({**s.to_dict(), **({"layer_density": density.to_dict()} if density else {})})
         return
@@ -181,11 +199,13 @@ def stats(
         out.print(f"wrote {plot}", soft_wrap=True, markup=False)
 
 
-@app.command("verify")
+@command("verify", summary="Check every committed step by replaying it.",
+         examples=["deltasync verify s3://bucket/run-7",
+                   "deltasync verify ./stream --trusted-key trainer.key.pub --stream-id run-7"])
 def verify_(
     url: Annotated[str, typer.Argument(help="Stream URL.")],
-    first: Annotated[int | None, typer.Option("--from", help="First step.")] = None,
-    last: Annotated[int | None, typer.Option("--to", help="Last step.")] = None,
+    first: Annotated[int | None, typer.Option("--from", metavar="STEP", help="First step.")] = None,
+    last: Annotated[int | None, typer.Option("--to", metavar="STEP", help="Last step.")] = None,
     all_problems: Annotated[bool, typer.Option("--all", help="List every problem, not only the first.")] = False,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
@@ -232,28 +252,38 @@ def _head_words(report: Any) -> str:
     return f"; a head signed {when} names step {head['step']} the newest{closed}"
 
 
-@app.command("gc")
+@command("gc", summary="Delete steps no kept step and no live consumer needs.",
+         examples=["deltasync gc s3://bucket/run-7 --keep-last 20 --dry-run",
+                   "deltasync gc s3://bucket/run-7 --keep-last 20 --keep-anchor-every 100 --yes"])
 def gc_(
     url: Annotated[str, typer.Argument(help="Stream URL.")],
-    keep_last: Annotated[int, typer.Option(help="Keep the last K steps (and what they need).")],
-    keep_anchor_every: Annotated[int | None, typer.Option(help="Also keep the first anchor of every M steps.")] = None,
-    consumer_max_age_s: Annotated[float, typer.Option(help="Respect consumer heartbeats at most this old.")] = 3600.0,
+    keep_last: Annotated[int, typer.Option(metavar="N", help="Keep the last K steps (and what they need).")],
+    keep_anchor_every: Annotated[int | None, typer.Option(metavar="M",
+                                                          help="Also keep the first anchor of every M steps.")] = None,
+    consumer_max_age_s: Annotated[float, typer.Option(metavar="SECONDS",
+                                                      help="Respect consumer heartbeats at most this old.")] = 3600.0,
     dry_run: Annotated[bool, typer.Option(help="Show the plan, delete nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking (on a terminal, gc shows the "
-                                      "plan and asks first).")] = False,
+                                      "plan and asks first; elsewhere it deletes only with --yes).")] = False,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
 ) -> None:
     """Delete steps that no retained step, and no live consumer, needs (never an anchor a kept delta builds on).
-    On a terminal it shows the plan and asks before deleting (--yes: does not ask)."""
+    On a terminal it shows the plan and asks before deleting; elsewhere (a script, a pipe, --json) it deletes only
+    with --yes."""
     from deltasync.history.gc import collect_garbage, run_gc
     from deltasync.store import Store
 
     ask = not (dry_run or yes or as_json) and _on_terminal()
+    refuse = not (dry_run or yes or ask)  # a script, a pipe, --json: nobody to ask, and not told to delete
     with _progress() as progress:
         plan = collect_garbage(url, keep_last=keep_last, keep_anchor_every=keep_anchor_every,
-                               consumer_max_age_s=consumer_max_age_s,
-                  dry_run=dry_run or ask, storage_options=_storage_options(storage_option), progress=progress)
+                               consumer_max_age_s=consumer_max_age_s, dry_run=dry_run or ask or refuse,
+                               storage_options=_storage_options(storage_option), progress=progress)
+    if refuse and (plan.delete or plan.leftovers):
+        raise typer.BadParameter(
+            f"gc would delete {len(plan.delete)} steps ({_mb(plan.freed_bytes)}) and {len(plan.leftovers)} uncommitted "
+            "folders, and there is no terminal to ask: pass --yes to delete them, or --dry-run to see the plan")
     if as_json:
         _print_json({**plan.to_dict(), "dry_run": dry_run})
         return

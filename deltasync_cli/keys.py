@@ -7,17 +7,23 @@ from typing import Annotated
 
 import typer
 
-from deltasync_cli.app import app, out
+from deltasync_cli.app import command, out
 
 
-@app.command()
+@command(summary="Make a key pair that signs a stream's steps.",
+         examples=["deltasync keygen trainer.key",
+                   "deltasync keygen trainer-2.key --endorsed-by trainer.key --from-step 500",
+                   "deltasync keygen export.key --ecdsa"])
 def keygen(
-    path: Annotated[Path, typer.Argument(help="Where to write the private key (mode 0600); its public half goes to "
+    path: Annotated[Path, typer.Argument(metavar="PATH",
+                                   help="Where to write the private key (mode 0600); its public half goes to "
                                         "PATH.pub. Never overwrites.")],
-    endorsed_by: Annotated[Path | None, typer.Option("--endorsed-by", help="The current signing key: it endorses the "
+    endorsed_by: Annotated[Path | None, typer.Option("--endorsed-by", metavar="PATH",
+                                                help="The current signing key: it endorses the "
                                                      "new one (PATH.endorsement.json), so followers that trust it "
                                                      "accept steps the new key signs (key rotation).")] = None,
-    from_step: Annotated[int, typer.Option("--from-step", min=0, help="With --endorsed-by: the first step the new key "
+    from_step: Annotated[int, typer.Option("--from-step", min=0, metavar="STEP",
+                                      help="With --endorsed-by: the first step the new key "
                                            "signs; the old key is refused from there on.")] = 0,
     ecdsa: Annotated[bool, typer.Option("--ecdsa", help="An ECDSA P-256 key for signing exported checkpoints "
                                         "(replay --sign), which OpenSSF model_signing verifies.")] = False,

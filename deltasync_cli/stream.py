@@ -8,18 +8,33 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from deltasync_cli.app import StorageOpt, _load_safetensors, _storage_options, app, inert, out, shown
+from deltasync_cli.app import (
+    StorageOpt,
+    _load_safetensors,
+    _mb,
+    _storage_options,
+    command,
+    fit_names,
+    inert,
+    out,
+    shown,
+)
 
 
-@app.command()
+@command(summary="Write the delta between two checkpoints (bit-exact).",
+         examples=["deltasync diff base.safetensors new.safetensors -o step1.delta"])
 def diff(
-    base: Annotated[Path, typer.Argument(help="Base checkpoint (.safetensors).", exists=True, dir_okay=False)],
-    target: Annotated[Path, typer.Argument(help="Target checkpoint (.safetensors).", exists=True, dir_okay=False)],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Delta file to write.")],
-    base_step: Annotated[int, typer.Option(help="Step number recorded for the base.")] = 0,
-    step: Annotated[int | None, typer.Option(help="Step number recorded for the target (default base+1).")] = None,
+    base: Annotated[Path, typer.Argument(metavar="BASE",
+                                         help="Base checkpoint (.safetensors).", exists=True, dir_okay=False)],
+    target: Annotated[Path, typer.Argument(metavar="TARGET",
+                                           help="Target checkpoint (.safetensors).", exists=True, dir_okay=False)],
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="PATH", help="Delta file to write.")],
+    base_step: Annotated[int, typer.Option(metavar="STEP", help="Step number recorded for the base.")] = 0,
+    step: Annotated[int | None, typer.Option(metavar="STEP",
+                                             help="Step number recorded for the target (default base+1).")] = None,
 ) -> None:
     """Write the delta that turns BASE into TARGET (like Unix diff, but bit-exact and compact)."""
     from deltasync.publish.steps import snapshot_headers, write_step
@@ -42,11 +57,14 @@ def diff(
     )
 
 
-@app.command()
+@command(summary="Apply a delta to a checkpoint, verified by checksums.",
+         examples=["deltasync patch base.safetensors step1.delta -o new.safetensors"])
 def patch(
-    base: Annotated[Path, typer.Argument(help="Base checkpoint (.safetensors).", exists=True, dir_okay=False)],
-    delta: Annotated[Path, typer.Argument(help="Delta file made by `deltasync diff` or a stream.", exists=True)],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Checkpoint to write.")],
+    base: Annotated[Path, typer.Argument(metavar="BASE",
+                                         help="Base checkpoint (.safetensors).", exists=True, dir_okay=False)],
+    delta: Annotated[Path, typer.Argument(metavar="DELTA",
+                                          help="Delta file made by `deltasync diff` or a stream.", exists=True)],
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="PATH", help="Checkpoint to write.")],
 ) -> None:
     """Apply DELTA to BASE and write the result; fails (writing nothing) unless every checksum matches."""
     import safetensors.torch
@@ -78,7 +96,9 @@ def patch(
     out.print(f"{output}: step {obj.header.step}, {obj.header.changed} elements patched, checksums verified")
 
 
-@app.command("ls")
+@command("ls", summary="List the committed steps of a stream.",
+         examples=["deltasync ls s3://bucket/run-7 -S endpoint_url=http://127.0.0.1:8333",
+                   "deltasync ls ./stream --json"])
 def ls_(
     url: Annotated[str, typer.Argument(help="Stream URL (local path, s3://, hf://buckets/..., memory://).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -94,25 +114,32 @@ def ls_(
     if as_json:
         print(json.dumps([m.to_dict() for m in manifests], indent=1))
         return
-    table = Table(title=f"{url}: {len(manifests)} committed steps")
-    for col in ("step", "kind", "base", "bytes", "density", "coalesced"):
-        table.add_column(col, justify="right")
+    import time
+
+    table = Table(title=shown(f"{url}: {len(manifests)} committed steps"))
+    for col in ("step", "kind", "base", "size", "density", "committed", "coalesced"):
+        table.add_column(col, justify="right", no_wrap=col in ("size", "committed"))
     for m in manifests:
         table.add_row(
             str(m.step),
             m.kind,
             "-" if m.base_step is None else str(m.base_step),
-            f"{m.object_bytes:,}",
+            _mb(m.object_bytes),  # as every other command shows sizes (--json: bytes)
             f"{m.stats.density:.2%}",
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_unix_s)),
             ",".join(map(str, m.stats.coalesced_steps)) or "-",
         )
     out.print(table)
 
 
-@app.command()
+@command(summary="Where every consumer of a stream stands.",
+         examples=["deltasync status s3://bucket/run-7",
+                   "deltasync status s3://bucket/run-7 --stale-after-s 600 --json",
+                   "deltasync status s3://bucket/run-7 --prometheus > deltasync.prom"])
 def status(
     url: Annotated[str, typer.Argument(help="Stream URL.")],
-    stale_after_s: Annotated[float, typer.Option(min=1.0, help="Flag consumers whose last heartbeat is older than "
+    stale_after_s: Annotated[float, typer.Option(min=1.0, metavar="SECONDS",
+                                                          help="Flag consumers whose last heartbeat is older than "
                                                                "this.")] = 900.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     prometheus: Annotated[bool, typer.Option("--prometheus", help="Print Prometheus text exposition (for a textfile "
@@ -122,8 +149,9 @@ def status(
     """Where every consumer of a stream stands, from the heartbeats followers started with a consumer id write:
     the step each holds, how many committed steps it is behind, when it last reported (stale ones flagged),
     its engine's weight version and error count."""
-    import time
 
+    if as_json and prometheus:
+        raise typer.BadParameter("--json and --prometheus are two formats of the same report: choose one")
     from deltasync.history.fleet import fleet_status, prometheus_text
     from deltasync.store import Store
 
@@ -138,15 +166,25 @@ def status(
         return
     newest = "no committed step" if fleet.newest_step is None else f"newest committed step {fleet.newest_step}"
     table = Table(title=shown(f"{url}: {len(fleet.consumers)} consumer(s), {newest}"))
-    for col in ("consumer", "step", "behind", "last report", "weight version", "errors", "state"):
-        table.add_column(col, justify="left" if col in ("consumer", "state") else "right", overflow="fold")
+    cols = ("consumer", "step", "behind", "last report", "weight version", "errors", "state")
+    rows = []
     for c in fleet.consumers:  # everything a heartbeat says is shown inert (docs/SECURITY.md)
-        when = time.strftime("%H:%M:%S", time.localtime(time.time() - c.age_s))
-        table.add_row(shown(c.consumer_id), str(c.step), "-" if c.lag_steps is None else str(c.lag_steps),
-                      f"{when} ({c.age_s:.0f} s ago)" if not c.suspect else f"{c.age_s:.0f} s (in the future)",
-                      shown(c.weight_version or "-"), "-" if c.errors is None else str(c.errors),
-                      "[red]suspect: its time is ahead of this clock[/red]" if c.suspect
-                      else "[red]stale[/red]" if c.stale else "live")
+        rows.append([str(c.step), "-" if c.lag_steps is None else str(c.lag_steps),
+                     f"{c.age_s:.0f} s ago" if not c.suspect else f"{c.age_s:.0f} s (in the future)",
+                     inert(c.weight_version or "-"), "-" if c.errors is None else str(c.errors),
+                     "suspect: its time is ahead of this clock" if c.suspect else "stale" if c.stale else "live"])
+    ids = fit_names([c.consumer_id for c in fleet.consumers], [[c, *(r[i] for r in rows)] for i, c in
+                                                               enumerate(cols[1:])])
+    # the ids keep the width their lines were fitted to; a weight version (any text, from outside) folds where the
+    # terminal is too narrow for it: were it kept whole, a long one would squeeze the ids to nothing
+    widest = max((len(line) for i in ids for line in i.split("\n")), default=len(cols[0]))
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("consumer", "state") else "right", overflow="fold",
+                         no_wrap=col not in ("consumer", "weight version"),
+                         min_width=max(widest, len(col)) if col == "consumer" else None)
+    for consumer_id, row in zip(ids, rows, strict=True):
+        state = row[-1] if row[-1] == "live" else f"[red]{row[-1]}[/red]"
+        table.add_row(consumer_id, *row[:3], escape(row[3]), row[4], state)
     out.print(table)
     if fleet.stale:
         out.print(f"{len(fleet.stale)} stale: no heartbeat within {stale_after_s:g} s "
@@ -156,10 +194,11 @@ def status(
                   markup=False, soft_wrap=True)
 
 
-@app.command()
+@command(summary="One step: its manifest and per-tensor changes.",
+         examples=["deltasync show s3://bucket/run-7 12", "deltasync show ./stream 12 --json"])
 def show(
     url: Annotated[str, typer.Argument(help="Stream URL.")],
-    step: Annotated[int, typer.Argument(help="Step number.")],
+    step: Annotated[int, typer.Argument(metavar="STEP", help="Step number.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     storage_option: StorageOpt = None,
 ) -> None:
@@ -180,16 +219,19 @@ def show(
     if as_json:
         print(json.dumps({"manifest": m.to_dict(), "aliases": h.aliases, "tensors": tensors}, indent=1))
         return
-    out.print(f"step {m.step} ({m.kind}{'' if m.base_step is None else f' on step {m.base_step}'}), {m.object_bytes:,} "
-              "bytes", markup=False)
+    out.print(f"step {m.step} ({m.kind}{'' if m.base_step is None else f' on step {m.base_step}'}), "
+              f"{_mb(m.object_bytes)}", markup=False)
     out.print(f"state checksum {m.state_checksum}")
     table = Table()
-    for col in ("tensor", "dtype", "shape", "changed", "density", "checksum"):
-        # a name wraps rather than being cut ("model.layers.1…" names nothing); other cells keep their width
-        table.add_column(col, overflow="fold", min_width=None if col == "tensor" else len(col), no_wrap=col != "tensor")
-    for n, t in h.tensors.items():
-        table.add_row(shown(n), t.dtype, "x".join(map(str, t.shape)), f"{t.changed:,}",
-                      f"{t.changed / max(t.numel, 1):.2%}", t.checksum)
+    cols = ("tensor", "dtype", "shape", "changed", "density", "checksum")
+    rows = [[t.dtype, "x".join(map(str, t.shape)), f"{t.changed:,}", f"{t.changed / max(t.numel, 1):.2%}", t.checksum]
+            for t in h.tensors.values()]
+    # a name wraps between its parts rather than being cut; other cells keep their width
+    names = fit_names(list(h.tensors), [[c, *(r[i] for r in rows)] for i, c in enumerate(cols[1:])])
+    for col in cols:
+        table.add_column(col, overflow="fold", no_wrap=col != "tensor")
+    for name, row in zip(names, rows, strict=True):
+        table.add_row(name, *row)
     out.print(table)
 
 

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from deltasync import DeltaPublisher, compare, stream_stats
-from deltasync.history import layer_density, plot_stats
+from deltasync.errors import MissingDependencyError
+from deltasync.history import layer_density, need_matplotlib, plot_stats
 
 
 class Model(nn.Module):
@@ -89,6 +90,11 @@ def main() -> int:
     bug_step = args.bug_step if args.bug_step is not None else max(3, 2 * args.steps // 3)
     if not 3 <= bug_step < args.steps:
         parser.error(f"--bug-step must be in 3..{args.steps - 1} (deltas before it set the baseline), got {bug_step}")
+    if args.plot:
+        try:  # at the start, not after the whole run
+            need_matplotlib()
+        except MissingDependencyError as e:
+            parser.error(f"--plot: {e}")
     with tempfile.TemporaryDirectory(prefix="deltasync-example-") as tmp:
         url = f"{tmp}/stream"
         train(url, args.steps, bug_step, args.bad_layer)

@@ -52,10 +52,13 @@ class TinyLM(torch.nn.Module):
         self.head = torch.nn.Linear(width, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits, one row per token (batch and time flattened). The head runs on rows: a Linear on a 3-D input
+        returns a view, and FSDP2 warns that an in-place op on a view returned by a sharded module could produce
+        wrong gradients (none happens here; the warning alarmed users of this example)."""
         x = self.embed(ids)
         for block in self.blocks:
             x = block(x)
-        return self.head(x)
+        return self.head(x.flatten(0, 1))
 
 
 def launch_torchrun(nproc: int) -> int:
@@ -92,7 +95,7 @@ def main() -> int:
             pub.publish(0)  # the initial weights
             for step in range(1, args.steps + 1):
                 ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(1000 * step + rank))
-                loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+                loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]), ids[:, 1:].flatten())
                 loss.backward()
                 opt.step()
                 opt.zero_grad()

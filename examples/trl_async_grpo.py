@@ -30,6 +30,7 @@ import tempfile
 import time
 import types
 import urllib.request
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,6 +41,10 @@ from deltasync.engine import parse_checksum
 from deltasync.testing import save_model_dir, tiny_qwen3
 from rollout_loader.integrations.trl import DeltasyncWeightTransfer
 from rollout_loader.vllm import HttpWeightTransfer
+
+# deltasync's TRL integration is tested with TRL 1.16.0 and vLLM 0.32.0 (the versions ./run.sh installs); TRL's own
+# version check predates vLLM 0.32 and warns once per module that imports vLLM: not a problem here
+warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
 
 
 def reward_short(completions: list, **_: object) -> list[float]:

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import warnings
 
 import torch
 from datasets import Dataset
 from transformers import AutoTokenizer
-from trl import GRPOConfig, GRPOTrainer
 
 from deltasync import StreamReader
 from deltasync.integrations.transformers import DeltaSyncCallback
 from deltasync.testing import save_model_dir, tiny_qwen3
+
+# deltasync's TRL integration is tested with TRL 1.16.0 and vLLM 0.32.0 (the versions ./run.sh installs); TRL's own
+# version check predates vLLM 0.32 and warns once per module that imports vLLM: not a problem here
+warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
 
 
 def reward_length(completions: list[str], **_: object) -> list[float]:
@@ -34,6 +38,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--store", help="stream URL (default: a temporary folder, removed at the end)")
     args = parser.parse_args()
+    from trl import GRPOConfig, GRPOTrainer  # (after the warnings filter above)
 
     with tempfile.TemporaryDirectory(prefix="deltasync-example-") as tmp:
         model = tiny_qwen3(hidden_size=64, layers=1).float()  # fp32 master weights
@@ -55,9 +60,9 @@ def main() -> int:
         trainer.train()
 
         logged = [h for h in trainer.state.log_history if "reward" in h and "deltasync/bytes" in h]
-        for h in logged:
-            print(f"step {h['step']}: reward {h['reward']:.2f}, published step {h['deltasync/step']:.0f} "
-                  f"({h['deltasync/bytes']:.0f} bytes)")
+        for h in logged:  # the Trainer logs while the step's upload runs: its figures are the newest committed step's
+            print(f"step {h['step']}: reward {h['reward']:.2f}; published as step {h['step']}, the newest committed "
+                  f"then step {h['deltasync/step']:.0f} ({h['deltasync/bytes']:.0f} bytes)")
         with StreamReader(url) as reader:
             steps, state, first = reader.steps(), reader.state_dict(args.steps), reader.state_dict(0)
         want = {name: t.detach().to(torch.bfloat16) for name, t in model.state_dict().items()}

@@ -61,14 +61,24 @@ def start_server(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen
 
 
 def wait_healthy(base: str, server: subprocess.Popen, log_path: Path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
+    """Wait for ``GET /health``, saying every 15 seconds how long it has been and what the server logged last (a CPU
+    server takes a minute or more to start: a silent minute looks like a hang)."""
+    t0 = time.monotonic()
+    said = t0
+    print(f"starting a vLLM server at {base} (on CPU about a minute; its log: {log_path})...", flush=True)
     while True:
         try:
             urllib.request.urlopen(f"{base}/health", timeout=5).read()
+            print(f"the server is up after {time.monotonic() - t0:.0f}s", flush=True)
             return
         except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
+            if server.poll() is not None or time.monotonic() > t0 + timeout_s:
                 raise RuntimeError(f"the vLLM server did not start:\n{log_path.read_text()[-3000:]}") from None
+            if time.monotonic() - said >= 15:
+                said = time.monotonic()
+                lines = log_path.read_text(errors="replace").strip().splitlines()
+                last = lines[-1][-100:] if lines else "(nothing logged yet)"
+                print(f"  still starting ({said - t0:.0f}s): {last}", flush=True)
             time.sleep(1)
 
 

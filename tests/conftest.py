@@ -126,24 +126,12 @@ def _test_leaves_no_temp_folders(request):
 
 
 def perturb(t: torch.Tensor, density: float, gen: torch.Generator, *, finite: bool = True) -> torch.Tensor:
-    """A copy of ``t`` with about ``density`` of its elements given new random bits.
+    """A copy of ``t`` with about ``density`` of its elements given new random bits, finite ones unless ``finite`` is
+    False (the shipped contract's; imported here when called: this module must not import deltasync before it has
+    pointed the temp folder elsewhere)."""
+    from deltasync.testing.store_contract import perturb as contract_perturb
 
-    ``finite``: new bits that would make a floating element NaN or ±Inf are not written (the element keeps its old
-    bits), nor those of an fp32 or fp64 element whose bf16 cast (master weights published as bf16) overflows: no
-    healthy optimizer step writes them, and a publisher refuses such a step (``refuse_nonfinite``)."""
-    out = t.clone()
-    if out.numel() == 0:
-        return out
-    flat = out.reshape(-1).view(torch.uint8).view(-1, out.element_size())
-    mask = torch.rand(flat.shape[0], generator=gen) < density
-    flat[mask] = torch.randint(0, 256, (int(mask.sum()), out.element_size()), generator=gen, dtype=torch.uint8)
-    if finite and out.is_floating_point():
-        wide = out if out.element_size() > 1 else out.to(torch.bfloat16)  # no isfinite kernel for some 8-bit floats
-        ok = torch.isfinite(wide)
-        if out.element_size() > 2:
-            ok &= torch.isfinite(out.to(torch.bfloat16))
-        out = torch.where(ok, out, t)
-    return out
+    return contract_perturb(t, density, gen, finite=finite)
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

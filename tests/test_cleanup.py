@@ -244,7 +244,7 @@ def test_ctrl_c_leaves_nothing(args, qwen_stream, tmp_path):
         [a.format(url=remote_url(qwen_stream.url), out=out) for a in args], tmp_path
     )
     assert any(n.startswith("deltasync-cache-") for n in during), during  # the interrupt hit a live download cache
-    assert code != 0 and "Traceback" not in output, output  # interrupted, not finished
+    assert code == 130 and "Traceback" not in output, output  # interrupted (128 + SIGINT), not finished
     assert after == [], output
     assert not out.exists()
 
@@ -255,7 +255,7 @@ def test_kill_leaves_nothing_either(qwen_stream, tmp_path):
     args = ["replay", remote_url(qwen_stream.url), "--step", "9", "-o", str(out)]
     code, output, during, after = interrupt_after_first_download(args, tmp_path, sig=signal.SIGTERM)
     assert any(n.startswith("deltasync-cache-") for n in during), during
-    assert code != 0 and "Traceback" not in output, output
+    assert code == 143 and "Traceback" not in output, output  # 128 + SIGTERM, as a shell reports a kill
     assert after == [], output
     assert not out.exists()
 
@@ -289,14 +289,16 @@ def busy_server():
         yield url
 
 
-def test_ctrl_c_stops_follow_and_leaves_nothing(qwen_stream, tmp_path, busy_server):
-    """``follow`` reads only manifests here (the server's engine fetches the objects): Ctrl-C while it retries a
-    server that refuses every update ends it at once, with no traceback and nothing left in TMPDIR."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_stops_follow_and_leaves_nothing(qwen_stream, tmp_path, busy_server, sig):
+    """``follow`` reads only manifests here (the server's engine fetches the objects): Ctrl-C (or a kill) while it
+    retries a server that refuses every update ends it at once, with no traceback and nothing left in TMPDIR, and
+    with 130 (143): ``deltasync follow ... --until 9 && start_eval`` must not go on (it exited 0)."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     proc = subprocess.Popen(
         [sys.executable, "-m", "deltasync_cli", "follow", qwen_stream.url, "--server", busy_server,
-         "--poll-s", "0.05"],
+         "--poll-s", "0.05", "--until", "9"],
         cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=interruptible,
     )
@@ -308,7 +310,7 @@ def test_ctrl_c_stops_follow_and_leaves_nothing(qwen_stream, tmp_path, busy_serv
         while not any("retrying" in line for line in lines):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         proc.wait(timeout=60)
         reading.join(timeout=10)
     finally:
@@ -317,5 +319,6 @@ def test_ctrl_c_stops_follow_and_leaves_nothing(qwen_stream, tmp_path, busy_serv
             proc.wait()
     output = "".join(lines)
     assert "retrying" in output and "HTTP 503" in output, output
+    assert proc.returncode == 128 + sig, output
     assert "Traceback" not in output, output
     assert ours(tmp) == [], output

@@ -104,3 +104,99 @@ def test_patch_writes_its_output_with_the_umask_s_mode(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / "out.safetensors").st_mode) == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base.safetensors", "d", "out.safetensors",
                                                           "target.safetensors"]
+
+
+def test_follow_with_a_consumer_id_shows_in_status_and_gc_keeps_its_step(tmp_path, small_state, gen, monkeypatch,
+                                                                         capsys):
+    """(issue 31, item 4) A server kept in sync by ``deltasync follow`` reported nothing: it never showed in
+    ``deltasync status``, and ``gc`` could not protect its step. With ``--consumer-id`` (or
+    ``$DELTASYNC_CONSUMER_ID``) it reports from the start, and the step it reached when it exits."""
+    from tests.test_vllm_client import fake_server
+
+    url = str(tmp_path / "stream")
+    with DeltaPublisher(url, small_state, on_backlog="block", anchor_every=2) as pub:
+        for s in range(4):
+            train(small_state, gen)
+            pub.publish(s)
+
+    def run(*args: str) -> tuple[int, str]:
+        monkeypatch.setattr("sys.argv", ["deltasync", *args])
+        with pytest.raises(SystemExit) as e:
+            main()
+        captured = capsys.readouterr()
+        return e.value.code, captured.out + captured.err
+
+    with fake_server() as (fake, server):
+        code, out = run("follow", url, "--server", server, "--until", "3", "--consumer-id", "gpu-7")
+        assert code == 0, out
+        assert f"following {url} into {server}: it holds no step yet" in out and "as consumer gpu-7" in out
+        assert fake.version == "3"
+        monkeypatch.setenv("DELTASYNC_CONSUMER_ID", "gpu-8")  # the same, from the environment
+        code, out = run("follow", url, "--server", server, "--until", "3")
+        assert code == 0 and "it holds step 3" in out, out
+    code, out = run("status", url, "--json")
+    consumers = {c["consumer_id"]: c for c in json.loads(out)["consumers"]}
+    assert code == 0 and set(consumers) == {"gpu-7", "gpu-8"}, out
+    assert consumers["gpu-7"]["step"] == 3 and consumers["gpu-7"]["lag_steps"] == 0
+    assert consumers["gpu-7"]["weight_version"] == "3"
+    code, out = run("status", url)
+    assert code == 0 and "gpu-7" in out and "live" in out
+    code, out = run("gc", url, "--keep-last", "1", "--dry-run")
+    assert code == 0 and "live consumer gpu-7 at step 3" in out, out
+
+
+def _first_column(table: str) -> list[str]:
+    """The first cells of a rich table's rows, each cell's lines joined (a row goes on while its other cells are
+    empty)."""
+    cells: list[str] = []
+    for line in table.splitlines():
+        parts = line.split("│")
+        if len(parts) < 3:
+            continue
+        first, rest = parts[1].strip(), "".join(parts[2:]).strip()
+        if rest or not cells:
+            cells.append(first)
+        else:
+            cells[-1] += first
+    return cells
+
+
+def test_tables_at_80_columns_keep_names_whole(qwen_stream, tmp_path, monkeypatch, capsys):
+    """(issue 31, item 8) At 80 columns ``show``, ``compare`` and ``status`` cut tensor names mid-word
+    (``model.layers.0.sel`` / ``f_attn...``): a name now wraps between its dotted parts; ``ls`` shows sizes in MB as
+    the other commands do, and when each step was committed."""
+    from deltasync.engine import write_heartbeat
+    from deltasync.store import Store
+
+    monkeypatch.setenv("COLUMNS", "80")
+
+    def run(*args: str) -> str:
+        monkeypatch.setattr("sys.argv", ["deltasync", *args])
+        with pytest.raises(SystemExit) as e:
+            main()
+        captured = capsys.readouterr()
+        assert e.value.code == 0, captured.err
+        assert "--json" in args or max(len(line) for line in captured.out.splitlines()) <= 80, captured.out
+        return captured.out
+
+    names = list(json.loads(run("show", qwen_stream.url, "5", "--json"))["tensors"])
+    assert max(map(len, names)) > 30  # long enough to wrap at 80 columns
+    shown = _first_column(run("show", qwen_stream.url, "5"))
+    assert sorted(shown) == sorted(names)  # (the header row is drawn with other lines)
+    table = run("compare", qwen_stream.url, "1", "5").split("per layer")[0]
+    assert sorted(_first_column(table)) == sorted(names)
+    for line in run("show", qwen_stream.url, "5").splitlines():  # a wrapped name breaks after a dot (or, in a part
+        cell = line.split("│")[1].strip() if line.count("│") > 2 else ""  # longer than the column, a _)
+        assert not cell or cell.endswith((".", "_")) or any(n.endswith(cell) for n in names), line
+
+    url = str(tmp_path / "stream")
+    import shutil
+
+    shutil.copytree(qwen_stream.url, url)
+    consumer = "rollout-worker-eu-west-1.gpu-node-0042.vllm-replica-7"
+    with Store(url) as store:
+        write_heartbeat(store, consumer, 9, newest_step=9, weight_version="9")
+    assert _first_column(run("status", url)) == [consumer]
+
+    listed = run("ls", url)
+    assert "0.0" in listed and " MB " in listed and "committed" in listed and "bytes" not in listed

@@ -133,7 +133,7 @@ def test_gc(stream_copy):
     assert d["delete"] == [3, 2, 1, 0] and d["dry_run"] is True
     assert d["keep"][0] == {"step": 4, "reason": "in the chain of step 7"}
     assert StreamReader(stream_copy).steps() == list(range(10))
-    r = runner.invoke(app, ["gc", stream_copy, "--keep-last", "3", "--keep-anchor-every", "100"])
+    r = runner.invoke(app, ["gc", stream_copy, "--keep-last", "3", "--keep-anchor-every", "100", "--yes"])
     assert r.exit_code == 0, r.output
     assert "deleted 3 steps" in r.output and "first anchor of steps 0.." in r.output
     assert StreamReader(stream_copy).steps() == [0, 4, 5, 6, 7, 8, 9]
@@ -152,6 +152,15 @@ def test_gc_on_a_terminal_asks_first(stream_copy, monkeypatch):
     assert StreamReader(stream_copy).steps() == [4, 5, 6, 7, 8, 9]
     r = runner.invoke(app, ["gc", stream_copy, "--keep-last", "1", "--yes"])  # --yes: not asked
     assert r.exit_code == 0 and "[y/N]" not in r.output and "deleted" in r.output, r.output
+
+
+@pytest.mark.parametrize("json_", [False, True], ids=["table", "json"])
+def test_gc_off_a_terminal_deletes_only_with_yes(stream_copy, monkeypatch, capsys, json_):
+    """(issue 31, item 8) Off a terminal (a script, a cron job, a pipe) there is nobody to ask: gc deleted without
+    being told to. Now it refuses, in one line naming --yes and --dry-run, and deletes nothing."""
+    code, _, err = run_main(monkeypatch, capsys, "gc", stream_copy, "--keep-last", "3", *(["--json"] if json_ else []))
+    assert_one_line_error(code, err, "--yes", "--dry-run", "4 steps")
+    assert StreamReader(stream_copy).steps() == list(range(10))
 
 
 def test_help_lists_the_history_commands():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from deltasync.testing.store_contract import StoreContract
 from deltasync.transports import (
     Capabilities,
     Entry,
@@ -22,7 +23,6 @@ from deltasync.transports import (
     unregister_transport,
 )
 from deltasync.transports.base import Data, check_key, read_data
-from tests.store_contract import StoreContract
 
 _STORES: dict[str, dict[str, tuple[bytes, int, float]]] = {}  # name -> key -> (bytes, version, written at)
 _LOCK = threading.Lock()

@@ -18,14 +18,35 @@ def taken_or_skipped_for_an_anchor(rows: list[dict]) -> bool:
         for i, r in enumerate(rows))
 
 
-def test_demo_is_bit_exact(tmp_path):
+def test_demo_is_bit_exact_and_prints_each_row_as_it_happens(tmp_path, monkeypatch):
+    """(issue 31, item 3) The table came only at the end: 30 to 90 seconds of silence. A step's row is printed
+    once the step is live, while the trainer goes on."""
+    from deltasync_cli import demo
+    from rollout_loader import Follower
+
     lines = []
+    followers = []
+    publish, start = demo.DeltaPublisher.publish, Follower.start
+
+    def publish_and_say(self, step, **kwargs):
+        if step == 4:  # (a busy machine's follower may lag: let it take step 0 before the trainer goes on)
+            followers[0].wait_for(0, timeout_s=60)
+        lines.append(f"(published {step})")
+        return publish(self, step, **kwargs)
+
+    monkeypatch.setattr(demo.DeltaPublisher, "publish", publish_and_say)
+    monkeypatch.setattr(Follower, "start", lambda self: followers.append(self) or start(self))
     rows = run_demo(str(tmp_path / "s"), DemoConfig(steps=6, anchor_every=4, hidden_size=128, layers=2, engine="torch"),
                     echo=lines.append)
     assert [r["kind"] for r in rows] == ["anchor", "delta", "delta", "delta", "anchor", "delta"]
     assert taken_or_skipped_for_an_anchor(rows)
     assert all(0 < r["density"] < 0.2 for r in rows if r["kind"] == "delta")
     assert lines[-1].startswith("BIT-EXACT: every step verified")
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["step", "kind", "density"])
+    table = [line.split() for line in lines[header + 1:] if line and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in table] == list(range(6)) and all(r[-1] in ("yes", "skipped") for r in table)
+    first_row = next(i for i, line in enumerate(lines) if line.split()[:2] == ["0", "anchor"])
+    assert first_row < lines.index("(published 5)"), lines  # step 0's row came while the trainer went on
 
 
 @pytest.mark.skipif(not nixl_available(), reason="needs NIXL: pip install 'deltasync[rdma]'")

@@ -95,3 +95,88 @@ def test_a_record_that_is_not_one_is_an_engine_error():
     assert can_retry(from_record({"type": "PatchError", "kind": None, "retryable": True, "message": "m"}))
     back = from_record({"type": "ConfigError", "kind": None, "retryable": True, "message": "m"})
     assert type(back) is EngineError and isinstance(back, DeltaSyncError)
+
+
+# --- what an error is about, as attributes (issue 32, item 8) ---
+
+
+def _published(url: str, steps: int) -> dict[int, dict]:
+    """A real local stream of ``steps`` steps (anchor at 0, deltas after); each step's state as published."""
+    import torch
+
+    from deltasync import DeltaPublisher
+
+    state, truth = {"w": torch.zeros(64), "b": torch.ones(8)}, {}
+    with DeltaPublisher(url, state, anchor_every=100, on_backlog="block") as pub:
+        for s in range(steps):
+            state["w"][(5 * s) % 64] += 1.0
+            pub.publish(s)
+            truth[s] = {n: t.clone() for n, t in state.items()}
+    return truth
+
+
+def test_errors_from_real_operations_say_what_they_are_about(tmp_path):
+    """A missing step, a corrupted object and a delta on the wrong base each carry the url, step, key, expected and
+    found that their message names, so that a program need not parse the message."""
+    from pathlib import Path
+
+    import torch
+
+    from deltasync import StreamReader
+    from deltasync.engine import Replica
+    from deltasync.errors import BaseStepMismatchError, StepNotFoundError
+    from deltasync.store import Store
+
+    url = str(tmp_path / "s")
+    _published(url, 3)
+    with StreamReader(url) as reader:
+        with pytest.raises(StepNotFoundError) as missing:
+            reader.manifest(7)
+        assert (missing.value.url, missing.value.step) == (url, 7)
+        assert missing.value.context() == {"url": url, "step": 7}
+
+        # a delta on the wrong base: the replica holds step 0, the delta to step 2 is based on step 1
+        with reader.open(0) as anchor:
+            replica = Replica.from_anchor(anchor, device=torch.device("cpu"))
+        with reader.open(2) as delta, pytest.raises(BaseStepMismatchError) as wrong:
+            replica.apply(delta)
+        assert (wrong.value.step, wrong.value.expected, wrong.value.found) == (2, 1, 0)
+
+        m = reader.manifest(1)
+    obj = next(Path(url).rglob(m.objects[0].object))
+    data = bytearray(obj.read_bytes())
+    data[-1] ^= 1
+    obj.write_bytes(bytes(data))
+    with Store(url) as store, pytest.raises(CorruptObjectError) as corrupt:
+        store.read_object(m)
+    e = corrupt.value
+    import hashlib
+
+    assert (e.key, e.expected, e.found) == (m.objects[0].object, m.objects[0].object_sha256,
+                                             hashlib.sha256(bytes(data)).hexdigest())
+
+
+def test_context_crosses_process_boundaries_and_pickles():
+    import pickle
+
+    from deltasync.errors import ChecksumMismatchError, error_record
+
+    error = ChecksumMismatchError("bad", url="s3://b/run", step=4, tensor="w", expected="0x01", found="0x02")
+    want = {"url": "s3://b/run", "step": 4, "tensor": "w", "expected": "0x01", "found": "0x02"}
+    assert error.context() == want
+    assert from_record(error_record(error)).context() == want
+    assert in_text(_WORKER.format(to_text(error))).context() == want
+    back = pickle.loads(pickle.dumps(error))  # a Ray actor's error
+    assert type(back) is ChecksumMismatchError and back.context() == want and str(back) == "bad"
+
+
+def test_a_hostile_records_context_is_checked_field_by_field():
+    """Another process's context: control characters shown escaped, wrong types, a step that is no step number,
+    unknown fields and values too large are left out, never raised or believed."""
+    record = {"type": "ChecksumMismatchError", "kind": "ChecksumMismatchError", "retryable": True, "message": "m",
+              "context": {"url": "s3://x\x1b]52;c;ZXZpbA==\x07", "step": -1, "tensor": ["not", "a", "name"],
+                          "expected": "e" * 5000, "found": float("nan"), "key": True, "evil": "x"}}
+    back = from_record(record)
+    assert back.context() == {"url": "s3://x\\x1b]52;c;ZXZpbA==\\x07"}
+    for context in ("not a dict", None, [1, 2], {"step": 10**13}, {"step": True}, {"step": 1.0}):
+        assert from_record({**record, "context": context}).context() == {}

@@ -133,13 +133,16 @@ def test_a_long_first_use_says_it_compiles_and_a_slow_load_says_nothing(monkeypa
     from types import SimpleNamespace
 
     monkeypatch.setattr(_kernels, "SAY_AFTER_S", 0.05)
-    monkeypatch.setattr(_kernels, "_warm", lambda unsigned: time.sleep(0.4))
-    for misses, said in ((Counter({"sig": 1}), True), (Counter(), False)):
+    monkeypatch.setattr(_kernels, "_warm_width", lambda t: time.sleep(0.1))
+    monkeypatch.setattr(_kernels, "_warm_common", lambda: None)
+    # the last: `deltasync warm` says what it does itself; it must not tell the user to run `deltasync warm`
+    for misses, explain, said in ((Counter({"sig": 1}), True, True), (Counter(), True, False),
+                                  (Counter({"sig": 1}), False, False)):
         monkeypatch.setattr(_kernels, "_warmed", set())
         monkeypatch.setattr(_kernels, "dispatchers",
                             lambda m=misses: {"k": SimpleNamespace(stats=SimpleNamespace(cache_misses=m))})
         caplog.clear()
-        _kernels.warm_kernels()
+        _kernels.warm_kernels(explain=explain)
         messages = [r.getMessage() for r in caplog.records if "compiling its CPU kernels" in r.getMessage()]
         assert bool(messages) == said, messages
         if said:
@@ -150,11 +153,70 @@ def test_a_long_first_use_says_it_compiles_and_a_slow_load_says_nothing(monkeypa
 def test_warming_for_some_widths_loads_only_those_and_each_once(monkeypatch):
     """A bf16 model's replica or engine loads the 2-byte kernels only (a first use compiles a quarter of
     them); a later call for more widths loads just the missing ones; the widthless kernels load once."""
-    calls: list[list[int]] = []
+    calls: list[int] = []
+    reported: list[int] = []
     monkeypatch.setattr(_kernels, "_warmed", set())
-    monkeypatch.setattr(_kernels, "_warm", lambda unsigned: calls.append([np.dtype(t).itemsize for t in unsigned]))
+    monkeypatch.setattr(_kernels, "_warm_width", lambda t: calls.append(np.dtype(t).itemsize))
+    monkeypatch.setattr(_kernels, "_warm_common", lambda: calls.append(0))
+    _kernels.warm_kernels({2}, on_width=lambda width, seconds: reported.append(width))
     _kernels.warm_kernels({2})
-    _kernels.warm_kernels({2})
-    _kernels.warm_kernels()
+    _kernels.warm_kernels(on_width=lambda width, seconds: reported.append(width))
     _kernels.warm_kernels({4, 8})
-    assert calls == [[2], [1, 4, 8]]
+    assert calls == reported == [2, 0, 1, 4, 8]  # (0: the kernels of no width, once)
+
+
+# --- the kernel cache survives a reinstall (issue 31, item 2) ---
+
+COMPILE_ONE = """
+import json, numpy as np
+from deltasync.format import _kernels, _kernel_cache
+_kernels.checksum_at(np.zeros(8, np.uint8), np.arange(8))
+stats = _kernels.checksum_at.stats
+print(json.dumps({"compiled": sum(stats.cache_misses.values()), "loaded": sum(stats.cache_hits.values()),
+                  "dir": _kernels.kernel_cache_dir(), "state": _kernel_cache.cache_state()}))
+"""
+
+
+def test_the_kernel_cache_survives_a_reinstall_and_never_serves_a_changed_kernel(tmp_path):
+    """``pip install './deltasync[EXTRA]'`` reinstalls the package: every file is written anew (new times) and the
+    package's own ``__pycache__`` is gone. The kernels compiled before are loaded, not compiled again: the cache is
+    a user cache folder keyed by the kernels' source. A kernel whose source changed compiles afresh. (One small
+    kernel, in a fresh interpreter each time; the README's install lines are run for real with a reinstall in
+    tests/test_install.py.)"""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    site, cache = tmp_path / "site", tmp_path / "cache"
+
+    def install() -> None:  # as pip does: the files written anew, nothing of the old copy kept
+        shutil.rmtree(site, ignore_errors=True)
+        shutil.copytree(root / "deltasync", site / "deltasync", copy_function=shutil.copyfile,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+
+    def run() -> dict:
+        env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+        env.update(PYTHONPATH=str(site), XDG_CACHE_HOME=str(cache))
+        r = subprocess.run([sys.executable, "-c", COMPILE_ONE], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    install()
+    first = run()
+    assert first["compiled"] == 1 and first["loaded"] == 0, first
+    assert first["dir"].startswith(str(cache / "deltasync" / "kernels")), first  # a user cache, not the package
+    assert first["state"]["cached_kernels"] >= 1 and first["state"]["writable"], first
+    install()  # the same version again
+    again = run()
+    assert again["compiled"] == 0 and again["loaded"] == 1, again
+    assert again["dir"] == first["dir"]
+    kernels = site / "deltasync" / "format" / "_kernels.py"
+    kernels.write_text(kernels.read_text() + "\n# a change to the kernels' source\n")
+    changed = run()
+    assert changed["compiled"] == 1 and changed["dir"] != first["dir"], changed  # never the old code
+    assert not list((site / "deltasync" / "format").glob("__pycache__/*.nb*"))  # nothing beside the package

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLIC = ["deltasync", "deltasync.engine", "deltasync.errors", "deltasync.history", "deltasync.transports",
-          "deltasync.publish", "deltasync.testing", "deltasync.integrations.transformers", "rollout_loader",
-          "rollout_loader.vllm"]
+          "deltasync.publish", "deltasync.testing", "deltasync.testing.store_contract",
+          "deltasync.integrations.transformers", "rollout_loader", "rollout_loader.vllm"]
 
 
 def _imports(folder: str) -> list[tuple[str, int, str]]:
@@ -67,3 +69,13 @@ def test_nothing_outside_the_package_imports_a_private_module(folder):
 def test_examples_use_only_public_modules():
     """What a user copies from an example must be the public API."""
     assert [i for i in _imports("examples") if i[2] not in PUBLIC] == []
+
+
+def test_the_library_and_its_testing_helpers_do_not_import_pytest():
+    """pytest is a test dependency: only the store contract (imported by test code) needs it."""
+    code = ("import sys, deltasync, deltasync.testing, deltasync.transports, deltasync.engine\n"
+            "print('pytest' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "False"

@@ -87,6 +87,7 @@ def test_a_step_turning_nan_or_inf_is_refused_naming_its_tensors_and_the_stream_
         e = caught.value
         assert isinstance(e, DeltaSyncError) and isinstance(e, ValueError) and not can_retry(e)
         assert e.step == 2 and e.tensors == ("layer.0.weight", "norm.weight")  # the model's order
+        assert e.context() == {"url": url, "step": 2, "tensor": "layer.0.weight"}
         assert "step 2" in str(e) and "'layer.0.weight', 'norm.weight'" in str(e) and "step 1" in str(e)
         assert "attn.mask" not in str(e)
         pub.flush()  # nothing of the refused step was queued, so nothing of it reaches the store
@@ -249,13 +250,15 @@ def test_a_stream_step_is_refused_after_its_end_with_every_tensor_named_and_read
 
 
 def test_the_refusal_crosses_a_process_boundary_as_itself():
-    e = NonFiniteStepError("s3://b/run: step 7: refused: ...", step=7, tensors=["w"])
+    e = NonFiniteStepError("s3://b/run: step 7: refused: ...", url="s3://b/run", step=7, tensors=["w", "v"])
+    assert e.context() == {"url": "s3://b/run", "step": 7, "tensor": "w"} and e.tensors == ("w", "v")
     back = from_record(error_record(e))
     assert type(back) is NonFiniteStepError and not can_retry(back)
+    assert back.context() == e.context() and str(back) == str(e)
     import pickle
 
     again = pickle.loads(pickle.dumps(e))
-    assert (again.step, again.tensors, str(again)) == (7, ("w",), str(e))
+    assert (again.step, again.tensors, str(again)) == (7, ("w", "v"), str(e))
 
 
 def test_trainer_sync_surfaces_the_refusal_and_sends_the_step_again_after(tmp_path, gen):

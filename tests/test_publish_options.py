@@ -74,6 +74,27 @@ def test_options_and_keywords_publish_the_same_stream(tmp_path):
     assert kinds[0] == kinds[1] == ["anchor", "delta", "delta", "anchor", "delta"]
 
 
+def test_a_publisher_takes_the_dtype_by_name_as_vllm_and_transformers_do(tmp_path):
+    """(issue 31, item 8) ``DeltaPublisher(url, model, dtype="bfloat16")``, as ``vllm.LLM(dtype="bfloat16")`` and
+    ``from_pretrained(torch_dtype="bfloat16")`` take it, publishes exactly what ``dtype=torch.bfloat16`` does."""
+    w = torch.randn(300, generator=torch.Generator().manual_seed(1))
+    urls = {name: str(tmp_path / name) for name in ("by_name", "by_dtype")}
+    with DeltaPublisher(urls["by_name"], {"w": w}, dtype="bfloat16", on_backlog="block") as a, \
+            DeltaPublisher(urls["by_dtype"], {"w": w}, dtype=torch.bfloat16, on_backlog="block") as b:
+        assert a.options.dtype == b.options.dtype == torch.bfloat16
+        for step in range(3):
+            w[step::7] += 0.25
+            a.publish(step)
+            b.publish(step)
+    for url in urls.values():
+        with StreamReader(url) as r:
+            got = r.state_dict(2)["w"]
+            assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), w.bfloat16().view(torch.int16))
+    with pytest.raises(ConfigError, match="dtype must be a torch.dtype or its name"):
+        DeltaPublisher(str(tmp_path / "bad"), {"w": w}, dtype="bf16")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_dtype_casts_master_weights_and_keeps_an_fp8_representation(tmp_path):
     """``dtype`` publishes fp32 master weights as bf16; 8-bit floats (an engine's FP8 bytes) and integers are
     published as they are: casting them would change what the engine writes."""

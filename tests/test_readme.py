@@ -45,3 +45,24 @@ def test_readme_block_runs_as_written(code, tmp_path):
     assert r.returncode == 0, f"exit {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
     ours = sorted(p.name for p in tmp.iterdir() if p.name.startswith("deltasync-"))  # (torch keeps its own caches)
     assert not ours, f"left behind in TMPDIR: {ours}"
+
+
+def test_the_store_contract_block_passes_under_pytest(tmp_path):
+    """The README's store contract block is a third party's test module: saved as its first line says and run
+    with pytest outside this repository (no conftest, no configuration), every contract test runs and passes."""
+    from deltasync.testing.store_contract import StoreContract
+
+    code = next(code for _, code in blocks(ROOT / "README.md") if "StoreContract" in code)
+    name = code.splitlines()[0].split(";")[0].removeprefix("# ")
+    assert name == "test_my_store.py"
+    (tmp_path / name).write_text(code)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=540, check=False)
+    assert r.returncode == 0, f"exit {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
+    contract = [n for n in dir(StoreContract) if n.startswith("test_")]
+    assert re.search(rf"^{len(contract) - 1} passed, 1 skipped in ", r.stdout, re.M), r.stdout[-2000:]
+    ours = sorted(p.name for p in tmp.iterdir() if p.name.startswith("deltasync-"))
+    assert not ours, f"left behind in TMPDIR: {ours}"

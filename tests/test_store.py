@@ -1,10 +1,39 @@
-"""The store contract on the backends that need no server (S3 runs it in tests/integration)."""
+"""The store contract (deltasync.testing.store_contract) on the backends that need no server (S3 runs it in
+tests/integration, a registered transport in test_custom_transport.py, an outside fsspec backend in
+examples/store_contract_fsspec.py)."""
+
+import uuid
 
 import pytest
 
 from deltasync.errors import StoreError
 from deltasync.store import Store
-from tests.store_contract import TestFileUrlStore, TestFsspecStore, TestLocalStore, TestMemoryStore  # noqa: F401
+from deltasync.testing.store_contract import StoreContract
+
+
+class TestLocalStore(StoreContract):
+    def make_url(self, tmp_path) -> str:
+        return str(tmp_path / "stream")
+
+
+class TestFileUrlStore(StoreContract):
+    def make_url(self, tmp_path) -> str:
+        return f"file://{tmp_path}/stream"
+
+
+class TestMemoryStore(StoreContract):
+    def make_url(self, tmp_path) -> str:
+        return f"memory://deltasync-test-{uuid.uuid4().hex}"
+
+
+class TestFsspecStore(StoreContract):
+    """The generic fsspec transport (fsspec.py), on a local folder behind a protocol deltasync has no module for."""
+
+    def make_url(self, tmp_path) -> str:
+        from tests.remote_cli import register, remote_url
+
+        register()
+        return remote_url(tmp_path / "stream")
 
 
 def test_unknown_protocol_names_the_url():

@@ -1,6 +1,6 @@
 """The transport registry (deltasync/transports/__init__.py) and what each built-in backend adds.
 
-The store contract (tests/store_contract.py) runs on every backend; here: which backend a URL gets, that
+The store contract (deltasync/testing/store_contract.py) runs on every backend; here: which backend a URL gets, that
 backends load lazily, that a missing package names its extra, and the memory backend's notifications.
 """
 

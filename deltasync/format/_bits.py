@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from deltasync.errors import FormatError
-from deltasync.format.documents import DtypeName
+from deltasync.format.names import DtypeName
 
 # safetensors dtype names <-> torch dtypes (docs/FORMAT.md section 2)
 DTYPES: dict[str, torch.dtype] = {

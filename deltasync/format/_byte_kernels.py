@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from deltasync.format._kernels import _jit, _ro
+from deltasync.format._kernel_cache import jit as _jit
+from deltasync.format._kernel_cache import read_only as _ro
 
 __all__ = ["gap16_decode", "gap16_encode", "shuffle_bytes", "unshuffle_bytes"]
 

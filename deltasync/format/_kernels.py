@@ -11,13 +11,20 @@ warmed with these.
 from __future__ import annotations
 
 import sys
+import time
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
+
+from deltasync.format import _byte_kernels
+from deltasync.format._kernel_cache import cache_dir
+from deltasync.format._kernel_cache import jit as _jit
+from deltasync.format._kernel_cache import pjit as _pjit
+from deltasync.format._kernel_cache import read_only as _ro
 
 
 def _shield_llvmlite() -> None:
@@ -51,10 +58,6 @@ numba's parallel kernels end in a barrier: when another process holds a core, a 
 core waits for it, and a small tensor's work is far shorter than that wait (up to 20x slower under load).
 Callers get parallelism across tensors instead (``deltasync.threads.parallel_map``)."""
 
-_jit = numba.njit(cache=True, nogil=True, boundscheck=False)
-_pjit = numba.njit(cache=True, nogil=True, boundscheck=False, parallel=True)
-
-
 def _serial_twin(fn: Callable[..., Any]) -> Any:
     """A single-threaded compilation of a ``prange`` kernel (``prange`` runs as ``range``).
 
@@ -69,17 +72,6 @@ def _serial_twin(fn: Callable[..., Any]) -> Any:
 def _pick(serial: Any, parallel: Any, size: int, want: bool | None) -> Any:
     """The parallel kernel for large work (or when asked), else the serial one."""
     return parallel if (size >= PARALLEL_MIN_ELEMENTS if want is None else want) else serial
-
-
-def _ro(a: np.ndarray) -> np.ndarray:
-    """``a`` as a read-only view. numba compiles a kernel once per writability of each array argument, and
-    inputs arrive both ways (views of immutable object bytes, writable buffers): the wrappers below hand
-    every input-only array over read-only, so each kernel compiles once per dtype instead of twice."""
-    if not a.flags.writeable:
-        return a
-    view = a.view()
-    view.flags.writeable = False
-    return view
 
 
 @_jit
@@ -430,8 +422,6 @@ def span(positions: np.ndarray) -> tuple[int, int]:
 def dispatchers() -> dict[str, Any]:
     """Every kernel of this module that Python calls, by name (what ``warm_kernels`` loads, what tests inspect);
     ``mix64``, ``element_hash`` and ``_hash_change`` are compiled into the kernels that call them."""
-    from deltasync.format import _byte_kernels  # (it imports this module's helpers)
-
     found = {**globals(), **vars(_byte_kernels)}
     return {name: obj for name, obj in found.items()
             if isinstance(obj, numba.core.registry.CPUDispatcher) and name not in _INLINED}
@@ -448,7 +438,8 @@ _COMMON = 0  # the kernels of no element width (positions)
 SAY_AFTER_S = 2.0  # a wait longer than this is explained
 
 
-def warm_kernels(itemsizes: Iterable[int] | None = None) -> None:
+def warm_kernels(itemsizes: Iterable[int] | None = None, *, explain: bool = True,
+                 on_width: Callable[[int, float], None] | None = None) -> None:
     """Compile or load from numba's disk cache every kernel signature deltasync's stages use, on tiny inputs.
 
     A kernel's first call with a new signature costs a cache load (milliseconds) or a compilation (seconds);
@@ -458,7 +449,9 @@ def warm_kernels(itemsizes: Iterable[int] | None = None) -> None:
     ``deltasync warm`` runs it ahead of time (a container image can build the cache in).
 
     ``itemsizes``: only the kernels for elements of these byte widths (a bf16 model needs 2; the others are
-    never called for it): a first use compiles a quarter of the kernels. None: every width."""
+    never called for it): a first use compiles a quarter of the kernels. None: every width. ``explain=False``:
+    no log line (a caller that says what it does itself, as ``deltasync warm`` does); ``on_width(itemsize,
+    seconds)`` is called as each width's kernels are ready (0 for the kernels of no width)."""
     want = {np.dtype(t).itemsize for t in _UNSIGNED} if itemsizes is None else set(itemsizes)
     todo = [t for t in _UNSIGNED if np.dtype(t).itemsize in want - _warmed]
     if not todo and _COMMON in _warmed:
@@ -476,52 +469,62 @@ def warm_kernels(itemsizes: Iterable[int] | None = None) -> None:
 
     timer = threading.Timer(SAY_AFTER_S, say)
     timer.daemon = True
-    timer.start()
+    if explain:
+        timer.start()
     try:
-        _warm(todo)
+        for t in todo:
+            t0 = time.perf_counter()
+            _warm_width(t)
+            _warmed.add(np.dtype(t).itemsize)
+            if on_width is not None:
+                on_width(np.dtype(t).itemsize, time.perf_counter() - t0)
+        if _COMMON not in _warmed:
+            t0 = time.perf_counter()
+            _warm_common()
+            _warmed.add(_COMMON)
+            if on_width is not None:
+                on_width(_COMMON, time.perf_counter() - t0)
     finally:
         timer.cancel()
-    _warmed.update({np.dtype(t).itemsize for t in todo} | {_COMMON})
 
 
 def kernel_cache_dir() -> str:
-    """Where numba keeps these kernels' compiled code: beside this file when that folder is writable, else a
-    user-wide cache (``NUMBA_CACHE_DIR`` chooses one)."""
-    import os
-
-    if os.environ.get("NUMBA_CACHE_DIR"):
-        return os.environ["NUMBA_CACHE_DIR"]
-    here = os.path.join(os.path.dirname(__file__), "__pycache__")
-    return here if os.access(os.path.dirname(__file__), os.W_OK) else os.path.expanduser("~/.cache/numba")
+    """Where these kernels' compiled code is kept: a user cache folder that survives reinstalling deltasync
+    (``NUMBA_CACHE_DIR`` moves it; :mod:`deltasync.format._kernel_cache`)."""
+    return str(cache_dir())
 
 
-def _warm(unsigned: Sequence[Any]) -> None:
-    from deltasync.format._byte_kernels import gap16_decode, gap16_encode, shuffle_bytes, unshuffle_bytes
-
+def _warm_width(t: Any) -> None:
+    """Every kernel signature for elements of unsigned type ``t``."""
     n = 64
     idx = np.arange(0, n, 3, dtype=np.int64)
-    for t in unsigned:  # input-only arrays go to the kernels read-only whatever they were (``_ro``)
-        u = np.zeros(n, t)
-        x = np.ones(idx.size, t)
-        words = np.zeros(n * np.dtype(t).itemsize // 8, np.uint64)
-        counts, sums = np.zeros(1, np.int64), np.zeros(1, np.uint64)
-        pos, xs = np.empty(n, np.int64), np.empty(n, t)
-        for parallel in (False, True):
-            checksum_range(u, 0, parallel=parallel)
-            # the word-aligned body (8-byte words) and the tail (elements) of a tensor
-            diff_scan(words, words.copy(), u, 8 // u.itemsize, n, 0, 1, 0, pos, xs, counts, sums, parallel=parallel)
-            diff_scan(u, u.copy(), u, 1, n, 0, 1, 0, pos, xs, counts, sums, parallel=parallel)
-            xor_at(u, idx, x, parallel=parallel)
-            xor_at_indexed(u, idx, x, idx, np.empty_like(x), parallel=parallel)
-            xor_dense(u, u.copy(), 0, parallel=parallel)
-            change_at(u, idx, x, idx, parallel=parallel)
-        checksum_at(u, idx)
-        compact(pos, xs, counts, n, pos.copy(), xs.copy())
-        xor_plain_at(u, idx, x)
-        shuffle_bytes(x)
-        unshuffle_bytes(np.zeros(n * u.itemsize, np.uint8), np.empty(n, t))
-    gap16_encode(idx)
-    gap16_decode(np.zeros(8, np.uint8), 4)
+    # input-only arrays go to the kernels read-only whatever they were (``_ro``)
+    u = np.zeros(n, t)
+    x = np.ones(idx.size, t)
+    words = np.zeros(n * np.dtype(t).itemsize // 8, np.uint64)
+    counts, sums = np.zeros(1, np.int64), np.zeros(1, np.uint64)
+    pos, xs = np.empty(n, np.int64), np.empty(n, t)
+    for parallel in (False, True):
+        checksum_range(u, 0, parallel=parallel)
+        # the word-aligned body (8-byte words) and the tail (elements) of a tensor
+        diff_scan(words, words.copy(), u, 8 // u.itemsize, n, 0, 1, 0, pos, xs, counts, sums, parallel=parallel)
+        diff_scan(u, u.copy(), u, 1, n, 0, 1, 0, pos, xs, counts, sums, parallel=parallel)
+        xor_at(u, idx, x, parallel=parallel)
+        xor_at_indexed(u, idx, x, idx, np.empty_like(x), parallel=parallel)
+        xor_dense(u, u.copy(), 0, parallel=parallel)
+        change_at(u, idx, x, idx, parallel=parallel)
+    checksum_at(u, idx)
+    compact(pos, xs, counts, n, pos.copy(), xs.copy())
+    xor_plain_at(u, idx, x)
+    _byte_kernels.shuffle_bytes(x)
+    _byte_kernels.unshuffle_bytes(np.zeros(n * u.itemsize, np.uint8), np.empty(n, t))
+
+
+def _warm_common() -> None:
+    """The kernels of no element width (positions)."""
+    idx = np.arange(0, 64, 3, dtype=np.int64)
+    _byte_kernels.gap16_encode(idx)
+    _byte_kernels.gap16_decode(np.zeros(8, np.uint8), 4)
     span(idx)
 
 

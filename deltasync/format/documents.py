@@ -19,7 +19,7 @@ import msgspec
 
 from deltasync.errors import DeltaSyncError, FormatError
 from deltasync.format import names
-from deltasync.format.names import whole
+from deltasync.format.names import DtypeName, whole
 
 T = TypeVar("T")
 
@@ -33,8 +33,6 @@ MAX_NUMEL = 1 << 42  # elements of one tensor (16 TiB of bf16): bounds every siz
 MAX_OBJECT_BYTES = 1 << 50
 
 Kind = Literal["delta", "anchor"]
-DtypeName = Literal["BOOL", "U8", "I8", "I16", "I32", "I64", "U16", "U32", "U64", "F16", "BF16", "F32", "F64",
-                    "F8_E4M3", "F8_E5M2"]
 PositionCodec = Literal["gap16", "dense", "shuffle", "zstd"]
 ValueCodec = Literal["xor", "shuffle", "zstd"]
 

@@ -9,8 +9,16 @@ value whole with ``re.fullmatch``.
 from __future__ import annotations
 
 import re
+from typing import Literal
 
-__all__ = ["CHECKSUM", "CONSUMER_ID", "FILE_NAME", "OBJECT_NAME", "PEER_NAME", "SHA256", "STREAM_ID", "check", "whole"]
+# the format's dtype names (docs/FORMAT.md section 2); here, below documents and _bits, which both use them
+DtypeName = Literal["BOOL", "U8", "I8", "I16", "I32", "I64", "U16", "U32", "U64", "F16", "BF16", "F32", "F64",
+                    "F8_E4M3", "F8_E5M2"]
+
+__all__ = [
+    "CHECKSUM", "CONSUMER_ID", "DtypeName", "FILE_NAME", "OBJECT_NAME", "PEER_NAME", "SHA256", "STREAM_ID", "check",
+    "whole",
+]
 
 SHA256 = r"[0-9a-f]{64}"
 CHECKSUM = r"0x[0-9a-f]{16}"

@@ -28,6 +28,7 @@ _HOMES = {
     "StreamStats": "deltasync.history.stats",
     "layer_density": "deltasync.history.stats",
     "plot_stats": "deltasync.history.stats",
+    "need_matplotlib": "deltasync.history.stats",
 }
 __all__ = list(_HOMES)
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)
@@ -37,5 +38,5 @@ if TYPE_CHECKING:
     from deltasync.history.gc import GcPlan, collect_garbage, plan_gc, run_gc
     from deltasync.history.push import push_checkpoint
     from deltasync.history.rebuild import ReplayResult, reconstruct_state_dict, reconstruct_tensor, replay_to_folder
-    from deltasync.history.stats import StreamStats, layer_density, plot_stats, stream_stats
+    from deltasync.history.stats import StreamStats, layer_density, need_matplotlib, plot_stats, stream_stats
     from deltasync.history.verify import VerifyReport, verify

@@ -122,6 +122,8 @@ def replay_to_folder(
     out = Path(out_dir).resolve()
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise OutputExistsError(f"{out}: already exists and is not empty (pass overwrite=True, CLI --overwrite)")
+    if sign_with is not None:
+        check_export_key(sign_with)  # before the replay's minutes, not after them
     reader = open_reader(url, storage_options)
     with Chain.open(reader, step, progress=progress) as chain:
         header = chain.header
@@ -168,15 +170,48 @@ def replay_to_folder(
 MODEL_SIGNATURE = "model.sig"
 
 
+def check_export_key(key: str | Path) -> None:
+    """Check that ``key`` can sign an export: the ``sign`` extra is installed (``MissingDependencyError``) and
+    the file is an unencrypted elliptic-curve private key in PEM (``ConfigError`` otherwise, naming what it is:
+    an Ed25519 key from a plain ``deltasync keygen`` signs steps, not exports, which OpenSSF model_signing
+    verifies with ECDSA keys only)."""
+    try:
+        import model_signing  # noqa: F401
+    except ImportError as e:
+        raise MissingDependencyError(f"signing an export needs OpenSSF model_signing ({e}): pip install "
+                                     "'deltasync[sign]'", name="model_signing") from None
+    from deltasync.signing import need_cryptography
+
+    need_cryptography("signing an export")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    try:
+        data = Path(key).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"export signing key {key} (sign_with, CLI --sign): cannot read it "
+                          f"({e.strerror or e})") from None
+    try:
+        private = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"export signing key {key} (sign_with, CLI --sign): expected an ECDSA private key in PEM "
+                          f"without a password (deltasync keygen --ecdsa), got something else ({e})") from None
+    if not isinstance(private, ec.EllipticCurvePrivateKey):
+        kind = type(private).__name__.removesuffix("PrivateKey").lstrip("_") or type(private).__name__
+        raise ConfigError(f"export signing key {key} (sign_with, CLI --sign): expected an ECDSA private key (deltasync "
+                          f"keygen --ecdsa), got an {kind} key"
+                          + (" (a plain deltasync keygen key signs steps; OpenSSF model_signing verifies exports "
+                             "signed with ECDSA keys only)" if "Ed25519" in kind else ""))
+
+
 def sign_folder(folder: Path, key: str | Path) -> Path:
     """Sign every file of ``folder`` with OpenSSF ``model_signing`` (elliptic-curve key, PEM) into
     ``folder/model.sig``, which ``model_signing verify key --signature model.sig --public_key KEY.pub FOLDER``
-    checks. Raises ``MissingDependencyError`` without the ``sign`` extra, ``ConfigError`` for a bad key."""
-    try:
-        from model_signing import signing
-    except ImportError as e:
-        raise MissingDependencyError(f"signing an export needs OpenSSF model_signing: pip install 'deltasync[sign]' "
-                                     f"({e})") from None
+    checks. Raises ``MissingDependencyError`` without the ``sign`` extra, ``ConfigError`` for a bad key
+    (:func:`check_export_key`)."""
+    check_export_key(key)
+    from model_signing import signing
+
     signature = folder / MODEL_SIGNATURE
     try:
         signing.Config().use_elliptic_key_signer(private_key=key).sign(folder, signature)

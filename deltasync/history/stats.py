@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from deltasync.errors import CorruptObjectError, StepNotFoundError
+from deltasync.errors import CorruptObjectError, MissingDependencyError, StepNotFoundError
 from deltasync.format.objects import StepHeader, parse_header
 from deltasync.history.compare import layer_of
 from deltasync.history.replay import ProgressFn, open_reader, require_steps
@@ -203,16 +203,25 @@ def _read_part_header(store: Store, manifest: Manifest, part: Part) -> StepHeade
         raise CorruptObjectError(f"{where}: missing, though the step is committed") from None
 
 
-def plot_stats(stats: StreamStats, density: LayerDensity, path: str | Path) -> Path:
-    """Draw a heat map of change density per layer over steps, and the bytes of each step, to ``path`` (PNG)."""
+def need_matplotlib() -> None:
+    """Raise ``MissingDependencyError`` (an ``ImportError`` naming the ``plot`` extra) where matplotlib is missing:
+    call it before the work whose result is to be plotted."""
     try:
-        from matplotlib import colormaps
-        from matplotlib.colors import LogNorm
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import FuncFormatter, LogLocator
+        import matplotlib  # noqa: F401
     except ImportError as e:
-        raise ImportError("plotting needs matplotlib: pip install 'deltasync[plot]'") from e
+        raise MissingDependencyError(f"plotting needs matplotlib ({e}): pip install 'deltasync[plot]'",
+                                     name="matplotlib") from None
+
+
+def plot_stats(stats: StreamStats, density: LayerDensity, path: str | Path) -> Path:
+    """Draw a heat map of change density per layer over steps, and the bytes of each step, to ``path`` (PNG).
+    Raises ``MissingDependencyError`` without matplotlib (:func:`need_matplotlib` checks ahead)."""
+    need_matplotlib()
     import numpy as np
+    from matplotlib import colormaps
+    from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     path = Path(path)
     n_layers, n_steps = len(density.layers), len(density.steps)

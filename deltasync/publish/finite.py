@@ -41,9 +41,9 @@ def refused_tensors(snapshot: Snapshot, before: Set[str] | None) -> list[str]:
     return [n for n in snapshot.tensors if n in new] if new else []
 
 
-def refusal(where: str, step: int, tensors: Sequence[str], *, last_step: int | None) -> NonFiniteStepError:
-    """The error refusing ``step`` for ``tensors``; ``where`` leads the message (the stream and the step);
-    ``last_step``: the step the publisher goes on from (None: the refused step was its first)."""
+def refusal(url: str, step: int, tensors: Sequence[str], *, last_step: int | None) -> NonFiniteStepError:
+    """The error refusing ``step`` of the stream at ``url`` for ``tensors``; ``last_step``: the step the publisher
+    goes on from (None: the refused step was its first)."""
     names = list(dict.fromkeys(tensors))  # a tensor sharded over ranks is named by each of them
     shown = ", ".join(repr(n) for n in names[:MAX_NAMED])
     more = f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else ""
@@ -57,5 +57,5 @@ def refusal(where: str, step: int, tensors: Sequence[str], *, last_step: int | N
         after = (f"the publisher still holds step {last_step}, and the next publish with good weights is its delta "
                  f"from it")
     return NonFiniteStepError(
-        f"{where}: refused: {what}. Nothing of step {step} was published; {after} (publish option "
-        f"refuse_nonfinite=False publishes such steps)", step=step, tensors=names)
+        f"{url}: step {step}: refused: {what}. Nothing of step {step} was published; {after} (publish option "
+        f"refuse_nonfinite=False publishes such steps)", url=url, step=step, tensors=names)

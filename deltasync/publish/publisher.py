@@ -370,7 +370,8 @@ class DeltaPublisher:
         opts = self.options
         cap = StreamCapture(self._snapshot, self._aliases, where=where, names=opts.names,
                             device=opts.snapshot_device, max_chunk_bytes=opts.max_chunk_bytes, dtype=opts.dtype,
-                            refuse_nonfinite=opts.refuse_nonfinite, step=step, last_step=self._last_captured)
+                            refuse_nonfinite=opts.refuse_nonfinite, url=self.store.url, step=step,
+                            last_step=self._last_captured)
         try:
             cap.run(weights)
         except BaseException as e:
@@ -576,7 +577,7 @@ class DeltaPublisher:
                                 dtype=opts.dtype, track_finite=opts.refuse_nonfinite)
             refused = refused_tensors(snapshot, None) if opts.refuse_nonfinite else []
             if refused:  # the snapshot is dropped with the step: the next capture builds it again
-                raise refusal(f"{self.store.url}: step {step}", step, refused, last_step=None)
+                raise refusal(self.store.url, step, refused, last_step=None)
             self._snapshot = snapshot
             changes: list[Patch] = []
         else:
@@ -585,7 +586,7 @@ class DeltaPublisher:
             refused = refused_tensors(self._snapshot, nonfinite) if opts.refuse_nonfinite else []
             if refused:
                 self._snapshot.undo(changes, checksums, nonfinite)  # the last published bits again
-                raise refusal(f"{self.store.url}: step {step}", step, refused,
+                raise refusal(self.store.url, step, refused,
                               last_step=self._last_captured)
         self._aliases = aliases
         self._enqueue(step, anchor=anchor, changes=changes, diffed=diffed, pin=False, t0=t0)

@@ -345,7 +345,7 @@ class ShardedWriter:
         if refused:  # refused on every rank alike: each puts its snapshot back (no rank writes anything)
             self.snapshot = take_back(self.snapshot, cap)
             first = any(g[2][1] for g in gathered)  # some rank had no step before to compare with
-            raise refusal(f"{self.store.url}: step {step}", step, refused, last_step=None if first else last_step)
+            raise refusal(self.store.url, step, refused, last_step=None if first else last_step)
         checksums = combined_checksums([g[1][2] for g in gathered], cap.shards.shapes)
         state = state_checksum(checksums)
         part, error, encode_s = self._write(cap, state)

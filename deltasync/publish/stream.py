@@ -54,13 +54,13 @@ class StreamCapture:
 
     def __init__(self, snapshot: Snapshot | None, aliases: Mapping[str, str], *, where: str,
                  names: NameMap | None, device: SnapshotDevice, max_chunk_bytes: int,
-                 dtype: torch.dtype | None, refuse_nonfinite: bool = False, step: int = 0,
+                 dtype: torch.dtype | None, refuse_nonfinite: bool = False, url: str = "", step: int = 0,
                  last_step: int | None = None) -> None:
         self.where = where
         self.names = names
         self.built = snapshot is None
         self.refuse_nonfinite = refuse_nonfinite
-        self.step, self.last_step = step, last_step  # (for the refusal's message)
+        self.url, self.step, self.last_step = url, step, last_step  # (for the refusal)
         self.snapshot: Snapshot | None = snapshot if snapshot is not None else Snapshot(
             {}, device=device, max_chunk_bytes=max_chunk_bytes, dtype=dtype, track_finite=refuse_nonfinite)
         self._expected_aliases = {} if self.built else dict(aliases)
@@ -105,7 +105,7 @@ class StreamCapture:
             if self.refuse_nonfinite:
                 refused = refused_tensors(snap, None if self.built else nonfinite)
                 if refused:
-                    raise refusal(self.where, self.step, refused, last_step=None if self.built else self.last_step)
+                    raise refusal(self.url, self.step, refused, last_step=None if self.built else self.last_step)
         except BaseException as e:
             self._fail(snap, before, nonfinite)
             if not self.stream_raised and isinstance(e, Exception):

@@ -96,7 +96,7 @@ class Replica:
         if h.base_step != self.step:
             raise BaseStepMismatchError(
                 f"{obj.where}: delta to step {h.step} is based on step {h.base_step}, but the replica holds step "
-                f"{self.step}"
+                f"{self.step}", step=h.step, expected=h.base_step, found=self.step,
             )
         check_layout(h, self.tensors, obj.where)
         unchanged = {n for n in h.tensors if not h.tensors[n].changed}
@@ -129,7 +129,8 @@ def _check(h: StepHeader, checksums: Mapping[str, int], where: str, *, names: It
         n = bad[0]
         raise ChecksumMismatchError(
             f"{where}: {len(bad)} tensor(s) do not match the trainer's checksums after step {h.step}, first {n!r}: "
-            f"expected {h.tensors[n].checksum}, got {format_checksum(checksums[n])}"
+            f"expected {h.tensors[n].checksum}, got {format_checksum(checksums[n])}",
+            step=h.step, tensor=n, expected=h.tensors[n].checksum, found=format_checksum(checksums[n]),
         )
 
 
@@ -191,7 +192,8 @@ def _write_all(items: Sequence[T], patch_of: Callable[[T], Patch], tensors: Mapp
             raise ChecksumMismatchError(
                 f"{where}: {len(bad)} tensor(s) do not match the trainer's checksums after step {step}, "
                 f"first {bad[0].name!r}: expected {format_checksum(bad[0].checksum)}, got "
-                f"{format_checksum(after[bad[0].name])}"
+                f"{format_checksum(after[bad[0].name])}", step=step, tensor=bad[0].name,
+                expected=format_checksum(bad[0].checksum), found=format_checksum(after[bad[0].name]),
             )
     except BaseException:
         for f in futures:

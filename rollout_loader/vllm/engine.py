@@ -296,7 +296,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         if h.kind == "delta" and h.base_step != self._held:
             raise BaseStepMismatchError(
                 f"{prepared.where}: delta to step {step} is based on step {h.base_step}, the engine holds step "
-                f"{self._held}"
+                f"{self._held}", step=step, expected=h.base_step, found=self._held,
             )
         staged = (prepared.staged if prepared.anchor is None
                   else state.route_patches(state.anchor_patches(prepared.anchor)))
@@ -365,7 +365,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
                 f"{where}: init_info says the engine holds step {step}, but its weights are not that step's: "
                 f"{len(bad)} of {len(want)} tensor(s) differ, first {n!r} (step {step} has 0x{want[n]:016x}, the "
                 f"engine 0x{add_checksums(*(g[n] for g in gathered)):016x}); start it from step {step}'s checkpoint "
-                f"(deltasync replay), or name no step: the first update then writes an anchor")
+                f"(deltasync replay), or name no step: the first update then writes an anchor", step=step, tensor=n,
+                expected=f"0x{want[n]:016x}", found=f"0x{add_checksums(*(g[n] for g in gathered)):016x}")
         self._held = step
         return set(want)
 
@@ -402,7 +403,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
             raise ChecksumMismatchError(
                 f"{prepared.where}: the engine's weights do not match the trainer's after step {prepared.step} "
                 f"({len(bad)} tensor(s), first {n!r}: expected {h.tensors[n].checksum}, engine has 0x{got:016x}); "
-                f"rolled back to step {self._held}"
+                f"rolled back to step {self._held}", step=prepared.step, tensor=n, expected=h.tensors[n].checksum,
+                found=f"0x{got:016x}",
             )
 
     # --- internals ---

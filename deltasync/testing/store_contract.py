@@ -1,8 +1,32 @@
-"""A conformance suite every store backend must pass: subclass ``StoreContract`` and give ``make_url``.
+"""The store contract: the conformance suite a store backend runs to prove itself, with pytest.
+
+Subclass ``StoreContract`` in a test module of your own and say where a new, empty stream lives; every
+``test_*`` method of the contract then runs against your backend (as fsspec ships ``fsspec.tests.abstract``)::
+
+    # test_my_store.py, run with: pytest test_my_store.py
+    import uuid
+
+    from deltasync.testing.store_contract import StoreContract
+
+    class TestMyStore(StoreContract):
+        storage_options = {"endpoint_url": "http://127.0.0.1:9000"}  # what Store(url, storage_options=) gets
+
+        def make_url(self, tmp_path) -> str:
+            return f"myscheme://test-bucket/{uuid.uuid4().hex}"  # a new, empty stream for each test
+
+What a subclass gives: ``make_url(tmp_path)`` (required), ``storage_options`` (a class attribute, or set on
+``self`` in an autouse fixture when they come from a fixture, e.g. a server started for the session); it may
+override the ``url`` fixture instead of ``make_url``, and ``store(url)`` to build its ``Store`` differently.
+The scheme must reach a transport: a ``register_transport`` call or a ``deltasync.transports`` entry point for
+a ``Transport`` of your own, or any fsspec protocol (deltasync's generic fsspec transport then runs).
 
 It runs through ``Store`` and the store's ``Transport`` (deltasync/transports/base.py): the primitives'
 semantics first (keys, ranges, listings, conditions), then everything a stream needs on top of them.
-Expected values are written out here, not computed by the code under test.
+Expected values are written out here, not computed by the code under test. A backend whose
+``capabilities.create_only`` is false skips the race test (its create-only write is a check then a write).
+
+This module imports pytest, which the library itself does not need: import it from test code only
+(``deltasync.testing`` does not import it).
 """
 
 from __future__ import annotations
@@ -10,10 +34,11 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from deltasync import DeltaPublisher, StreamReader
 from deltasync.errors import (
@@ -24,21 +49,44 @@ from deltasync.errors import (
 )
 from deltasync.format.documents import ManifestStats
 from deltasync.store import Manifest, Store, step_dir
-from tests.conftest import perturb, states_equal
+
+__all__ = ["StoreContract"]
 
 
 class StoreContract:
+    """Every test a store backend must pass; a subclass says where its streams live (module docstring)."""
+
     storage_options: dict = {}
 
-    def make_url(self, tmp_path) -> str:
-        raise NotImplementedError
+    def make_url(self, tmp_path: Path) -> str:
+        """The URL of a new, empty stream (each test gets its own); ``tmp_path`` is pytest's, for local ones."""
+        raise NotImplementedError(f"{type(self).__name__} must define make_url(tmp_path) or the url fixture")
 
     @pytest.fixture
-    def url(self, tmp_path) -> str:
+    def url(self, tmp_path: Path) -> str:
         return self.make_url(tmp_path)
 
-    def store(self, url) -> Store:
+    def store(self, url: str) -> Store:
+        """The ``Store`` each test opens on ``url`` (several per test: they must see one another's writes)."""
         return Store(url, storage_options=self.storage_options, retries=1, retry_base_s=0.01)
+
+    @pytest.fixture
+    def gen(self) -> torch.Generator:
+        return torch.Generator().manual_seed(1234)
+
+    @pytest.fixture
+    def small_state(self, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """A trainer's state with every shape a stream must carry: bf16 matrices, a float32 scalar, an empty
+        tensor, integers."""
+        return {
+            "embed.weight": torch.randn(300, 64, generator=gen).bfloat16(),
+            "layer.0.weight": torch.randn(64, 64, generator=gen).bfloat16(),
+            "layer.0.bias": torch.randn(64, generator=gen).bfloat16(),
+            "norm.weight": torch.ones(64).bfloat16(),
+            "scale": torch.tensor(0.5, dtype=torch.float32),
+            "empty": torch.zeros(0, 4),
+            "counts": torch.arange(10, dtype=torch.int64),
+        }
 
     def publish(self, url, state, gen, steps=4, **kw):
         truth = []
@@ -252,26 +300,31 @@ def _manifest(step: int, data: bytes) -> Manifest:
                     object_bytes=len(data), object_sha256=digest, state_checksum="0" * 64, created_unix_s=1.0)
 
 
-class TestLocalStore(StoreContract):
-    def make_url(self, tmp_path) -> str:
-        return str(tmp_path / "stream")
+def perturb(t: torch.Tensor, density: float, gen: torch.Generator, *, finite: bool = True) -> torch.Tensor:
+    """A copy of ``t`` with about ``density`` of its elements given new random bits (a training step; the tests'
+    conftest uses this one too).
+
+    ``finite``: new bits that would make a floating element NaN or ±Inf are not written (the element keeps its old
+    bits), nor those of an fp32 or fp64 element whose bf16 cast (master weights published as bf16) overflows: no
+    healthy optimizer step writes them, and a publisher refuses such a step (``refuse_nonfinite``)."""
+    out = t.clone()
+    if out.numel() == 0:
+        return out
+    flat = out.reshape(-1).view(torch.uint8).view(-1, out.element_size())
+    mask = torch.rand(flat.shape[0], generator=gen) < density
+    flat[mask] = torch.randint(0, 256, (int(mask.sum()), out.element_size()), generator=gen, dtype=torch.uint8)
+    if finite and out.is_floating_point():
+        wide = out if out.element_size() > 1 else out.to(torch.bfloat16)  # no isfinite kernel for some 8-bit floats
+        ok = torch.isfinite(wide)
+        if out.element_size() > 2:
+            ok &= torch.isfinite(out.to(torch.bfloat16))
+        out = torch.where(ok, out, t)
+    return out
 
 
-class TestFileUrlStore(StoreContract):
-    def make_url(self, tmp_path) -> str:
-        return f"file://{tmp_path}/stream"
-
-
-class TestMemoryStore(StoreContract):
-    def make_url(self, tmp_path) -> str:
-        return f"memory://deltasync-test-{uuid.uuid4().hex}"
-
-
-class TestFsspecStore(StoreContract):
-    """The generic fsspec transport (fsspec.py), on a local folder behind a protocol deltasync has no module for."""
-
-    def make_url(self, tmp_path) -> str:
-        from tests.remote_cli import register, remote_url
-
-        register()
-        return remote_url(tmp_path / "stream")
+def states_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """The same names, shapes, dtypes and bits."""
+    return a.keys() == b.keys() and all(
+        a[k].shape == b[k].shape and a[k].dtype == b[k].dtype
+        and np.array_equal(a[k].reshape(-1).view(torch.uint8).numpy(), b[k].reshape(-1).view(torch.uint8).numpy())
+        for k in a)
