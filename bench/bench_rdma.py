@@ -4,7 +4,7 @@ For each model size a trainer process publishes a bf16 model with ``DeltaPublish
 at ``--density``); this process follows and applies each step to a ``Replica`` (the state-dict consumer). The
 trainer waits for each step to be live here before the next, so every step is measured alone.
 
-- ``nixl``: the trainer publishes through ``NixlTransport.trainer`` (local store behind it); this process
+- ``nixl``: the trainer publishes with ``DeltaPublisher(..., rdma=...)`` (a local store); this process
   follows with ``RdmaConsumer``'s reader, the real path (``reader.open``: manifest, READ of the ring slot in
   pieces hashed once as they land, opened in place; then decode, apply, incremental checksums), timed stage
   by stage on that one pass. Then, on the same slot: a raw READ (``Inbox.transfer``: one READ, nothing
@@ -68,15 +68,12 @@ def trainer(address: str | None, url: str, options: dict | None, melems: float, 
     import torch
 
     from deltasync.publish.publisher import DeltaPublisher
-    from deltasync.store import Store
-    from deltasync.transports.nixl import NixlTransport
 
     state = _model(melems)
     slot = ((int(melems * 1e6) * 2 + (4 << 20)) >> 20) << 20
-    transport = (NixlTransport.trainer(url, rdma={"controller": address, "slot_bytes": slot, "slots": 2,
-                                                  "plan_wait_s": 60.0}) if address else None)
-    store = Store(url, transport=transport) if transport else Store(url, storage_options=options)
-    with DeltaPublisher(store, state, anchor_every=1000, on_backlog="block") as pub:
+    rdma = {"controller": address, "slot_bytes": slot, "slots": 2, "plan_wait_s": 60.0} if address else None
+    with DeltaPublisher(url, state, anchor_every=1000, on_backlog="block", rdma=rdma,
+                        storage_options=options) as pub:
         for s in range(steps):
             if s:
                 _step(state, s, density)
@@ -84,9 +81,6 @@ def trainer(address: str | None, url: str, options: dict | None, melems: float, 
                 pub.publish(s)
             out.put(("published", s, time.monotonic()))
             go.get(timeout=300)
-    store.close()
-    if transport:
-        transport.close()
 
 
 def _least(f: Any, n: int) -> tuple[float, Any]:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import Training, machine, parser, write_results  # noqa: E402
 from deltasync import DeltaPublisher, StreamReader
 from deltasync.store import Store, step_dir  # noqa: E402
-from rollout_loader import Follower, StateDictTarget  # noqa: E402
+from rollout_loader import Follower, PollPolicy, StateDictTarget  # noqa: E402
 from tests.integration.seaweedfs import SeaweedFS  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def run(args, server: SeaweedFS, work: Path) -> None:
     print(f"model: {numel / 1e6:.1f}M parameters; S3: SeaweedFS on loopback; machine: {machine()}")
 
     live: dict[int, float] = {}
-    follower = Follower(url, StateDictTarget(), poll_s=0.02, storage_options=opts,
+    follower = Follower(url, StateDictTarget(), policy=PollPolicy(fast_s=0.02), storage_options=opts,
                         on_step=lambda s: live.setdefault(s, time.perf_counter()))
     published: dict[int, float] = {}
     with DeltaPublisher(url, model, dtype=torch.bfloat16, anchor_every=1000, storage_options=opts) as pub:

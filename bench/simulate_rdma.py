@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deltasync.rdma.schedule import Consumer, Part, TensorInfo, TrainerRank, plan
+from deltasync.rdma.schedule import Consumer, TensorInfo, TensorSlice, TrainerRank, plan
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def predict(tensors: list[Tensor], topo: Topology, *, model: str, density: float
         for k in range(pieces):  # onto the least loaded GPU
             n, r = heapq.heappop(heap)
             a, b = t.numel * k // pieces, t.numel * (k + 1) // pieces
-            trainers[r].append(Part(t.name, a, b))
+            trainers[r].append(TensorSlice(t.name, a, b))
             heapq.heappush(heap, (n + b - a, r))
     # consumers with the same expert-parallel rank need the same tensors; one of each suffices for the maximum
     ep = topo.engine_gpus
@@ -141,7 +141,7 @@ def predict(tensors: list[Tensor], topo: Topology, *, model: str, density: float
             return density * t.numel * bytes_per_change
         return t.numel * dense_width / (1 if t.expert is not None else topo.attention_tp)
 
-    def part_bytes(p: Part, dense: bool) -> float:
+    def part_bytes(p: TensorSlice, dense: bool) -> float:
         return mode_bytes(p.name, dense) * p.numel / by_name[p.name].numel
 
     out = []

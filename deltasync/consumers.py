@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from deltasync.errors import FormatError
-from deltasync.format.documents import ConsumerPosition, check_step, encode
+from deltasync.format.documents import MAX_ERROR_CHARS, ConsumerPosition, check_step, decode, encode
 from deltasync.format.names import CONSUMER_ID, check
 from deltasync.store import Store
 
@@ -25,6 +25,21 @@ consumer's clock may run a little ahead; ten years ahead is a lie or a broken cl
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ReplicaRecord:
+    """What a replica says of itself beside its step (docs/FORMAT.md section 5f): when the step was applied (its
+    clock), how long generation paused for it, its engine's configuration key and runtime fingerprint (of
+    ``fingerprint_step``), what comparing that with a reference said, and its last error (None: none since)."""
+
+    applied_unix_s: float | None = None
+    pause_s: float | None = None
+    config_key: str | None = None
+    fingerprint: str | None = None
+    fingerprint_step: int | None = None
+    fingerprint_check: str | None = None
+    last_error: str | None = None
+
+
 @dataclass(frozen=True)
 class UnreadableHeartbeat:
     """A heartbeat file that could not be read as one: its file (``consumers/<name>``) and why."""
@@ -34,15 +49,23 @@ class UnreadableHeartbeat:
 
 
 def write_heartbeat(store: Store, consumer_id: str, step: int, *, newest_step: int | None = None,
-                    weight_version: str | None = None, errors: int | None = None) -> None:
-    """Record that ``consumer_id`` holds ``step`` (``consumers/<consumer_id>.json``), with what it saw; garbage
-    collection keeps what it needs while the heartbeat is recent, ``deltasync status`` shows it."""
+                    weight_version: str | None = None, errors: int | None = None,
+                    record: ReplicaRecord | None = None) -> None:
+    """Record that ``consumer_id`` holds ``step`` (``consumers/<consumer_id>.json``), with what it saw and, with
+    ``record``, what it says of itself; garbage collection keeps what it needs while the heartbeat is recent,
+    ``deltasync status`` shows it. A record that does not fit the document (a fingerprint that is not a SHA-256)
+    is a ``FormatError``, and nothing is written."""
+    fields = {k: v for k, v in asdict(record).items()} if record is not None else {}
+    if fields.get("last_error") is not None:
+        fields["last_error"] = str(fields["last_error"])[:MAX_ERROR_CHARS]
     position = ConsumerPosition(consumer_id=check_consumer_id(consumer_id), step=check_step(step),
                                 updated_unix_s=time.time(),
                                 newest_step=None if newest_step is None else check_step(newest_step),
                                 weight_version=None if weight_version is None else str(weight_version)[:64],
-                                errors=errors)
-    store.write_bytes(f"{CONSUMERS_DIR}/{consumer_id}.json", encode(position))
+                                errors=errors, **fields)
+    data = encode(position)
+    decode(data, ConsumerPosition, where=f"{store.url}/{CONSUMERS_DIR}/{consumer_id}.json (to be written)")
+    store.write_bytes(f"{CONSUMERS_DIR}/{consumer_id}.json", data)
 
 
 def check_consumer_id(consumer_id: str) -> str:

@@ -21,11 +21,23 @@ A step's checksum is the sum of its tensors' checksums modulo 2**64 (docs/FORMAT
 ``tensor_checksum`` for a whole tensor, ``checksum_elements`` for some of its elements (a shard's),
 ``checksum_change`` for what a write would change (before making it),
 ``add_checksums`` to combine them, ``format_checksum``/``parse_checksum`` for the manifest's hex form.
+Runtime fingerprints (``deltasync.fingerprints``): ``TensorPrint``/``RankFingerprint`` of what an engine computes
+with, ``rank_digest``/``engine_fingerprint`` to digest them, ``config_key`` of the configuration, ``read_reference``
+and ``differing`` to compare with a reference; ``ReplicaRecord`` carries them into heartbeats.
 ``parallel_map``/``submit_all`` spread work across tensors on deltasync's thread pool (or, for a pause that
 must not queue behind other work, a pool of the caller's).
 """
 
-from deltasync.consumers import check_consumer_id, read_heartbeats, write_heartbeat
+from deltasync.consumers import ReplicaRecord, check_consumer_id, read_heartbeats, write_heartbeat
+from deltasync.fingerprints import (
+    config_key,
+    differing,
+    engine_fingerprint,
+    make_reference,
+    rank_digest,
+    read_reference,
+    write_reference,
+)
 from deltasync.format._bits import DTYPES, dtype_from_name, dtype_name, int_view
 from deltasync.format._kernel_cache import cache_state as kernel_cache_state
 from deltasync.format._kernels import warm_kernels
@@ -38,7 +50,7 @@ from deltasync.format.checksum import (
     state_checksum,
     tensor_checksum,
 )
-from deltasync.format.documents import MAX_STEP
+from deltasync.format.documents import MAX_STEP, FingerprintReference, RankFingerprint, TensorPrint
 from deltasync.format.names import CONSUMER_ID
 from deltasync.format.names import check as name_matches
 from deltasync.format.objects import FORMAT_VERSION, StepHeader, StepObject, TensorHeader
@@ -53,7 +65,7 @@ from deltasync.stages.staging import Layout, StagedStep, TensorSpec, layout_of, 
 from deltasync.store import Manifest, Part
 from deltasync.threads import parallel_map, submit_all
 from deltasync.trust import TrustedKeys, check_max_age_s, check_stream_id
-from deltasync.watch import PollPolicy, StepWatch
+from deltasync.watch import FollowLoop, Polled, PollPolicy, StepWatch, retry_delay_s
 
 __all__ = [
     # decode ahead, write in place, prove it
@@ -96,6 +108,9 @@ __all__ = [
     # following a stream, as a consumer with an identity
     "StepWatch",
     "PollPolicy",
+    "FollowLoop",
+    "Polled",
+    "retry_delay_s",
     "EventFeed",
     "Notifier",
     "TrustedKeys",
@@ -117,4 +132,16 @@ __all__ = [
     "check_consumer_id",
     "write_heartbeat",
     "read_heartbeats",
+    "ReplicaRecord",
+    # runtime fingerprints (docs/FORMAT.md section 5f)
+    "TensorPrint",
+    "RankFingerprint",
+    "FingerprintReference",
+    "config_key",
+    "rank_digest",
+    "engine_fingerprint",
+    "differing",
+    "read_reference",
+    "make_reference",
+    "write_reference",
 ]

@@ -84,6 +84,13 @@ class HeldStepError(ChecksumMismatchError):
     retryable = False
 
 
+class FingerprintMismatchError(ChecksumMismatchError):
+    """An engine's runtime fingerprint (every parameter and buffer it computes with, in its own layout) is not
+    the reference one stored for its configuration and step (docs/FORMAT.md section 5f): what vLLM derived
+    after loading (a repacked, permuted or quantized weight) is wrong though the checkpoint-format checksums
+    matched. The engine undid the update, or marked itself unhealthy; the message says which."""
+
+
 class StepNotFoundError(DeltaSyncError, FileNotFoundError):
     """A step was never published, is not committed yet, or has been collected."""
 
@@ -411,6 +418,7 @@ __all__ = [
     "EngineConfigError",
     "EngineError",
     "EngineUnreachableError",
+    "FingerprintMismatchError",
     "FollowError",
     "FormatError",
     "HeldStepError",

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 from deltasync.errors import FormatError, WriterConflictError
 from deltasync.format.documents import Lease, decode, encode
+from deltasync.transports.base import Transport
 
-if TYPE_CHECKING:
-    from deltasync.store import Store
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +25,22 @@ WRITER = "writer.json"
 DEFAULT_TTL_S = 120.0
 
 
+class LeaseStore(Protocol):
+    """What the lease needs of a store (``deltasync.store.Store`` is one): where it is, its transport, its retry
+    policy and a delete. A part of the store, the lease knows no more of it than this."""
+
+    url: str
+    transport: Transport
+
+    def call(self, what: str, fn: Callable[[], T], *, landed: Callable[[], bool] | None = None) -> T: ...
+
+    def delete(self, rel: str, *, recursive: bool = False) -> None: ...
+
+
 class WriterLease:
     """The lease of one store's stream, as this process's writers hold it (``Store`` delegates here)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: LeaseStore) -> None:
         self.store = store
         self._held: dict[str, tuple[Lease, float]] = {}  # owner -> (lease as last written, its lifetime)
 

@@ -8,7 +8,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -48,13 +48,38 @@ class _CachedObject(StepObject):
         self._release()
 
 
-class _HeldObject(StepObject):
-    """A step object opened in place on bytes a transport holds for it (``read_verified``: the NIXL inbox),
-    already checked against the manifest's size and SHA-256 there. The holder's ``check`` runs again after
-    every read of the bytes, so a change under the object is refused rather than decoded; closing (or
-    dropping) the object releases the bytes."""
+class HeldBytes(Protocol):
+    """A step object's bytes held in memory by an :class:`ObjectSource`, checked against the manifest already."""
 
-    def __init__(self, held: Any, *, where: str) -> None:
+    def view(self) -> memoryview:
+        """The object's bytes, in place (no copy)."""
+
+    def check(self) -> None:
+        """Raise (a ``DeltaSyncError``) if the bytes changed since they were checked."""
+
+    def release(self) -> None:
+        """Let the source reuse the memory (called once, when the object opened on it is closed or dropped)."""
+
+
+class ObjectSource(Protocol):
+    """Where a :class:`StreamReader` asks for a step's object before the store (``objects=``): the NIXL inbox of
+    an ``RdmaConsumer``. Manifests always come from the store (they are the commit); only the object may come
+    from elsewhere, and only bytes that match the manifest's size and SHA-256 are accepted.
+    """
+
+    def held(self, step: int, *, name: str, nbytes: int, sha256: str) -> HeldBytes | None:
+        """Step ``step``'s single object ``name`` held in memory, its ``nbytes`` bytes already checked against
+        ``sha256`` (the manifest's: the only hash of these bytes, the reader opens them as they are), or None
+        (never raising: why is the source's to record) where the store must serve it."""
+
+
+class _HeldObject(StepObject):
+    """A step object opened in place on bytes an :class:`ObjectSource` holds for it (the NIXL inbox), already
+    checked against the manifest's size and SHA-256 there. The holder's ``check`` runs again after every read of
+    the bytes, so a change under the object is refused rather than decoded; closing (or dropping) the object
+    releases the bytes."""
+
+    def __init__(self, held: HeldBytes, *, where: str) -> None:
         self._held = held
         self._release = weakref.finalize(self, held.release)
         try:
@@ -103,6 +128,10 @@ class StreamReader:
     ``UntrustedKeyError`` or ``SignatureError`` names the step, and nothing of it is read. Such a reader's
     newest step (``latest_step``) is the newest a trusted key signed: a forged manifest does not exist for it,
     and a chain's signatures are accepted oldest first (``chain``).
+
+    ``objects`` (an :class:`ObjectSource`: an ``RdmaConsumer``'s NIXL inbox) is asked first for the object of a
+    single-object step this reader opens, with the manifest's size and SHA-256; where it has none, the store
+    serves it. Manifests always come from the store.
     """
 
     def __init__(
@@ -114,9 +143,11 @@ class StreamReader:
         node_cache: NodeCache | str | Path | None = None,
         memory_object_bytes: int | None = None,
         trusted_keys: Any = None,
+        objects: ObjectSource | None = None,
     ) -> None:
         # read when a reader is made (not when this module is imported): tests lower it to cover the cache path
         self.memory_object_bytes = MEMORY_OBJECT_BYTES if memory_object_bytes is None else memory_object_bytes
+        self.objects = objects
         self._manifests: OrderedDict[int, tuple[Manifest, int, SignedStep | None]] = OrderedDict()
         self._manifest_bytes = 0
         # the last few manifests and signatures as stored (a mirror copies them byte for byte without a second GET)
@@ -266,10 +297,10 @@ class StreamReader:
     def open_unhashed(self, step: int) -> StepObject | None:
         """``open(step)`` without the SHA-256 check, for a reader that hashes the object's bytes as it reads
         them (``StepObject.read_tensors_hashed``) and then calls ``store.check_sha256``: nothing read from it
-        is proven before that. None where this cannot be done (a remote store, several parts, a transport
-        that holds checked objects): then ``open``."""
+        is proven before that. None where this cannot be done (a remote store, several parts, a reader
+        with an object source, which holds checked objects): then ``open``."""
         m = self.manifest(step)
-        if getattr(self.store.transport, "read_verified", None) is not None:
+        if self.objects is not None:
             return None
         path = self.store.local_object_unhashed(m)
         return None if path is None else self._agreeing(StepObject(path, where=f"{self.url} step {step}"), m)
@@ -287,7 +318,7 @@ class StreamReader:
         return obj
 
     def _open_part(self, m: Manifest, part: Part, where: str) -> StepObject:
-        """One object of a step: held by the transport (the NIXL inbox), read in place (local), fetched into
+        """One object of a step: held by the object source (the NIXL inbox), read in place (local), fetched into
         memory (small remote deltas) or through the download cache."""
         held = self._held(m, part)
         if held is not None:
@@ -300,13 +331,12 @@ class StreamReader:
         store = self.store
         return _CachedObject(path, where=where, release=lambda: store.release_object(m, part))
 
-    def _held(self, m: Manifest, part: Part) -> Any:
-        """The object's bytes from a transport that holds checked objects in memory (``read_verified``, the
-        NIXL consumer's: hashed once as they landed, against this manifest), or None."""
-        read_verified = getattr(self.store.transport, "read_verified", None)
-        if read_verified is None or m.is_multipart:  # the ring carries single-object steps only
+    def _held(self, m: Manifest, part: Part) -> HeldBytes | None:
+        """The object's bytes from the object source (the NIXL consumer's inbox: hashed once as they landed,
+        against this manifest), or None."""
+        if self.objects is None or m.is_multipart:  # the ring carries single-object steps only
             return None
-        return read_verified(m.step, part.object, part.object_bytes, part.object_sha256)
+        return self.objects.held(m.step, name=part.object, nbytes=part.object_bytes, sha256=part.object_sha256)
 
     def fetch_bytes(self, m: Manifest) -> bytes:
         """A single-object step's object fetched into memory, checked against its manifest's size and SHA-256."""

@@ -42,6 +42,7 @@ SIGNATURE = "signature.json"
 STATEMENT_TYPE = "deltasync.step/2"  # what writers sign (docs/FORMAT.md section 5e)
 STATEMENT_TYPE_V1 = "deltasync.step/1"  # what earlier writers signed: read where that is safe
 HEAD_TYPE = "deltasync.head/1"
+FINGERPRINT_TYPE = "deltasync.fingerprint/1"  # a reference runtime fingerprint (docs/FORMAT.md section 5f)
 ENDORSEMENT_CONTEXT = b"deltasync.key-endorsement/1\n"
 MAX_SIGNATURE_BYTES = 64 << 10
 MAX_CHAIN = 8
@@ -100,6 +101,13 @@ def head_statement(stream_id: str, step: int, *, signed_unix_ms: int, closed: bo
     """A signed head (docs/FORMAT.md section 5e): at ``signed_unix_ms``, ``step`` was the stream's newest step."""
     return _canonical({"type": HEAD_TYPE, "stream_id": stream_id, "step": step, "signed_unix_ms": signed_unix_ms,
                        "closed": closed})
+
+
+def fingerprint_statement(stream_id: str, step: int, config_key: str, document_sha256: str) -> bytes:
+    """A reference fingerprint's statement (docs/FORMAT.md section 5f): the document with SHA-256
+    ``document_sha256`` is the runtime fingerprint of configuration ``config_key`` at ``step`` of the stream."""
+    return _canonical({"type": FINGERPRINT_TYPE, "stream_id": stream_id, "step": step, "config_key": config_key,
+                       "document": document_sha256})
 
 
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:

@@ -39,6 +39,7 @@ from deltasync.errors import (
 from deltasync.format.documents import Manifest, StreamInfo, decode
 from deltasync.format.names import SHA256, STREAM_ID, check
 from deltasync.signing import (
+    FINGERPRINT_TYPE,
     HEAD_TYPE,
     MAX_CHAIN,
     MAX_SIGNATURE_BYTES,
@@ -301,6 +302,21 @@ class TrustedKeys:
         with self._lock:
             self._trust(signer, list(doc.endorsements), step, where=where)
         return Head(step=step, signed_unix_s=ms / 1000.0, closed=fields["closed"], key_id=key_id(signer))
+
+    # --- reference fingerprints ---
+
+    def check_fingerprint(self, raw: bytes, *, step: int, config_key: str, document_sha256: str, where: str) -> None:
+        """A reference fingerprint's signature envelope verified (docs/FORMAT.md section 5f): signed by a key trusted
+        for ``step``, for the pinned stream, over exactly the document with SHA-256 ``document_sha256`` for
+        ``config_key`` and ``step``; ``SignatureError`` (or ``UntrustedKeyError``, ``FormatError``) otherwise."""
+        doc, text, fields = self._verified(raw, where=f"{where} signature", what="the reference fingerprint")
+        want = {"type": FINGERPRINT_TYPE, "stream_id": self.stream_id, "step": step, "config_key": config_key,
+                "document": document_sha256}
+        if fields != want:
+            raise SignatureError(f"{where}: the reference fingerprint is signed, but for other contents: the statement "
+                                 f"signed says {_diff(text, _canonical(want))}")
+        with self._lock:
+            self._trust(base64.b64decode(doc.public_key), list(doc.endorsements), step, where=where)
 
     # --- internals ---
 

@@ -28,6 +28,10 @@ older than that (and not closed), or none, raises ``StaleStreamError``.
         newest = watch.newest()          # usually one GET of latest.json
         ...
         watch.wait(watch.delay())        # or less, when a step is pushed or watch.wake is set
+
+:class:`FollowLoop` is that loop, written once: every follower, the mirror and the vLLM engine's prefetcher drive
+it, each with what it does with the newest step; it also says how failures are retried (the error class decides
+whether retrying can help: :func:`deltasync.errors.can_retry`).
 """
 
 from __future__ import annotations
@@ -39,21 +43,40 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-from deltasync.errors import ConfigError, RollbackError, StaleStreamError, StepNotFoundError
+from deltasync.errors import ConfigError, RollbackError, StaleStreamError, StepNotFoundError, can_retry
 from deltasync.format.documents import LatestHint
 from deltasync.trust import UNTRUSTED, Head, newest_trusted
 
 if TYPE_CHECKING:
+    from deltasync.format.documents import Manifest
     from deltasync.notify import Notifier
-    from deltasync.reader import StreamReader
+    from deltasync.store import Store
+    from deltasync.trust import TrustedKeys
 
 log = logging.getLogger(__name__)
 
 MAX_REFUSED = 100_000  # steps a trusted reader remembers as not existing (each refused once, then free)
 
-__all__ = ["PollPolicy", "StepWatch", "retry_delay_s"]
+__all__ = ["FollowLoop", "Polled", "PollPolicy", "StepWatch", "retry_delay_s"]
+
+
+class Watched(Protocol):
+    """What a watch reads through (``deltasync.reader.StreamReader`` is one; the reader builds watches, so the
+    watch knows it only by this): the store, the manifests as the reader trusts them, and the steps it refused."""
+
+    store: Store
+    trusted: TrustedKeys | None
+    refused: dict[int, str]
+
+    @property
+    def url(self) -> str: ...
+
+    def manifest(self, step: int, *, nearby: bool = True) -> Manifest: ...
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
 def retry_delay_s(failures: int, *, poll_s: float, max_s: float, rng: random.Random | None = None) -> float:
@@ -73,7 +96,10 @@ class PollPolicy:
     lasts until it is overdue by ``window_s`` plus a quarter of the interval. ``audit_s``: the longest time
     between listings that catch a stale hint. ``jitter``: each delay is scaled by a uniform factor in
     ``1 ± jitter``, so that followers started together spread out. ``push_poll_s``: the period while a
-    notifier is connected (steps are pushed; polls only catch a lost notification).
+    notifier is connected (steps are pushed; polls only catch a lost notification). ``retry_max_s``: the longest
+    wait after failures in a row (doubling from ``fast_s``: :func:`retry_delay_s`).
+
+    Example: ``Follower(url, target, policy=PollPolicy(fast_s=0.1, idle_max_s=5))``
     """
 
     fast_s: float = 0.25
@@ -83,9 +109,10 @@ class PollPolicy:
     audit_s: float = 600.0
     jitter: float = 0.2
     push_poll_s: float = 60.0
+    retry_max_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("fast_s", "idle_max_s", "window_s", "audit_s", "push_poll_s"):
+        for name in ("fast_s", "idle_max_s", "window_s", "audit_s", "push_poll_s", "retry_max_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value < 1e7):
                 raise ConfigError(f"PollPolicy: {name} must be a positive number of seconds, not {value!r}")
@@ -113,7 +140,7 @@ class StepWatch:
     ``wake`` (an event a pushed step sets) may be set from any thread to end a :meth:`wait` early.
     """
 
-    def __init__(self, reader: StreamReader, policy: PollPolicy | None = None, *, notifier: Notifier | None = None,
+    def __init__(self, reader: Watched, policy: PollPolicy | None = None, *, notifier: Notifier | None = None,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
                  wall: Callable[[], float] = time.time) -> None:
         self.reader = reader
@@ -315,10 +342,11 @@ class StepWatch:
         if notifier is not None and self._owns_notifier:
             notifier.close()
 
-    def retry_delay(self, failures: int, *, max_s: float) -> float:
+    def retry_delay(self, failures: int) -> float:
         """Seconds to wait after ``failures`` failed polls in a row (:func:`retry_delay_s` from ``fast_s`` up to
-        ``max_s``), at least as long as the store asked to be left alone."""
-        wait = retry_delay_s(failures, poll_s=self.policy.fast_s, max_s=max_s, rng=self._rng)
+        ``retry_max_s``), at least as long as the store asked to be left alone."""
+        p = self.policy
+        wait = retry_delay_s(failures, poll_s=p.fast_s, max_s=max(p.retry_max_s, p.fast_s), rng=self._rng)
         return max(wait, self.reader.store.throttle_s())
 
     # --- internals ---
@@ -352,3 +380,123 @@ class StepWatch:
         self._known, self._period = step, self.policy.fast_s
         self._interval = interval
         self._due = now - lag + interval if interval else None
+
+
+class Polled(Protocol[T_co]):
+    """What a :class:`FollowLoop` polls: a :class:`StepWatch` (the newest committed step), or a source that another
+    loop feeds (the vLLM engine's other ranks hear what to stage from the rank that watches the stream)."""
+
+    wake: threading.Event  # set to end a wait early (a pushed step, a stop)
+
+    def newest(self) -> T_co:
+        """What is newest now (a step, a plan)."""
+
+    def delay(self) -> float:
+        """Seconds until the next poll."""
+
+    def retry_delay(self, failures: int) -> float:
+        """Seconds to wait after ``failures`` failed turns in a row."""
+
+
+class FollowLoop(Generic[T]):
+    """The follow loop, written once: find the newest committed step (:meth:`StepWatch.newest`), act on it, and
+    wait for the next poll by the stream's cadence (at once when a step is pushed or ``source.wake`` is set).
+
+    Every consumer of a stream drives this one loop body: a follower (in its thread, or in the caller's while it
+    waits for a step), the mirror, the vLLM engine's prefetcher (on the rank that watches the stream, and on the
+    others over what that rank tells them). What differs is ``act`` and what ends the loop.
+
+    Args:
+        source: the stream's :class:`StepWatch` (its policy spaces the polls and the retries), or another
+            :class:`Polled` source.
+        act: called with the source's newest (for a watch: the newest committed step, None while the stream has
+            none), in the loop's thread. It may do nothing (the step is held already), or much (fetch and apply a
+            chain of steps).
+        on_error: hears every failure, of the poll or of ``act``, before it is retried or raised.
+        on_success: called after each turn that did not fail (a consumer that logged a failure says it recovered).
+        give_up: whether an error retrying cannot help (:func:`~deltasync.errors.can_retry`: the error class
+            decides) ends the loop, raised from :meth:`turn` and :meth:`run`. False: it is retried like any other
+            (a prefetcher, whose caller meets the error again where it is reported).
+        lock: held around each poll and ``act`` (a follower whose caller may also sync).
+        hurry_s: the longest wait while somebody waits for a step (``turn(hurry=True)``); None: no limit.
+
+    A failure is retried after :meth:`StepWatch.retry_delay`, doubling with the failures in a row (``failures``)
+    up to the policy's ``retry_max_s``; a turn that succeeds resets the count.
+
+    Example::
+
+        loop = FollowLoop(StepWatch(reader), lambda newest: log.info("newest: %s", newest))
+        loop.run(stop)                      # until stop is set; raises what retrying cannot help
+    """
+
+    def __init__(self, source: Polled[T], act: Callable[[T], object], *,
+                 on_error: Callable[[Exception], None] | None = None, on_success: Callable[[], None] | None = None,
+                 give_up: bool = True, lock: threading.Lock | None = None, hurry_s: float | None = None) -> None:
+        self.source = source
+        self.act = act
+        self.hurry_s = hurry_s
+        self.on_error = on_error
+        self.on_success = on_success
+        self.give_up = give_up
+        self.lock = lock
+        self.failures = 0  # failed turns (or failed calls reported with failed()) since the last success
+        self.poll_s = 0.0  # how long the last poll took (a prefetcher reports where the time to a staged step went)
+
+    def turn(self, *, hurry: bool = False) -> float:
+        """One pass: poll, act; returns the seconds to wait before the next (at most ``hurry_s`` with ``hurry``:
+        somebody waits for a step). Raises an error retrying cannot help (with ``give_up``)."""
+        try:
+            if self.lock is None:
+                self._poll_and_act()
+            else:
+                with self.lock:
+                    self._poll_and_act()
+        except Exception as e:
+            self.failed(e)
+            if self.give_up and not can_retry(e):
+                raise
+            return self.source.retry_delay(self.failures)
+        self.succeeded()
+        delay = self.source.delay()
+        return min(self.hurry_s, delay) if hurry and self.hurry_s is not None else delay
+
+    def _poll_and_act(self) -> None:
+        t0 = time.perf_counter()
+        newest = self.source.newest()
+        self.poll_s = time.perf_counter() - t0
+        self.act(newest)
+
+    def failed(self, error: Exception) -> None:
+        """Count a failure and report it (``on_error``): a turn's, or a call the owner made outside the loop."""
+        self.failures += 1
+        if self.on_error is not None:
+            self.on_error(error)
+
+    def succeeded(self) -> None:
+        """Reset the failure count and report the success (``on_success``)."""
+        self.failures = 0
+        if self.on_success is not None:
+            self.on_success()
+
+    def run(self, stop: threading.Event, *, until: Callable[[], bool] | None = None,
+            hurry: Callable[[], bool] | None = None) -> None:
+        """Turn until ``stop`` is set or, after a turn, ``until()`` holds; ``hurry()``: whether somebody waits for
+        a step now. Raises the first error retrying cannot help (with ``give_up``)."""
+        while not stop.is_set():
+            delay = self.turn(hurry=hurry is not None and hurry())
+            if until is not None and until():
+                return
+            self.wait(delay, stop)
+
+    def wait(self, seconds: float, stop: threading.Event | None = None) -> None:
+        """Sleep up to ``seconds``: less when a step is pushed or ``source.wake`` is set (then cleared), or (within
+        half a second) when ``stop`` is set."""
+        wake = self.source.wake
+        deadline = time.monotonic() + seconds
+        while stop is None or not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if wake.wait(left if stop is None else min(left, 0.5)):
+                wake.clear()
+                return

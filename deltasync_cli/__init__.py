@@ -21,7 +21,7 @@ import typer
 # Importing these registers the commands (stream first, so that help lists its commands first). None of them
 # imports torch or deltasync at import time: `deltasync --help` and `--version` answer at once.
 import deltasync_cli.stream  # noqa: F401
-from deltasync_cli import environment, follow, history, keys  # noqa: F401
+from deltasync_cli import environment, fingerprint, follow, history, keys  # noqa: F401
 from deltasync_cli.app import app, one_line
 
 __all__ = ["app", "main"]

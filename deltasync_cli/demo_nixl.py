@@ -1,9 +1,10 @@
 """``deltasync demo --transport nixl``: trainer, consumer and controller in separate processes (docs/RDMA.md).
 
 The trainer process trains as the store demo does and publishes every step to the store and, once committed,
-over NIXL from its ring; the consumer is a vLLM engine in multiprocess mode (its deltasync weight-transfer
-engine reads the trainer's ring) or, with the torch engine, a state dict in its own process; the controller
-runs in the CLI process. Each row checks the consumer's weights against the trainer's own checksums.
+over NIXL from its ring (the publisher's ``rdma`` option); the consumer is a vLLM engine in multiprocess mode
+(its deltasync weight-transfer engine reads the trainer's ring) or, with the torch engine, a state dict in its
+own process; the controller runs in the CLI process. Each row checks the consumer's weights against the
+trainer's own checksums.
 """
 
 from __future__ import annotations
@@ -48,29 +49,24 @@ def _train_batches(config: DemoConfig):
 def _nixl_trainer(address: str, url: str, config: DemoConfig, storage_options: dict | None, out, go) -> None:
     """The trainer process: once the consumer is up (``go``), train and publish every step to the store and,
     once committed, over NIXL; its own bf16 checksums of every step go to ``out``."""
-    from deltasync.store import Store
-    from deltasync.transports.nixl import NixlTransport
-
     try:
         model, opt, batch = _train_batches(config)
         if not go.wait(600):
             raise TimeoutError("the consumer did not start within 600 s")
         rdma = {"controller": address, "slot_bytes": 64 << 20, "plan_wait_s": 60.0}
-        with NixlTransport.trainer(url, rdma=rdma, storage_options=storage_options) as transport:
-            store = Store(url, transport=transport, storage_options=storage_options)
-            with DeltaPublisher(store, model, dtype=torch.bfloat16, anchor_every=config.anchor_every,
-                                on_backlog="block") as pub:
-                for step in range(config.steps):
-                    b = batch()
-                    model(input_ids=b[:, :-1], labels=b[:, 1:]).loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    out.put(("sum", step, state_checksum(bf16_checksums(model))))
-                    pub.publish(step)
-                    out.put(("published", step, time.monotonic()))
-                pub.flush()
-            assert transport.rdma_trainer is not None  # NixlTransport.trainer made it
-            out.put(("metrics", [m.to_dict() for m in pub.metrics], transport.rdma_trainer.stats.store_only))
+        with DeltaPublisher(url, model, dtype=torch.bfloat16, anchor_every=config.anchor_every, on_backlog="block",
+                            rdma=rdma, storage_options=storage_options) as pub:
+            for step in range(config.steps):
+                b = batch()
+                model(input_ids=b[:, :-1], labels=b[:, 1:]).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                out.put(("sum", step, state_checksum(bf16_checksums(model))))
+                pub.publish(step)
+                out.put(("published", step, time.monotonic()))
+            pub.flush()
+            store_only = pub.rdma.stats.store_only  # the ring stays up until the publisher closes
+        out.put(("metrics", [m.to_dict() for m in pub.metrics], store_only))
     except BaseException as e:
         out.put(("error", "trainer", f"{type(e).__name__}: {e}"))
         raise

@@ -53,6 +53,10 @@ def follow(
         min=0, metavar="BYTES", help="Refuse at init when the engine would keep more host memory than this (bytes) "
                                      "as host copies of checkpoint tensors (an FP8 engine fed a bf16 stream keeps its "
                                      "quantized layers' inputs).")] = None,
+    fingerprint: Annotated[Literal["after", "pause", "off"], typer.Option(
+        help="When the engine fingerprints what it computes with after an update (docs/FORMAT.md section 5f): "
+             "'after' (off the pause; a mismatch with the reference marks it unhealthy, the next update undoes the "
+             "step), 'pause' (inside it: a mismatch undoes the update) or 'off'.")] = "after",
     poll_s: Annotated[float, typer.Option(min=0.05, metavar="SECONDS",
                                      help="Seconds between polls of the store around the moment the "
                                           "next step is due (one small read each).")] = 0.25,
@@ -98,14 +102,14 @@ def follow(
     import time
 
     from deltasync.notify import EventFeed
-    from rollout_loader import Follower
+    from rollout_loader import Follower, PollPolicy
     from rollout_loader.vllm import EngineSettings, VllmTarget
 
     # the store, its options, the trusted keys (every step's signature is checked by the follower and by the
-    # server's engine) and the event feed (every rank's prefetcher hears of a step before the update asks for it)
-    # reach the engine from the follower; the rest of the engine's settings are these
+    # server's engine) and the event feed (the engine's first rank hears of a step before the update asks for it,
+    # and tells the others what to stage) reach the engine from the follower; the rest of its settings are these
     settings = EngineSettings(step=engine_step, mode=mode, verify=verify, prefetch=prefetch, rdma=_rdma_option(rdma),
-                              representation=representation, max_host_bytes=max_host_bytes)
+                              representation=representation, max_host_bytes=max_host_bytes, fingerprint=fingerprint)
     target = VllmTarget(server, settings)
     keys = _trust(trusted_key, revoked_key, stream_id, max_age_s)
     feed = EventFeed(notify) if notify is not None else None  # a bad URL: one line, exit 2
@@ -116,8 +120,9 @@ def follow(
                   f"{_lag_words(follower.status())}")
 
     try:
-        follower = Follower(url, target, poll_s=poll_s, max_poll_s=max_poll_s, on_step=report,
-                            metrics_port=metrics_port, storage_options=_storage_options(storage_option), notifier=feed,
+        policy = PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s))
+        follower = Follower(url, target, policy=policy, on_step=report, metrics_port=metrics_port,
+                            storage_options=_storage_options(storage_option), notifier=feed,
                             trusted_keys=keys, consumer_id=consumer_id)
     except BaseException:
         if feed is not None:
@@ -256,7 +261,8 @@ def mirror(
             out.print(f"events at {server.url}", markup=False)
         feed = EventFeed(notify) if notify is not None else None
         mirror_follow(src, dst, src_options=src_options, dst_options=dst_options, until=until, stop=stop,
-                      policy=PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s)), on_step=report,
+                      policy=PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s), retry_max_s=60.0),
+                      on_step=report,
                       on_error=warn, notifier=feed, events=server, trusted_keys=trust)
     except KeyboardInterrupt:
         stop.set()

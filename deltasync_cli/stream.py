@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -148,7 +148,12 @@ def status(
 ) -> None:
     """Where every consumer of a stream stands, from the heartbeats followers started with a consumer id write:
     the step each holds, how many committed steps it is behind, when it last reported (stale ones flagged),
-    its engine's weight version and error count."""
+    its engine's weight version and error count, and its replica record: when its step was applied, the pause,
+    its runtime fingerprint (of what the engine computes with) and configuration key, the comparison with a
+    reference, its last error.
+
+    Exit status 1 when replicas of one configuration at one step hold different fingerprints, or one differs from
+    its reference (docs/FORMAT.md section 5f): the report names them."""
 
     if as_json and prometheus:
         raise typer.BadParameter("--json and --prometheus are two formats of the same report: choose one")
@@ -160,38 +165,77 @@ def status(
         fleet = fleet_status(store, stale_after_s=stale_after_s)
     if as_json:
         print(json.dumps(fleet.to_dict(), indent=1))
-        return
-    if prometheus:
+    elif prometheus:
         print(prometheus_text(fleet), end="")
-        return
+    else:
+        _fleet_table(url, fleet, stale_after_s)
+    if not fleet.healthy:
+        raise typer.Exit(1)
+
+
+def _fleet_table(url: str, fleet: Any, stale_after_s: float) -> None:
+    """The fleet as a table that fits 80 columns (one short word per cell), then a line for each consumer with
+    something to explain (a clock ahead, a disagreement, a mismatch, errors): long text goes there, not in a cell."""
     newest = "no committed step" if fleet.newest_step is None else f"newest committed step {fleet.newest_step}"
     table = Table(title=shown(f"{url}: {len(fleet.consumers)} consumer(s), {newest}"))
-    cols = ("consumer", "step", "behind", "last report", "weight version", "errors", "state")
-    rows = []
+    # a replica record's columns only where some heartbeat has one (a state-dict follower's has none)
+    records = any(c.fingerprint or c.pause_s is not None for c in fleet.consumers)
+    cols = ("consumer", "step", "behind", "reported", "version", *(("pause", "fingerprint") if records else ()),
+            "state")
+    rows, notes = [], []
     for c in fleet.consumers:  # everything a heartbeat says is shown inert (docs/SECURITY.md)
+        flags = ["suspect" if c.suspect else "stale" if c.stale else "live"]
+        why = []
+        if c.suspect:
+            why.append(f"its clock is {-c.age_s:.0f} s ahead of this one")
+        if c.disagrees:
+            flags.append("disagrees")
+            why.append("its fingerprint differs from a sibling's of the same configuration and step")
+        if c.fingerprint_check == "mismatch":
+            flags.append("mismatch")
+            why.append(f"its fingerprint of step {c.fingerprint_step} differs from the reference for config "
+                       f"{inert(c.config_key)}")
+        if c.errors:
+            why.append(f"{c.errors} error(s)")
+        if c.last_error:
+            flags.append("error")
+            why.append(f"last error: {inert(c.last_error[:300])}")
+        if why:
+            notes.append(f"{inert(c.consumer_id)}: {'; '.join(why)}")
+        fingerprint = "-" if c.fingerprint is None else f"{c.fingerprint[:8]} {inert(c.fingerprint_check or '?')}"
+        record = ["-" if c.pause_s is None else f"{1e3 * c.pause_s:.1f} ms", fingerprint] if records else []
         rows.append([str(c.step), "-" if c.lag_steps is None else str(c.lag_steps),
-                     f"{c.age_s:.0f} s ago" if not c.suspect else f"{c.age_s:.0f} s (in the future)",
-                     inert(c.weight_version or "-"), "-" if c.errors is None else str(c.errors),
-                     "suspect: its time is ahead of this clock" if c.suspect else "stale" if c.stale else "live"])
+                     f"{c.age_s:.0f} s ago" if not c.suspect else "future", inert(c.weight_version or "-"), *record,
+                     ", ".join(flags)])
     ids = fit_names([c.consumer_id for c in fleet.consumers], [[c, *(r[i] for r in rows)] for i, c in
                                                                enumerate(cols[1:])])
     # the ids keep the width their lines were fitted to; a weight version (any text, from outside) folds where the
-    # terminal is too narrow for it: were it kept whole, a long one would squeeze the ids to nothing
+    # terminal is too narrow for it: kept whole, a long one would squeeze the ids to nothing
     widest = max((len(line) for i in ids for line in i.split("\n")), default=len(cols[0]))
     for col in cols:
-        table.add_column(col, justify="left" if col in ("consumer", "state") else "right", overflow="fold",
-                         no_wrap=col not in ("consumer", "weight version"),
+        table.add_column(col, justify="left" if col in ("consumer", "state", "fingerprint") else "right",
+                         overflow="fold", no_wrap=col not in ("consumer", "version", "state"),
                          min_width=max(widest, len(col)) if col == "consumer" else None)
     for consumer_id, row in zip(ids, rows, strict=True):
-        state = row[-1] if row[-1] == "live" else f"[red]{row[-1]}[/red]"
-        table.add_row(consumer_id, *row[:3], escape(row[3]), row[4], state)
+        state = escape(row[-1]) if row[-1] == "live" else f"[red]{escape(row[-1])}[/red]"
+        table.add_row(consumer_id, *row[:3], *(escape(v) for v in row[3:-1]), state)
     out.print(table)
+    for note in notes:
+        out.print(note, markup=False, soft_wrap=True)
     if fleet.stale:
         out.print(f"{len(fleet.stale)} stale: no heartbeat within {stale_after_s:g} s "
                   f"({', '.join(inert(c.consumer_id) for c in fleet.stale[:10])})", markup=False)
     for bad in fleet.unreadable:  # one line each; the fleet's other consumers are shown all the same
         out.print(f"{inert(bad.file)}: unreadable heartbeat ({inert(bad.error)}): that consumer's position is unknown",
                   markup=False, soft_wrap=True)
+    for d in fleet.disagreements:
+        groups = "; ".join(f"{f[:12]}: {', '.join(inert(i) for i in ids)}" for f, ids in d.groups.items())
+        out.print(f"replicas of configuration {inert(d.config_key)} disagree at step {d.step}: {groups} (a reference, "
+                  f"deltasync fingerprint {inert(url)} --step {d.step}, says which computes with the right bytes)",
+                  markup=False, soft_wrap=True)
+    for c in fleet.mismatched:
+        out.print(f"{inert(c.consumer_id)}: its runtime fingerprint at step {c.fingerprint_step} differs from the "
+                  "reference", markup=False, soft_wrap=True)
 
 
 @command(summary="One step: its manifest and per-tensor changes.",

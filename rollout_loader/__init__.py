@@ -1,6 +1,6 @@
 """rollout_loader: keep inference weights in lock-step with a deltasync stream.
 
-    follower = Follower(url, StateDictTarget()).start()
+    follower = Follower(url, StateDictTarget(), policy=PollPolicy(fast_s=0.25)).start()
     follower.wait_for(step)
 """
 
@@ -23,7 +23,9 @@ def _require_installed_deltasync() -> None:
 
 _require_installed_deltasync()
 
-from .follower import Follower  # noqa: E402
-from .targets import StateDictTarget, StreamTarget, Target  # noqa: E402
+from deltasync.engine import PollPolicy  # noqa: E402  (a Follower's policy=)
 
-__all__ = ["Follower", "StateDictTarget", "StreamTarget", "Target"]
+from .follower import Follower  # noqa: E402
+from .targets import StateDictTarget, Target  # noqa: E402
+
+__all__ = ["Follower", "PollPolicy", "StateDictTarget", "Target"]

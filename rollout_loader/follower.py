@@ -1,16 +1,18 @@
 """Follow a deltasync stream and keep a target (a state dict, or a vLLM engine) at the newest step.
 
-The follower fetches and verifies the next object in the background, then hands it to the target, which
-applies it all-or-nothing; a target that reads the store itself (a vLLM engine, :class:`StreamTarget`) is
-sent the step numbers of the chain instead. A failed step is retried (from the nearest anchor when the step's content
-was at fault) with exponential backoff; the target keeps its last consistent step meanwhile and ``step`` never
-names weights the target does not hold. A follower goes to the newest step by the shortest chain: when
-the newest step is an anchor it applies only that anchor, so ``on_step`` need not see every step.
+The follower finds the newest step in the background (:class:`deltasync.watch.FollowLoop`, the one follow loop)
+and tells the target to advance along the chain to it, one step at a time; the target reads what it needs from
+the follower's reader (a state dict fetches and verifies the step's object; a vLLM engine is sent the step number
+and reads the store itself) and applies it all-or-nothing. A failed step is retried (from the nearest anchor when
+the step's content was at fault) with exponential backoff; the target keeps its last consistent step meanwhile
+and ``step`` never names weights the target does not hold. A follower goes to the newest step by the shortest
+chain: when the newest step is an anchor it applies only that anchor, so ``on_step`` need not see every step.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import sys
 import threading
@@ -23,6 +25,7 @@ from typing import Any
 from deltasync import DeltaSyncError, StreamReader
 from deltasync.engine import (
     EventFeed,
+    FollowLoop,
     Notifier,
     PollPolicy,
     StepWatch,
@@ -40,7 +43,7 @@ from deltasync.errors import (
 )
 
 from .metrics import FollowerStats, FollowerStatus, MetricsServer, serve
-from .targets import StreamTarget, Target
+from .targets import Target
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +53,8 @@ class Follower:
 
     ``start()`` runs a background thread that polls the store; ``sync()`` catches up once in the caller's
     thread. A poll is one small read (``latest.json``: :class:`deltasync.watch.StepWatch`), spaced by the
-    stream's cadence: every ``poll_s`` around the moment the next step is due, backing off to ``max_poll_s``
-    while the stream is quiet (``watch.policy`` holds the rest, docs/FORMAT.md section 5c). With a
+    stream's cadence (``policy``, a :class:`~deltasync.watch.PollPolicy`): every ``fast_s`` around the moment the
+    next step is due, backing off to ``idle_max_s`` while the stream is quiet (docs/FORMAT.md section 5c). With a
     ``notifier`` (:mod:`deltasync.notify`: a mirror's ``EventFeed``, an ``RdmaConsumer``) a pushed step is
     fetched at once and polls slow to a safety net. ``on_step(step)`` is called after each step is live in the target.
     If the target is more than ``max_chain`` deltas behind, it restarts from the nearest anchor instead. With
@@ -61,7 +64,8 @@ class Follower:
     Failures: every exception is recorded in ``last_error``, with the step it happened at in
     ``last_error_step`` (None when no step was being applied, e.g. listing the store failed); both are
     cleared by the next success. The thread never dies from one failure: it retries after
-    ``deltasync.watch.retry_delay_s`` (``poll_s`` doubling up to ``max_backoff_s``), logging each distinct error once.
+    ``deltasync.watch.retry_delay_s`` (``fast_s`` doubling up to the policy's ``retry_max_s``), logging each
+    distinct error once.
     An error retrying cannot help (``deltasync.errors.can_retry``: the error class decides; e.g. a stream whose
     model changed shape, wrong credentials or settings, a missing package, a target said to hold a step it does
     not) stops it; ``wait_for`` then raises ``FollowError`` from that error, and
@@ -77,18 +81,22 @@ class Follower:
 
     ``trusted_keys`` (public key files from ``deltasync keygen``): only steps signed by one of them are applied;
     a forged, unsigned or replayed step is refused (``SignatureError``) and the target keeps its last good step.
-    A target that reads the store itself (an engine) is given the follower's store, storage options, trusted keys
-    and event feed when it connects, unless its own settings name others.
+    The target (:class:`~rollout_loader.targets.Target`) is connected to the follower's reader and event feed
+    before the first step (an engine is given the follower's store, storage options, trusted keys and feed,
+    unless its own settings name others), and again after a failure.
+
+    Example::
+
+        with Follower(url, StateDictTarget(), policy=PollPolicy(fast_s=0.1), consumer_id="rollout-0") as f:
+            f.wait_for(10)
     """
 
     def __init__(
         self,
         url: str | StreamReader,
-        target: Target | StreamTarget,
+        target: Target,
         *,
-        poll_s: float = 0.25,
-        max_poll_s: float = 10.0,
-        max_backoff_s: float = 30.0,
+        policy: PollPolicy | None = None,
         max_chain: int = 50,
         on_step: Callable[[int], None] | None = None,
         storage_options: dict[str, Any] | None = None,
@@ -107,11 +115,9 @@ class Follower:
         self.target = target
         # a target that reads the store itself listens to the same event feed (its URL), unless it names its own
         self._notify_url = notifier.url if isinstance(notifier, EventFeed) else None
-        self._connected = False  # a StreamTarget was told the stream and asked its step
-        self.poll_s = poll_s
-        self.max_backoff_s = max(max_backoff_s, poll_s)
-        self.watch = StepWatch(self.reader, PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s)),
-                               notifier=notifier)
+        self._connected = False  # the target was told the stream and asked its step
+        self.watch = StepWatch(self.reader, policy, notifier=notifier)
+        self.policy = self.watch.policy
         self.max_chain = max_chain
         self.on_step = on_step
         self.consumer_id = consumer_id if consumer_id is None else check_consumer_id(consumer_id)
@@ -122,13 +128,15 @@ class Follower:
         self._beat_due = False  # a step was applied since
         self.last_error: BaseException | None = None
         self.last_error_step: int | None = None
-        self.failures = 0  # failed attempts since the last success
         self.stopped_by: BaseException | None = None  # the permanent error that stopped the thread
         self._logged: tuple[str, str] | None = None  # the error last logged: each distinct one once
         self._at_step: int | None = None  # the step being applied
         self._from_anchor = False  # after a failure, rebuild from the nearest anchor
         self._stream_seen = False  # stream.json (or a step) was seen: an empty listing is a quiet stream
         self._sync_lock = threading.Lock()  # one sync at a time (thread and caller)
+        # the one follow loop: the newest step, then the chain to it (in the thread, or in a caller that waits)
+        self._loop = FollowLoop(self.watch, self._follow, on_error=self._failed, on_success=self._succeeded,
+                                lock=self._sync_lock, hurry_s=self.policy.fast_s)
         self._stop = threading.Event()
         self._poke = self.watch.wake  # wakes the thread: a pushed step, stop(), or a caller began to wait
         self._waiters = 0  # callers in wait_for (under _changed)
@@ -147,6 +155,11 @@ class Follower:
     @property
     def step(self) -> int | None:
         return self.target.step
+
+    @property
+    def failures(self) -> int:
+        """Failed attempts since the last success."""
+        return self._loop.failures
 
     @property
     def newest_step(self) -> int | None:
@@ -176,34 +189,40 @@ class Follower:
         """
         with self._sync_lock:
             try:
-                applied = self._sync(step)
+                applied = self._sync(self.watch.newest() if step is None else step, chosen=step is None)
             except Exception as e:
-                self._failed(e)
+                self._loop.failed(e)
                 raise
-            self._succeeded()
+            self._loop.succeeded()
             return applied
 
     def connect(self) -> int | None:
-        """Ask a target that reads the store itself (``reads_store``) which step it holds and point it at the
-        stream; returns the target's step (for any target). The first sync does this; call it first to meet an
-        engine that cannot be reached or lacks a flag (``EngineConfigError``) before following."""
-        if getattr(self.target, "reads_store", False) and not self._connected:
-            self.target.connect(self.reader, notify=self._notify_url)  # type: ignore[union-attr]
+        """Point the target at the stream (the follower's reader and event feed) and ask which step it holds;
+        returns that step. The first sync does this (again after a failure); call it first to meet an engine that
+        cannot be reached or lacks a flag (``EngineConfigError``) before following."""
+        if not self._connected:
+            self.target.connect(self.reader, notify=self._notify_url)
             self._connected = True
         return self.target.step
 
-    def _sync(self, step: int | None) -> list[int]:
+    def _follow(self, newest: int | None) -> None:
+        """The follow loop's act (under the sync lock): go to the newest step, then write a heartbeat if due."""
+        self._sync(newest, chosen=True)
+        self.heartbeat()
+
+    def _sync(self, step: int | None, *, chosen: bool) -> list[int]:
+        """Bring the target to ``step``; ``chosen``: ``step`` is the watch's newest (None: the stream has none yet),
+        not a step the caller asked for."""
         self._at_step = None
         self.connect()
-        chosen = step is None  # the watch's newest, not a step the caller asked for
-        if step is None:
-            step = self.watch.newest()
+        if chosen:
             self.stats.saw_newest(step)
             if step is None:
                 if not self._stream_seen:  # a wrong URL must not look like a quiet stream
                     self.reader.store.require_stream()
                     self._stream_seen = True
                 return []
+        assert step is not None
         if step == self.target.step:
             return []
         held = self.target.step
@@ -221,11 +240,7 @@ class Follower:
             self._at_step = s
             t0 = time.perf_counter()
             try:
-                if self._connected:  # the target fetches the step itself
-                    self.target.advance(s)  # type: ignore[union-attr]
-                else:  # an anchor that carries its delta from the step held opens as that delta
-                    with self.reader.open(s, base=self.target.step) as obj:
-                        self.target.apply(obj)  # type: ignore[union-attr]
+                self.target.advance(self.reader, s)
             except DeltaSyncError:
                 self._from_anchor = True  # the content was at fault: the next attempt starts at an anchor
                 raise
@@ -257,8 +272,13 @@ class Follower:
             return False
         try:
             seen = self.stats.status(held)
+            record_of = getattr(self.target, "record", None)  # an engine's replica record (VllmTarget.record)
+            record = record_of() if callable(record_of) else None
+            if record is not None and record.last_error is None and self.last_error is not None:
+                record = dataclasses.replace(record, last_error=f"{type(self.last_error).__name__}: {self.last_error}")
             write_heartbeat(self.reader.store, self.consumer_id, held, newest_step=seen.newest_step,
-                            weight_version=getattr(self.target, "weight_version", None), errors=seen.errors)
+                            weight_version=getattr(self.target, "weight_version", None), errors=seen.errors,
+                            record=record)
         except Exception as e:  # noqa: BLE001 - a missed heartbeat must not stop the follower
             log.warning("follower: heartbeat for step %d failed: %s", held, str(e))
             return False
@@ -266,17 +286,17 @@ class Follower:
         return True
 
     def _failed(self, e: Exception) -> None:
-        """Record a failure; log it unless it is the one logged last."""
-        self.last_error, self.last_error_step = e, self._at_step
-        self._connected = False  # a target that reads the store is asked again which step it holds
+        """Record a failure (the follow loop counted it); log it unless it is the one logged last."""
+        at_step, self._at_step = self._at_step, None  # the next failure may be the poll's, at no step
+        self.last_error, self.last_error_step = e, at_step
+        self._connected = False  # the target is asked again which step it holds
         if isinstance(e, StepNotFoundError):
             self.watch.distrust()  # a hinted step that is not there: list the manifests next time
-        self.failures += 1
         self.stats.failed()
         key = (type(e).__name__, str(e))
         if key != self._logged:
             self._logged = key
-            at = "" if self._at_step is None else f" at step {self._at_step}"
+            at = "" if at_step is None else f" at step {at_step}"
             permanent = not can_retry(e)
             what = "stopping: retrying cannot help" if permanent else "retrying"
             # text only: a log record that kept the exception would keep its frames (the reader, its
@@ -291,22 +311,21 @@ class Follower:
         if self._logged is not None:
             log.info("follower: recovered, the target holds step %s", self.target.step)
         self.last_error = self.last_error_step = None
-        self.failures = 0
         self._logged = None
 
     def wait_for(self, step: int, *, timeout_s: float = 60.0) -> int:
         """Block until the target holds ``step`` or later; returns the step it holds.
 
-        With ``start()`` the thread does the work, polling every ``poll_s`` while anyone waits; without, this
-        syncs in the caller's thread, retrying failures like the thread does. Raises ``FollowError`` (from the error)
-        once the follower stopped on a permanent error, ``WaitTimeoutError`` (from the last error, if any) at the
-        deadline.
+        With ``start()`` the thread does the work, polling every ``fast_s`` while anyone waits; without, the
+        caller's thread drives the same follow loop (polling every ``fast_s``), retrying failures like the thread.
+        Raises ``FollowError`` (from the error) once the follower stopped on a permanent error,
+        ``WaitTimeoutError`` (from the last error, if any) at the deadline.
         """
         deadline = time.monotonic() + timeout_s
         if self._thread is None:
             return self._wait_here(step, deadline, timeout_s)
         with self._changed:
-            self._waiters += 1  # someone waits for a step: the thread polls every poll_s meanwhile
+            self._waiters += 1  # someone waits for a step: the thread polls every fast_s meanwhile
             self._poke.set()
             try:
                 while not self._holds(step):
@@ -320,27 +339,21 @@ class Follower:
         return self.target.step  # type: ignore[return-value]
 
     def _wait_here(self, step: int, deadline: float, timeout_s: float) -> int:
+        """The follow loop in the caller's thread, at the fast period, until the target holds ``step``."""
         while not self._holds(step):
             self._raise_if_stopped(step)
             try:
-                latest = self.watch.newest()
-                self.stats.saw_newest(latest)
-                if latest is not None and latest >= step:
-                    self.sync(latest)
-                    continue
-                delay = min(self.poll_s, self.watch.delay())  # the caller waits: poll at the fast period
-            except Exception as e:
-                if e is not self.last_error:  # not recorded by sync (listing the store failed)
-                    self._at_step = None
-                    self._failed(e)
-                if not can_retry(e):
-                    self.stopped_by = e
-                    self._raise_if_stopped(step)
-                delay = self.watch.retry_delay(self.failures, max_s=self.max_backoff_s)
+                delay = self._loop.turn(hurry=True)
+            except Exception as e:  # retrying cannot help (recorded and logged by _failed)
+                self.stopped_by = e
+                self._raise_if_stopped(step)
+                raise  # not reached: _raise_if_stopped raised
+            if self._holds(step):
+                break
             left = deadline - time.monotonic()
             if left <= 0:
                 self._timed_out(step, timeout_s)
-            self.watch.wait(min(left, delay))  # sooner when a step is pushed
+            self._loop.wait(min(left, delay))  # sooner when a step is pushed
         return self.target.step  # type: ignore[return-value]
 
     def _holds(self, step: int) -> bool:
@@ -424,32 +437,26 @@ class Follower:
         self._poke.set()
         thread = self._thread
         if thread is not None:
-            thread.join(timeout=max(10.0, 2 * self.poll_s))
+            thread.join(timeout=max(10.0, 2 * self.policy.fast_s))
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.sync()
-                self.heartbeat()
-                # while a caller waits for a step, poll at the fast period; otherwise by the stream's cadence
-                delay = min(self.poll_s, self.watch.delay()) if self._waiters else self.watch.delay()
-            except Exception as e:  # recorded and logged by sync
-                if not can_retry(e):
-                    self.stopped_by = e
-                    with self._changed:
-                        self._changed.notify_all()
-                    return
-                delay = self.watch.retry_delay(self.failures, max_s=self.max_backoff_s)
-            except BaseException as e:  # SystemExit and the like end the thread: say why first
-                self.stopped_by = self.last_error = e
-                log.error("follower: stopped by %s", type(e).__name__)
-                with self._changed:
-                    self._changed.notify_all()
-                raise
-            self.watch.wait(delay)  # a pushed step, a stop or a new waiter ends the wait early
+        # while a caller waits for a step, poll at the fast period; otherwise by the stream's cadence. A pushed
+        # step, a stop or a new waiter ends a wait early (they set the watch's wake)
+        try:
+            self._loop.run(self._stop, hurry=lambda: self._waiters > 0)
+        except Exception as e:  # retrying cannot help: recorded and logged by _failed
+            self.stopped_by = e
+            with self._changed:
+                self._changed.notify_all()
+        except BaseException as e:  # SystemExit and the like end the thread: say why first
+            self.stopped_by = self.last_error = e
+            log.error("follower: stopped by %s", type(e).__name__)
+            with self._changed:
+                self._changed.notify_all()
+            raise
 
 
-def _last_pause_s(target: Target | StreamTarget) -> float | None:
+def _last_pause_s(target: Target) -> float | None:
     """How long an engine target stopped generating for its last step (``pauses_s``), None for one that never
     pauses (a state dict)."""
     pauses = getattr(target, "pauses_s", None)

@@ -5,6 +5,11 @@ it listed, each step it applied: bytes, seconds, pause; each failure). ``status(
 ``FollowerStatus``, whose ``lag_steps`` is the provenance figure: how many steps the weights that serve
 rollouts are behind the newest committed step.
 
+With a target that keeps a replica record (``VllmTarget.record()``: when its step was applied, its runtime
+fingerprint and configuration key, the comparison with a reference; docs/FORMAT.md section 5f) the endpoint adds
+``deltasync_follower_last_applied_unix_seconds``, ``deltasync_follower_fingerprint_info`` and
+``deltasync_follower_fingerprint_mismatch``.
+
 ``serve(source, port)`` exposes any object with a ``status()`` (a ``Follower``, or the command line's server
 follower) over HTTP in Prometheus' text format, read afresh at every scrape. It needs prometheus-client
 (``pip install 'deltasync[metrics]'``), imported only here, when a server is asked for.
@@ -114,6 +119,19 @@ _METRICS: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
+def replica_record(source: Any) -> Any:
+    """The replica record of a source's target (``VllmTarget.record()``), None where it has none or fails (a scrape
+    never fails on it)."""
+    record = getattr(getattr(source, "target", None), "record", None)
+    if not callable(record):
+        return None
+    try:
+        return record()
+    except Exception:  # noqa: BLE001 - a metric left out, never a failed scrape
+        log.warning("metrics: the target's record could not be read", exc_info=True)
+        return None
+
+
 def _number(value: float | None) -> float:
     return math.nan if value is None else float(value)
 
@@ -136,6 +154,26 @@ class _Collector:
             family = make(PREFIX + name, doc, labels=["stream"])
             family.add_metric([status.stream], _number(getattr(status, attr)))
             yield family
+        record = replica_record(self.source)
+        if record is None:
+            return
+        applied = GaugeMetricFamily(PREFIX + "last_applied_unix_seconds", "When the held step was applied (the "
+                                    "engine's clock; NaN: unknown).", labels=["stream"])
+        applied.add_metric([status.stream], _number(record.applied_unix_s))
+        yield applied
+        info = GaugeMetricFamily(PREFIX + "fingerprint_info", "The engine's runtime fingerprint (docs/FORMAT.md "
+                                 "section 5f): 1, labelled with its configuration key, step, digest and the comparison "
+                                 "with a reference.", labels=["stream", "config_key", "step", "fingerprint", "check"])
+        if record.fingerprint is not None:
+            info.add_metric([status.stream, str(record.config_key), str(record.fingerprint_step), record.fingerprint,
+                             str(record.fingerprint_check)], 1.0)
+        yield info
+        bad = GaugeMetricFamily(PREFIX + "fingerprint_mismatch", "1 when the engine's runtime fingerprint differs "
+                                "from the reference for its configuration and step (NaN: not compared).",
+                                labels=["stream"])
+        check = record.fingerprint_check
+        bad.add_metric([status.stream], 1.0 if check == "mismatch" else 0.0 if check == "match" else math.nan)
+        yield bad
 
 
 class MetricsServer:

@@ -81,7 +81,7 @@ FORGETFUL = textwrap.dedent(
     """
     import os, tempfile, torch
     from deltasync import DeltaPublisher, StreamReader
-    from rollout_loader import Follower, StateDictTarget
+    from rollout_loader import Follower, PollPolicy, StateDictTarget
 
     url = "memory://forgotten"
     pub = DeltaPublisher(url, {"w": torch.randn(64, 64)}, on_backlog="block")
@@ -89,7 +89,7 @@ FORGETFUL = textwrap.dedent(
     pub.flush()
     reader = StreamReader(url)
     obj = reader.open(0)
-    follower = Follower(url, StateDictTarget(), poll_s=0.01).start()
+    follower = Follower(url, StateDictTarget(), policy=PollPolicy(fast_s=0.01)).start()
     follower.wait_for(0, timeout_s=30)
     kept = [pub, reader, obj, follower]  # none closed: the process just ends
     print(sorted(n for n in os.listdir(tempfile.gettempdir()) if n.startswith("deltasync-")))

@@ -9,7 +9,7 @@ from deltasync import DeltaPublisher
 from deltasync.errors import CorruptObjectError, DeltaSyncError, TensorMismatchError, WaitTimeoutError
 from deltasync.store import step_dir
 from deltasync.watch import retry_delay_s
-from rollout_loader import Follower, StateDictTarget
+from rollout_loader import Follower, PollPolicy, StateDictTarget
 from rollout_loader.follower import FollowError
 from tests.conftest import states_equal
 from tests.test_publisher import train
@@ -96,7 +96,7 @@ def test_an_unexpected_error_is_recorded_with_its_step_and_retried(tmp_path, sma
     broken = threading.Event()
     broken.set()
     target = FlakyTarget(lambda s: RuntimeError(f"engine hiccup at {s}") if broken.is_set() and s == 1 else None)
-    with Follower(str(tmp_path), target, poll_s=0.01, max_backoff_s=0.05) as follower:
+    with Follower(str(tmp_path), target, policy=PollPolicy(fast_s=0.01, retry_max_s=0.05)) as follower:
         eventually(lambda: follower.last_error is not None)
         assert isinstance(follower.last_error, RuntimeError) and follower.last_error_step == 1
         eventually(lambda: follower.failures >= 3)  # retried, the thread is alive
@@ -110,12 +110,12 @@ def test_an_unexpected_error_is_recorded_with_its_step_and_retried(tmp_path, sma
 def test_wait_for_gives_up_at_its_deadline_with_the_last_error(tmp_path, small_state, gen):
     publish(str(tmp_path), small_state, gen, steps=1)
     target = FlakyTarget(lambda s: ValueError("the engine refused the weights"))
-    with Follower(str(tmp_path), target, poll_s=0.01, max_backoff_s=0.05) as follower:
+    with Follower(str(tmp_path), target, policy=PollPolicy(fast_s=0.01, retry_max_s=0.05)) as follower:
         with pytest.raises(WaitTimeoutError, match="step 0 not live .*the engine refused the weights") as e:
             follower.wait_for(0, timeout_s=0.5)
         assert isinstance(e.value.__cause__, ValueError) and follower.running
     # the same without a thread: wait_for retries in the caller's thread until its deadline
-    follower = Follower(str(tmp_path), target, poll_s=0.01, max_backoff_s=0.05)
+    follower = Follower(str(tmp_path), target, policy=PollPolicy(fast_s=0.01, retry_max_s=0.05))
     with pytest.raises(WaitTimeoutError, match="the engine refused the weights") as e:
         follower.wait_for(0, timeout_s=0.5)
     assert isinstance(e.value.__cause__, ValueError) and follower.failures >= 2
@@ -129,7 +129,7 @@ def test_a_wait_that_times_out_says_where_the_follower_thread_is_stuck(tmp_path,
     def stuck_in_the_engine(step):
         release.wait(30)  # an engine that never returns from an update
 
-    with Follower(str(tmp_path), FlakyTarget(stuck_in_the_engine), poll_s=0.01) as follower:
+    with Follower(str(tmp_path), FlakyTarget(stuck_in_the_engine), policy=PollPolicy(fast_s=0.01)) as follower:
         try:
             with pytest.raises(WaitTimeoutError, match=r"not live within 0.3s; the follower thread is in .*"
                                                        r"test_follower.py:\d+ stuck_in_the_engine < .*apply"):
@@ -142,7 +142,7 @@ def test_a_model_that_changed_shape_stops_the_follower(tmp_path, small_state, ge
     url = str(tmp_path)
     publish(url, small_state, gen, steps=2)
     target = StateDictTarget()
-    follower = Follower(url, target, poll_s=0.01).start()
+    follower = Follower(url, target, policy=PollPolicy(fast_s=0.01)).start()
     assert follower.wait_for(1, timeout_s=10) == 1
     reshaped = {n: t.reshape(-1, 1) if t.ndim == 1 and t.numel() > 1 else t for n, t in small_state.items()}
     with DeltaPublisher(url, reshaped, take_over=True) as pub:  # same names, other shapes: a new model
@@ -178,7 +178,7 @@ def test_each_distinct_error_is_logged_once(tmp_path, small_state, gen, caplog):
         return None
 
     with caplog.at_level(logging.WARNING, logger="rollout_loader.follower"):
-        with Follower(str(tmp_path), FlakyTarget(fail), poll_s=0.001, max_backoff_s=0.002) as follower:
+        with Follower(str(tmp_path), FlakyTarget(fail), policy=PollPolicy(fast_s=0.001, retry_max_s=0.002)) as follower:
             assert follower.wait_for(0, timeout_s=10) == 0
     messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(failures) == 11
@@ -202,7 +202,8 @@ def test_a_wrong_url_is_reported_not_waited_on_silently(tmp_path, small_state):
     from deltasync.errors import StreamNotFoundError, WaitTimeoutError
 
     (tmp_path / "runs" / "run-7").mkdir(parents=True)
-    follower = Follower(str(tmp_path / "runs"), StateDictTarget(), poll_s=0.01)  # the prefix is one level short
+    # the prefix is one level short
+    follower = Follower(str(tmp_path / "runs"), StateDictTarget(), policy=PollPolicy(fast_s=0.01))
     with pytest.raises(StreamNotFoundError, match="no deltasync stream at .*it holds run-7"):
         follower.sync()
     with follower:

@@ -22,7 +22,7 @@ def _doc_json_blocks() -> list[dict]:
 
 
 def test_format_doc_examples_parse():
-    header, manifest, anchor, manifest_v2, signature, statement, latest = _doc_json_blocks()
+    header, manifest, anchor, manifest_v2, signature, statement, latest, reference = _doc_json_blocks()
     header["state_checksum"] = "0" * 64
     for t in header["tensors"].values():
         t["checksum"] = t["checksum"] if len(t["checksum"]) == 18 else "0x" + "0" * 16
@@ -64,6 +64,19 @@ def test_format_doc_examples_parse():
     said = json.loads(head["statement"])
     assert said["type"] == HEAD_TYPE and list(said) == sorted(said) and said["step"] == hint.step
     assert set(said) == {"type", "stream_id", "step", "signed_unix_ms", "closed"}
+    # section 5f: a reference runtime fingerprint (its digests are placeholders there)
+    from dataclasses import fields
+
+    from deltasync.format.documents import FingerprintReference
+
+    reference["fingerprint"] = "0" * 64
+    for r in reference["ranks"]:
+        r["digest"] = "0" * 64
+        for t in r["tensors"].values():
+            t["checksum"] = "0x" + "0" * 16
+    ref = decode(json.dumps(reference), FingerprintReference, where="FORMAT.md")
+    assert set(reference) == {f.name for f in fields(FingerprintReference)}
+    assert ref.step == 12 and ref.ranks[0].tensors["model.layers.0.mlp.experts.w13_weight"].shape == [4, 128, 128]
 
 
 def _delta_file(tmp_path, small_state, gen):

@@ -184,7 +184,7 @@ def test_a_region_follows_a_mirror_by_its_events_bit_exactly(tmp_path):
         mirror.start()
         feed = EventFeed(server.url)
         target = StateDictTarget(verify="all")
-        follower = Follower(dst, target, poll_s=600.0, max_poll_s=600.0, notifier=feed)
+        follower = Follower(dst, target, policy=PollPolicy(fast_s=600.0, idle_max_s=600.0), notifier=feed)
         try:
             hints = _started_counting_hints(follower)  # its first poll: the mirror may not have copied step 0 yet
             for step in range(1, 7):
@@ -248,7 +248,8 @@ def test_a_store_that_pushes_its_changes_is_followed_by_its_feed_and_the_feed_cl
                 pub.publish(0)
                 pub.flush()
                 target = StateDictTarget()
-                with Follower(f"pushing://{url}", target, poll_s=600.0, max_poll_s=600.0) as follower:
+                slow = PollPolicy(fast_s=600.0, idle_max_s=600.0)
+                with Follower(f"pushing://{url}", target, policy=slow) as follower:
                     follower.wait_for(0, timeout_s=60)
                     assert len(feeds) == 1 and follower.watch.notifier is feeds[0]
                     _until(lambda: feeds[0].alive)
@@ -274,7 +275,7 @@ def test_a_publisher_serves_its_own_events_and_a_follower_applies_each_step_as_i
     pub.flush()
     feed = EventFeed(pub.events_url)
     target = StateDictTarget(verify="all")
-    follower = Follower(url, target, poll_s=600.0, max_poll_s=600.0, notifier=feed)
+    follower = Follower(url, target, policy=PollPolicy(fast_s=600.0, idle_max_s=600.0), notifier=feed)
     try:
         hints = _started_counting_hints(follower)
         for step in range(1, 5):

@@ -24,6 +24,8 @@ from deltasync.errors import ConfigError
     ("events", "8901", "events: expected HOST:PORT (e.g. 0.0.0.0:8901), got '8901'"),
     ("events", "host:65536", "events: expected HOST:PORT (e.g. 0.0.0.0:8901), got 'host:65536'"),
     ("events", 8901, "events: expected HOST:PORT (e.g. 0.0.0.0:8901), got 8901"),
+    ("rdma", "host:5555", "rdma: controller must be a ZMQ address such as 'tcp://host:5555', got 'host:5555'"),
+    ("rdma", 5555, "rdma: expected a controller address, a dict or RdmaOptions, got int"),
 ])
 def test_a_setting_that_makes_no_sense_is_a_config_error_naming_it_and_nothing_is_written(tmp_path, option, value,
                                                                                            message):
@@ -40,6 +42,11 @@ def test_options_from_a_config_file():
     assert PublishOptions.parse({"dtype": "bfloat16", "anchor_every": 5}) == PublishOptions(dtype=torch.bfloat16,
                                                                                             anchor_every=5)
     assert PublishOptions(dtype="torch.float16").dtype == torch.float16
+    from deltasync.rdma.options import RdmaOptions  # the RDMA offer's settings, checked without NIXL installed
+
+    assert PublishOptions.parse({"rdma": {"controller": "tcp://trainer:5555", "slots": 2}}).rdma == RdmaOptions(
+        controller="tcp://trainer:5555", slots=2)
+    assert PublishOptions(rdma="tcp://trainer:5555").rdma == RdmaOptions(controller="tcp://trainer:5555")
     with pytest.raises(ConfigError, match=r"^trainer.publish: unknown publish option\(s\) \['anchor_evry'\]"):
         PublishOptions.parse({"anchor_evry": 5}, where="trainer.publish")
     with pytest.raises(ConfigError, match="expected a mapping of publish options, got list"):

@@ -18,7 +18,7 @@ from deltasync import DeltaPublisher, StreamReader
 from deltasync.errors import ConfigError, SignatureError, UnsignedStepError, UntrustedKeyError
 from deltasync.signing import SIGNATURE, keygen
 from deltasync.trust import TrustedKeys
-from rollout_loader import Follower, StateDictTarget
+from rollout_loader import Follower, PollPolicy, StateDictTarget
 
 ROOT = Path(__file__).resolve().parent.parent
 STREAM = "run-7"  # the stream id the trainers here are told, and followers pin beside the key
@@ -138,7 +138,7 @@ def test_a_deleted_signature_or_a_signature_over_other_bytes_is_refused(signed, 
 def test_a_latest_pointing_back_never_moves_a_follower_back(signed, keys):
     stream, truth, _ = signed
     target = StateDictTarget(verify="full")
-    with Follower(str(stream), target, trusted_keys=trust(keys[1]), poll_s=0.01) as follower:
+    with Follower(str(stream), target, trusted_keys=trust(keys[1]), policy=PollPolicy(fast_s=0.01)) as follower:
         follower.wait_for(5, timeout_s=30)
         (stream / "latest.json").write_text(json.dumps({"step": 1}))  # validly signed step 1, older
         follower.watch.distrust()

@@ -1,8 +1,10 @@
-"""The NIXL transport end to end: a real DeltaPublisher, a controller, a state-dict consumer, real processes.
+"""The NIXL fast path end to end: a real DeltaPublisher with ``rdma=`` (the RDMA offer, a sink of its commit
+announcement), a controller, a state-dict consumer (``RdmaConsumer``: a notifier and the object source its
+reader asks first), real processes.
 
 What the consumer holds is compared with the trainer's own tensors through SHA-256 of their raw bytes,
-computed on each side independently of deltasync (never with its checksums). Faults the transport adds to
-those of tests/test_rdma_ring.py: a ring that misses a step (an object larger than a slot) falls back to the
+computed on each side independently of deltasync (never with its checksums). Faults the publisher's hook adds
+to those of tests/test_rdma_ring.py: a ring that misses a step (an object larger than a slot) falls back to the
 store; a failing RDMA path, or no controller at all, never costs a commit.
 """
 
@@ -53,15 +55,17 @@ def _digests(state: dict[str, Any]) -> dict[str, str]:
     return {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for n, t in state.items()}
 
 
-def _publish(url: str, transport: Any, out: Any | None) -> dict[int, dict[str, str]]:
+def _publish(url: str, rdma: dict[str, Any], out: Any | None,
+             wait: Any = None) -> tuple[dict[int, dict[str, str]], Any]:
+    """Publish STEPS with the RDMA offer on; the truth of every step and the offer's stats (after ``wait``: the
+    ring stays up until the consumer is done, a slow consumer would read the store)."""
     import torch
 
     from deltasync.publish.publisher import DeltaPublisher
-    from deltasync.store import Store
 
     state = _model()
     truth = {}
-    with DeltaPublisher(Store(url, transport=transport), state, anchor_every=1000, on_backlog="block") as pub:
+    with DeltaPublisher(url, state, anchor_every=1000, on_backlog="block", rdma=rdma) as pub:
         for step in STEPS:
             if step > 1:
                 _train_step(state, step)
@@ -71,19 +75,18 @@ def _publish(url: str, transport: Any, out: Any | None) -> dict[int, dict[str, s
             if out is not None:
                 out.put(("truth", (step, truth[step])))
             time.sleep(0.05)
-    return truth
+        pub.flush()
+        stats = pub.rdma.stats
+        if wait is not None:
+            wait()
+    return truth, stats
 
 
 def trainer_peer(address: str, url: str, opts: dict[str, Any], stop: Any, out: Any) -> None:
-    from deltasync.transports.nixl import NixlTransport
-
     rdma = {"secret": SECRET, "controller": address, "slot_bytes": opts.get("slot_bytes", 1 << 20),
             "chunk_bytes": 16 << 10,
             "plan_wait_s": 30.0, "ack_deadline_s": 5.0}
-    with NixlTransport.trainer(url, rdma=rdma) as transport:
-        _publish(url, transport, out)
-        stats = transport.rdma_trainer.stats
-        stop.wait(60)  # the ring stays up until the consumer is done (a slow consumer would read the store)
+    _, stats = _publish(url, rdma, out, wait=lambda: stop.wait(60))
     out.put(("trainer", {"announced": stats.announced, "store_only": [s for s, _ in stats.store_only]}))
 
 
@@ -219,18 +222,15 @@ def test_every_step_commits_when_the_rdma_path_fails(tmp_path, monkeypatch):
     from deltasync.errors import RdmaError
     from deltasync.rdma.controller import Controller
     from deltasync.rdma.outbox import Outbox
-    from deltasync.transports.nixl import NixlTransport
 
     def broken(self: Any, step: int, data: Any, **kw: Any) -> Any:
         raise RdmaError("the NIC is gone")
 
     monkeypatch.setattr(Outbox, "offer", broken)
     url = str(tmp_path / "store")
-    with Controller(trainers=1, consumers=0, secret=SECRET) as controller, NixlTransport.trainer(
-            url, rdma={"secret": SECRET, "controller": controller.address, "slot_bytes": 1 << 20,
-                       "plan_wait_s": 10.0}) as transport:
-        truth = _publish(url, transport, None)
-        stats = transport.rdma_trainer.stats
+    with Controller(trainers=1, consumers=0, secret=SECRET) as controller:
+        truth, stats = _publish(url, {"secret": SECRET, "controller": controller.address, "slot_bytes": 1 << 20,
+                                      "plan_wait_s": 10.0}, None)
     assert stats.announced == [] and [s for s, _ in stats.store_only] == STEPS
     assert all("the NIC is gone" in why for _, why in stats.store_only)
     _store_holds_truth(url, truth)
@@ -240,42 +240,75 @@ def test_every_step_commits_without_a_controller(tmp_path):
     """Nobody listens at the controller's address: no plan ever comes, every step goes through the store."""
     import socket
 
-    from deltasync.transports.nixl import NixlTransport
-
     with socket.socket() as s:  # a port nobody serves
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = str(tmp_path / "store")
-    with NixlTransport.trainer(url,
-                               rdma={"secret": SECRET, "controller": f"tcp://127.0.0.1:{port}", "slot_bytes": 1 << 20,
-                                          "plan_wait_s": 0.2}) as transport:
-        truth = _publish(url, transport, None)
-        stats = transport.rdma_trainer.stats
+    truth, stats = _publish(url, {"secret": SECRET, "controller": f"tcp://127.0.0.1:{port}", "slot_bytes": 1 << 20,
+                                  "plan_wait_s": 0.2}, None)
     assert stats.announced == [] and [s for s, _ in stats.store_only] == STEPS
     _store_holds_truth(url, truth)
 
 
 def test_only_a_reader_holding_the_manifest_asks_the_ring(tmp_path):
-    """``get`` of a step object is the store's: a sharded step's part (never offered over RDMA) or a reader
-    without the manifest never waits for an announcement (issue 19, item 4)."""
-    from deltasync.transports import open_transport
-    from deltasync.transports.nixl import NixlTransport
+    """A step object read through the store (a sharded step's part, never offered over RDMA, or by a reader
+    without the manifest) never asks the ring, so never waits for an announcement (issue 19, item 4): the ring is
+    the reader's object source, and the store knows nothing of it."""
+    from deltasync.reader import StreamReader
+    from deltasync.store import Store
 
     class Ring:  # stands beside the real ring of the tests above: records whether it was asked at all
         id, arrived, asked = "c0", {}, []
 
-        def read(self, step: int) -> bytes:
+        def held(self, step: int, **kw: Any) -> Any:
             self.asked.append(step)
             time.sleep(30)  # what an announcement that never comes costs
             raise AssertionError("unreachable")
 
-        lease = read
-
     ring = Ring()
-    transport = NixlTransport(open_transport(str(tmp_path)), consumer=ring)
-    for key in ("steps/000000000003/rank-00001-of-00004.safetensors", "steps/000000000004/delta.safetensors"):
-        transport.backing.put(key, b"part bytes")
-        assert transport.get(key) == b"part bytes"
-        transport.get_file(key, tmp_path / "copy")
-        assert (tmp_path / "copy").read_bytes() == b"part bytes"
+    with Store(str(tmp_path)) as store:
+        transport = StreamReader(store, objects=ring).store.transport
+        for key in ("steps/000000000003/rank-00001-of-00004.safetensors", "steps/000000000004/delta.safetensors"):
+            transport.put(key, b"part bytes")
+            assert transport.get(key) == b"part bytes"
+            transport.get_file(key, tmp_path / "copy")
+            assert (tmp_path / "copy").read_bytes() == b"part bytes"
     assert ring.asked == [] and ring.arrived == {}
+
+
+def test_a_reader_asks_its_object_source_first_with_the_manifest_then_the_store(tmp_path):
+    """``StreamReader(objects=...)`` asks the source once per single-object step it opens, with the manifest's
+    name, size and SHA-256 (read independently here from the stored manifest); a source that has nothing sends
+    the read to the store, which serves the same bytes."""
+    import json
+
+    import torch
+
+    from deltasync.publish.publisher import DeltaPublisher
+    from deltasync.reader import StreamReader
+
+    url = str(tmp_path / "store")
+    state = _model()
+    with DeltaPublisher(url, state, anchor_every=1000) as pub:
+        for step in STEPS[:3]:
+            if step > 1:
+                _train_step(state, step)
+            with torch.no_grad():
+                pub.publish(step)
+    truth = _digests(state)
+
+    class Empty:  # a ring that missed every step
+        asked: list[tuple[int, dict[str, Any]]] = []
+
+        def held(self, step: int, **kw: Any) -> None:
+            self.asked.append((step, kw))
+            return None
+
+    source = Empty()
+    with StreamReader(url, objects=source) as reader:
+        assert _digests(reader.state_dict(STEPS[2])) == truth
+    expected = []
+    for step in STEPS[:3]:
+        doc = json.loads((tmp_path / "store" / "steps" / f"{step:012d}" / "manifest.json").read_text())
+        expected.append((step, {"name": doc["object"], "nbytes": doc["object_bytes"], "sha256": doc["object_sha256"]}))
+    assert source.asked == expected

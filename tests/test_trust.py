@@ -27,7 +27,7 @@ from deltasync.history.rebuild import replay_to_folder
 from deltasync.history.verify import verify
 from deltasync.signing import SIGNATURE, keygen
 from deltasync.trust import TrustedKeys
-from rollout_loader import Follower, StateDictTarget
+from rollout_loader import Follower, PollPolicy, StateDictTarget
 from tests.test_signing import STREAM, _publish, _same, _state, _step_dir, trust
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,7 +191,8 @@ def test_a_forged_manifest_far_ahead_stops_no_follower_and_no_publisher(tmp_path
     state = _state()
     truth = _publish(str(stream), keys[0], range(4), state, anchor_every=100)
     _forge(stream, 10**12 - 1, like=3)
-    with Follower(str(stream), StateDictTarget(verify="full"), trusted_keys=trust(keys[1]), poll_s=0.01) as follower:
+    with Follower(str(stream), StateDictTarget(verify="full"), trusted_keys=trust(keys[1]),
+                  policy=PollPolicy(fast_s=0.01)) as follower:
         assert follower.wait_for(3, timeout_s=60) == 3 and follower.newest_step == 3
         # the trainer restarts: it resumes after its own newest step, publishes on, announces only its own steps
         heard: list[int] = []
@@ -301,7 +302,8 @@ def test_a_leaked_retired_key_cannot_sign_past_the_rotation(tmp_path, keys, cli)
     new = keygen(tmp_path / "next.key", endorsed_by=keys[0], from_step=4)
     truth |= _publish(str(stream), new[0], range(4, 8), state)
     _leaked_delta(stream, tmp_path, 8, keys[0], state)
-    with Follower(str(stream), StateDictTarget(verify="full"), trusted_keys=trust(keys[1]), poll_s=0.01) as follower:
+    with Follower(str(stream), StateDictTarget(verify="full"), trusted_keys=trust(keys[1]),
+                  policy=PollPolicy(fast_s=0.01)) as follower:
         assert follower.wait_for(7, timeout_s=60) == 7
         assert _same(follower.target.state_dict(), truth[7])  # type: ignore[union-attr]
     with StreamReader(str(stream), trusted_keys=trust(keys[1])) as reader:

@@ -27,7 +27,7 @@ from deltasync.errors import (
     can_retry,
     to_text,
 )
-from rollout_loader import Follower
+from rollout_loader import Follower, PollPolicy
 from rollout_loader.vllm import EngineSettings, HttpWeightTransfer, LocalWeightTransfer, VllmTarget
 from tests.http_server import serving
 from tests.test_cli_errors import closed_port
@@ -225,7 +225,7 @@ def test_a_follower_retries_a_failed_step_and_asks_the_server_again(tmp_path):
     with fake_server() as (fake, base):
         fake.replies["/update_weights"] = _vllm_500(_WORKER_FAILED.format(to_text(CorruptObjectError(
             "step 0: SHA-256 differs"))))
-        f = Follower(url, VllmTarget(base), poll_s=0.05)
+        f = Follower(url, VllmTarget(base), policy=PollPolicy(fast_s=0.05))
         with pytest.raises(Exception, match="step 0 not live within 1.0s") as e:
             f.wait_for(0, timeout_s=1.0)
         f.close()

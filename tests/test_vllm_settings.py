@@ -56,6 +56,7 @@ def _values(tmp_path, public) -> dict:
         "max_age_s": (600, 600.0),
         "representation": ("fp8", "fp8"),
         "max_host_bytes": (1 << 30, 1 << 30),
+        "fingerprint": ("pause", "pause"),
     }
 
 
@@ -128,6 +129,7 @@ CLI = {
     "max_age_s": lambda v: ["--trusted-key", KEY_FILE[0], "--stream-id", "run-7", "--max-age-s", str(v)],
     "representation": lambda v: ["--representation", v],
     "max_host_bytes": lambda v: ["--max-host-bytes", str(v)],
+    "fingerprint": lambda v: ["--fingerprint", v],
 }
 KEY_FILE: list[str] = []  # the trusted key's file, for the flags that need one beside them
 

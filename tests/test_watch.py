@@ -175,3 +175,39 @@ def test_the_writer_records_its_cadence():
 def test_a_policy_that_makes_no_sense_is_refused(bad):
     with pytest.raises(ConfigError, match="PollPolicy"):
         PollPolicy(**bad)
+
+
+def test_the_follow_loop_retries_what_can_be_retried_and_raises_the_rest():
+    """deltasync.watch.FollowLoop, the one loop body: each turn polls the watch once and hands the newest step to
+    ``act``; a failure is counted, reported and retried (the error class decides: ``retryable``), a success resets
+    the count, and ``until`` ends the loop after a turn."""
+    import threading
+
+    from deltasync.errors import StoreError
+    from deltasync.watch import FollowLoop
+
+    reader = StreamReader(_stream(3))
+    watch = StepWatch(reader, PollPolicy(fast_s=0.01, idle_max_s=0.02, retry_max_s=0.02, jitter=0.0))
+    seen: list[int | None] = []
+    heard: list[Exception] = []
+    script = [StoreError("the store blinked"), StoreError("again"), None, ConfigError("a wrong setting")]
+
+    def act(newest: int | None) -> None:
+        seen.append(newest)
+        error = script.pop(0) if script else None
+        if error is not None:
+            raise error
+
+    loop = FollowLoop(watch, act, on_error=heard.append)
+    with pytest.raises(ConfigError, match="a wrong setting"):
+        loop.run(threading.Event())
+    assert seen == [2, 2, 2, 2] and watch.polls == 4  # one poll per turn
+    assert [str(e) for e in heard] == ["the store blinked", "again", "a wrong setting"] and loop.failures == 1
+
+    script[:] = [ConfigError("a wrong setting")]  # retried when giving up is not the loop's to decide
+    turns: list[int] = []
+    patient = FollowLoop(watch, act, give_up=False, on_success=lambda: turns.append(len(seen)))
+    patient.run(threading.Event(), until=lambda: len(seen) >= 7)
+    assert len(seen) == 7 and turns == [6, 7] and patient.failures == 0
+    watch.close()
+    reader.close()

@@ -53,6 +53,11 @@ PartVersion = Literal[1, 2]  # 2: multi-part steps (docs/FORMAT.md section 5b)
 MAX_MANIFEST_BYTES = 64 << 20  # a version-2 manifest lists every tensor of every part
 MAX_PARTS = 1 << 16
 Range = tuple[Count, Count]
+ConfigKey = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16}\Z")]  # an engine configuration's key (section 5f)
+MAX_FINGERPRINT_BYTES = 64 << 20  # a reference lists every parameter and buffer of every rank
+MAX_ERROR_CHARS = 500  # a heartbeat's last error
+# what comparing a replica's runtime fingerprint with the reference for its configuration and step said
+FingerprintCheck = Literal["match", "mismatch", "no reference", "refused", "pending", "off"]
 
 
 # msgspec 0.22's typed decoding crashed the process (SIGSEGV) when threads decoded documents at once: followers
@@ -466,6 +471,58 @@ class ConsumerPosition:
     newest_step: Step | None = None  # the newest committed step the consumer had seen
     weight_version: Annotated[str, msgspec.Meta(max_length=64)] | None = None  # what its engine reports
     errors: Count | None = None  # failed attempts since it started
+    # the replica's record (section 5f): when its step was applied, the pause it took, its engine's runtime
+    # fingerprint (of ``fingerprint_step``) and configuration key, what comparing it with a reference said, and
+    # its last error
+    applied_unix_s: UnixTime | None = None
+    pause_s: Seconds | None = None
+    config_key: ConfigKey | None = None
+    fingerprint: Sha256 | None = None
+    fingerprint_step: Step | None = None
+    fingerprint_check: FingerprintCheck | None = None
+    last_error: Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS)] | None = None
+
+
+# --- runtime fingerprints (section 5f) ---
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorPrint:
+    """One parameter's or buffer's fingerprint on one rank: its ``mix64-sum`` over its own flat elements, with
+    its dtype (torch's name) and shape as the engine holds it."""
+
+    checksum: Checksum
+    dtype: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    shape: Annotated[list[Count], msgspec.Meta(max_length=16)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankFingerprint:
+    """One rank's runtime fingerprint: ``digest`` over ``tensors`` (section 5f); ``opaque``: modules whose kernel
+    keeps a copy of its weight the fingerprint cannot read (oneDNN's packed CPU linears)."""
+
+    digest: Sha256
+    tensors: Annotated[dict[TensorName, TensorPrint], msgspec.Meta(max_length=1 << 20)]
+    opaque: Annotated[list[TensorName], msgspec.Meta(max_length=1 << 20)] = field(default_factory=list)
+
+
+ConfigValue = str | int | float | bool | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FingerprintReference:
+    """``fingerprints/<config_key>/<step>.json``: the runtime fingerprint a fresh engine of configuration
+    ``config`` loaded from step ``step``'s checkpoint holds, every rank's, to compare followers with."""
+
+    step: Step
+    config_key: ConfigKey
+    config: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], ConfigValue], msgspec.Meta(max_length=64)]
+    fingerprint: Sha256
+    ranks: Annotated[list[RankFingerprint], msgspec.Meta(min_length=1, max_length=1 << 16)]
+    created_unix_s: UnixTime
+    made_by: Annotated[str, msgspec.Meta(max_length=500)] = ""
+    format_version: Version = FORMAT_VERSION
 
 
 @dataclass(frozen=True, kw_only=True)

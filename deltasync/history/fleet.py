@@ -1,7 +1,10 @@
 """Where every consumer of a stream stands, from their heartbeats: the fleet status ``deltasync status`` prints.
 
 Each ``Follower(consumer_id=...)`` writes ``consumers/<id>.json`` (docs/FORMAT.md section 5): the step it
-holds, the newest it had seen, its engine's weight version, its error count, and when. :func:`fleet_status`
+holds, the newest it had seen, its engine's weight version, its error count, and when; an engine's replica record
+too (section 5f: when its step was applied, its pause, its runtime fingerprint and configuration key, the comparison
+with a reference, its last error). Replicas of one configuration at one step whose fingerprints differ are
+``disagreements``: one of them computes with other bytes, with or without a reference to say which. :func:`fleet_status`
 reads them (one listing plus one read per consumer, and one listing of the manifests), counts how many
 committed steps each consumer is behind, and flags those that have not reported within ``stale_after_s``.
 :func:`prometheus_text` renders the same as Prometheus' text exposition format.
@@ -16,9 +19,10 @@ from typing import Any
 
 from deltasync.consumers import FUTURE_SKEW_S, UnreadableHeartbeat, read_heartbeats_checked
 from deltasync.errors import ConfigError
+from deltasync.fingerprints import disagreements
 from deltasync.store import Store
 
-__all__ = ["ConsumerStatus", "FleetStatus", "UnreadableHeartbeat", "fleet_status", "prometheus_text"]
+__all__ = ["ConsumerStatus", "Disagreement", "FleetStatus", "UnreadableHeartbeat", "fleet_status", "prometheus_text"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +38,25 @@ class ConsumerStatus:
     newest_seen: int | None
     weight_version: str | None
     errors: int | None
+    # the replica's record (docs/FORMAT.md section 5f), None where its heartbeat has none
+    applied_unix_s: float | None = None
+    pause_s: float | None = None
+    config_key: str | None = None
+    fingerprint: str | None = None
+    fingerprint_step: int | None = None
+    fingerprint_check: str | None = None
+    last_error: str | None = None
+    disagrees: bool = False  # another replica of its configuration holds another fingerprint at the same step
+
+
+@dataclass(frozen=True, kw_only=True)
+class Disagreement:
+    """Replicas of configuration ``config_key`` at ``step`` holding different runtime fingerprints: ``groups``
+    maps each fingerprint to the consumers that hold it (a reference, where one exists, says which is right)."""
+
+    config_key: str
+    step: int
+    groups: dict[str, list[str]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +68,17 @@ class FleetStatus:
     stale_after_s: float
     consumers: tuple[ConsumerStatus, ...]
     unreadable: tuple[UnreadableHeartbeat, ...] = ()  # heartbeat files that could not be read as one
+    disagreements: tuple[Disagreement, ...] = ()
+
+    @property
+    def mismatched(self) -> tuple[ConsumerStatus, ...]:
+        """Consumers whose runtime fingerprint differs from the reference for their configuration and step."""
+        return tuple(c for c in self.consumers if c.fingerprint_check == "mismatch")
+
+    @property
+    def healthy(self) -> bool:
+        """No replica disagrees with a reference or with a sibling of its configuration."""
+        return not (self.disagreements or self.mismatched)
 
     @property
     def stale(self) -> tuple[ConsumerStatus, ...]:
@@ -57,7 +91,8 @@ class FleetStatus:
     def to_dict(self) -> dict[str, Any]:
         return {"url": self.url, "newest_step": self.newest_step, "stale_after_s": self.stale_after_s,
                 "consumers": [asdict(c) for c in self.consumers],
-                "unreadable": [asdict(u) for u in self.unreadable]}
+                "unreadable": [asdict(u) for u in self.unreadable],
+                "disagreements": [asdict(d) for d in self.disagreements], "healthy": self.healthy}
 
 
 def fleet_status(store: Store, *, stale_after_s: float = 900.0, now_unix_s: float | None = None) -> FleetStatus:
@@ -82,6 +117,7 @@ def fleet_status(store: Store, *, stale_after_s: float = 900.0, now_unix_s: floa
     newest = steps[-1] if steps else None
     consumers = []
     positions, unreadable = read_heartbeats_checked(store)
+    split = disagreements(positions)
     for p in positions:
         lag = None if newest is None else len(steps) - bisect.bisect_right(steps, p.step)
         age = now - p.updated_unix_s
@@ -89,10 +125,15 @@ def fleet_status(store: Store, *, stale_after_s: float = 900.0, now_unix_s: floa
         age = age if suspect else max(0.0, age)
         consumers.append(ConsumerStatus(consumer_id=p.consumer_id, step=p.step, lag_steps=lag, age_s=round(age, 3),
                                         stale=not suspect and age > stale_after_s, suspect=suspect,
-                                        newest_seen=p.newest_step, weight_version=p.weight_version, errors=p.errors))
+                                        newest_seen=p.newest_step, weight_version=p.weight_version, errors=p.errors,
+                                        applied_unix_s=p.applied_unix_s, pause_s=p.pause_s, config_key=p.config_key,
+                                        fingerprint=p.fingerprint, fingerprint_step=p.fingerprint_step,
+                                        fingerprint_check=p.fingerprint_check, last_error=p.last_error,
+                                        disagrees=(p.config_key, p.fingerprint_step) in split))
     consumers.sort(key=lambda c: (c.step, c.consumer_id))
     return FleetStatus(url=store.url, newest_step=newest, stale_after_s=float(stale_after_s),
-                       consumers=tuple(consumers), unreadable=tuple(unreadable))
+                       consumers=tuple(consumers), unreadable=tuple(unreadable),
+                       disagreements=tuple(Disagreement(config_key=k, step=s, groups=g) for (k, s), g in split.items()))
 
 
 def _label(value: str) -> str:
@@ -130,4 +171,24 @@ def prometheus_text(status: FleetStatus) -> str:
            [(lab, c.age_s) for c, lab in per])
     family("consumer_stale", "1 if the consumer's last heartbeat is older than stale_after_s.",
            [(lab, float(c.stale)) for c, lab in per])
+    family("disagreeing_consumers", "Consumers whose runtime fingerprint differs from a sibling's of the same "
+           "configuration at the same step (docs/FORMAT.md section 5f).",
+           [("{" + stream + "}", sum(c.disagrees for c in status.consumers))])
+    family("fingerprint_mismatches", "Consumers whose runtime fingerprint differs from the reference.",
+           [("{" + stream + "}", len(status.mismatched))])
+    family("consumer_disagrees", "1 if another replica of the consumer's configuration holds another runtime "
+           "fingerprint at the same step.", [(lab, float(c.disagrees)) for c, lab in per if c.fingerprint])
+    family("consumer_fingerprint_mismatch", "1 if the consumer's runtime fingerprint differs from the reference, 0 "
+           "if it matches (absent: not compared).",
+           [(lab, float(c.fingerprint_check == "mismatch")) for c, lab in per
+            if c.fingerprint_check in ("match", "mismatch")])
+    family("consumer_applied_unix_seconds", "When the consumer applied the step it holds (its clock).",
+           [(lab, c.applied_unix_s) for c, lab in per if c.applied_unix_s is not None])
+    family("consumer_pause_seconds", "Seconds generation paused for the consumer's last step.",
+           [(lab, c.pause_s) for c, lab in per if c.pause_s is not None])
+    family("consumer_fingerprint_info", "1, labelled with the consumer's configuration key, the step fingerprinted, "
+           "the runtime fingerprint and the comparison with a reference.",
+           [("{" + f'{lab[1:-1]},config_key="{_label(str(c.config_key))}",step="{c.fingerprint_step}",'
+             f'fingerprint="{_label(c.fingerprint)}",check="{_label(str(c.fingerprint_check))}"' + "}", 1.0)
+            for c, lab in per if c.fingerprint])
     return "\n".join(lines) + "\n"

@@ -32,14 +32,14 @@ from typing import Any
 
 from deltasync.errors import StepExistsError, StepNotFoundError, can_retry
 from deltasync.format.documents import LatestHint
-from deltasync.history.checkpoints import FILES_DIR, FILES_INDEX, read_model_file_index, read_model_files
+from deltasync.model_files import FILES_DIR, FILES_INDEX, read_model_file_index, read_model_files
 from deltasync.notify import EventServer, Notifier
 from deltasync.reader import StreamReader
 from deltasync.scratch import ScratchFolder
 from deltasync.signing import sha256_hex
 from deltasync.store import Manifest, Part, Store
 from deltasync.trust import UNTRUSTED, TrustedKeys
-from deltasync.watch import PollPolicy, StepWatch
+from deltasync.watch import FollowLoop, PollPolicy, StepWatch
 
 log = logging.getLogger(__name__)
 
@@ -294,11 +294,12 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
                   notifier: Notifier | None = None, events: EventServer | None = None,
                   trusted_keys: Any = None) -> int | None:
     """Keep ``dst`` a copy of ``src``: copy what is committed, then each new step as the source commits it,
-    polling the source with one small read per poll (:class:`~deltasync.watch.StepWatch`). Returns the newest
-    step copied once ``until`` is copied or ``stop`` is set. Transient failures are retried with the
-    watch's back-off (``on_error`` hears each, a damaged source object too: a committed step is never rewritten,
-    but a truncated download reads whole next time); those retrying cannot help (``can_retry``: credentials,
-    settings, another stream under the destination's name) are raised.
+    polling the source with one small read per poll (the follow loop, :class:`~deltasync.watch.FollowLoop`).
+    Returns the newest step copied once ``until`` is copied or ``stop`` is set. Transient failures are retried
+    with the watch's back-off (``policy``, by default ``PollPolicy(retry_max_s=60)``; ``on_error`` hears each, a
+    damaged source object too: a committed step is never rewritten, but a truncated download reads whole next
+    time); those retrying cannot help (``can_retry``: credentials, settings, another stream under the
+    destination's name) are raised.
 
     ``notifier`` pushes the source's new steps (an upstream mirror's ``EventFeed``): polls slow to a safety
     net. ``events`` (an :class:`~deltasync.notify.EventServer`) is told of every step committed at the
@@ -307,10 +308,10 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
     trusted = None if trusted_keys is None else TrustedKeys.load(trusted_keys)  # one set: endorsements seen persist
     # the watch's reader checks with the same trust: a forged newest step does not exist for the mirror either
     reader = StreamReader(src, storage_options=src_options, trusted_keys=trusted)
-    watch = StepWatch(reader, policy, notifier=notifier)
+    watch = StepWatch(reader, policy or PollPolicy(retry_max_s=60.0), notifier=notifier)
     target = Store(dst, storage_options=dst_options)
     done: int | None = None
-    failures = 0
+    relayed: bytes | None = None  # the source's head last relayed (refreshed heads follow while it is idle)
 
     def copied(step: int, nbytes: int) -> None:
         if events is not None:
@@ -318,30 +319,25 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
         if on_step is not None:
             on_step(step, nbytes)
 
-    relayed: bytes | None = None  # the source's head last relayed (refreshed heads follow while it is idle)
+    def act(newest: int | None) -> None:
+        nonlocal done, relayed
+        if newest is not None and (done is None or newest > done):
+            mirror(reader.store, target, after=done, newest=newest, on_step=copied, trusted_keys=trusted,
+                   reader=reader, hint=watch.last_hint)  # the step the watch just saw is not read again
+            done = newest
+            if events is not None:
+                events.announce(done)  # steps the destination held already count too
+        relayed = _relay_refreshed(watch, target, trusted, done, relayed)
+
+    def failed(e: Exception) -> None:
+        # the source or the destination may come back; what retrying cannot help (credentials, settings, two
+        # different streams under one name) is raised by the loop, not reported
+        if on_error is not None and can_retry(e):
+            on_error(e)
+
     try:
-        while not stop.is_set():
-            try:
-                newest = watch.newest()
-                if newest is not None and (done is None or newest > done):
-                    mirror(reader.store, target, after=done, newest=newest, on_step=copied, trusted_keys=trusted,
-                           reader=reader, hint=watch.last_hint)  # the step the watch just saw is not read again
-                    done = newest
-                    if events is not None:
-                        events.announce(done)  # steps the destination held already count too
-                relayed = _relay_refreshed(watch, target, trusted, done, relayed)
-                failures = 0
-                delay = watch.delay()
-            except Exception as e:  # noqa: BLE001 - the source or the destination may come back
-                if not can_retry(e):  # credentials, settings, two different streams under one name
-                    raise
-                failures += 1
-                if on_error is not None:
-                    on_error(e)
-                delay = watch.retry_delay(failures, max_s=60.0)
-            if until is not None and done is not None and done >= until:
-                break
-            _wait(watch, stop, delay)
+        FollowLoop(watch, act, on_error=failed).run(
+            stop, until=lambda: until is not None and done is not None and done >= until)
     finally:
         watch.close()
         target.close()
@@ -361,13 +357,3 @@ def _relay_refreshed(watch: StepWatch, target: Store, trusted: TrustedKeys | Non
         target.relay_head(raw, done)
         return raw
     return relayed
-
-
-def _wait(watch: StepWatch, stop: threading.Event, seconds: float) -> None:
-    """Sleep up to ``seconds``: less when a step is pushed, or (within half a second) when ``stop`` is set."""
-    deadline = time.monotonic() + seconds
-    while not stop.is_set():
-        left = deadline - time.monotonic()
-        if left <= 0 or watch.wake.wait(min(left, 0.5)):
-            watch.wake.clear()
-            return

@@ -16,14 +16,9 @@ import torch
 from deltasync.errors import StepOrderError, TensorMismatchError
 from deltasync.format._bits import int_view
 from deltasync.format.documents import Kind, check_step
-from deltasync.history.checkpoints import (
-    ModelFiles,
-    collect_model_files,
-    load_checkpoint,
-    read_model_file_index,
-    store_model_files,
-)
+from deltasync.history.checkpoints import load_checkpoint
 from deltasync.history.rebuild import reconstruct_state_dict
+from deltasync.model_files import ModelFiles, collect_model_files, read_model_file_index, store_model_files
 from deltasync.publish.names import named_tensors
 from deltasync.publish.steps import snapshot_headers, step_manifest, write_step_object
 from deltasync.reader import StreamReader

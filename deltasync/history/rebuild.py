@@ -26,8 +26,9 @@ from deltasync.errors import (
 from deltasync.format.checksum import format_checksum, parse_checksum, tensor_checksum
 from deltasync.format.documents import check_file_name
 from deltasync.format.objects import StepHeader
-from deltasync.history.checkpoints import CheckpointWriter, read_model_files
+from deltasync.history.checkpoints import CheckpointWriter
 from deltasync.history.replay import Chain, ProgressFn, open_reader, require_steps
+from deltasync.model_files import read_model_files
 from deltasync.reader import StreamReader
 from deltasync.transports import UMASK
 

@@ -17,10 +17,11 @@ import torch
 from deltasync.errors import ConfigError
 from deltasync.notify import host_port
 from deltasync.publish.names import NameMap
+from deltasync.rdma.options import RdmaOptions, rdma_options
 from deltasync.stages.diff import SnapshotDevice
 
 if TYPE_CHECKING:
-    from deltasync.history.checkpoints import ModelFiles
+    from deltasync.model_files import ModelFiles
     from deltasync.signing import SigningKey
 
 OnBacklog = Literal["coalesce", "block"]
@@ -60,6 +61,12 @@ class PublishOptions:
             is committed (``DeltaPublisher.events_url``), the feed a mirror serves with ``--events``. Followers
             and engines given it (``notify``) fetch a step as soon as it lands instead of at their next poll.
             On a sharded trainer, rank 0 serves it.
+        rdma: offer each committed step's object over NIXL too (docs/RDMA.md): the controller's address
+            (``"tcp://host:5555"``), a dict of ``RdmaOptions`` fields or ``RdmaOptions``. The store still gets
+            every step; consumers that follow with an ``RdmaConsumer`` read the object from this rank's ring, the
+            others (and any step the ring cannot hold) from the store. ``DeltaPublisher.rdma.stats`` says which
+            steps went which way. Needs ``pip install 'deltasync[rdma]'`` and the cluster secret. On a sharded
+            trainer, rank 0 runs it (its steps go by the store: one object per rank).
         refuse_nonfinite: refuse a step whose weights turned NaN or ±Inf (a diverged optimizer) with
             ``NonFiniteStepError`` naming the tensors: a floating tensor all finite in the step published before
             that holds NaN or ±Inf now (in the published dtype); in a publisher's first step, one holding NaN. A tensor
@@ -94,6 +101,7 @@ class PublishOptions:
     signing_key: str | Path | SigningKey | None = None
     stream_id: str | None = None
     events: str | None = None
+    rdma: str | RdmaOptions | dict[str, Any] | None = None
     refuse_nonfinite: bool = True
 
     def __post_init__(self) -> None:
@@ -125,6 +133,11 @@ class PublishOptions:
             raise ConfigError(f"publish option dtype must be a torch.dtype, got {self.dtype!r}")
         if self.events is not None:
             host_port(self.events, what="publish option events")
+        if self.rdma is not None:  # checked (and made options) now: a config's typo fails here, not on a thread
+            try:
+                object.__setattr__(self, "rdma", rdma_options(self.rdma))
+            except ConfigError as e:
+                raise ConfigError(f"publish option {e}") from None
         if self.stream_id is not None:
             from deltasync.trust import check_stream_id
 

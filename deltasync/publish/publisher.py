@@ -25,12 +25,12 @@ from deltasync.errors import ConfigError, DeltaSyncError, NonFiniteStepError, Pu
 from deltasync.format.documents import Kind, check_step
 from deltasync.format.objects import TensorHeader
 from deltasync.format.patch import Patch
-from deltasync.history.checkpoints import collect_model_files, store_model_files
-from deltasync.notify import EventServer, host_port
+from deltasync.model_files import collect_model_files, store_model_files
 from deltasync.publish.finite import refusal, refused_tensors
 from deltasync.publish.names import canonical_name, named_tensors
 from deltasync.publish.options import PublishOptions
 from deltasync.publish.sharded import ShardedWriter, ShardGroup, is_sharded
+from deltasync.publish.sinks import CommitAnnouncement, CommitSink, EventSink, rdma_sink
 from deltasync.publish.steps import (
     anchor_delta,
     snapshot_headers,
@@ -211,22 +211,29 @@ class DeltaPublisher:
                                        spool=lambda: self._spool, group=ShardGroup()) if sharded else None)
         self._holds_lease = self._sharded is None or self._sharded.rank == 0  # one lease per stream: rank 0's
         self.signer: StreamSigner | None = None  # the key bound to this stream (rank 0 of a signing publisher)
-        # the committer announces each step to followers that listen (before the lease: a port in use fails here;
-        # on a sharded trainer every rank fails with rank 0, below)
-        self._events: EventServer | None = None
+        # the committer announces each step to its sinks (publish/sinks.py): followers that listen (events), the
+        # RDMA ring (rdma); made before the lease: a port in use fails here; on a sharded trainer every rank fails
+        # with rank 0, below
+        self._events: EventSink | None = None
+        self._rdma: CommitSink | None = None
+        self._commits = CommitAnnouncement()
         start_error: DeltaSyncError | None = None
-        if opts.events is not None and self._holds_lease:
-            try:
-                self._events = _event_server(opts.events)
-            except ConfigError as e:
-                if self._sharded is None:
-                    raise
-                start_error = e
+        try:
+            if opts.events is not None and self._holds_lease:
+                self._events = EventSink(opts.events)
+                self._commits.sinks.append(self._events)
+            if opts.rdma is not None and self._holds_lease:
+                self._rdma = rdma_sink(opts.rdma)
+                self._commits.sinks.append(self._rdma)
+        except BaseException as e:  # ConfigError, MissingDependencyError: on a sharded trainer, every rank fails
+            if self._sharded is None or not isinstance(e, DeltaSyncError):
+                self._commits.close()  # a sink made before stops again (the feed's port, the ring's memory)
+                raise
+            start_error = e
         try:
             self._start(start_error)
         except BaseException:
-            if self._events is not None:
-                self._events.close()
+            self._commits.close()
             raise
 
     def _start(self, start_error: DeltaSyncError | None) -> None:
@@ -279,7 +286,8 @@ class DeltaPublisher:
         self._last_captured = self.last_committed_step
         if self.last_committed_step is not None:
             log.info("%s: resuming after committed step %d", self.store.url, self.last_committed_step)
-            self._announce(self.last_committed_step)
+            if self._events is not None:  # the feed's newest step for followers that connect (nothing to offer)
+                self._events.server.announce(self.last_committed_step)
         self._thread = threading.Thread(target=self._run, name="deltasync-publisher", daemon=True)
         if self._holds_lease:  # other ranks of a sharded model hold no lease: nothing to renew
             self._thread.start()
@@ -431,7 +439,7 @@ class DeltaPublisher:
         self._force_anchor = False
         self._since_anchor = 0 if kind == "anchor" else self._since_anchor + 1
         self._last_captured = self.last_committed_step = step
-        self._announce(step)
+        self._commits.committed(step, None)  # the ranks wrote the parts: no single object to hand over
         log.info("committed sharded %s step %d (%d bytes, %.3f s)", kind, step, nbytes, time.perf_counter() - t0)
         return True
 
@@ -526,9 +534,10 @@ class DeltaPublisher:
                 if self._sharded is not None:
                     self._sharded.group.destroy()
             finally:
-                self._spool_folder.remove()  # also after a failed step: nothing stays in the temp folder
-                if self._events is not None:
-                    self._events.close()
+                try:
+                    self._spool_folder.remove()  # also after a failed step: nothing stays in the temp folder
+                finally:
+                    self._commits.close()  # the RDMA ring last: consumers may still be reading the newest steps
 
     @property
     def stream_id(self) -> str | None:
@@ -550,9 +559,11 @@ class DeltaPublisher:
         give it to followers and engines as ``notify``."""
         return self._events.url if self._events is not None else None
 
-    def _announce(self, step: int) -> None:
-        if self._events is not None:
-            self._events.announce(step)
+    @property
+    def rdma(self) -> Any:
+        """The RDMA offer (``rdma`` option, on rank 0: a ``deltasync.rdma.trainer.RdmaTrainer``), else None. Its
+        ``stats`` say which steps were announced over NIXL and which went by the store only, and why."""
+        return self._rdma
 
     @property
     def _spool(self) -> Path:
@@ -713,7 +724,11 @@ class DeltaPublisher:
                                  delta=delta)
         size = manifest.object_bytes
         t2 = time.perf_counter()
+        wanted: bytes | None = None
         try:
+            # the bytes a sink takes (the RDMA ring), read before the commit: a local store takes the file over
+            if size <= self._commits.object_bytes:
+                wanted = local.read_bytes()
             if self._model_files is not None:  # once, before the first commit: a reader of any step finds them
                 self.store.check_lease(self.writer_id)
                 _, files_sha256 = store_model_files(self.store, self._model_files)
@@ -730,7 +745,8 @@ class DeltaPublisher:
                 delta_local.unlink(missing_ok=True)
         t3 = time.perf_counter()
         self.last_committed_step = job.step
-        self._announce(job.step)
+        self._commits.committed(job.step, manifest, wanted)
+        del wanted
         full_bytes = sum(h.numel * h.torch_dtype.itemsize for h in headers.values())
         self.metrics.append(
             StepMetrics(
@@ -750,11 +766,3 @@ class DeltaPublisher:
         )
         log.info("committed %s step %d (%d bytes, %d changed)", job.kind, job.step, size, header.changed)
 
-
-def _event_server(events: str) -> EventServer:
-    """An event server on ``events`` (``HOST:PORT``), or a ``ConfigError`` saying why it cannot listen there."""
-    host, port = host_port(events, what="publish option events")
-    try:
-        return EventServer(host, port)
-    except OSError as e:
-        raise ConfigError(f"publish option events: cannot listen on {events!r} ({e.strerror or e})") from None

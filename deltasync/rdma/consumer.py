@@ -1,11 +1,16 @@
 """A consumer's side of the fast path: follow a stream whose trainer announces each step over NIXL.
 
-``RdmaConsumer(url, rdma=...)`` registers with the controller (one NIXL agent, one registered inbox) and
-gives a ``StreamReader`` (``.reader``) whose store reads step objects from the announced ring slot first
-(hashed once, as they land in the inbox, against the manifest's SHA-256; opened in place, no copy) and from
-the store on any ``RdmaError``. It is also a :class:`~deltasync.notify.Notifier`: the trainer's
-announcements are pushed to whoever follows, so a step is fetched as soon as it is announced (after its
-manifest is found committed: an announcement is only a hint). One follow loop serves every path::
+``RdmaConsumer(url, rdma=...)`` registers with the controller (one NIXL agent, one registered inbox) and is
+two things a follower already knows:
+
+- a :class:`~deltasync.notify.Notifier`: the trainer's announcements are pushed to whoever follows, so a step
+  is fetched as soon as it is announced (after its manifest is found committed: an announcement is a hint);
+- an object source (:class:`~deltasync.reader.ObjectSource`, its ``RingReader``) that its ``StreamReader``
+  (``.reader``) asks first: a step's object comes from the announced ring slot (hashed once, as it lands in
+  the inbox, against the manifest's SHA-256; opened in place, no copy), and from the store on any
+  ``RdmaError``.
+
+One follow loop serves every path::
 
     with RdmaConsumer(url, rdma="tcp://controller:5555", consumer_id="rollout-0") as consumer:
         follower = Follower(consumer.reader, StateDictTarget(), notifier=consumer, on_step=consumer.applied)
@@ -24,7 +29,7 @@ from typing import Any
 
 from typing_extensions import Self
 
-from deltasync.errors import RdmaError, StaleMetadataError
+from deltasync.errors import DeltaSyncError, RdmaError, StaleMetadataError
 from deltasync.notify import Announcements
 from deltasync.rdma.agent import Agent
 from deltasync.rdma.inbox import Inbox, SlotLease
@@ -40,8 +45,8 @@ log = logging.getLogger(__name__)
 class RingReader:
     """The NIXL half of a consumer: its agent, inbox and controller link; reads a step's announced slot.
 
-    Used by the consumer's transport (``deltasync.transports.nixl``) from whichever thread reads the store;
-    one lock keeps the ZMQ socket and the inbox buffer to one caller at a time.
+    The object source (:class:`~deltasync.reader.ObjectSource`) its ``StreamReader`` asks first, from whichever
+    thread reads; one lock keeps the ZMQ socket and the inbox buffer to one caller at a time.
     """
 
     def __init__(self, options: RdmaOptions, *, consumer_id: str, engine: str,
@@ -127,6 +132,26 @@ class RingReader:
                 self.inbox.connect(fresh.ring, fresh.metadata)
                 return self.inbox.lease(info, timeout_s=timeout_s, sha256=sha256)
 
+    def held(self, step: int, *, name: str, nbytes: int, sha256: str) -> SlotLease | None:
+        """Step ``step``'s object held in the inbox, checked against the manifest's ``nbytes`` and ``sha256``
+        (the only hash of these bytes: the reader opens them as they are); None (why recorded in ``arrived``)
+        where the store must serve it. The reader releases the lease once the object is closed."""
+        try:
+            lease = self.lease(step, sha256=sha256)
+        except DeltaSyncError as e:  # RdmaError and the rest: the store has the step
+            self._missed(step, e)
+            return None
+        if lease.info.length != nbytes:  # the SHA-256 matched, so this cannot happen short of a collision
+            lease.release()
+            self._missed(step, RdmaError(f"{lease.info.length} bytes, manifest says {nbytes}"))
+            return None
+        self.arrived[step] = "rdma"
+        return lease
+
+    def _missed(self, step: int, e: Exception) -> None:
+        self.arrived[step] = f"store: {type(e).__name__}"
+        log.info("%s: step %d from the store: %s", self.id, step, e)
+
     def applied(self, step: int) -> None:
         """Tell the controller ``step`` is applied and verified here (the engine's version counts it)."""
         with self._lock:
@@ -154,19 +179,14 @@ class RdmaConsumer(Announcements):
     def __init__(self, url: str, *, rdma: str | RdmaOptions | dict, consumer_id: str | None = None,
                  engine: str | None = None, needs: list[str] | None = None,
                  storage_options: dict[str, Any] | None = None, plan_wait_s: float = 0.0) -> None:
-        from deltasync.transports import open_transport
-        from deltasync.transports.nixl import NixlTransport
-
         super().__init__()
         options = rdma_options(rdma)
         consumer_id = consumer_id or f"consumer-{uuid.uuid4().hex[:8]}"
         self.ring = RingReader(options, consumer_id=consumer_id, engine=engine or consumer_id, needs=needs)
         self._stop = threading.Event()
         try:
-            backing = open_transport(url, storage_options)
-            self.store = Store(url, transport=NixlTransport(backing, consumer=self.ring),
-                               storage_options=storage_options)
-            self.reader = StreamReader(self.store, memory_object_bytes=options.capacity_bytes)
+            self.store = Store(url, storage_options=storage_options)
+            self.reader = StreamReader(self.store, memory_object_bytes=options.capacity_bytes, objects=self.ring)
             if plan_wait_s:
                 self.ring.wait_plan(plan_wait_s)
         except BaseException:

@@ -9,7 +9,7 @@ the object store instead. Nothing is applied from an unchecked read.
 
 **Hashed once, while it lands.** A read larger than ``piece_bytes`` is posted as several READs at once; each
 piece is hashed as soon as it landed while the next ones are still moving, so the SHA-256 (the one check:
-the reader does not hash again, see ``NixlTransport.read_verified``) overlaps the transfer.
+the reader does not hash again, see ``RingReader.held``) overlaps the transfer.
 
 **Zero copy.** ``lease`` returns a :class:`SlotLease`: the checked bytes stay where they landed, and no later read
 lands on them until the lease is released; a step object opens straight on ``SlotLease.view()``. Each view (and

@@ -1,11 +1,16 @@
 """A trainer rank's side of the fast path: one NIXL agent, one outbox ring, one link to the controller.
 
-``RdmaTrainer.offer(step, data)`` is called once a step is committed to the store (the store is the
-history and the safety net, so it comes first): the object's bytes go into the next ring slot and the
-slot is announced to the controller. Nothing here ever fails a commit: an RDMA problem (no plan yet, an
-object larger than a slot, a controller gone) is logged and counted, and the consumers read that step from
-the store. Registration with the controller happens on the first offer, from the object's own header
-(every publisher's first step is an anchor naming every tensor), so the trainer needs no tensor list.
+``RdmaTrainer`` is a sink of the publisher's commit announcement (``DeltaPublisher(..., rdma=...)``,
+deltasync/publish/sinks.py): once a step is committed to the store (the store is the history and the safety
+net, so it comes first), ``committed`` offers its object: the bytes go into the next ring slot and the slot is
+announced to the controller. Nothing here ever fails a commit: an RDMA problem (no plan yet, an object larger
+than a slot, a multi-part step, a controller gone) is logged and counted (``stats``), and the consumers read
+that step from the store. Registration with the controller happens on the first offer, from the object's own
+header (every publisher's first step is an anchor naming every tensor), so the trainer needs no tensor list.
+
+    with DeltaPublisher(url, model, rdma="tcp://controller:5555") as pub:   # or rdma={...RdmaOptions fields}
+        pub.publish(step)
+    pub.rdma.stats   # steps announced, and those that went by the store only (and why)
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deltasync.errors import DeltaSyncError
 from deltasync.format.objects import StepObject
@@ -22,6 +28,9 @@ from deltasync.rdma.link import TrainerLink
 from deltasync.rdma.messages import PartMeta, TensorMeta, TrainerHello
 from deltasync.rdma.options import RdmaOptions, rdma_options  # noqa: F401 - re-exported
 from deltasync.rdma.outbox import Outbox, SlotInfo
+
+if TYPE_CHECKING:
+    from deltasync.format.documents import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +60,24 @@ class RdmaTrainer:
         self.planned = False
         self.registered = False
         self.stats = TrainerStats()
+
+    @property
+    def object_bytes(self) -> int:
+        """The largest object a ring slot holds: the publisher hands over the bytes of objects up to this size."""
+        return self.outbox.capacity
+
+    def committed(self, step: int, manifest: Manifest | None, data: bytes | None) -> None:
+        """The publisher committed ``step`` (its ``manifest``; ``data``: its object's bytes, None when larger than a
+        slot): offer the object, announced with the manifest's SHA-256 (the writer hashed it once, while writing).
+        A sharded step (one object per rank, ``manifest`` None or multi-part) goes by the store only."""
+        if manifest is None or manifest.is_multipart:
+            self.skip(step, "a multi-part step (one object per rank) goes by the store")
+            return
+        if data is None:
+            self.skip(step, f"object of {manifest.object_bytes} bytes larger than a ring slot "
+                            f"({self.outbox.capacity})")
+            return
+        self.offer(step, data, sha256=manifest.objects[0].object_sha256)
 
     def offer(self, step: int, data: bytes | memoryview, *, sha256: str | None = None) -> SlotInfo | None:
         """Put a committed step's object in the ring and announce it; None (logged) when it goes by store only.

@@ -9,6 +9,9 @@ An FP8 engine follows its own FP8 representation in place (docs/FORMAT.md sectio
 :class:`Fp8Plan` with :func:`fp8_plan`, quantizes with :class:`Fp8Quantizer` and the engine is initialised with
 ``representation="fp8"``.
 
+Each engine fingerprints what it computes with after every update (docs/FORMAT.md section 5f) and compares it with
+the reference :func:`reference_for_step` stores (``deltasync fingerprint``).
+
 Importing this package imports no vLLM; :func:`start_engine`, :func:`fp8_plan`, the quantizer's arithmetic, the
 worker extension and the engine do.
 """
@@ -27,6 +30,7 @@ from .client import (
 )
 from .fp8 import Fp8Plan, Fp8Quantizer, fp8_plan
 from .ray_client import RayWeightTransfer
+from .reference import reference_for_step
 from .settings import EngineSettings, EngineVerify, Mode, Representation
 from .target import VllmTarget, start_engine
 
@@ -47,6 +51,7 @@ __all__ = [
     "WeightTransfer",
     "enable_live_cpu_weights",
     "fp8_plan",
+    "reference_for_step",
     "start_engine",
 ]
 

@@ -125,7 +125,67 @@ def combine_status(ranks: list[Any], *, where: str) -> dict[str, Any]:
         raise EngineError(f"{where}: the engine's ranks report checksums of different tensors")
     sums = {n: add_checksums(*(r.checksums[n] for r in checked)) for n in names}
     return {"held_step": held.pop(), "arrived": arrived, "pauses_s": checked[0].pauses_s, "checksums": sums,
-            "host_bytes": sum(r.host_bytes for r in checked)}
+            "host_bytes": sum(r.host_bytes for r in checked),
+            "fingerprint": _combine_prints([r.fingerprint for r in checked], where=where),
+            "applied_unix_s": checked[0].applied_unix_s,
+            "last_error": next((r.last_error for r in checked if r.last_error is not None), None)}
+
+
+_CHECK_ORDER = ("mismatch", "refused", "pending", "no reference", "match", "off")  # the worst rank's decides
+
+
+def _combine_prints(prints: list[_RankPrint | None], *, where: str) -> dict[str, Any] | None:
+    """The engine's runtime fingerprint from its ranks' (docs/FORMAT.md section 5f): one configuration key, the
+    step every rank fingerprinted, the engine digest of the ranks' digests in rank order (None until every rank
+    has one for the same step), the worst rank's comparison with the reference."""
+    from deltasync.engine import engine_fingerprint
+
+    if any(p is None for p in prints):
+        return None  # an engine that predates fingerprints
+    ranks = sorted((p for p in prints if p is not None), key=lambda p: p.rank)
+    if [p.rank for p in ranks] != list(range(len(ranks))):
+        raise EngineError(f"{where}: the engine's ranks report fingerprints of ranks {[p.rank for p in ranks]}")
+    if len({p.config_key for p in ranks}) != 1:
+        raise EngineError(f"{where}: the engine's ranks report different configurations: "
+                          f"{sorted({str(p.config_key) for p in ranks})}")
+    steps = {p.step for p in ranks}
+    digests = [p.digest for p in ranks]
+    whole = len(steps) == 1 and all(d is not None for d in digests)
+    checks = [p.check for p in ranks if p.check is not None]
+    out: dict[str, Any] = {
+        "config_key": ranks[0].config_key, "config": ranks[0].config, "when": ranks[0].when,
+        "step": steps.pop() if len(steps) == 1 else None,
+        "fingerprint": engine_fingerprint([d for d in digests if d is not None]) if whole else None,
+        "ranks": digests,
+        "check": min(checks, key=_CHECK_ORDER.index) if checks else None,
+        "note": next((p.note for p in ranks if p.note), ""),
+        "seconds": max((p.seconds for p in ranks if p.seconds is not None), default=None),
+        "opaque": sum(p.opaque for p in ranks),
+        "unhealthy": next((p.unhealthy for p in ranks if p.unhealthy), None),
+    }
+    if all(p.tensors is not None for p in ranks):
+        out["tensors"] = [p.tensors for p in ranks]
+    return out
+
+
+_Text = Annotated[str, msgspec.Meta(max_length=4000)]
+
+
+class _RankPrint(msgspec.Struct, forbid_unknown_fields=False):
+    """One rank's ``fingerprint`` record in its status (rollout_loader/vllm/engine.py ``fingerprint_status``)."""
+
+    config_key: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16}$")] | None
+    config: dict[Annotated[str, msgspec.Meta(max_length=64)], str | int | float | bool | None] = {}
+    when: Literal["after", "pause", "off"] | None = None
+    step: Annotated[int, msgspec.Meta(ge=0, le=10**12 - 1)] | None = None
+    digest: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")] | None = None
+    check: Literal["match", "mismatch", "no reference", "refused", "pending", "off"] | None = None
+    note: _Text = ""
+    seconds: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] | None = None
+    opaque: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 0
+    unhealthy: _Text | None = None
+    rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
+    tensors: dict[Annotated[str, msgspec.Meta(max_length=1024)], list[Any]] | None = None
 
 
 class _RankStatus(msgspec.Struct, forbid_unknown_fields=False):
@@ -138,6 +198,9 @@ class _RankStatus(msgspec.Struct, forbid_unknown_fields=False):
     checksums: dict[Annotated[str, msgspec.Meta(min_length=1, max_length=1024)], Annotated[int, msgspec.Meta(ge=0)]]
     # bytes of host copies of checkpoint tensors this rank keeps (stated at init; 0 from an engine that predates it)
     host_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
+    fingerprint: _RankPrint | None = None  # None from an engine that predates runtime fingerprints
+    applied_unix_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e11)] | None = None
+    last_error: _Text | None = None
 
 
 def _read_bounded(reply: Any, url: str, deadline: float, timeout_s: float) -> bytes:

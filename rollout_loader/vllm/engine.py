@@ -33,6 +33,7 @@ workers. Importing this module imports vLLM.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,20 +42,31 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferUpdateInfo
 
 from deltasync import DeltaSyncError, StreamReader
-from deltasync.engine import MAX_STEP, EventFeed, add_checksums, warm_kernels
+from deltasync.engine import (
+    MAX_STEP,
+    EventFeed,
+    RankFingerprint,
+    add_checksums,
+    config_key,
+    differing,
+    read_reference,
+    warm_kernels,
+)
 from deltasync.errors import (
     BaseStepMismatchError,
     ChecksumMismatchError,
     ConfigError,
     EngineError,
+    FingerprintMismatchError,
     HeldStepError,
     StepNotFoundError,
     to_text,
 )
 
+from .fingerprint import engine_config, fingerprint_model, rank_and_size
 from .layout import checkpoint_layout
 from .plan import build_state
-from .prefetch import Prefetcher, Prepared, prepare
+from .prefetch import PlanBoard, Prefetcher, Prepared, prepare
 from .settings import EngineSettings
 from .shadow import reload_as_loaded
 from .state import Staged, WorkerState
@@ -66,8 +78,9 @@ log = logging.getLogger(__name__)
 BACKEND = "deltasync"
 # the parts of an update's time inside the pause: finding the steps to apply (the manifest), taking the staged
 # step (or preparing it, when the prefetcher had not), the in-place write, the ranks' agreement, the checksum
-# comparison (with any checksum computation it needs); "total" is the whole update_weights call
-PAUSE_PARTS = ("resolve", "staging", "write", "all_gather", "compare", "total")
+# comparison (with any checksum computation it needs), the runtime fingerprint (with fingerprint="pause");
+# "total" is the whole update_weights call
+PAUSE_PARTS = ("resolve", "staging", "write", "all_gather", "compare", "fingerprint", "total")
 
 
 @dataclass
@@ -119,6 +132,17 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         self.sealed_steps: list[int] = []  # steps written from a seal (a plain scatter inside the pause)
         # what init planned: tensors in place, host copies and their bytes, FP8 layers (plan.build_state's summary)
         self.init_summary: dict[str, Any] = {}
+        # the runtime fingerprint of the step held (docs/FORMAT.md section 5f): see fingerprint_status
+        self.config: dict[str, Any] = {}
+        self.config_key: str | None = None
+        # the last fingerprint: {"step", "rank": this rank's RankFingerprint (None while pending), "check", "note",
+        # "seconds"}
+        self._print: dict[str, Any] | None = None
+        self._print_thread: threading.Thread | None = None
+        self._fault: str | None = None  # a mismatch found after an update returned: undone at the next update
+        self._last_update: tuple[int | None, list[tuple[int, list[Staged]]]] | None = None  # (start, done)
+        self.applied_unix_s: float | None = None  # when the step held was applied (this host's clock)
+        self.last_error: str | None = None  # the last update's error (None: it succeeded)
 
     @property
     def held_step(self) -> int | None:
@@ -168,6 +192,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
             )
             self.init_summary = summary
             log.info("deltasync engine routes: %s", summary)
+            self.config = engine_config(self.vllm_config)
+            self.config_key = config_key(self.config)
             old = None
         summed: set[str] = set()  # tensors whose checksums were just computed from the bits held (state.sums)
         if init_info.same_stream(old):
@@ -192,16 +218,22 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         if init_info.rdma is not None and self._rdma is None:
             self._rdma = self._rdma_consumer(init_info)
         if init_info.prefetch:
+            # one watcher per engine: the first rank watches the stream and tells the others what to stage
+            board, plans = self._plan_board()
             url, options = init_info.stream()
             reader = self._rdma.reader if self._rdma is not None else StreamReader(url, storage_options=options)
             assert self._reader is not None  # opened above, or by the init this one continues (same stream)
             reader.trusted = self._reader.trusted  # the prefetcher's reader checks with the engine's own key set
-            # over NIXL the trainer announces each step, or a mirror does: the prefetcher hears of it at once (a
+            # over NIXL the trainer announces each step, or a mirror does: the watching rank hears of it at once (a
             # hint it checks); otherwise the store's own feed where it has one, else polls by the stream's cadence
-            if init_info.notify is not None and self._rdma is None:
+            if plans is None and init_info.notify is not None and self._rdma is None:
                 self._feed = EventFeed(init_info.notify)
-            self._prefetcher = Prefetcher(reader, self._state, lambda: self._held, notifier=self._rdma or self._feed,
-                                          anchor_deltas=self._rdma is None)
+            self._prefetcher = Prefetcher(reader, self._state, lambda: self._held,
+                                          notifier=None if plans is not None else self._rdma or self._feed,
+                                          anchor_deltas=self._rdma is None, board=board, plans=plans)
+        if self._held is not None and init_info.fingerprint != "off" and (
+                self._print is None or self._print["step"] != self._held):
+            self._start_fingerprint(self._held)  # the step it starts at, proved by checksums: now by its runtime bytes
 
     def start_weight_update(self) -> None:
         try:
@@ -212,11 +244,16 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
     def receive_weights(self, update_info: DeltasyncUpdateInfo) -> None:
         try:
             self._receive(update_info)
-        except DeltaSyncError as e:
-            raise _crossing(e) from e
+            self.last_error = None
+        except Exception as e:
+            self.last_error = f"{type(e).__name__}: {e}"[:2000]
+            if isinstance(e, DeltaSyncError):
+                raise _crossing(e) from e
+            raise
 
     def _receive(self, update_info: DeltasyncUpdateInfo) -> None:
         reader, _ = self._require()
+        self._settle_fingerprint()
         parts = dict.fromkeys(PAUSE_PARTS, 0.0)
         t0 = time.perf_counter()
         want = update_info.step
@@ -234,6 +271,14 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         try:
             for step in chain:
                 done.append((step, self._advance(step, parts)))
+            if self._info is not None and self._info.fingerprint == "pause":
+                t_print = time.perf_counter()
+                outcome = _all_gather(self._fingerprint(want))  # every rank learns of any rank's mismatch
+                failed = [text for text in outcome if text is not None]
+                if failed:
+                    more = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+                    raise FingerprintMismatchError(failed[0] + more)
+                parts["fingerprint"] = time.perf_counter() - t_print
         except Exception as e:
             if done:  # all or nothing: back to the step held before the update (the failed step undid itself)
                 e.args = (f"{e}; {self._undo(done, start, want)}",)
@@ -243,6 +288,10 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
                 self._prefetcher.wake()  # (once the whole chain is written: a seal holds the state's lock)
         parts["total"] = time.perf_counter() - t0
         self.pause_parts.append(parts)
+        self.applied_unix_s = time.time()
+        self._last_update = (start, done)  # kept until the next update: undone if its fingerprint turns out wrong
+        if self._info is not None and self._info.fingerprint == "after":
+            self._start_fingerprint(want)
 
     def _undo(self, done: list[tuple[int, list[Staged]]], start: int | None, want: int) -> str:
         """Undo the steps of a failed update, newest first, and say where the engine is.
@@ -263,6 +312,108 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         return (f"the update to step {want} was undone whole (steps {[s for s, _ in done]} written before it): the "
                 f"engine holds step {start} again, bit for bit")
 
+    # --- the runtime fingerprint (docs/FORMAT.md section 5f) ---
+
+    def _fingerprint(self, step: int) -> str | None:
+        """Fingerprint what this rank computes with at ``step`` and compare it with the reference stored for this
+        engine's configuration and step, if any; returns the mismatch's description (None: no mismatch)."""
+        t0 = time.perf_counter()
+        reader, _ = self._require()
+        mine = fingerprint_model(self.model)
+        check, note, error = "no reference", "", None
+        assert self.config_key is not None
+        path = f"{reader.url}/fingerprints/{self.config_key}/{step:012d}.json"
+        try:
+            ref = read_reference(reader.store, self.config_key, step, trusted=reader.trusted)
+        except DeltaSyncError as e:  # unsigned where keys are trusted, badly signed, not a reference, unreachable
+            ref, check, note = None, "refused", f"{path}: not compared: {type(e).__name__}: {e}"
+            log.warning("deltasync: %s", note)
+        if ref is not None:
+            rank, size = rank_and_size()
+            if len(ref.ranks) != size:
+                check, note = "refused", f"{path}: not compared: it holds {len(ref.ranks)} rank(s), this engine {size}"
+                log.warning("deltasync: %s", note)
+            else:
+                bad = differing(ref.ranks[rank].tensors, mine.tensors)
+                check = "mismatch" if bad else "match"
+                if bad:
+                    n = bad[0]
+                    theirs, ours = ref.ranks[rank].tensors.get(n), mine.tensors.get(n)
+                    was = theirs.checksum if theirs else "has none"
+                    now = ours.checksum if ours else "has none"
+                    trust = ("signed by a trusted key" if reader.trusted is not None else
+                             "unsigned: anyone who can write the bucket could have written it; follow with trusted "
+                             "keys and sign references (deltasync fingerprint --signing-key), docs/SECURITY.md")
+                    error = note = (
+                        f"{path}: rank {rank}: the engine's runtime fingerprint at step {step} is not the reference's: "
+                        f"{len(bad)} of {len(mine.tensors)} tensor(s) differ, first {n!r} (reference {was}, engine "
+                        f"{now}): "
+                        f"what this engine computes with is not what a fresh engine of its configuration loaded from "
+                        f"step {step}'s checkpoint holds, though the checkpoint checksums matched. The reference: "
+                        f"{ref.made_by or 'no maker named'}; {trust}")
+        self._print = {"step": step, "rank": mine, "check": check, "note": note,
+                       "seconds": time.perf_counter() - t0}
+        return error
+
+    def _start_fingerprint(self, step: int) -> None:
+        """Fingerprint ``step`` on a thread of its own (off the pause; the next update waits for it first)."""
+        self._print = {"step": step, "rank": None, "check": "pending", "note": "", "seconds": None}
+
+        def run() -> None:
+            try:
+                error = self._fingerprint(step)
+            except Exception as e:  # noqa: BLE001 - reported in the status, never a crash of the worker
+                self._print = {"step": step, "rank": None, "check": "refused", "seconds": None,
+                               "note": f"the fingerprint failed: {type(e).__name__}: {e}"}
+                log.exception("deltasync: fingerprint of step %d failed", step)
+                return
+            if error is not None:
+                self._fault = error
+                log.error("deltasync: %s. The engine is unhealthy: the next update undoes step %d first", error, step)
+
+        self._print_thread = threading.Thread(target=run, name="deltasync-fingerprint", daemon=True)
+        self._print_thread.start()
+
+    def _settle_fingerprint(self) -> None:
+        """Wait for a fingerprint still running (no bits change under it); if any rank found a mismatch after the
+        last update returned, undo that update on every rank and raise ``FingerprintMismatchError``."""
+        thread, self._print_thread = self._print_thread, None
+        if thread is not None:
+            thread.join()
+        fault = next((f for f in _all_gather(self._fault) if f is not None), None)
+        self._fault = None
+        if fault is None:
+            return
+        last, self._last_update = self._last_update, None
+        held = self._held
+        if last is None or not last[1]:  # the step the engine started at: nothing to undo, its weights unknown
+            self._held = None
+            raise FingerprintMismatchError(f"{fault}; the engine started at step {held} with these weights: they are "
+                                           "unknown now, and the next update writes an anchor")
+        start, done = last
+        assert held is not None
+        raise FingerprintMismatchError(f"{fault} (found after the update to step {held} returned); "
+                                       f"{self._undo(done, start, held)}")
+
+    def fingerprint_status(self, *, tensors: bool = False) -> dict[str, Any]:
+        """This rank's runtime fingerprint record: configuration key (and configuration), the step fingerprinted,
+        its digest, the comparison with a reference (``check``, ``note``), its seconds, how many modules' kernels
+        are opaque to it, and ``unhealthy`` (a mismatch found after the update, undone at the next); with
+        ``tensors``, every tensor's fingerprint."""
+        p = self._print or {}
+        mine: RankFingerprint | None = p.get("rank")
+        when = self._info.fingerprint if self._info is not None else None
+        out: dict[str, Any] = {
+            "config_key": self.config_key, "config": self.config, "when": when, "step": p.get("step"),
+            "digest": mine.digest if mine is not None else None,
+            "check": p.get("check", "off" if when == "off" else None), "note": str(p.get("note", ""))[:2000],
+            "seconds": p.get("seconds"), "opaque": len(mine.opaque) if mine is not None else 0,
+            "unhealthy": self._fault,
+        }
+        if tensors and mine is not None:
+            out["tensors"] = {n: [t.checksum, t.dtype, t.shape] for n, t in mine.tensors.items()}
+        return out
+
     def finish_weight_update(self) -> None:
         pass  # the weights were written in place, verified, by receive_weights
 
@@ -271,7 +422,12 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         self._state = self._info = None
 
     def _close_stream(self) -> None:
-        """Stop reading the stream followed now (prefetcher, NIXL consumer, reader); the routes stay."""
+        """Stop reading the stream followed now (prefetcher, NIXL consumer, reader, a fingerprint running); the
+        routes stay."""
+        thread, self._print_thread = self._print_thread, None
+        if thread is not None:
+            thread.join()
+        self._fault, self._last_update, self._print = None, None, None
         self._stop_prefetch()
         if self._rdma is not None:
             self._rdma.close()
@@ -431,6 +587,35 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         if feed is not None:
             feed.close()
 
+    def _plan_board(self) -> tuple[PlanBoard | None, PlanBoard | None]:
+        """(the board this rank serves, the board it joined): with tensor parallelism only the first rank watches
+        the stream and resolves the chain; it posts what to stage to the others (prefetch.py). A collective: every
+        rank calls it in init. A rank that cannot join watches the stream itself (logged), as does every rank when
+        the first cannot serve."""
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+        if group.world_size == 1:
+            return None, None
+        ips = _all_gather(_host_ip())
+        local = all(ip == ips[0] for ip in ips)  # one machine: the board listens on loopback only
+        board = address = None
+        if group.rank_in_group == 0:
+            try:
+                board = PlanBoard.serve(group.world_size - 1, host="127.0.0.1" if local else "0.0.0.0")
+                address = board.address
+            except OSError as e:
+                log.warning("deltasync: cannot serve stage plans to the other ranks (%s): each watches the stream", e)
+        address = _all_gather(address)[0]
+        if board is not None or address is None:
+            return board, None
+        try:
+            return None, PlanBoard.join("127.0.0.1" if local else ips[0], *address)
+        except OSError as e:
+            log.warning("deltasync: cannot reach the first rank's stage plans at %s (%s): this rank watches the "
+                        "stream itself", ips[0], e)
+            return None, None
+
     def _rdma_consumer(self, info: EngineSettings) -> Any:
         """This rank's NIXL consumer: step objects read from the trainer's ring when announced, from the store
         otherwise (the prefetcher reads through it); one consumer per tensor-parallel rank, grouped by engine."""
@@ -445,3 +630,10 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         url, storage_options = info.stream()
         return RdmaConsumer(url, rdma=options, consumer_id=f"{engine}-tp{rank}", engine=engine,
                             storage_options=storage_options, plan_wait_s=plan_wait_s)
+
+
+def _host_ip() -> str:
+    """This machine's address as vLLM names it (``VLLM_HOST_IP`` or the outbound interface's)."""
+    from vllm.utils.network_utils import get_ip
+
+    return str(get_ip())

@@ -30,11 +30,12 @@ from deltasync.engine import (
 )
 from deltasync.errors import ConfigError
 
-__all__ = ["EngineSettings", "EngineVerify", "Mode", "Representation"]
+__all__ = ["EngineSettings", "EngineVerify", "FingerprintWhen", "Mode", "Representation"]
 
 EngineVerify = Literal["incremental", "changed", "all"]
 Mode = Literal["auto", "live", "reload"]
 Representation = Literal["checkpoint", "fp8"]
+FingerprintWhen = Literal["after", "pause", "off"]
 MAX_SETTINGS_BYTES = 1 << 20  # a few PEM keys and storage options: nothing legitimate is larger
 
 
@@ -56,8 +57,9 @@ class EngineSettings:
         prefetch: stage the next committed step (fetch, verify, decode) before the update asks for it.
         rdma: read steps over NIXL first: ``{"controller": "tcp://host:port", ...}`` (deltasync.rdma.options),
             or just the controller's address.
-        notify: an event feed (``http://HOST:PORT/events``: a mirror's or a publisher's) the engine's prefetchers
-            listen to, polling the store only as a safety net.
+        notify: an event feed (``http://HOST:PORT/events``: a mirror's or a publisher's) the engine listens to (its
+            first tensor-parallel rank, which tells the others what to stage), polling the store only as a safety
+            net.
         trusted_keys: public keys (PEM text, or files where these settings are made; or a follower's whole
             ``TrustedKeys``, which also gives ``stream_id``, ``max_age_s`` and ``revoked_keys`` where those are not
             set): the engine then applies only steps one of them signed. Kept as PEM text, so a server elsewhere
@@ -74,6 +76,11 @@ class EngineSettings:
         max_host_bytes: the most host memory, in bytes, the engine may keep as host copies of checkpoint tensors
             (stated at init); above it init is refused with a ``ConfigError`` before anything is read. None: no
             limit.
+        fingerprint: when each rank computes the runtime fingerprint of what it computes with (docs/FORMAT.md
+            section 5f) after an update: ``"after"`` (on a thread of its own once the update returned, off the
+            pause; a mismatch with the reference marks the engine unhealthy, and the next update undoes the step
+            first and raises), ``"pause"`` (inside the update: a mismatch undoes the update whole before it returns,
+            at the cost of one pass over the weights in the pause) or ``"off"``.
 
     Raises:
         ConfigError: a value of the wrong type or out of range, naming the setting.
@@ -98,6 +105,7 @@ class EngineSettings:
     max_age_s: float | None = None
     representation: Representation = "checkpoint"
     max_host_bytes: int | None = None
+    fingerprint: FingerprintWhen = "after"
 
     def __post_init__(self) -> None:
         if self.url is not None and not (isinstance(self.url, str) and self.url):
@@ -116,6 +124,7 @@ class EngineSettings:
         if self.rdma is not None:
             object.__setattr__(self, "rdma", _rdma(self.rdma))
         _choice("representation", self.representation, Representation)
+        _choice("fingerprint", self.fingerprint, FingerprintWhen)
         if self.max_host_bytes is not None and (isinstance(self.max_host_bytes, bool)
                                                 or not isinstance(self.max_host_bytes, int) or self.max_host_bytes < 0):
             raise _bad("max_host_bytes", "a number of bytes (an integer >= 0) or null", self.max_host_bytes)

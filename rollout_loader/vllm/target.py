@@ -19,9 +19,9 @@ import logging
 import os
 from typing import Any
 
-from deltasync import StreamReader
-from deltasync.engine import pem_text, pem_texts
-from deltasync.errors import ConfigError, HeldStepError, MissingDependencyError
+from deltasync import DeltaSyncError, StreamReader
+from deltasync.engine import ReplicaRecord, pem_text, pem_texts
+from deltasync.errors import ConfigError, EngineConfigError, HeldStepError, MissingDependencyError
 
 from .client import (
     SYNC_CLIENT_METHODS,
@@ -123,8 +123,6 @@ class VllmTarget:
             follower.wait_for(step=10)
     """
 
-    reads_store = True  # the Follower sends step numbers, not objects
-
     def __init__(self, engine: Any, settings: EngineSettings | None = None, **overrides: Any) -> None:
         if settings is not None and not isinstance(settings, EngineSettings):
             raise ConfigError(f"VllmTarget: settings must be an EngineSettings, not {type(settings).__name__}")
@@ -196,14 +194,34 @@ class VllmTarget:
         log.info("vLLM engine holds step %s", self._step)
         return self._step
 
-    def advance(self, step: int) -> None:
+    def advance(self, reader: StreamReader, step: int) -> None:
         """Bring the engine to ``step`` (a delta based on the step held, or an anchor), verified on every rank;
-        on a failure the engine keeps its step and the error is raised."""
+        on a failure the engine keeps its step and the error is raised. The engine reads the step itself, from
+        the stream :meth:`connect` pointed it at (``reader`` is that stream's: nothing is read from it here)."""
         self.client.update(step)
         self._step = step
 
+    def record(self) -> ReplicaRecord:
+        """What this replica says of itself in its heartbeat and metrics (docs/FORMAT.md section 5f): when the step
+        it holds was applied, the last pause, the engine's configuration key and runtime fingerprint, the comparison
+        with a reference, the engine's last error. Reads the engine's status (no checksums); a client that cannot
+        read one (a plain vLLM weight-sync client) gives the pause alone; an engine that does not answer, its error."""
+        pause = self.client.pauses_s[-1] if self.client.pauses_s else None
+        try:
+            st = self.client.status(checksums=False)
+        except EngineConfigError:
+            return ReplicaRecord(pause_s=pause)
+        except DeltaSyncError as e:
+            return ReplicaRecord(pause_s=pause, last_error=f"status: {type(e).__name__}: {e}")
+        fp = st.get("fingerprint") or {}
+        return ReplicaRecord(
+            applied_unix_s=st.get("applied_unix_s"), pause_s=pause, config_key=fp.get("config_key"),
+            fingerprint=fp.get("fingerprint"), fingerprint_step=fp.get("step") if fp.get("fingerprint") else None,
+            fingerprint_check=fp.get("check"), last_error=fp.get("unhealthy") or st.get("last_error"))
+
     def status(self, *, checksums: bool = True) -> dict[str, Any]:
-        """The engine's own account (held step, how steps arrived, pauses, every tensor's checksum); needs the
+        """The engine's own account (held step, how steps arrived, pauses, every tensor's checksum, the runtime
+        fingerprint: ``fingerprint``, docs/FORMAT.md section 5f); needs the
         status extension (:func:`start_engine` installs it; a server: ``--worker-extension-cls``)."""
         return self.client.status(checksums=checksums)
 

@@ -81,6 +81,7 @@ class TrainerSync:
         self.publisher: DeltaPublisher | None = None
         self.steps: list[int] = []  # the steps the engines were brought to (or, with no target, published), in order
         self._sent_here = False  # a step was sent since open(): the next default step follows it
+        self._reader: StreamReader | None = None  # the stream as the engines are told to read it (open() to close())
 
     @property
     def step(self) -> int | None:
@@ -97,18 +98,19 @@ class TrainerSync:
             if self.target is not None:
                 # a signing trainer's engines apply only what its key signed for its stream (docs/FORMAT.md 5e),
                 # unless the target's settings name their own trust
-                with StreamReader(self.url, storage_options=self.storage_options,
-                                  trusted_keys=publisher.trust) as reader:
-                    sent = self.target.engine_settings(reader).storage_options
-                    if sent and sent == dict(self.storage_options or {}):
-                        # the trainer's store options may carry write access; an engine only reads (SECURITY.md)
-                        log.warning("%s: the inference engines get the trainer's storage options (its credentials): "
-                                    "give them read-only ones in the engine settings (storage_options)", self.who)
-                    held = self.target.connect(reader)  # the engines read this stream unless the target names another
+                self._reader = reader = StreamReader(self.url, storage_options=self.storage_options,
+                                                     trusted_keys=publisher.trust)
+                sent = self.target.engine_settings(reader).storage_options
+                if sent and sent == dict(self.storage_options or {}):
+                    # the trainer's store options may carry write access; an engine only reads (SECURITY.md)
+                    log.warning("%s: the inference engines get the trainer's storage options (its credentials): "
+                                "give them read-only ones in the engine settings (storage_options)", self.who)
+                held = self.target.connect(reader)  # the engines read this stream unless the target names another
                 log.info("%s: stream %s (newest committed step %s), engines at step %s", self.who, self.url,
                          publisher.last_committed_step, held)
         except BaseException:
             publisher.close()
+            self._close_reader()
             raise
         self.publisher, self._sent_here = publisher, False
 
@@ -139,15 +141,24 @@ class TrainerSync:
             publisher.flush(self.timeout_s)
             self._sent_here = True
         if self.target is not None and self.target.step != step:
-            self.target.advance(step)
+            assert self._reader is not None  # open() made it with the target's connection
+            self.target.advance(self._reader, step)
         self.steps.append(step)
         return step
 
     def close(self) -> None:
         """Flush and close the publisher (the lease released); the engines keep their step."""
         publisher, self.publisher = self.publisher, None
-        if publisher is not None:
-            publisher.close()
+        try:
+            if publisher is not None:
+                publisher.close()
+        finally:
+            self._close_reader()
+
+    def _close_reader(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
 
     # --- helpers ---
 

@@ -6,7 +6,8 @@ holds: in vLLM's multiprocess mode (and over a server's ``/collective_rpc``) a w
 through a named method. Use with ``LLM(..., worker_extension_cls="rollout_loader.vllm.worker.DeltaWorkerExtension")``
 (:func:`~rollout_loader.vllm.start_engine` sets it), then::
 
-    transfer_status(llm)  # held step, how each step arrived, pauses, checksums of every tensor (ranks added up)
+    transfer_status(llm)  # held step, how each step arrived, pauses, checksums of every tensor (ranks added up),
+                          # the runtime fingerprint of what the ranks compute with (docs/FORMAT.md section 5f)
 
 Importing this module imports vLLM.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from .client import LocalWeightTransfer
+from .fingerprint import engine_config, fingerprint_model, rank_and_size
 from .live_cpu import LIVE_ENV, install_dispatch_hook
 
 __all__ = ["LIVE_ENV", "DeltaWorkerExtension", "transfer_status"]
@@ -58,7 +60,20 @@ class DeltaWorkerExtension:
             "pauses_s": list(engine.pauses_s),
             "checksums": state.checksums() if checksums else {},
             "host_bytes": int(engine.init_summary.get("host_bytes", 0)),
+            "fingerprint": {**engine.fingerprint_status(tensors=checksums), "rank": rank_and_size()[0]},
+            "applied_unix_s": engine.applied_unix_s,
+            "last_error": engine.last_error,
         }
+
+    def deltasync_fingerprint(self) -> dict[str, Any]:
+        """This rank's runtime fingerprint computed now, from the model as it is, with the engine's configuration
+        and this rank's index (docs/FORMAT.md section 5f): what ``deltasync fingerprint`` stores as a reference
+        from a fresh engine. Needs no deltasync weight-transfer engine; changes nothing."""
+        import msgspec
+
+        model = self.model_runner.model  # type: ignore[attr-defined]  # the vLLM worker's
+        return {"rank": rank_and_size()[0], "config": engine_config(self.vllm_config),  # type: ignore[attr-defined]
+                "fingerprint": msgspec.to_builtins(fingerprint_model(model))}
 
 
 install_dispatch_hook()

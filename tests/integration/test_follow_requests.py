@@ -13,7 +13,7 @@ import torch
 from deltasync import DeltaPublisher, StreamReader
 from deltasync.signing import keygen
 from deltasync.trust import TrustedKeys
-from rollout_loader import Follower, StateDictTarget
+from rollout_loader import Follower, PollPolicy, StateDictTarget
 from tests.conftest import states_equal
 from tests.integration.counting_proxy import Request, counting_proxy
 from tests.integration.seaweedfs import s3_server  # noqa: F401 - fixture
@@ -44,7 +44,8 @@ def test_an_idle_follower_makes_one_request_per_poll(s3_server, signed, tmp_path
             pub.publish(s)
     with counting_proxy(opts["client_kwargs"]["endpoint_url"]) as proxy:
         target = StateDictTarget()
-        follower = Follower(url, target, poll_s=0.05, max_poll_s=0.4, storage_options=_through(opts, proxy.url),
+        follower = Follower(url, target, policy=PollPolicy(fast_s=0.05, idle_max_s=0.4),
+                            storage_options=_through(opts, proxy.url),
                             trusted_keys=TrustedKeys.load([public], stream_id="run-7") if signed else None)
         follower.start()
         try:
@@ -93,7 +94,8 @@ def test_a_throttling_store_is_not_hammered_and_the_follower_ends_exact(s3_serve
                  b"<Message>Please reduce your request rate.</Message></Error>")
     with counting_proxy(opts["client_kwargs"]["endpoint_url"]) as proxy:
         target = StateDictTarget()
-        follower = Follower(url, target, poll_s=0.05, max_poll_s=0.2, storage_options=_through(opts, proxy.url))
+        follower = Follower(url, target, policy=PollPolicy(fast_s=0.05, idle_max_s=0.2),
+                            storage_options=_through(opts, proxy.url))
         follower.sync()
         proxy.take()
         throttled = {"on": True}
@@ -133,7 +135,6 @@ def test_a_mirror_of_a_signed_stream_reads_each_step_once_and_idles_on_one_reque
     import threading
 
     from deltasync.history.mirror import mirror_follow
-    from deltasync.watch import PollPolicy
 
     url = s3_server.new_url()
     opts = s3_server.storage_options

@@ -18,7 +18,7 @@ from deltasync.history.gc import collect_garbage
 from deltasync.signing import keygen
 from deltasync.store import Store
 from deltasync.trust import TrustedKeys
-from rollout_loader import Follower, StateDictTarget
+from rollout_loader import Follower, PollPolicy, StateDictTarget
 from tests.integration.seaweedfs import _server
 from tests.integration.test_cli_errors_s3 import KEY, SECRET, _require_credentials
 
@@ -81,7 +81,7 @@ def test_a_read_only_follower_follows_and_can_neither_commit_nor_delete(s3, tmp_
     target = StateDictTarget(verify="full")
     with Follower(url, target, storage_options=options, trusted_keys=TrustedKeys.load([public], stream_id="run-7"),
                   consumer_id="rollout-7",
-                  heartbeat_s=0.05, poll_s=0.02) as follower:
+                  heartbeat_s=0.05, policy=PollPolicy(fast_s=0.02)) as follower:
         assert follower.wait_for(4, timeout_s=60) == 4
         time.sleep(0.5)  # several heartbeats due: each refused, logged, and the follower goes on
         assert follower.running and follower.last_error is None and follower.stopped_by is None

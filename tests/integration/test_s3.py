@@ -15,7 +15,7 @@ from deltasync import DeltaPublisher, StreamReader
 from deltasync.errors import CorruptObjectError, PublishError
 from deltasync.store import Store, step_dir
 from deltasync.testing.store_contract import StoreContract
-from rollout_loader import Follower, StateDictTarget
+from rollout_loader import Follower, PollPolicy, StateDictTarget
 from tests.conftest import perturb, states_equal
 from tests.integration.seaweedfs import private_s3_server, s3_server  # noqa: F401 - fixtures
 
@@ -81,7 +81,7 @@ def test_server_outage_mid_upload_then_restart(private_s3_server):  # noqa: F811
 
         store.transport.put = put
         target = StateDictTarget()
-        follower = Follower(url, target, poll_s=0.2, storage_options=opts)
+        follower = Follower(url, target, policy=PollPolicy(fast_s=0.2), storage_options=opts)
         with DeltaPublisher(store, _state(0), on_backlog="block") as pub:
             for s in range(3):
                 pub.source = _state(s)
@@ -135,7 +135,7 @@ def test_outage_longer_than_retries_is_a_clear_error(private_s3_server):  # noqa
 CONSUMER = textwrap.dedent(
     """
     import sys, json
-    from rollout_loader import Follower, StateDictTarget
+    from rollout_loader import Follower, PollPolicy, StateDictTarget
     url, opts, cache = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     from deltasync import StreamReader
     f = Follower(StreamReader(url, storage_options=opts, cache_dir=cache), StateDictTarget())

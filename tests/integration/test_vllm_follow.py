@@ -88,7 +88,7 @@ def test_engine_follows_training_bit_exactly(tmp_path, tie):
         with DeltaPublisher(url, {k: v.clone() for k, v in states[last].items()}, take_over=True) as forger:
             forger.publish(last + 1)
         with pytest.raises(UnsignedStepError, match="step 6 is not signed"):  # the engine's error, as data
-            target.advance(last + 1)
+            target.advance(StreamReader(url), last + 1)
         assert llm.get_weight_version() == str(last) and target.status()["checksums"] == status["checksums"]
 
     # a fresh engine loaded from the trainer's own weights at the last step gives the same greedy tokens,

@@ -290,6 +290,11 @@ def digest(worker):
         out[name] = [str(t.dtype), list(t.shape), hashlib.sha256(data).hexdigest()]
     return out
 
+def prefetch_role(worker):
+    # whether this rank's prefetcher watches the stream, and how many stage plans it heard from the one that does
+    p = worker.weight_transfer_engine._prefetcher
+    return [p.watch is not None, None if p.feed is None else p.feed.received]
+
 if __name__ == "__main__":
     from rollout_loader.vllm import start_engine
     from tests.integration.conftest import generate, update_to
@@ -300,7 +305,8 @@ if __name__ == "__main__":
         llm.init_weight_transfer_engine({"init_info": {"url": url, "verify": "all", "step": 0}})
         for step in steps:
             update_to(llm, step)
-    json.dump({"held": llm.collective_rpc(digest), "tokens": generate(llm)}, open(out, "w"))
+    roles = llm.collective_rpc(prefetch_role) if steps else None
+    json.dump({"held": llm.collective_rpc(digest), "tokens": generate(llm), "prefetch": roles}, open(out, "w"))
 """
 
 
@@ -338,3 +344,6 @@ def test_moe_tensor_parallel_2_bit_exact_against_a_fresh_engine(tmp_path) -> Non
         differ = [n for n in want[rank] if got[rank][n] != want[rank][n]]
         assert not differ, f"rank {rank}: {len(differ)} tensors differ from a fresh engine: {differ[:6]}"
     assert results["followed"]["tokens"] == results["fresh"]["tokens"]
+    # one watcher per engine: rank 0's prefetcher watches the stream and tells rank 1 what to stage
+    (watches_0, _), (watches_1, heard_1) = results["followed"]["prefetch"]
+    assert watches_0 and not watches_1 and heard_1 >= 1, results["followed"]["prefetch"]

@@ -43,26 +43,25 @@ def trainer(address: str, url: str, model_dir: str, out) -> None:
     """Publish steps 0..STEPS of the checkpoint's weights, changed a little each step, over NIXL and the store."""
     import time
 
-    from deltasync import DeltaPublisher, Store
-    from deltasync.transports.nixl import NixlTransport
+    from deltasync import DeltaPublisher
 
     state = load_state(Path(model_dir))
     committed: list[float] = []  # when each step was committed and offered (unix time, for a failure's story)
     rdma = {"secret": SECRET, "controller": address, "slot_bytes": 4 << 20, "plan_wait_s": 600.0,
             "ack_deadline_s": 30.0}
-    with NixlTransport.trainer(url, rdma=rdma) as transport:
-        with DeltaPublisher(Store(url, transport=transport), state, anchor_every=100, on_backlog="block") as pub:
-            for step in range(STEPS + 1):
-                if step:
-                    for name, t in perturb(state, perturbed_names(False), seed=step, density=0.03).items():
-                        state[name].copy_(t)
-                pub.publish(step)
-                pub.flush()
-                committed.append(round(time.time(), 2))
-                time.sleep(0.2)
-        out.put({"announced": list(transport.rdma_trainer.stats.announced), "committed_at": committed,
-                 "store_only": list(transport.rdma_trainer.stats.store_only),
-                 "checksums": {n: tensor_checksum(t) for n, t in state.items()}})
+    with DeltaPublisher(url, state, anchor_every=100, on_backlog="block", rdma=rdma) as pub:
+        for step in range(STEPS + 1):
+            if step:
+                for name, t in perturb(state, perturbed_names(False), seed=step, density=0.03).items():
+                    state[name].copy_(t)
+            pub.publish(step)
+            pub.flush()
+            committed.append(round(time.time(), 2))
+            time.sleep(0.2)
+        stats = pub.rdma.stats  # the ring stays up until the publisher closes
+    out.put({"announced": list(stats.announced), "committed_at": committed,
+             "store_only": list(stats.store_only),
+             "checksums": {n: tensor_checksum(t) for n, t in state.items()}})
 
 
 # the driver, in a fresh process: an LLM in this pytest process would share vLLM's settings with in-process
