@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 CONTEXT = ("url", "step", "key", "tensor", "expected", "found")
@@ -116,6 +117,28 @@ class StepExistsError(DeltaSyncError, FileExistsError):
 
 class PublishError(DeltaSyncError, RuntimeError):
     """A background publishing stage failed; the step was not committed."""
+
+
+class NonFiniteStepError(DeltaSyncError, ValueError):
+    """A publisher refused a step: floating tensors that held only finite values in the step published before hold
+    NaN or ±Inf in this one (a diverged optimizer), or, in a publisher's first step, hold NaN
+    (``PublishOptions.refuse_nonfinite``). Nothing of the step was published, and the publisher still holds the last
+    published step: the next ``publish`` with good weights is its delta from that step.
+
+    Attributes:
+        url, step: the stream and the step refused (the :data:`CONTEXT` fields; ``tensor``: the first tensor named).
+        tensors: the names of every tensor that refused it (the message names the first few; empty when rebuilt from
+            another process's record, whose context carries ``tensor`` only).
+    """
+
+    retryable = False
+
+    def __init__(self, *args: Any, tensors: Sequence[str] = (), **context: Any) -> None:
+        tensors = tuple(tensors)
+        if tensors and context.get("tensor") is None:
+            context["tensor"] = tensors[0]
+        super().__init__(*args, **context)
+        self.tensors: tuple[str, ...] = tensors
 
 
 class WaitTimeoutError(DeltaSyncError, TimeoutError):
@@ -400,6 +423,7 @@ __all__ = [
     "FormatError",
     "HeldStepError",
     "MissingDependencyError",
+    "NonFiniteStepError",
     "OutputExistsError",
     "PublishError",
     "RdmaError",

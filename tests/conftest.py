@@ -125,12 +125,13 @@ def _test_leaves_no_temp_folders(request):
         pytest.fail(f"{request.node.nodeid} left temporary folders behind: {leaked}")
 
 
-def perturb(t: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
-    """A copy of ``t`` with about ``density`` of its elements given new random bits (the shipped contract's; imported
-    here when called: this module must not import deltasync before it has pointed the temp folder elsewhere)."""
+def perturb(t: torch.Tensor, density: float, gen: torch.Generator, *, finite: bool = True) -> torch.Tensor:
+    """A copy of ``t`` with about ``density`` of its elements given new random bits, finite ones unless ``finite`` is
+    False (the shipped contract's; imported here when called: this module must not import deltasync before it has
+    pointed the temp folder elsewhere)."""
     from deltasync.testing.store_contract import perturb as contract_perturb
 
-    return contract_perturb(t, density, gen)
+    return contract_perturb(t, density, gen, finite=finite)
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -90,3 +90,37 @@ def test_layout_changes_are_refused(small_state):
     bad = dict(small_state, **{"layer.0.bias": torch.zeros(65).bfloat16()})
     with pytest.raises(TensorMismatchError, match="layer.0.bias"):
         snap.diff(bad)
+
+
+@pytest.mark.parametrize("offset", [0, 4099], ids=["whole", "shard"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                   torch.float8_e5m2])
+def test_track_finite_keeps_which_tensors_hold_nan_or_inf_from_the_changes(dtype, offset, gen):
+    """``nonfinite`` after each diff equals a full scan, whether the change is sparse (read at its positions) or
+    dense (read whole), for 8-bit floats too (torch.isfinite has no kernel for some) and for a rank's shard (a
+    slice at a global offset: positions in its own coordinates); ``undo`` restores it."""
+    def scan(state):
+        return {n for n, t in state.items() if t.is_floating_point() and not torch.isfinite(t.float()).all()}
+
+    base = {"a": torch.randn(4096, generator=gen).to(dtype), "b": torch.randn(64, generator=gen).to(dtype),
+            "mask": torch.full((16,), float("-inf")).to(dtype) if dtype != torch.float8_e4m3fn else
+            torch.full((16,), float("nan")).to(dtype), "i": torch.arange(4)}
+    snap = Snapshot(base, track_finite=True, offsets=dict.fromkeys(base, offset))
+    assert snap.nonfinite == scan(base) == {"mask"}
+    steps = []
+    a, b, mask = base["a"].clone(), base["b"].clone(), base["mask"].clone()
+    a[100] = float("nan")  # sparse: one element of 4096
+    steps.append({"a": a.clone(), "b": b.clone(), "mask": mask.clone(), "i": base["i"]})
+    a[100] = 1.0
+    b.copy_(torch.randn(64, generator=gen).to(dtype))  # dense, all finite
+    mask.copy_(torch.zeros(16))  # the mask becomes finite (read whole: it was not)
+    steps.append({"a": a.clone(), "b": b.clone(), "mask": mask.clone(), "i": base["i"]})
+    for state in steps:
+        before_sums, before_flags = dict(snap.checksums), set(snap.nonfinite)
+        changes = snap.diff(state)
+        assert snap.nonfinite == scan(state)
+        snap.undo(changes, before_sums, before_flags)
+        assert snap.nonfinite == before_flags
+        snap.diff(state)
+    assert snap.nonfinite == set()
+    assert Snapshot(base).nonfinite == set()  # not tracked unless asked

@@ -572,8 +572,10 @@ def test_publisher_stream_with_tail_changes_replays_every_step(tmp_path, snapsho
     truth = {}
     url = str(tmp_path / "stream")
     (tmp_path / "spool").mkdir()  # inside tmp_path: nothing left in the system temp folder
+    # random bits, NaN payloads included: the stream must carry any bits exactly when asked to publish them
     with DeltaPublisher(
-        url, state, anchor_every=4, on_backlog="block", snapshot_device=snapshot_device, spool_dir=tmp_path / "spool"
+        url, state, anchor_every=4, on_backlog="block", snapshot_device=snapshot_device, spool_dir=tmp_path / "spool",
+        refuse_nonfinite=False,
     ) as pub:
         for step in range(10):
             if step:

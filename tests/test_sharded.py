@@ -31,7 +31,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from deltasync import DeltaPublisher
-from deltasync.errors import PublishError
+from deltasync.errors import NonFiniteStepError, PublishError
 import deltasync.publish.sharded as sharded
 
 url, mode, out, first, last = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
@@ -93,12 +93,21 @@ for step in range(first, last + 1):
     loss.backward()
     opt.step()
     opt.zero_grad()
+    poisoned = mode == "nan" and rank == 1 and step == first + 2  # rank 1's shard diverges at step first+2
+    if poisoned:
+        with torch.no_grad():
+            shard = model.up.weight.to_local()
+            kept = shard[0, 0].clone()
+            shard[0, 0] = float("nan")
     if pub is not None:
         try:
             pub.publish(step)
             events[step] = "ok"
-        except PublishError as e:
-            events[step] = f"PublishError: {e}"
+        except (PublishError, NonFiniteStepError) as e:
+            events[step] = f"{type(e).__name__}: {e}"
+    if poisoned:  # the trainer goes back to good weights (the refused step is not in the stream)
+        with torch.no_grad():
+            model.up.weight.to_local()[0, 0] = kept
     if mode == "ddp":
         full = {k.removeprefix("module."): v.detach().clone() for k, v in model.state_dict().items()}
     else:
@@ -268,6 +277,22 @@ def test_an_error_on_one_rank_fails_the_step_on_every_rank(tmp_path):
     assert reader.manifest(4).kind == "anchor"  # the step after a failure is an anchor on every rank
     _assert_bit_exact(reader, out, [1, 2, 4, 5])
     reader.close()
+
+
+def test_a_nan_shard_on_one_rank_refuses_the_step_on_every_rank_and_the_next_is_a_delta(tmp_path):
+    """refuse_nonfinite on a sharded trainer (issue 33): rank 1's shard of ``up.weight`` turns NaN at step 3; both
+    ranks raise ``NonFiniteStepError`` naming it, nothing of step 3 is stored, and every rank's snapshot is put back
+    so that step 4 is a delta from step 2."""
+    stream = tmp_path / "stream"
+    _, out = _run(tmp_path, stream, "nan", 2, 1, 5, "run")
+    for e in _events(out, 2):
+        assert e["3"].startswith("NonFiniteStepError") and "'up.weight'" in e["3"] and "step 2" in e["3"], e
+        assert {e[s] for s in ("1", "2", "4", "5")} == {"ok"}
+    with StreamReader(str(stream)) as reader:
+        assert reader.steps() == [1, 2, 4, 5]
+        assert 3 not in Store(str(stream)).step_folders()
+        assert (reader.manifest(4).kind, reader.manifest(4).base_step) == ("delta", 2)
+        _assert_bit_exact(reader, out, [1, 2, 4, 5])
 
 
 def test_a_rank_killed_mid_step_leaves_nothing_visible_and_a_restart_resumes(tmp_path):

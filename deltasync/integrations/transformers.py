@@ -66,7 +66,9 @@ class DeltaSyncCallback(TrainerCallback):
     is skipped when the stream already holds that step (a resumed run).
 
     Publishing errors are not swallowed: a step that failed in the background raises ``PublishError`` from the
-    next ``on_step_end`` and stops training, as a failed checkpoint save would.
+    next ``on_step_end`` and stops training, as a failed checkpoint save would; so does a step whose weights
+    turned NaN or ±Inf (``NonFiniteStepError`` naming the tensors, the ``refuse_nonfinite`` option): nothing of it
+    is published, and the stream ends at the last good step.
     """
 
     def __init__(

@@ -67,6 +67,12 @@ class PublishOptions:
             others (and any step the ring cannot hold) from the store. ``DeltaPublisher.rdma.stats`` says which
             steps went which way. Needs ``pip install 'deltasync[rdma]'`` and the cluster secret. On a sharded
             trainer, rank 0 runs it (its steps go by the store: one object per rank).
+        refuse_nonfinite: refuse a step whose weights turned NaN or ±Inf (a diverged optimizer) with
+            ``NonFiniteStepError`` naming the tensors: a floating tensor all finite in the step published before
+            that holds NaN or ±Inf now (in the published dtype); in a publisher's first step, one holding NaN. A tensor
+            that held non-finite values already (a ``-inf`` mask) never refuses a step. Nothing of a refused step
+            is published and the publisher goes on from the last published step (publish/finite.py). Only changed
+            tensors are read. False publishes such steps.
 
     Raises:
         ConfigError: a value of the wrong type or out of range, naming the option.
@@ -96,6 +102,7 @@ class PublishOptions:
     stream_id: str | None = None
     events: str | None = None
     rdma: str | RdmaOptions | dict[str, Any] | None = None
+    refuse_nonfinite: bool = True
 
     def __post_init__(self) -> None:
         def whole(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -104,6 +111,8 @@ class PublishOptions:
                 span = f"{low}-{high}" if high is not None else f">= {low}"
                 raise ConfigError(f"publish option {name} must be a whole number {span}, got {value!r}")
 
+        if not isinstance(self.refuse_nonfinite, bool):
+            raise ConfigError(f"publish option refuse_nonfinite must be True or False, got {self.refuse_nonfinite!r}")
         whole("anchor_every", self.anchor_every, 1)
         whole("max_pending", self.max_pending, 1)
         whole("zstd_level", self.zstd_level, 1, 22)

@@ -21,11 +21,12 @@ from typing import Any
 
 import torch
 
-from deltasync.errors import ConfigError, DeltaSyncError, PublishError, StepOrderError
+from deltasync.errors import ConfigError, DeltaSyncError, NonFiniteStepError, PublishError, StepOrderError
 from deltasync.format.documents import Kind, check_step
 from deltasync.format.objects import TensorHeader
 from deltasync.format.patch import Patch
 from deltasync.model_files import collect_model_files, store_model_files
+from deltasync.publish.finite import refusal, refused_tensors
 from deltasync.publish.names import canonical_name, named_tensors
 from deltasync.publish.options import PublishOptions
 from deltasync.publish.sharded import ShardedWriter, ShardGroup, is_sharded
@@ -107,6 +108,10 @@ class DeltaPublisher:
     costs one copy of the model. ``dtype`` publishes floating tensors in that dtype (e.g. fp32 master
     weights as the bf16 weights the engine serves). ``max_pending`` bounds captured steps waiting for upload;
     ``on_backlog="block"`` waits instead of coalescing. Use as a context manager or call ``close()``.
+
+    Bad steps never reach the fleet: with ``refuse_nonfinite`` (the default) a step whose weights turned NaN or ±Inf
+    is refused on the trainer's thread with ``NonFiniteStepError`` naming the tensors, before anything of it is
+    queued, and the publisher goes on from the last published step (publish/finite.py states the rule).
 
     One publisher per stream: it holds a lease object (``writer_id``, renewed every ``lease_s / 3``) and a
     second publisher is refused with ``WriterConflictError`` unless it passes ``take_over=True``; a writer
@@ -319,6 +324,12 @@ class DeltaPublisher:
                 the snapshot keeps the last published bits (the next step diffs against them).
             ConfigError: ``weights`` on a sharded publisher, a ``DTensor`` in the stream, ``weights`` that is not
                 iterable, or no ``weights`` on a publisher made with ``source=None``.
+            NonFiniteStepError: ``refuse_nonfinite`` (on by default) refused the step: floating tensors that held
+                only finite values in the step published before hold NaN or ±Inf (``.tensors`` names them all; in
+                a publisher's first step, tensors holding NaN). Nothing of the step is published, the snapshot
+                keeps the last published bits, and the next ``publish`` with good weights (this step number again,
+                or a later one) is its delta from them. A sharded step is refused on every rank. A coalesced step
+                is not read: the step that carries its change is checked (at the latest, by ``flush``).
 
         When ``weights`` itself raises, its exception propagates unchanged (with a note saying the step was not
         published). Any other error reads the rest of ``weights`` before it is raised: the other ranks of an FSDP
@@ -366,7 +377,9 @@ class DeltaPublisher:
         t0 = time.perf_counter()
         opts = self.options
         cap = StreamCapture(self._snapshot, self._aliases, where=where, names=opts.names,
-                            device=opts.snapshot_device, max_chunk_bytes=opts.max_chunk_bytes, dtype=opts.dtype)
+                            device=opts.snapshot_device, max_chunk_bytes=opts.max_chunk_bytes, dtype=opts.dtype,
+                            refuse_nonfinite=opts.refuse_nonfinite, url=self.store.url, step=step,
+                            last_step=self._last_captured)
         try:
             cap.run(weights)
         except BaseException as e:
@@ -417,7 +430,9 @@ class DeltaPublisher:
         t0 = time.perf_counter()
         try:
             nbytes = self._sharded.publish(step, kind=kind, base_step=None if kind == "anchor" else self._last_captured,
-                                           precheck=precheck)
+                                           precheck=precheck, last_step=self._last_captured)
+        except NonFiniteStepError:  # refused on every rank, every snapshot as it was: the next step goes on from them
+            raise
         except BaseException:
             self._force_anchor = True  # every rank failed the step: every rank anchors next
             raise
@@ -477,9 +492,20 @@ class DeltaPublisher:
         return differ + sorted((headers.keys() | aliases.keys()) - seen)
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Capture a trailing coalesced step, then wait until everything captured is committed."""
+        """Capture a trailing coalesced step, then wait until everything captured is committed.
+
+        Raises:
+            NonFiniteStepError: the trailing coalesced step is refused (``refuse_nonfinite``): it is not published,
+                and is not tried again.
+            PublishError: a step failed in the background.
+            TimeoutError: ``timeout_s`` passed first.
+        """
         if self._skipped:
-            self._capture(self._skipped[-1], anchor=False)
+            try:
+                self._capture(self._skipped[-1], anchor=False)
+            except NonFiniteStepError:
+                self._skipped = []  # refused, not coalesced: a second flush (close()) does not refuse it again
+                raise
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while self._queue.unfinished_tasks:
             if deadline is not None and time.monotonic() > deadline:
@@ -550,19 +576,29 @@ class DeltaPublisher:
         self.close()
 
     def _capture(self, step: int, *, anchor: bool) -> None:
-        """The source's tensors as ``step``: diffed against the snapshot (or copied into a new one), then queued."""
+        """The source's tensors as ``step``: diffed against the snapshot (or copied into a new one), then queued;
+        ``NonFiniteStepError`` (nothing queued, the snapshot as it was) for a step ``refuse_nonfinite`` refuses."""
         self._wait_for_snapshot()  # a stream's anchor may still be written from it
         t0 = time.perf_counter()
-        tensors, aliases = named_tensors(self.source, self.options.names)
+        opts = self.options
+        tensors, aliases = named_tensors(self.source, opts.names)
         diffed = self._snapshot is not None  # against the bits of this publisher's last captured step
         if self._snapshot is None:
-            self._snapshot = Snapshot(
-                tensors, device=self.options.snapshot_device, max_chunk_bytes=self.options.max_chunk_bytes,
-                dtype=self.options.dtype,
-            )
+            snapshot = Snapshot(tensors, device=opts.snapshot_device, max_chunk_bytes=opts.max_chunk_bytes,
+                                dtype=opts.dtype, track_finite=opts.refuse_nonfinite)
+            refused = refused_tensors(snapshot, None) if opts.refuse_nonfinite else []
+            if refused:  # the snapshot is dropped with the step: the next capture builds it again
+                raise refusal(self.store.url, step, refused, last_step=None)
+            self._snapshot = snapshot
             changes: list[Patch] = []
         else:
+            checksums, nonfinite = dict(self._snapshot.checksums), set(self._snapshot.nonfinite)
             changes = self._snapshot.diff(tensors)
+            refused = refused_tensors(self._snapshot, nonfinite) if opts.refuse_nonfinite else []
+            if refused:
+                self._snapshot.undo(changes, checksums, nonfinite)  # the last published bits again
+                raise refusal(self.store.url, step, refused,
+                              last_step=self._last_captured)
         self._aliases = aliases
         self._enqueue(step, anchor=anchor, changes=changes, diffed=diffed, pin=False, t0=t0)
 

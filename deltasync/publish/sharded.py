@@ -7,6 +7,11 @@ trainer's collectives): whether each rank captured the step (and as what kind), 
 checksum (``mix64-sum`` adds up over ranges), then each part's name, size and SHA-256. Rank 0 holds the
 stream's lease and writes the manifest last; any failure on any rank fails the step on all of them.
 
+``refuse_nonfinite`` (publish/finite.py): each rank checks its own shards as it diffs them, and the ranks agree on
+the step before anything is written: a step that any rank refuses is refused on every rank, each raising the same
+``NonFiniteStepError`` naming every rank's tensors, and every rank puts its snapshot back at the last published
+bits, so the next step is a delta from the last good one (no forced anchor).
+
 The step runs on the trainer's thread, with the same collectives in the same order on every rank: ranks
 cannot disagree about which steps they publish or what kind each one is.
 """
@@ -46,6 +51,7 @@ from deltasync.format.documents import (
 )
 from deltasync.format.objects import write_anchor, write_delta
 from deltasync.format.patch import Patch
+from deltasync.publish.finite import refusal, refused_tensors
 from deltasync.publish.names import NameMap, source_state
 from deltasync.stages.diff import Snapshot, SnapshotDevice
 from deltasync.threads import parallel_map
@@ -188,23 +194,41 @@ class ShardedCapture:
     changes: list[Patch]
     checksums: dict[str, int]  # this rank's partial checksums, global indices
     capture_s: float
+    built: bool = False  # the snapshot was made by this capture
+    before: tuple[dict[str, int], set[str]] | None = None  # the snapshot's checksums and nonfinite before the diff
+    refused: list[str] = field(default_factory=list)  # tensors that refuse the step (refuse_nonfinite)
 
 
 def capture(snapshot: Snapshot | None, shards: LocalShards, *, step: int, kind: Kind, base_step: int | None,
-            device: SnapshotDevice, max_chunk_bytes: int, dtype: torch.dtype | None) -> tuple[Snapshot, ShardedCapture]:
-    """Diff this rank's shards against its snapshot (made on the first call); returns both."""
+            device: SnapshotDevice, max_chunk_bytes: int, dtype: torch.dtype | None,
+            refuse_nonfinite: bool = False) -> tuple[Snapshot, ShardedCapture]:
+    """Diff this rank's shards against its snapshot (made on the first call); returns both. With
+    ``refuse_nonfinite`` the capture names the tensors that refuse the step (``refused``) and can be taken back
+    (:func:`take_back`)."""
     t0 = time.perf_counter()
     offsets = {n: r[0] for n, r in shards.ranges.items()}
+    before = None
     if snapshot is None:
         snapshot = Snapshot(shards.tensors, device=device, max_chunk_bytes=max_chunk_bytes, dtype=dtype,
-                            offsets=offsets)
+                            offsets=offsets, track_finite=refuse_nonfinite)
         changes: list[Patch] = []
     else:
         if snapshot.offsets != offsets:
             raise TensorMismatchError("the model's sharding changed since the last publish (shard ranges differ)")
+        before = dict(snapshot.checksums), set(snapshot.nonfinite)
         changes = [c for c in snapshot.diff(shards.tensors) if c.changed]
+    refused = refused_tensors(snapshot, None if before is None else before[1]) if refuse_nonfinite else []
     return snapshot, ShardedCapture(step=step, kind=kind, base_step=base_step, shards=shards, changes=changes,
-                                    checksums=dict(snapshot.checksums), capture_s=time.perf_counter() - t0)
+                                    checksums=dict(snapshot.checksums), capture_s=time.perf_counter() - t0,
+                                    built=before is None, before=before, refused=refused)
+
+
+def take_back(snapshot: Snapshot, cap: ShardedCapture) -> Snapshot | None:
+    """The snapshot as it was before ``cap``'s diff (its patches XORed in again), or None when ``cap`` made it."""
+    if cap.before is None:
+        return None
+    snapshot.undo(cap.changes, *cap.before)
+    return snapshot
 
 
 def write_part(dest: Any, cap: ShardedCapture, snapshot: Snapshot, *, state: str,
@@ -284,9 +308,17 @@ class ShardedWriter:
     def rank(self) -> int:
         return self.group.rank
 
-    def publish(self, step: int, *, kind: Kind, base_step: int | None, precheck: BaseException | None = None) -> int:
+    def publish(self, step: int, *, kind: Kind, base_step: int | None, precheck: BaseException | None = None,
+                last_step: int | None = None) -> int:
         """Publish ``step`` from every rank; returns the bytes of the whole step. ``precheck``: an error this
-        rank found before capturing (it fails the step on all ranks)."""
+        rank found before capturing (it fails the step on all ranks). ``last_step``: the step published before
+        (named by a refusal).
+
+        Raises:
+            PublishError: the step failed on some rank (every rank raises it).
+            NonFiniteStepError: some rank's shards turned NaN or ±Inf (``refuse_nonfinite``): every rank raises it,
+                naming every rank's tensors, with its snapshot as it was before the step.
+        """
         opts = self.options
         cap: ShardedCapture | None = None
         error = precheck
@@ -295,12 +327,13 @@ class ShardedWriter:
                 shards = local_shards(self.source, self.rank, opts.names)
                 self.snapshot, cap = capture(self.snapshot, shards, step=step, kind=kind, base_step=base_step,
                                              device=opts.snapshot_device, max_chunk_bytes=opts.max_chunk_bytes,
-                                             dtype=opts.dtype)
+                                             dtype=opts.dtype, refuse_nonfinite=opts.refuse_nonfinite)
             except Exception as e:  # noqa: BLE001 - any rank's failure must reach every rank (collectives), not hang them
                 error = e
         sent = None if cap is None else (cap.kind, cap.base_step, cap.checksums, len(cap.shards.shapes))
-        gathered = self.group.all_gather((None if error is None else describe(error), sent))
-        bad = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+        gathered = self.group.all_gather((None if error is None else describe(error), sent,
+                                          None if cap is None else (cap.refused, cap.built)))
+        bad = [(r, e) for r, (e, _, _) in enumerate(gathered) if e is not None]
         if not bad and len({(g[1][0], g[1][1], g[1][3]) for g in gathered}) != 1:
             bad = [(r, f"captured {g[1][0]} on {g[1][1]} with {g[1][3]} tensors") for r, g in enumerate(gathered)]
         if bad:
@@ -308,6 +341,11 @@ class ShardedWriter:
             raise PublishError(f"{self.store.url}: step {step} failed on ranks {[r for r, _ in bad]}: "
                                + "; ".join(f"rank {r}: {e}" for r, e in bad[:4])) from error
         assert cap is not None and self.snapshot is not None
+        refused = [n for g in gathered for n in g[2][0]]
+        if refused:  # refused on every rank alike: each puts its snapshot back (no rank writes anything)
+            self.snapshot = take_back(self.snapshot, cap)
+            first = any(g[2][1] for g in gathered)  # some rank had no step before to compare with
+            raise refusal(self.store.url, step, refused, last_step=None if first else last_step)
         checksums = combined_checksums([g[1][2] for g in gathered], cap.shards.shapes)
         state = state_checksum(checksums)
         part, error, encode_s = self._write(cap, state)

@@ -7,9 +7,10 @@ named, cast, checked and diffed into the snapshot on arrival, and no reference t
 is asked for: the extra memory is one tensor, plus the step's patches (which the upload needs anyway).
 
 A step that fails part-way (a name twice, a shape or dtype that changed, a name missing or new, a value that is
-not a tensor, the stream itself raising) leaves the snapshot at the last published bits: the patches already
-diffed in are XORed back (they are what changed, kept for the upload anyway: undoing costs no copy), and a
-snapshot being built by a first step is dropped.
+not a tensor, the stream itself raising), or that ``refuse_nonfinite`` refuses once the stream has ended (every
+tensor that turned NaN or ±Inf named: publish/finite.py), leaves the snapshot at the last published bits: the
+patches already diffed in are XORed back (they are what changed, kept for the upload anyway: undoing costs no
+copy), and a snapshot being built by a first step is dropped.
 
 Aliases (tied weights, published once under their first name): in a first step, a tensor is an alias of an
 earlier one when it arrives in the same memory (the same storage, still alive, at the same offset, shape,
@@ -22,13 +23,14 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Set
 from typing import Any
 
 import torch
 
 from deltasync.errors import ConfigError, TensorMismatchError
 from deltasync.format.patch import Patch
+from deltasync.publish.finite import refusal, refused_tensors
 from deltasync.publish.names import NameMap, canonical_name
 from deltasync.publish.sharded import is_sharded
 from deltasync.stages.diff import Snapshot, SnapshotDevice
@@ -52,12 +54,15 @@ class StreamCapture:
 
     def __init__(self, snapshot: Snapshot | None, aliases: Mapping[str, str], *, where: str,
                  names: NameMap | None, device: SnapshotDevice, max_chunk_bytes: int,
-                 dtype: torch.dtype | None) -> None:
+                 dtype: torch.dtype | None, refuse_nonfinite: bool = False, url: str = "", step: int = 0,
+                 last_step: int | None = None) -> None:
         self.where = where
         self.names = names
         self.built = snapshot is None
+        self.refuse_nonfinite = refuse_nonfinite
+        self.url, self.step, self.last_step = url, step, last_step  # (for the refusal)
         self.snapshot: Snapshot | None = snapshot if snapshot is not None else Snapshot(
-            {}, device=device, max_chunk_bytes=max_chunk_bytes, dtype=dtype)
+            {}, device=device, max_chunk_bytes=max_chunk_bytes, dtype=dtype, track_finite=refuse_nonfinite)
         self._expected_aliases = {} if self.built else dict(aliases)
         self.aliases: dict[str, str] = {}
         self.changes: list[Patch] = []
@@ -68,7 +73,7 @@ class StreamCapture:
         """Read ``weights`` to its end, diffing (or copying) each tensor as it arrives; see the class."""
         snap = self.snapshot
         assert snap is not None
-        before = dict(snap.checksums)
+        before, nonfinite = dict(snap.checksums), set(snap.nonfinite)
         it: Iterator[Any] | None = None
         arrived: dict[str, str] = {}  # canonical name -> the name it arrived as
         memory: dict[tuple[Any, ...], tuple[weakref.ref[torch.UntypedStorage], str]] = {}
@@ -97,8 +102,12 @@ class StreamCapture:
                     self._diff(snap, canon, t, arrived)
                 del t  # before the next tensor is asked for: the stream may free or reuse its memory
             self._check_complete(snap, arrived)
+            if self.refuse_nonfinite:
+                refused = refused_tensors(snap, None if self.built else nonfinite)
+                if refused:
+                    raise refusal(self.url, self.step, refused, last_step=None if self.built else self.last_step)
         except BaseException as e:
-            self._fail(snap, before)
+            self._fail(snap, before, nonfinite)
             if not self.stream_raised and isinstance(e, Exception):
                 drain(weights if it is None else it, self.where)
             raise
@@ -156,13 +165,13 @@ class StreamCapture:
                 f"{self.where}: the weights stream ended without {len(missing)} tensor(s) the step before had: "
                 f"{missing[:5]}{' ...' if len(missing) > 5 else ''} (a stream must yield the same names every step)")
 
-    def _fail(self, snap: Snapshot, before: Mapping[str, int]) -> None:
+    def _fail(self, snap: Snapshot, before: Mapping[str, int], nonfinite: Set[str]) -> None:
         """Put the snapshot back at the last published bits (or drop it), after a failed step."""
         if self.built:
             self.snapshot = None
             return
         try:
-            snap.undo(self.changes, before)
+            snap.undo(self.changes, before, nonfinite)
         except BaseException:
             log.exception("%s: the snapshot could not be put back after a failed stream; the next step anchors",
                           self.where)

@@ -2,13 +2,13 @@
 
 The snapshot is what consumers hold, so diffing against it (not against the previous optimizer step)
 means skipped or coalesced steps lose nothing. The diff also advances the snapshot and the per-tensor
-checksums, in time proportional to the change.
+checksums, in time proportional to the change, and (when asked) which tensors hold NaN or ±Inf.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Literal
 
 import numpy as np
@@ -49,6 +49,12 @@ class Snapshot:
     ``offsets`` (name -> global flat index of the first element) make each tensor a contiguous slice of a
     larger one (a rank's shard, docs/FORMAT.md section 5b): checksums hash global indices, while the
     patches a diff returns stay in the slice's own coordinates.
+
+    With ``track_finite``, ``nonfinite`` names the floating tensors whose published bits hold NaN or ±Inf (what
+    the publisher's ``refuse_nonfinite`` compares, publish/finite.py): found when a tensor is added, then kept by
+    every diff from what it changed alone. An unchanged tensor is not read again; a changed one that was all finite
+    is read at its changed elements on the host (an accelerator's snapshot reads the whole changed tensor there,
+    which costs less than sending the positions back); a changed one that held non-finite values is read whole.
     """
 
     def __init__(
@@ -59,8 +65,11 @@ class Snapshot:
         max_chunk_bytes: int = 64 << 20,
         dtype: torch.dtype | None = None,
         offsets: Mapping[str, int] | None = None,
+        track_finite: bool = False,
     ) -> None:
         self.device = device
+        self.track_finite = track_finite
+        self.nonfinite: set[str] = set()  # kept with track_finite only
         self.dtype = dtype
         self.max_chunk_bytes = max_chunk_bytes
         self.offsets: dict[str, int] = dict(offsets or {})
@@ -84,6 +93,8 @@ class Snapshot:
                        copy=cast is t)
         self.tensors[name] = copy
         self.checksums[name] = tensor_checksum(copy, self.offsets.get(name, 0))
+        if self.track_finite and copy.is_floating_point() and bool(_any_nonfinite(copy, self._chunk_elems(copy))):
+            self.nonfinite.add(name)
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         """Floating tensors in the published dtype (e.g. fp32 master weights published as bf16)."""
@@ -98,6 +109,16 @@ class Snapshot:
 
     def _needs_cast(self, t: torch.Tensor) -> bool:
         return published_dtype(t, self.dtype) != t.dtype
+
+    def _chunk_elems(self, t: torch.Tensor) -> int:
+        return max(1, self.max_chunk_bytes // t.element_size())
+
+    def nan_tensors(self, names: Iterable[str] | None = None) -> list[str]:
+        """Which of ``names`` (default: ``nonfinite``, the only ones that can) hold NaN, in the snapshot's order;
+        reads those tensors."""
+        wanted = self.nonfinite if names is None else set(names)
+        return [n for n, t in self.tensors.items()
+                if n in wanted and t.is_floating_point() and bool(_any_nan(t, self._chunk_elems(t)))]
 
     @property
     def nbytes(self) -> int:
@@ -141,14 +162,17 @@ class Snapshot:
         self.check_tensor(name, t)
         return self._diff({name: t})[0]
 
-    def undo(self, changes: Sequence[Patch], checksums: Mapping[str, int]) -> None:
+    def undo(self, changes: Sequence[Patch], checksums: Mapping[str, int], nonfinite: Set[str] | None = None) -> None:
         """Take back diffs: ``changes`` (returned by ``diff``/``diff_tensor`` since the snapshot's checksums were
-        ``checksums``) are XORed in again and those checksums restored, so the snapshot holds the exact bits it
-        held before. What a failed stream costs: the patches the step kept anyway, no copy of the snapshot."""
+        ``checksums`` and its ``nonfinite`` was ``nonfinite``) are XORed in again and those restored, so the
+        snapshot holds the exact bits it held before. What a failed or refused step costs: the patches the step
+        kept anyway, no copy of the snapshot."""
         for c in reversed(changes):
             if c.changed:
                 xor_apply(self.tensors[c.name], c.positions, c.xor, checksum=False)
             self.checksums[c.name] = checksums[c.name]
+        if nonfinite is not None:
+            self.nonfinite = set(nonfinite)
 
     def diff(self, tensors: Mapping[str, torch.Tensor]) -> list[Patch]:
         """Changes from the snapshot to ``tensors`` (same names, shapes, dtypes), one sparse ``Patch`` per
@@ -211,7 +235,61 @@ class Snapshot:
                 Patch(name=name, dtype=dtype_name(snap.dtype), shape=tuple(snap.shape), positions=positions, xor=xor,
                       checksum=self.checksums[name])
             )
+        if self.track_finite:
+            self._track_finite(changes)
         return changes
+
+    def _track_finite(self, changes: Sequence[Patch]) -> None:
+        """Keep ``nonfinite`` right after a diff wrote ``changes`` into the snapshot, reading only changed tensors:
+        unchanged elements of a tensor that was all finite are finite still."""
+        on_device: list[tuple[str, torch.Tensor]] = []
+        for c in changes:
+            snap = self.tensors[c.name]
+            if not c.changed or not snap.is_floating_point():
+                continue
+            chunk = self._chunk_elems(snap)
+            if snap.device.type != "cpu":  # flags of every changed tensor come back in one transfer (below)
+                on_device.append((c.name, _any_nonfinite(snap, chunk)))
+            elif c.name in self.nonfinite or 4 * c.changed >= snap.numel():
+                self._flag(c.name, bool(_any_nonfinite(snap, chunk)))
+            else:  # the changed elements only (positions are in the tensor's own coordinates)
+                changed = snap.reshape(-1)[torch.from_numpy(c.positions)]
+                self._flag(c.name, bool(_any_nonfinite(changed, chunk)))
+        if on_device:
+            flags = torch.stack([f for _, f in on_device]).cpu().tolist()
+            for (name, _), flag in zip(on_device, flags, strict=True):
+                self._flag(name, flag)
+
+    def _flag(self, name: str, nonfinite: bool) -> None:
+        if nonfinite:
+            self.nonfinite.add(name)
+        else:
+            self.nonfinite.discard(name)
+
+
+def _any_nonfinite(t: torch.Tensor, chunk_elems: int) -> torch.Tensor:
+    """Whether floating ``t`` holds NaN or ±Inf, as a boolean tensor on its device (no host sync); read in
+    chunks of ``chunk_elems`` elements (bounded temporary memory)."""
+    return _any_of(t, chunk_elems, torch.isfinite, negate=True)
+
+
+def _any_nan(t: torch.Tensor, chunk_elems: int) -> torch.Tensor:
+    """Whether floating ``t`` holds NaN (see ``_any_nonfinite``)."""
+    return _any_of(t, chunk_elems, torch.isnan, negate=False)
+
+
+def _any_of(t: torch.Tensor, chunk_elems: int, test: Callable[[torch.Tensor], torch.Tensor], *,
+            negate: bool) -> torch.Tensor:
+    flat = t.reshape(-1)
+    found = []
+    for s in range(0, flat.numel(), chunk_elems):
+        part = flat[s : s + chunk_elems]
+        try:
+            mask = test(part)
+        except RuntimeError:  # not implemented for some 8-bit floats: bfloat16 holds each of their values exactly
+            mask = test(part.to(torch.bfloat16))
+        found.append(~mask.all() if negate else mask.any())
+    return torch.stack(found).any() if found else torch.zeros((), dtype=torch.bool, device=t.device)
 
 
 def _diff_tensor(

@@ -300,15 +300,25 @@ def _manifest(step: int, data: bytes) -> Manifest:
                     object_bytes=len(data), object_sha256=digest, state_checksum="0" * 64, created_unix_s=1.0)
 
 
-def perturb(t: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
+def perturb(t: torch.Tensor, density: float, gen: torch.Generator, *, finite: bool = True) -> torch.Tensor:
     """A copy of ``t`` with about ``density`` of its elements given new random bits (a training step; the tests'
-    conftest uses this one too)."""
+    conftest uses this one too).
+
+    ``finite``: new bits that would make a floating element NaN or ±Inf are not written (the element keeps its old
+    bits), nor those of an fp32 or fp64 element whose bf16 cast (master weights published as bf16) overflows: no
+    healthy optimizer step writes them, and a publisher refuses such a step (``refuse_nonfinite``)."""
     out = t.clone()
     if out.numel() == 0:
         return out
     flat = out.reshape(-1).view(torch.uint8).view(-1, out.element_size())
     mask = torch.rand(flat.shape[0], generator=gen) < density
     flat[mask] = torch.randint(0, 256, (int(mask.sum()), out.element_size()), generator=gen, dtype=torch.uint8)
+    if finite and out.is_floating_point():
+        wide = out if out.element_size() > 1 else out.to(torch.bfloat16)  # no isfinite kernel for some 8-bit floats
+        ok = torch.isfinite(wide)
+        if out.element_size() > 2:
+            ok &= torch.isfinite(out.to(torch.bfloat16))
+        out = torch.where(ok, out, t)
     return out
 
 

@@ -206,7 +206,8 @@ class DeltasyncWeightTransfer:
         weights=...)``), so rank 0 holds one tensor beyond the publisher's snapshot, never a second model. The
         iterator is read to its end even on an error: on FSDP2 each item is a collective the other ranks are
         in. On a failure the server keeps its previous verified step and the error is raised (``PublishError``,
-        ``TensorMismatchError``, ``EngineError``, ...); the step may already be committed in the stream.
+        ``TensorMismatchError``, ``EngineError``, ``NonFiniteStepError`` for weights that turned NaN or ±Inf, ...);
+        the step may already be committed in the stream (never a refused one).
         """
         items = iter(iterator)
         try:

@@ -63,6 +63,8 @@ class TrainerSync:
     Raises:
         ConfigError: a bad argument; a step that cannot be published (older than the stream's newest, or a resumed
             checkpoint whose weights are not the committed step's).
+        NonFiniteStepError: (``send``) the round's weights turned NaN or ±Inf (``PublishOptions.refuse_nonfinite``):
+            nothing is published, the engines keep their step, and the next ``send`` takes the same step number.
     """
 
     def __init__(self, url: str, *, source: Any = None, options: PublishOptions | None = None,
