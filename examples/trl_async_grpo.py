@@ -45,6 +45,9 @@ from rollout_loader.vllm import HttpWeightTransfer
 # deltasync's TRL integration is tested with TRL 1.16.0 and vLLM 0.32.0 (the versions ./run.sh installs); TRL's own
 # version check predates vLLM 0.32 and warns once per module that imports vLLM: not a problem here
 warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
+# AsyncGRPOTrainer lives in trl.experimental, which warns on every import (here and in its rollout worker's process):
+# this example pins the TRL it was tested with (docs/INTEGRATIONS.md), so TRL's own switch silences it
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
 def reward_short(completions: list, **_: object) -> list[float]:
