@@ -79,6 +79,11 @@ class PublishError(DeltaSyncError, RuntimeError):
     """A background publishing stage failed; the step was not committed."""
 
 
+class CatchupError(DeltaSyncError, ValueError):
+    """A catch-up delta (docs/FORMAT.md section 5f) cannot be used: missing, damaged, unsigned or signed for other
+    contents. The reader refuses it from then on and takes the steps' own objects: trying again helps."""
+
+
 class WaitTimeoutError(DeltaSyncError, TimeoutError):
     """A wait for a step ran out of time."""
 

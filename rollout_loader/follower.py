@@ -31,6 +31,7 @@ from deltasync.engine import (
     write_heartbeat,
 )
 from deltasync.errors import (
+    CatchupError,
     ConfigError,
     FollowError,
     SignatureError,
@@ -226,6 +227,8 @@ class Follower:
                 else:  # an anchor that carries its delta from the step held opens as that delta
                     with self.reader.open(s, base=self.target.step) as obj:
                         self.target.apply(obj)  # type: ignore[union-attr]
+            except CatchupError:
+                raise  # refused by the reader: the next attempt takes the steps' own objects, not an anchor
             except DeltaSyncError:
                 self._from_anchor = True  # the content was at fault: the next attempt starts at an anchor
                 raise
