@@ -466,7 +466,7 @@ class StreamReader:
         with self.open(chain[0]) as obj:
             rep = Replica.from_anchor(obj, device=device)
         for s in chain[1:]:
-            with self.open(s) as obj:
+            with self.open(s, base=rep.step) as obj:  # a catch-up from the step before, where the way took one
                 rep.apply(obj, verify=verify)
         return rep
 

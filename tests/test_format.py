@@ -22,7 +22,7 @@ def _doc_json_blocks() -> list[dict]:
 
 
 def test_format_doc_examples_parse():
-    header, manifest, anchor, manifest_v2, signature, statement, latest = _doc_json_blocks()
+    header, manifest, anchor, manifest_v2, signature, statement, latest, catchup, catchup_statement = _doc_json_blocks()
     header["state_checksum"] = "0" * 64
     for t in header["tensors"].values():
         t["checksum"] = t["checksum"] if len(t["checksum"]) == 18 else "0x" + "0" * 16
@@ -64,6 +64,16 @@ def test_format_doc_examples_parse():
     said = json.loads(head["statement"])
     assert said["type"] == HEAD_TYPE and list(said) == sorted(said) and said["step"] == hint.step
     assert set(said) == {"type", "stream_id", "step", "signed_unix_ms", "closed"}
+    # section 5f: a catch-up delta's manifest, and the statement its signature covers (the code writes these keys)
+    from deltasync.format.documents import CatchupManifest
+    from deltasync.signing import CATCHUP_TYPE, catchup_statement as statement_of
+
+    for key in ("object_sha256", "state_checksum", "base_state_checksum"):
+        catchup[key] = "0" * 64
+    c = decode(json.dumps(catchup), CatchupManifest, where="FORMAT.md")
+    assert (c.kind, c.base_step, c.step) == ("catchup", 128, 160) and set(c.to_dict()) == set(catchup)
+    assert catchup_statement["type"] == CATCHUP_TYPE and list(catchup_statement) == sorted(catchup_statement)
+    assert set(catchup_statement) == set(json.loads(statement_of(c, "run-7", manifest_sha256="0" * 64)))
 
 
 def _delta_file(tmp_path, small_state, gen):

@@ -179,7 +179,7 @@ class _Verification:
                                         f"committed{self._leftover(m.base_step)}")
             else:
                 try:
-                    out.append(self.reader.chain(s))
+                    out.append(self.reader.chain(s, catchup=False))
                 except SignatureError as e:
                     self.report(s, "signature", str(e))
                 except (StepNotFoundError, FormatError) as e:
