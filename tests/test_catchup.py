@@ -270,7 +270,8 @@ def test_a_catchup_that_lies_is_caught_by_the_checksums(stream):
     import dataclasses
     import hashlib
     sha = hashlib.sha256(data).hexdigest()
-    lie = dataclasses.replace(good, object=f"catchup-{sha[:16]}.safetensors", object_bytes=len(data), object_sha256=sha)
+    lie = dataclasses.replace(good, object=f"catchup-{sha[:16]}.safetensors", object_bytes=data.nbytes,
+                              object_sha256=sha)
     store.commit_catchup(lie, data)
     problems = verify(url, all_problems=True).problems
     assert [(p.step, p.kind) for p in problems] == [(32, "catchup")]
@@ -340,3 +341,18 @@ def test_options_and_documents_are_checked(stream):
     r = StreamReader(url)
     assert r.chain(33, start=16) == _plain(url, 33, 16)
     assert "state checksum" in r.refused_catchups[(32, 16)]
+
+
+def test_the_command_writes_catchups_and_the_writer_keeps_up(stream, monkeypatch, capsys):
+    """``deltasync catchup`` (the real entry point) writes what ``write_catchups`` would; ``follow`` runs passes."""
+    from tests.test_cli_errors import run_main
+
+    url, _ = stream
+    code, out, err = run_main(monkeypatch, capsys, "catchup", url, "--distances", "16", "--no-consumers", "--json")
+    assert code == 0, err
+    assert sorted((a, b) for a, b, _ in json.loads(out)["written"]) == [(0, 16), (16, 32)]
+    code, _, err = run_main(monkeypatch, capsys, "catchup", url, "--distances", "1")
+    assert code != 0 and "distances" in err
+    with CatchupWriter(url, options=CatchupOptions(distances=(4,), consumers=False)) as w:
+        w.follow(poll_s=0.01, passes=1)
+    assert {(e.base_step, e.step) for e in Store(url).catchup_entries()} >= {(0, 4), (32, 36), (16, 32)}

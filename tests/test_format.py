@@ -66,7 +66,8 @@ def test_format_doc_examples_parse():
     assert set(said) == {"type", "stream_id", "step", "signed_unix_ms", "closed"}
     # section 5f: a catch-up delta's manifest, and the statement its signature covers (the code writes these keys)
     from deltasync.format.documents import CatchupManifest
-    from deltasync.signing import CATCHUP_TYPE, catchup_statement as statement_of
+    from deltasync.signing import CATCHUP_TYPE
+    from deltasync.signing import catchup_statement as statement_of
 
     for key in ("object_sha256", "state_checksum", "base_state_checksum"):
         catchup[key] = "0" * 64

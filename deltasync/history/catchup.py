@@ -10,8 +10,10 @@ seconds after their step is committed, and each one is read back from the store 
 How one is built: the objects on the cheapest way from A to B (steps' deltas, anchors' own deltas, shorter
 catch-ups already written: ``StreamReader.chain``) are opened, and each tensor's patches are merged (XOR at equal
 positions, zeros dropped: XOR patches compose), encoded with the stream's codecs and written as one delta object
-whose header is step B's (every tensor, its checksum, the state checksum). Memory: the objects of the way, one
-tensor's decoded patches and the encoded catch-up (a few times one step's delta); nothing the size of the model.
+whose header is step B's (every tensor, its checksum, the state checksum). Memory: the objects of the way (read
+into memory from a remote store), the encoded catch-up twice (its tensors' blobs, then the object) and one
+tensor's decoded patches (traced: 20 MB of objects + 2 x 8.9 MB + patches for a 64-step catch-up of a 5M-element
+model; bench/README.md); nothing the size of the model.
 Where no way of deltas joins A to B (an anchor without its own delta between them), nothing is written.
 
 Which pairs (the policy; readers take whatever exists): for each distance ``d`` in ``distances``, the first
@@ -276,9 +278,9 @@ class CatchupWriter:
             for o in objects:
                 o.close()
         self._commit(base, step, data, header)
-        return len(data), source_bytes
+        return data.nbytes, source_bytes
 
-    def _merged(self, base: int, step: int, objects: list[StepObject]) -> tuple[bytes, StepHeader]:
+    def _merged(self, base: int, step: int, objects: list[StepObject]) -> tuple[memoryview, StepHeader]:
         """The catch-up object's bytes and header: each tensor's patches merged and encoded, step ``step``'s
         checksums."""
         last = objects[-1].header
@@ -298,13 +300,13 @@ class CatchupWriter:
                             tensors=tensors, aliases=dict(last.aliases))
         buf = io.BytesIO()
         write_delta(buf, header, encoded)
-        return buf.getvalue(), header
+        return buf.getbuffer(), header  # no second copy of the object
 
-    def _commit(self, base: int, step: int, data: bytes, header: StepHeader) -> None:
+    def _commit(self, base: int, step: int, data: memoryview, header: StepHeader) -> None:
         sha = hashlib.sha256(data).hexdigest()
         numel, changed = header.numel, header.changed
         m = CatchupManifest(kind="catchup", step=step, base_step=base, object=f"catchup-{sha[:16]}.safetensors",
-                            object_bytes=len(data), object_sha256=sha,
+                            object_bytes=data.nbytes, object_sha256=sha,
                             state_checksum=self.reader.manifest(step).state_checksum,
                             base_state_checksum=self.reader.manifest(base).state_checksum, created_unix_s=time.time(),
                             stats=ManifestStats(numel=numel, changed=changed,
