@@ -141,6 +141,11 @@ class NonFiniteStepError(DeltaSyncError, ValueError):
         self.tensors: tuple[str, ...] = tensors
 
 
+class CatchupError(DeltaSyncError, ValueError):
+    """A catch-up delta (docs/FORMAT.md section 5g) cannot be used: missing, damaged, unsigned or signed for other
+    contents. The reader refuses it from then on and takes the steps' own objects: trying again helps."""
+
+
 class WaitTimeoutError(DeltaSyncError, TimeoutError):
     """A wait for a step ran out of time."""
 

@@ -12,16 +12,20 @@ from typing import Any, Protocol
 
 import torch
 
+from deltasync.chain_plan import cheapest_chain
 from deltasync.errors import (
+    CatchupError,
+    DeltaSyncError,
     FormatError,
     StepNotFoundError,
     WaitTimeoutError,
 )
+from deltasync.format.documents import CatchupManifest
 from deltasync.format.objects import StepObject
 from deltasync.format.parts import PartedObject
 from deltasync.node_cache import NodeCache
 from deltasync.stages.apply import Replica, Verify
-from deltasync.store import Manifest, Part, Store
+from deltasync.store import Manifest, Part, Store, catchup_dir
 from deltasync.trust import SignedStep, TrustedKeys, newest_trusted
 
 # deltas up to this size are fetched from a remote store into memory and opened from there (no cache file);
@@ -100,6 +104,8 @@ class _HeldObject(StepObject):
 MANIFEST_CACHE_BYTES = 64 << 20  # what a reader keeps of parsed manifests (estimated: _manifest_cost)
 RECORDS = 4  # manifests (and signatures) kept as stored: the newest few a watch read
 RECORD_BYTES = 1 << 20
+CATCHUP_LIST_S = 30.0  # a listing of catch-ups is reused this long (new ones appear within it)
+CATCHUPS_KEPT = 4096  # checked catch-ups kept per reader (a manifest each: about 1 KiB)
 
 
 def _manifest_cost(m: Manifest) -> int:
@@ -158,6 +164,11 @@ class StreamReader:
         self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options, cache_dir=cache_dir,
                                                                  node_cache=node_cache)
         self.refused: dict[int, str]  # with trusted keys: steps that do not count as committed, and why
+        # catch-up deltas (docs/FORMAT.md section 5g): the last listing, those checked, those refused (and why)
+        self.catchups = True  # False: chains never go through catch-ups (a transport that holds steps only)
+        self._catchup_listing: tuple[float, dict[int, dict[int, int]]] | None = None
+        self._catchups: OrderedDict[tuple[int, int], tuple[CatchupManifest, SignedStep | None]] = OrderedDict()
+        self.refused_catchups: dict[tuple[int, int], str] = {}
 
     @property
     def url(self) -> str:
@@ -178,6 +189,8 @@ class StreamReader:
         self._records.clear()
         self._manifest_bytes = 0
         self.refused = {}
+        self._catchups = OrderedDict()
+        self.refused_catchups = {}
 
     def close(self) -> None:
         """Remove the downloaded objects and the cache folder (of the store this reader made)."""
@@ -275,11 +288,15 @@ class StreamReader:
         A multi-part step (docs/FORMAT.md section 5b) opens as one ``PartedObject`` over its parts. With
         ``names``, only the parts that hold those tensors are fetched, and the object holds only them.
         ``base``: the step the consumer holds; an anchor step that carries its delta from ``base`` opens as
-        that delta (a few bytes instead of the dense anchor).
+        that delta (a few bytes instead of the dense anchor), and a step that ``chain`` reached by a catch-up delta
+        from ``base`` (docs/FORMAT.md section 5g) opens as that catch-up (``CatchupError`` where it turns out
+        unusable: it is refused from then on, and the next ``chain`` takes another way).
         """
         m = self.manifest(step)
         if base is not None and m.delta is not None and m.delta.base_step == base:
             m = m.as_delta()
+        elif base is not None and m.base_step != base and (step, base) in self._catchups:
+            return self._open_catchup(step, base)
         where = f"{self.url} step {step}"
         if m.is_multipart:
             parts = [p for p in m.objects if names is None or not set(names).isdisjoint(p.tensors or ())]
@@ -342,47 +359,132 @@ class StreamReader:
         """A single-object step's object fetched into memory, checked against its manifest's size and SHA-256."""
         return self.store.read_object(m)
 
-    def chain(self, step: int, *, start: int | None = None, max_walk: int = 64) -> list[int]:
-        """Steps to open, in order, to reach ``step``: from the nearest anchor, or from ``start`` (the step a
-        consumer holds; not included) where a path of deltas leads from it, crossing anchors by their own
-        deltas (docs/FORMAT.md section 6; open each step with ``open(s, base=<the step before it>)``) and
-        costing fewer bytes than the way from the anchor. At most ``max_walk`` manifests below the nearest
-        anchor are read looking for such a path.
+    def chain(self, step: int, *, start: int | None = None, max_walk: int = 64, catchup: bool = True,
+              anchors: bool = True) -> list[int]:
+        """Steps to open, in order, to reach ``step``: the way of fewest bytes from the nearest anchor, or from
+        ``start`` (the step a consumer holds; not included) through steps' deltas, anchors' own deltas and (with
+        ``catchup``) catch-up deltas (docs/FORMAT.md sections 6 and 5g). Open each step with ``open(s, base=<the
+        step before it>)``. At most ``max_walk`` manifests below the nearest anchor are read looking for a way
+        from ``start``.
+
+        Catch-ups are listed (one listing, reused for ``CATCHUP_LIST_S``) only when ``step`` is more than one
+        object from ``start``; each one on the chosen way is read and checked (its manifest, its signature with
+        trusted keys, its state checksums against the steps') before the way is final, and one that fails is
+        refused (logged) and the way planned again without it. ``anchors=False``: only ways from ``start``
+        (``StepNotFoundError`` where there is none), for a writer that merges what lies between.
         """
-        out: list[int] = []
-        cost = 0  # bytes to fetch along ``out``, anchors by their own delta
-        plain: tuple[list[int], int] | None = None  # the chain from the nearest anchor and its bytes
-        s: int | None = step
-        while s is not None and s != start:
-            if plain is not None and (start is not None and s < start or len(out) - len(plain[0]) >= max_walk):
-                break  # past the step held, or too far: no (short) path from it; the nearest anchor serves
-            try:
-                m = self.manifest(s)
-            except StepNotFoundError as e:
-                if plain is not None:
-                    break  # a step below the nearest anchor is gone: the anchor still serves
-                raise StepNotFoundError(f"{self.url}: the chain to step {step} is broken at step {s}: {e}",
-                                        url=self.url, step=s) from None
-            out.append(s)
-            if m.kind == "anchor":
-                if plain is None:
-                    plain = (list(out), cost + m.object_bytes)
-                if start is None or m.delta is None:
-                    break
-                cost += m.delta.object_bytes
-                s = m.delta.base_step
-            else:
-                cost += m.object_bytes
-                s = m.base_step
-        if start is not None and s == start and (plain is None or cost <= plain[1]):
-            chosen = out[::-1]
+        use = catchup and self.catchups and getattr(self.store.transport, "read_verified", None) is None
+        for _ in range(8):  # each round refuses a catch-up or learns its true size; then the plain chain
+            hops = cheapest_chain(step, start=start, max_walk=max_walk, anchors=anchors,
+                                  manifest=self.manifest,
+                                  catchups=self._catchups_into(step, start) if use else None)
+            if all(h.base is None or h.kind != "catchup" or self._checked_catchup(h.step, h.base, h.nbytes)
+                   for h in hops):
+                break
         else:
-            chosen = (plain[0] if plain is not None else out)[::-1]
+            hops = cheapest_chain(step, start=start, max_walk=max_walk, anchors=anchors, manifest=self.manifest)
+        chosen = [h.step for h in hops]
         if self.trusted is not None and chosen:  # the keys of the whole chain, oldest first (FORMAT.md section 5e)
             held = [start] if start is not None and start < chosen[0] and start in self._manifests else []
-            self.trusted.accept_chain([signed for x in held + chosen if (signed := self.signed(x)) is not None],
-                                      where=self.url)
+            signed = [signed for x in held + chosen if (signed := self.signed(x)) is not None]
+            signed += [s for h in hops if h.kind == "catchup" and h.base is not None
+                       and (s := self._catchups[(h.step, h.base)][1]) is not None]
+            self.trusted.accept_chain(signed, where=self.url)
         return chosen
+
+    # --- catch-up deltas (docs/FORMAT.md section 5g) ---
+
+    def _catchups_into(self, step: int, start: int | None) -> Callable[[int], list[tuple[int, int]]]:
+        """For the planner: the catch-ups into a step, ``(base, bytes)``, known or listed (once, and only when
+        ``step`` is more than one object from ``start``), refused ones left out."""
+        def into(s: int) -> list[tuple[int, int]]:
+            if s == step and start is not None:
+                m = self.manifest(step, nearby=False)
+                if start in (m.base_step, m.delta.base_step if m.delta is not None else None):
+                    return []  # one object away: no listing
+            listing = self._listing()
+            return [(a, n) for a, n in listing.get(s, {}).items() if (s, a) not in self.refused_catchups]
+        return into
+
+    def _listing(self) -> dict[int, dict[int, int]]:
+        now = time.monotonic()
+        if self._catchup_listing is None or now - self._catchup_listing[0] > CATCHUP_LIST_S:
+            found: dict[int, dict[int, int]] = {}
+            for e in self.store.catchup_entries():
+                if e.committed:
+                    known = self._catchups.get((e.step, e.base_step))
+                    nbytes = known[0].object_bytes if known else max(e.object_bytes, 8)
+                    found.setdefault(e.step, {})[e.base_step] = nbytes
+            self._catchup_listing = (now, found)
+        return self._catchup_listing[1]
+
+    def _checked_catchup(self, step: int, base: int, planned_bytes: int) -> bool:
+        """Whether the catch-up ``base`` -> ``step`` is usable as planned: read and checked once (refused, and
+        logged, where it is not), costing what its manifest says (False where that differs from the plan)."""
+        try:
+            cm = self.catchup(step, base)
+        except DeltaSyncError as e:
+            self.refuse_catchup(step, base, e)
+            return False
+        if cm.object_bytes != planned_bytes and self._catchup_listing is not None:
+            self._catchup_listing[1].setdefault(step, {})[base] = cm.object_bytes
+            return False
+        return True
+
+    def catchup(self, step: int, base: int) -> CatchupManifest:
+        """The catch-up delta from ``base`` to ``step`` (docs/FORMAT.md section 5g), read and checked once (its
+        manifest; its signature with trusted keys; its state checksums against the two steps' manifests), after
+        which ``open(step, base=base)`` opens it. Raises ``StepNotFoundError`` (none committed), ``FormatError``
+        or ``SignatureError``; it does not refuse it (``chain`` does)."""
+        hit = self._catchups.get((step, base))
+        if hit is None:
+            hit = self._read_catchup(step, base)
+            self._catchups[(step, base)] = hit
+            while len(self._catchups) > CATCHUPS_KEPT:
+                self._catchups.popitem(last=False)
+        return hit[0]
+
+    def _read_catchup(self, step: int, base: int) -> tuple[CatchupManifest, SignedStep | None]:
+        cm, digest, _ = self.store.catchup_record(step, base)
+        where = f"{self.url} catch-up {base}->{step}"
+        signed = None
+        if self.trusted is not None:
+            signed = self.trusted.check_catchup(self.store.catchup_signature(step, base), cm, manifest_sha256=digest,
+                                                where=self.url)
+        if cm.state_checksum != self.manifest(step, nearby=False).state_checksum:
+            raise FormatError(f"{where}: its state checksum {cm.state_checksum[:16]}… is not step {step}'s "
+                              f"{self.manifest(step).state_checksum[:16]}…")
+        try:
+            held = self.manifest(base, nearby=False).state_checksum
+        except StepNotFoundError:
+            held = None  # collected: the consumer still holds its bits, which step ``step``'s checksums prove after
+        if held is not None and cm.base_state_checksum != held:
+            raise FormatError(f"{where}: its base state checksum {cm.base_state_checksum[:16]}… is not step "
+                              f"{base}'s {held[:16]}…")
+        return cm, signed
+
+    def refuse_catchup(self, step: int, base: int, why: BaseException | str) -> None:
+        """Never use the catch-up ``base`` -> ``step`` again (it is logged once, with ``why``)."""
+        if (step, base) not in self.refused_catchups and len(self.refused_catchups) < 100_000:
+            self.refused_catchups[(step, base)] = str(why)
+            log.warning("%s: not using the catch-up from step %d to step %d (taking the steps' own objects): %s%s",
+                        self.url, base, step, f"{type(why).__name__}: " if isinstance(why, BaseException) else "", why)
+        self._catchups.pop((step, base), None)
+
+    def _open_catchup(self, step: int, base: int) -> StepObject:
+        cm = self._catchups[(step, base)][0]
+        m = cm.as_manifest(catchup_dir(step, base))
+        where = f"{self.url} catch-up {base}->{step}"
+        try:
+            obj = self._agreeing(self._open_part(m, m.objects[0], where), m)
+            if obj.header.state_checksum != cm.state_checksum:
+                obj.close()
+                raise FormatError(f"{where}: the object's state checksum disagrees with its manifest's")
+            return obj
+        except DeltaSyncError as e:
+            self.refuse_catchup(step, base, e)
+            raise CatchupError(f"{where}: unusable ({type(e).__name__}: {e}); refused, the next chain takes another "
+                               "way") from e
 
     def replica(self, step: int | None = None, *, verify: Verify = "incremental", device: str = "cpu") -> Replica:
         """The exact weights of ``step`` (default: latest), from its nearest anchor plus deltas."""
@@ -394,21 +496,32 @@ class StreamReader:
         with self.open(chain[0]) as obj:
             rep = Replica.from_anchor(obj, device=device)
         for s in chain[1:]:
-            with self.open(s) as obj:
+            with self.open(s, base=rep.step) as obj:  # a catch-up from the step before, where the way took one
                 rep.apply(obj, verify=verify)
         return rep
 
     def catch_up(self, replica: Replica, step: int | None = None, *, verify: Verify = "incremental") -> list[int]:
-        """Advance ``replica`` to ``step`` (default: latest) by the shortest chain; returns the steps applied."""
+        """Advance ``replica`` to ``step`` (default: latest) by the way of fewest bytes (``chain``); returns the steps
+        applied. A catch-up that turns out unusable on the way is refused and the rest planned again."""
         if step is None:
             step = self.wait_for(timeout_s=0)
-        if step == replica.step:
-            return []
-        chain = self.chain(step, start=replica.step)
-        for s in chain:
-            with self.open(s, base=replica.step) as obj:
-                replica.apply(obj, verify=verify)
-        return chain
+        applied: list[int] = []
+        for _ in range(8):  # a catch-up found unusable on the way is refused: plan again from where the replica is
+            if step == replica.step:
+                break
+            try:
+                for s in self.chain(step, start=replica.step):
+                    with self.open(s, base=replica.step) as obj:
+                        replica.apply(obj, verify=verify)
+                    applied.append(s)
+            except CatchupError:
+                continue
+        else:
+            for s in self.chain(step, start=replica.step, catchup=False):
+                with self.open(s, base=replica.step) as obj:
+                    replica.apply(obj, verify=verify)
+                applied.append(s)
+        return applied
 
     def state_dict(self, step: int | None = None) -> dict[str, torch.Tensor]:
         """The weights of ``step`` as a state dict with every trainer name (aliases included)."""

@@ -34,7 +34,7 @@ from typing import Annotated, Any
 import msgspec
 
 from deltasync.errors import ConfigError, MissingDependencyError
-from deltasync.format.documents import Manifest, Step, decode
+from deltasync.format.documents import CatchupManifest, Manifest, Step, decode
 
 __all__ = ["SIGNATURE", "SigningKey", "StreamSigner", "keygen"]
 
@@ -43,6 +43,7 @@ STATEMENT_TYPE = "deltasync.step/2"  # what writers sign (docs/FORMAT.md section
 STATEMENT_TYPE_V1 = "deltasync.step/1"  # what earlier writers signed: read where that is safe
 HEAD_TYPE = "deltasync.head/1"
 FINGERPRINT_TYPE = "deltasync.fingerprint/1"  # a reference runtime fingerprint (docs/FORMAT.md section 5f)
+CATCHUP_TYPE = "deltasync.catchup/1"  # a catch-up delta's statement (docs/FORMAT.md section 5g)
 ENDORSEMENT_CONTEXT = b"deltasync.key-endorsement/1\n"
 MAX_SIGNATURE_BYTES = 64 << 10
 MAX_CHAIN = 8
@@ -95,6 +96,20 @@ def statement(manifest: Manifest, stream_id: str, *, manifest_sha256: str, files
 def statement_v1(manifest: Manifest, stream_id: str | None) -> bytes:
     """What earlier writers signed for a step (``deltasync.step/1``: no manifest or files digest)."""
     return _canonical({"type": STATEMENT_TYPE_V1, "stream_id": stream_id, **statement_fields(manifest)})
+
+
+def catchup_fields(manifest: CatchupManifest) -> dict[str, Any]:
+    """The fields of a catch-up statement that its manifest's parsed values decide (docs/FORMAT.md section 5g)."""
+    return {"step": manifest.step, "base_step": manifest.base_step, "state_checksum": manifest.state_checksum,
+            "base_state_checksum": manifest.base_state_checksum,
+            "objects": {manifest.object: manifest.object_sha256}}
+
+
+def catchup_statement(manifest: CatchupManifest, stream_id: str, *, manifest_sha256: str) -> bytes:
+    """What a catch-up's signature covers, as the exact bytes signed: its own type (never a step's), the stream,
+    the manifest's fields and the SHA-256 of ``manifest.json`` as stored."""
+    return _canonical({"type": CATCHUP_TYPE, "stream_id": stream_id, **catchup_fields(manifest),
+                       "manifest": manifest_sha256})
 
 
 def head_statement(stream_id: str, step: int, *, signed_unix_ms: int, closed: bool) -> bytes:
@@ -205,6 +220,11 @@ class StreamSigner:
         """``signature.json`` for ``manifest``'s step, whose stored bytes will be ``manifest_bytes``."""
         return self.key.envelope(statement(manifest, self.stream_id, manifest_sha256=sha256_hex(manifest_bytes),
                                            files_sha256=self.files_sha256))
+
+    def sign_catchup(self, manifest: CatchupManifest, manifest_bytes: bytes) -> bytes:
+        """``signature.json`` for a catch-up delta whose stored manifest will be ``manifest_bytes``."""
+        digest = sha256_hex(manifest_bytes)
+        return self.key.envelope(catchup_statement(manifest, self.stream_id, manifest_sha256=digest))
 
     def sign_head(self, step: int, *, closed: bool = False, now_unix_s: float | None = None) -> bytes:
         """A head envelope: ``step`` is the newest step now (``closed``: and the writer closed after it)."""

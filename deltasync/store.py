@@ -34,6 +34,7 @@ from deltasync.errors import (
 from deltasync.format.documents import (
     MAX_DOCUMENT_BYTES,
     MAX_MANIFEST_BYTES,
+    CatchupManifest,
     LatestHint,
     Lease,
     Manifest,
@@ -54,7 +55,7 @@ from deltasync.transports.base import Entry
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Lease", "Manifest", "Part", "Store", "StreamInfo", "step_dir"]
+__all__ = ["CatchupEntry", "Lease", "Manifest", "Part", "Store", "StreamInfo", "catchup_dir", "step_dir"]
 
 T = TypeVar("T")
 _STEP_DIR = re.compile(r"\A(\d{12})\Z")
@@ -62,6 +63,25 @@ LATEST = "latest.json"
 STREAM = "stream.json"
 ObjectData = bytes | bytearray | memoryview | str | Path
 """A step's object: its bytes in memory, or a local file (``str``/``Path``) that is streamed."""
+CATCHUP = "catchup"
+
+
+def catchup_dir(step: int, base_step: int) -> str:
+    """The folder of the catch-up delta from ``base_step`` to ``step`` (docs/FORMAT.md section 5g)."""
+    return f"{CATCHUP}/{step_dir(step)[len('steps/'):]}/{step_dir(base_step)[len('steps/'):]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CatchupEntry:
+    """A catch-up delta as a listing shows it: its two steps, whether its manifest is there (committed), the size
+    of the largest object in its folder (a hint for planning: the manifest decides), and the age in seconds of
+    its newest file (None: the backend reports no times)."""
+
+    step: int
+    base_step: int
+    committed: bool
+    object_bytes: int
+    age_s: float | None
 
 
 class Store(StoreObjects, Retrying):
@@ -389,6 +409,83 @@ class Store(StoreObjects, Retrying):
         self._committed_at = now
         interval = round(min(statistics.median(self._gaps), 1e6), 3) if self._gaps else None
         return LatestHint(step=step, committed_unix_s=round(time.time(), 3), interval_s=interval)
+
+    # --- catch-up deltas (docs/FORMAT.md section 5g) ---
+
+    def catchup_entries(self) -> builtins.list[CatchupEntry]:
+        """Every catch-up folder from one listing of ``catchup/`` (committed or not), by (step, base_step)."""
+        found: dict[tuple[int, int], list[Any]] = {}  # -> [committed, biggest object, newest mtime]
+        for e in self.list(CATCHUP):
+            parts = e.key.split("/")
+            if len(parts) != 4:
+                continue
+            b, a = _STEP_DIR.match(parts[1]), _STEP_DIR.match(parts[2])
+            if not (b and a) or int(a.group(1)) >= int(b.group(1)):
+                continue
+            rec = found.setdefault((int(b.group(1)), int(a.group(1))), [False, 0, None])
+            if parts[3] == MANIFEST:
+                rec[0] = True
+            elif parts[3].endswith(".safetensors"):
+                rec[1] = max(rec[1], e.size)
+            if e.mtime_unix_s is not None:
+                rec[2] = e.mtime_unix_s if rec[2] is None else max(rec[2], e.mtime_unix_s)
+        now = time.time()
+        return [CatchupEntry(step, base, rec[0], rec[1], None if rec[2] is None else max(0.0, now - rec[2]))
+                for (step, base), rec in sorted(found.items())]
+
+    def catchup_record(self, step: int, base_step: int) -> tuple[CatchupManifest, str, bytes]:
+        """The catch-up from ``base_step`` to ``step``: its manifest, the SHA-256 of the manifest's bytes as stored,
+        and those bytes. ``StepNotFoundError`` where it is not committed; ``FormatError`` where the manifest is not
+        a valid one for its folder."""
+        rel = f"{catchup_dir(step, base_step)}/{MANIFEST}"
+        try:
+            raw = self.read_bytes(rel, max_bytes=MAX_DOCUMENT_BYTES)
+        except FileNotFoundError:
+            raise StepNotFoundError(f"{self.url}: no catch-up from step {base_step} to step {step} is "
+                                    "committed") from None
+        m = decode(raw, CatchupManifest, where=f"{self.url}/{rel}")
+        if (m.step, m.base_step) != (step, base_step):
+            raise FormatError(f"{self.url}/{rel}: describes the catch-up from step {m.base_step} to step {m.step}, "
+                              f"its folder the one from step {base_step} to step {step}")
+        return m, sha256_hex(raw), raw
+
+    def catchup_signature(self, step: int, base_step: int) -> bytes | None:
+        """The catch-up's ``signature.json`` as stored (bounded), or None where it has none."""
+        rel = f"{catchup_dir(step, base_step)}/{SIGNATURE}"
+        try:
+            raw = self.read_bytes(rel, max_bytes=MAX_SIGNATURE_BYTES)
+        except FileNotFoundError:
+            return None
+        if len(raw) > MAX_SIGNATURE_BYTES:
+            raise FormatError(f"{self.url}/{rel}: over {MAX_SIGNATURE_BYTES} bytes")
+        return raw
+
+    def commit_catchup(self, manifest: CatchupManifest, data: ObjectData, *,
+                       signer: StreamSigner | None = None) -> None:
+        """Publish one catch-up delta: object, then signature, then manifest (create-only: the commit marker).
+        ``StepExistsError`` where that catch-up is committed already (a committed one is never replaced)."""
+        folder = catchup_dir(manifest.step, manifest.base_step)
+        source = Path(data) if isinstance(data, (str, Path)) else data
+        size = source.stat().st_size if isinstance(source, Path) else memoryview(source).nbytes
+        if size != manifest.object_bytes:
+            raise CorruptObjectError(f"{self.url} {folder}: the object to upload has {size} bytes, its manifest says "
+                                     f"{manifest.object_bytes}")
+        rel = f"{folder}/{plain_name(manifest.object, where=f'{self.url} {folder}')}"
+        self.call(f"upload {rel}", lambda: self.transport.put(rel, source))
+        body = encode(manifest)
+        if signer is not None:  # before the commit: a committed catch-up of a signed stream is signed
+            self.write_bytes(f"{folder}/{SIGNATURE}", signer.sign_catchup(manifest, body))
+        try:
+            self.write_bytes(f"{folder}/{MANIFEST}", body, if_absent=True)
+        except FileExistsError:
+            raise StepExistsError(f"{self.url}: the catch-up from step {manifest.base_step} to step {manifest.step} is "
+                                  "already committed; a committed one is never replaced") from None
+
+    def delete_catchup(self, step: int, base_step: int) -> None:
+        """Delete a catch-up: its manifest first (readers stop seeing it), then its folder."""
+        folder = catchup_dir(step, base_step)
+        self.delete(f"{folder}/{MANIFEST}")
+        self.delete(folder, recursive=True)
 
     # --- the stream itself ---
 

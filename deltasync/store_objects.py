@@ -39,6 +39,11 @@ def step_dir(step: int) -> str:
     return f"steps/{check_step(step):012d}"
 
 
+def _folder(manifest: Manifest) -> str:
+    """Where a manifest's objects live: its step's folder, or a catch-up's (``Manifest.folder``)."""
+    return manifest.folder if manifest.folder is not None else step_dir(manifest.step)
+
+
 def sha256_file(path: str | Path) -> str:
     with open(path, "rb") as f:
         if sys.version_info >= (3, 11):
@@ -107,7 +112,7 @@ class StoreObjects:
 
     def _object_key(self, manifest: Manifest, part: Part) -> str:
         """The key of a step's object; its name comes from a store, so it must be a plain file name."""
-        return f"{step_dir(manifest.step)}/{plain_name(part.object, where=f'{self.url} step {manifest.step}')}"
+        return f"{_folder(manifest)}/{plain_name(part.object, where=f'{self.url} step {manifest.step}')}"
 
     def fetch_object(self, manifest: Manifest, *, part: Part | None = None, hold: bool = False) -> Path:
         """A local path to the step's object, checked against the manifest's size and SHA-256.
@@ -195,9 +200,11 @@ class StoreObjects:
     def _missing(self, manifest: Manifest, where: str) -> StepNotFoundError | CorruptObjectError:
         """The error for an object that is not there: its step was collected meanwhile (no manifest either),
         or the store lost it (the manifest is still there)."""
-        if not self.exists(f"{step_dir(manifest.step)}/{MANIFEST}"):
-            return StepNotFoundError(f"{self.url}: step {manifest.step} was collected (deleted by gc) while it was "
-                                     "being read", url=self.url, step=manifest.step)
+        if not self.exists(f"{_folder(manifest)}/{MANIFEST}"):
+            what = (f"step {manifest.step}" if manifest.folder is None
+                    else f"catch-up {manifest.base_step}->{manifest.step}")
+            return StepNotFoundError(f"{self.url}: {what} was collected (deleted by gc) while it was being read",
+                                     url=self.url, step=manifest.step)
         return CorruptObjectError(f"{where}: missing, though the step is committed", url=self.url, step=manifest.step)
 
     def local_object_unhashed(self, manifest: Manifest) -> Path | None:

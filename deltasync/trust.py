@@ -36,9 +36,10 @@ from deltasync.errors import (
     UnsignedStepError,
     UntrustedKeyError,
 )
-from deltasync.format.documents import Manifest, StreamInfo, decode
+from deltasync.format.documents import CatchupManifest, Manifest, StreamInfo, decode
 from deltasync.format.names import SHA256, STREAM_ID, check
 from deltasync.signing import (
+    CATCHUP_TYPE,
     FINGERPRINT_TYPE,
     HEAD_TYPE,
     MAX_CHAIN,
@@ -52,6 +53,7 @@ from deltasync.signing import (
     SigningKey,
     StreamSigner,
     _canonical,
+    catchup_fields,
     key_id,
     pem_text,
     read_public_key,
@@ -264,6 +266,27 @@ class TrustedKeys:
         signer = base64.b64decode(doc.public_key)
         signed = SignedStep(step=step, key=signer, endorsements=tuple(doc.endorsements), files_sha256=files,
                             version=2 if kind == STATEMENT_TYPE else 1)
+        self.accept(signed, where=where)
+        return signed
+
+    def check_catchup(self, raw: bytes | None, manifest: CatchupManifest, *, manifest_sha256: str,
+                      where: str) -> SignedStep:
+        """Accept a catch-up delta (docs/FORMAT.md section 5g) as signed by a key trusted for its step, for the pinned
+        stream, over exactly this manifest; return what was signed (``files_sha256`` None: a catch-up vouches for no
+        model files). Raises what :meth:`check` raises, for the catch-up."""
+        what = f"catch-up {manifest.base_step}->{manifest.step}"
+        if raw is None:
+            raise UnsignedStepError(f"{where}: {what} is not signed (no {SIGNATURE}); this reader trusts only signed "
+                                    "catch-ups")
+        doc, text, fields = self._verified(
+            raw, where=f"{where}/catchup/{manifest.step:012d}/{manifest.base_step:012d}/{SIGNATURE}", what=what)
+        want = {"type": CATCHUP_TYPE, "stream_id": self.stream_id, **catchup_fields(manifest),
+                "manifest": manifest_sha256}
+        if set(fields) != set(want) or any(fields[k] != v for k, v in want.items()):
+            raise SignatureError(f"{where}: {what} is signed, but for other contents: the statement signed says "
+                                 f"{_diff(text, _canonical(want))}")
+        signed = SignedStep(step=manifest.step, key=base64.b64decode(doc.public_key),
+                            endorsements=tuple(doc.endorsements), files_sha256=None, version=2)
         self.accept(signed, where=where)
         return signed
 

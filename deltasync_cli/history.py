@@ -121,6 +121,55 @@ def push(
               markup=False)
 
 
+@command("catchup", summary="Write catch-up deltas for followers that fall behind.",
+         examples=["deltasync catchup s3://bucket/run-7 --follow",
+                   "deltasync catchup ./stream --distances 8,32,128 --no-consumers",
+                   "deltasync catchup ./stream --signing-key trainer.key --stream-id run-7"])
+def catchup(
+    url: Annotated[str, typer.Argument(help="Stream URL.")],
+    distances: Annotated[str, typer.Option(metavar="D,D,...", help="Aligned catch-ups of these step distances "
+                                           "(each >= 2; empty: none).")] = "4,16,64",
+    consumers: Annotated[bool, typer.Option(help="Also one from each lagging consumer's step (its heartbeat) to "
+                                            "the newest step.")] = True,
+    min_lag: Annotated[int, typer.Option(min=2, metavar="STEPS", help="A consumer this far behind gets "
+                                         "one.")] = 4,
+    follow_: Annotated[bool, typer.Option("--follow", help="Keep going: a pass after every new step (default: "
+                                          "one pass).")] = False,
+    poll_s: Annotated[float, typer.Option(min=0.05, metavar="SECONDS", help="With --follow: seconds between "
+                                          "polls.")] = 5.0,
+    as_json: JsonOpt = False,
+    storage_option: StorageOpt = None,
+    signing_key: Annotated[Path | None, typer.Option("--signing-key", metavar="PATH",
+                                                help="A signed stream's private key (deltasync keygen): sign "
+                                                     "catch-ups, read only steps it signed.")] = None,
+    stream_id: StreamIdOpt = None,
+) -> None:
+    """Write catch-up deltas (docs/FORMAT.md section 5g): one object from a step A straight to a later step B, built
+    from the stored deltas in between, so that a follower that fell behind reads a few times less. Runs anywhere
+    the store is reachable (it costs the trainer nothing); followers use what exists, and streams without any
+    read as before. On a signed stream give the signing key: followers with trusted keys refuse unsigned ones."""
+    from deltasync.history import CatchupOptions, CatchupWriter
+
+    try:
+        dist = tuple(int(d) for d in distances.replace(" ", "").split(",") if d)
+    except ValueError:
+        raise typer.BadParameter(f"--distances: expected step counts separated by commas, got {distances!r}") from None
+    options = CatchupOptions(distances=dist, consumers=consumers, min_lag=min_lag)
+    with CatchupWriter(url, options=options, signing_key=signing_key, stream_id=stream_id,
+                       storage_options=_storage_options(storage_option)) as writer:
+        if follow_:
+            writer.follow(poll_s=poll_s)
+            return
+        report = writer.run_once()
+    if as_json:
+        _print_json(report.to_dict())
+        return
+    for (a, b, n), built in zip(report.written, report.replaced_bytes, strict=True):
+        out.print(f"catch-up {a} -> {b}: {_mb(n)} (the steps' own objects: {_mb(built)})", markup=False)
+    out.print(f"{len(report.written)} written, {len(report.skipped)} skipped (no deltas between), "
+              f"{len(report.deleted)} deleted in {report.seconds:.2f}s", markup=False)
+
+
 @command("compare", summary="What changed between two steps, per tensor and layer.",
          examples=["deltasync compare s3://bucket/run-7 10 12", "deltasync compare ./stream 0 12 --json"])
 def compare_(
@@ -280,7 +329,7 @@ def gc_(
         plan = collect_garbage(url, keep_last=keep_last, keep_anchor_every=keep_anchor_every,
                                consumer_max_age_s=consumer_max_age_s, dry_run=dry_run or ask or refuse,
                                storage_options=_storage_options(storage_option), progress=progress)
-    if refuse and (plan.delete or plan.leftovers):
+    if refuse and (plan.delete or plan.leftovers or plan.catchups):
         raise typer.BadParameter(
             f"gc would delete {len(plan.delete)} steps ({_mb(plan.freed_bytes)}) and {len(plan.leftovers)} uncommitted "
             "folders, and there is no terminal to ask: pass --yes to delete them, or --dry-run to see the plan")
@@ -289,7 +338,7 @@ def gc_(
         return
     _show_plan(url, plan, planned=dry_run or ask)
     if ask:
-        if not plan.delete and not plan.leftovers:
+        if not plan.delete and not plan.leftovers and not plan.catchups:
             out.print("nothing to delete", markup=False)
             return
         if not typer.confirm(f"delete {len(plan.delete)} steps ({_mb(plan.freed_bytes)}) and {len(plan.leftovers)} "

@@ -34,6 +34,7 @@ from deltasync.engine import (
     write_heartbeat,
 )
 from deltasync.errors import (
+    CatchupError,
     ConfigError,
     FollowError,
     SignatureError,
@@ -241,6 +242,8 @@ class Follower:
             t0 = time.perf_counter()
             try:
                 self.target.advance(self.reader, s)
+            except CatchupError:
+                raise  # refused by the reader: the next attempt takes the steps' own objects, not an anchor
             except DeltaSyncError:
                 self._from_anchor = True  # the content was at fault: the next attempt starts at an anchor
                 raise

@@ -129,7 +129,7 @@ def test_verify_exit_codes(stream_copy, monkeypatch, capsys):
 def test_gc(stream_copy):
     d = run_json("gc", stream_copy, "--keep-last", "3", "--dry-run")
     assert list(d) == ["keep", "delete", "leftovers", "freed_bytes", "live_consumers", "stale_consumers", "unreadable",
-                       "dry_run"]
+                       "catchups", "dry_run"]
     assert d["delete"] == [3, 2, 1, 0] and d["dry_run"] is True
     assert d["keep"][0] == {"step": 4, "reason": "in the chain of step 7"}
     assert StreamReader(stream_copy).steps() == list(range(10))

@@ -22,7 +22,8 @@ def _doc_json_blocks() -> list[dict]:
 
 
 def test_format_doc_examples_parse():
-    header, manifest, anchor, manifest_v2, signature, statement, latest, reference = _doc_json_blocks()
+    header, manifest, anchor, manifest_v2, signature, statement, latest, reference, catchup, catchup_statement = (
+        _doc_json_blocks())
     header["state_checksum"] = "0" * 64
     for t in header["tensors"].values():
         t["checksum"] = t["checksum"] if len(t["checksum"]) == 18 else "0x" + "0" * 16
@@ -77,6 +78,18 @@ def test_format_doc_examples_parse():
     ref = decode(json.dumps(reference), FingerprintReference, where="FORMAT.md")
     assert set(reference) == {f.name for f in fields(FingerprintReference)}
     assert ref.step == 12 and ref.ranks[0].tensors["model.layers.0.mlp.experts.w13_weight"].shape == [4, 128, 128]
+
+    # section 5g: a catch-up delta's manifest, and the statement its signature covers (the code writes these keys)
+    from deltasync.format.documents import CatchupManifest
+    from deltasync.signing import CATCHUP_TYPE
+    from deltasync.signing import catchup_statement as statement_of
+
+    for key in ("object_sha256", "state_checksum", "base_state_checksum"):
+        catchup[key] = "0" * 64
+    c = decode(json.dumps(catchup), CatchupManifest, where="FORMAT.md")
+    assert (c.kind, c.base_step, c.step) == ("catchup", 128, 160) and set(c.to_dict()) == set(catchup)
+    assert catchup_statement["type"] == CATCHUP_TYPE and list(catchup_statement) == sorted(catchup_statement)
+    assert set(catchup_statement) == set(json.loads(statement_of(c, "run-7", manifest_sha256="0" * 64)))
 
 
 def _delta_file(tmp_path, small_state, gen):

@@ -13,7 +13,7 @@ import json
 import math
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Final, Literal, TypeVar
 
 import msgspec
 
@@ -338,6 +338,9 @@ class Manifest:
     stats: ManifestStats = field(default_factory=ManifestStats)
     format_version: PartVersion = FORMAT_VERSION
     delta: AnchorDelta | None = None
+    # where the objects live, for a manifest that is not stored as steps/<step>/manifest.json (a catch-up's view:
+    # ``CatchupManifest.as_manifest``); never stored, never parsed
+    folder: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         _check_base(self.kind, self.step, self.base_step)
@@ -413,6 +416,48 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str | bytes, *, where: str) -> Manifest:
         return decode(text, cls, where=where, max_bytes=MAX_MANIFEST_BYTES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CatchupManifest:
+    """``catchup/<step>/<base_step>/manifest.json``: the commit marker of a catch-up delta, an optional object
+    that takes a follower from ``base_step`` straight to ``step`` (docs/FORMAT.md section 5g)."""
+
+    kind: Literal["catchup"]
+    step: Step
+    base_step: Step
+    object: ObjectName
+    object_bytes: Annotated[int, msgspec.Meta(ge=8, le=MAX_OBJECT_BYTES)]
+    object_sha256: Sha256
+    state_checksum: Sha256
+    base_state_checksum: Sha256
+    created_unix_s: UnixTime
+    stats: ManifestStats = field(default_factory=ManifestStats)
+    format_version: Version = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.base_step >= self.step:
+            raise ValueError(f"$.base_step {self.base_step} is not below $.step {self.step}")
+
+    @property
+    def part(self) -> Part:
+        return Part(object=self.object, object_bytes=self.object_bytes, object_sha256=self.object_sha256)
+
+    def as_manifest(self, folder: str) -> Manifest:
+        """The catch-up as the manifest of a delta step from ``base_step`` to ``step`` whose object lives in
+        ``folder``: what a reader opens (its object is checked and its header agrees, as for a step)."""
+        m = Manifest(step=self.step, base_step=self.base_step, kind="delta", object=self.object,
+                     object_bytes=self.object_bytes, object_sha256=self.object_sha256,
+                     state_checksum=self.state_checksum, created_unix_s=self.created_unix_s, stats=self.stats)
+        object.__setattr__(m, "folder", folder)  # an instance's own value of the class-level default
+        return m
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format_version": self.format_version, "kind": self.kind, "step": self.step,
+                "base_step": self.base_step, "object": self.object, "object_bytes": self.object_bytes,
+                "object_sha256": self.object_sha256, "state_checksum": self.state_checksum,
+                "base_state_checksum": self.base_state_checksum, "created_unix_s": self.created_unix_s,
+                "stats": self.stats.to_dict()}
 
 
 @dataclass(frozen=True, kw_only=True)

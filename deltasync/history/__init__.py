@@ -1,4 +1,4 @@
-"""History tools over a stream: replay any step, compare, push, verify, collect garbage, statistics.
+"""History tools over a stream: replay any step, compare, push, verify, collect garbage, statistics, catch-ups.
 
 The everyday entry points are exported by ``deltasync`` itself (``replay_to_folder``, ``compare``,
 ``verify``, ``collect_garbage``, ``push_checkpoint``, ``stream_stats``); this package adds their result
@@ -25,6 +25,10 @@ _HOMES = {
     "run_gc": "deltasync.history.gc",
     "GcPlan": "deltasync.history.gc",
     "stream_stats": "deltasync.history.stats",
+    "write_catchups": "deltasync.history.catchup",
+    "CatchupWriter": "deltasync.history.catchup",
+    "CatchupOptions": "deltasync.history.catchup",
+    "CatchupReport": "deltasync.history.catchup",
     "StreamStats": "deltasync.history.stats",
     "layer_density": "deltasync.history.stats",
     "plot_stats": "deltasync.history.stats",
@@ -34,6 +38,7 @@ __all__ = list(_HOMES)
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)
 
 if TYPE_CHECKING:
+    from deltasync.history.catchup import CatchupOptions, CatchupReport, CatchupWriter, write_catchups
     from deltasync.history.compare import Comparison, compare
     from deltasync.history.gc import GcPlan, collect_garbage, plan_gc, run_gc
     from deltasync.history.push import push_checkpoint

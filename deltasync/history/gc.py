@@ -21,9 +21,11 @@ from deltasync.errors import ConfigError
 from deltasync.format.documents import ConsumerPosition
 from deltasync.history.replay import ProgressFn, require_steps
 from deltasync.reader import StreamReader
-from deltasync.store import MANIFEST, Manifest, Store, step_dir
+from deltasync.store import MANIFEST, CatchupEntry, Manifest, Store, step_dir
 
 log = logging.getLogger(__name__)
+
+CATCHUP_LEFTOVER_S = 3600.0  # an uncommitted catch-up folder this old lost its writer (docs/FORMAT.md section 5g)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class GcPlan:
     live_consumers: tuple[ConsumerPosition, ...]
     stale_consumers: tuple[ConsumerPosition, ...]  # too old, or dated ahead of this clock (suspect): not respected
     unreadable: tuple[tuple[str, str], ...] = ()  # heartbeat files that could not be read: (file, why)
+    # catch-up deltas (docs/FORMAT.md section 5g) to delete, as (base_step, step): an end no longer committed after
+    # this collection, or a folder without a manifest older than an hour; deleted before any step
+    catchups: tuple[tuple[int, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -85,6 +90,7 @@ def plan_gc(
     now_unix_s: float,
     consumer_max_age_s: float = 3600.0,
     folders: Sequence[int] = (),
+    catchups: Sequence[CatchupEntry] = (),
 ) -> GcPlan:
     """Decide what to delete: only steps that no retained step needs.
 
@@ -95,6 +101,9 @@ def plan_gc(
     otherwise hold back every step for ever by dating its heartbeat ten years ahead).
     Every retained step keeps its whole chain (its anchor and the deltas in between). ``folders`` are
     the stream's step folders: those without a manifest and older than the latest step are leftovers.
+    ``catchups``: the stream's catch-up deltas (``Store.catchup_entries``): one whose step or base is not kept
+    goes (a catch-up is never part of a step's chain: no kept step needs one), and so does an uncommitted one an
+    hour old.
     """
     check_gc_options(keep_last, keep_anchor_every, consumer_max_age_s)
     by_step = {m.step: m for m in manifests}
@@ -124,6 +133,9 @@ def plan_gc(
             at = None if by_step[at].kind == "anchor" else by_step[at].base_step
     delete = tuple(sorted((s for s in steps if s not in keep), reverse=True))
     latest = steps[-1] if steps else -1
+    gone = tuple((c.base_step, c.step) for c in catchups
+                 if (c.committed and (c.step not in keep or c.base_step not in keep))
+                 or (not c.committed and c.age_s is not None and c.age_s >= CATCHUP_LEFTOVER_S))
     return GcPlan(
         keep=dict(sorted(keep.items())),
         delete=delete,
@@ -131,11 +143,15 @@ def plan_gc(
         freed_bytes=sum(by_step[s].object_bytes for s in delete),
         live_consumers=live,
         stale_consumers=stale,
+        catchups=gone,
     )
 
 
 def run_gc(store: Store, plan: GcPlan, *, progress: ProgressFn | None = None) -> None:
-    """Execute ``plan``: each step's manifest first (readers stop seeing it), then its folder."""
+    """Execute ``plan``: catch-ups first (no catch-up outlives an end), then each step's manifest (readers stop
+    seeing it), then its folder."""
+    for base, step in plan.catchups:
+        store.delete_catchup(step, base)
     total = len(plan.delete) + len(plan.leftovers)
     for k, s in enumerate(plan.delete):
         store.delete(f"{step_dir(s)}/{MANIFEST}")
@@ -177,6 +193,7 @@ def collect_garbage(
         now_unix_s=time.time(),
         consumer_max_age_s=consumer_max_age_s,
         folders=store.step_folders(),
+        catchups=store.catchup_entries(),
     )
     plan = dataclasses.replace(plan, unreadable=tuple((u.file, u.error) for u in unreadable))
     if not dry_run:

@@ -100,10 +100,12 @@ def require_steps(reader: StreamReader) -> list[int]:
 
 
 def chain_steps(reader: StreamReader, step: int) -> list[int]:
-    """``reader.chain(step)``, with clearer errors for a step that is not committed and a URL without a stream."""
+    """``reader.chain(step)`` through the steps' own objects (history reads what the trainer published, never a
+    catch-up: docs/FORMAT.md section 5g), with clearer errors for a step that is not committed and a URL without a
+    stream."""
     try:
         reader.manifest(step)  # a step that is not committed is named as such, with its neighbours
-        return reader.chain(step)
+        return reader.chain(step, catchup=False)
     except StepNotFoundError:
         require_steps(reader)
         raise

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from deltasync.errors import (
+    CatchupError,
     ChecksumMismatchError,
     CorruptObjectError,
     DeltaSyncError,
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 # "resource": this machine could not read the step (open files, memory), which says nothing of the stream
-ProblemKind = Literal["manifest", "object", "header", "chain", "checksum", "resource", "signature", "head"]
+ProblemKind = Literal["manifest", "object", "header", "chain", "checksum", "resource", "signature", "head", "catchup"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +78,10 @@ def verify(
 ) -> VerifyReport:
     """Check every committed step in ``first..last``: manifest, object (size, SHA-256), header (valid, and
     agreeing with the manifest), chain (each delta's base is committed and sound) and checksums, by
-    replaying every tensor through every step. With ``trusted_keys`` (a ``TrustedKeys``, or a reader that has
+    replaying every tensor through every step; and each catch-up delta into a step of ``first..last``
+    (docs/FORMAT.md section 5g): its manifest, signature and object, and, where both its steps verified, that
+    applied to its base step's weights it gives every checksum of its step (a ``catchup`` problem, under its
+    step, otherwise). With ``trusted_keys`` (a ``TrustedKeys``, or a reader that has
     them), also origin: each step's signature (a ``signature`` problem otherwise; ``origin_checked`` says it was
     done), and the signed head in ``latest.json`` (``head``): one that names a step past every committed one is a
     ``head`` problem (steps deleted after their commit: a rollback).
@@ -106,6 +110,9 @@ def verify(
     for s in targets:  # an anchor's own delta must lead from its base to exactly the anchor's weights
         if not run.done(s) and s in run.replayed:
             run.anchor_delta(s)
+    for c in reader.store.catchup_entries():  # catch-ups (FORMAT.md 5g): from their base to exactly their step
+        if c.committed and lo <= c.step <= hi and not run.done(c.step):
+            run.catchup(c.base_step, c.step)
     head = _head(reader, committed, run) if reader.trusted is not None else None
     problems = sorted(run.problems, key=lambda p: p.step)
     if not all_problems:
@@ -172,7 +179,7 @@ class _Verification:
                                         f"committed{self._leftover(m.base_step)}")
             else:
                 try:
-                    out.append(self.reader.chain(s))
+                    out.append(self.reader.chain(s, catchup=False))
                 except SignatureError as e:
                     self.report(s, "signature", str(e))
                 except (StepNotFoundError, FormatError) as e:
@@ -200,6 +207,21 @@ class _Verification:
             self.report(step, "header", f"{step}'s own delta: {e}")
         except DeltaSyncError as e:
             self.report(step, "chain", f"{step}'s own delta from step {base}: {e}")
+
+    def catchup(self, base: int, step: int) -> None:
+        """A catch-up delta: its manifest, signature and object, and, where both steps verified, its result."""
+        sound = base in self.replayed and step in self.replayed and not any(p.step in (base, step)
+                                                                             for p in self.problems)
+        try:
+            self.reader.catchup(step, base)
+            with self.reader.open(step, base=base) as obj:
+                if sound:
+                    replica = self.reader.replica(base, verify="full")
+                    replica.apply(obj, verify="full")
+        except DeltaSyncError as e:
+            cause = e.__cause__ if isinstance(e, CatchupError) and isinstance(e.__cause__, DeltaSyncError) else e
+            self.report(step, "catchup", f"the catch-up from step {base} to step {step}: {type(cause).__name__}: "
+                                         f"{cause}")
 
     def _leftover(self, step: int | None) -> str:
         if self._folders is None:

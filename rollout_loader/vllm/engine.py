@@ -265,7 +265,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         assert isinstance(want, int)
         if want == self._held:
             return
-        chain = self._staged_chain(want) or reader.chain(want, start=self._held)
+        # over NIXL a step is read as itself (no base): no catch-up deltas (docs/FORMAT.md section 5g) then
+        chain = self._staged_chain(want) or reader.chain(want, start=self._held, catchup=self._rdma is None)
         parts["resolve"] = time.perf_counter() - t0
         start, done = self._held, []  # the steps written so far, with their patches: undone if a later one fails
         try:
@@ -444,6 +445,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         reader, state = self._require()
         t_stage = time.perf_counter()
         ready = self._prefetcher.take(step) if self._prefetcher is not None else None
+        if ready is not None and ready.header.kind == "delta" and ready.header.base_step != self._held:
+            ready = None  # staged by another way (a catch-up delta, docs/FORMAT.md 5g, or not): read it now
         # not staged yet: read it now, over NIXL first when the engine has a ring (self._reader has none)
         # over NIXL the ring carries anchors whole: there an anchor is read as itself, elsewhere by its own delta
         prepared = ready or (prepare(self._rdma.reader, state, step) if self._rdma is not None
