@@ -373,7 +373,7 @@ class StreamReader:
         refused (logged) and the way planned again without it. ``anchors=False``: only ways from ``start``
         (``StepNotFoundError`` where there is none), for a writer that merges what lies between.
         """
-        use = catchup and self.catchups and getattr(self.store.transport, "read_verified", None) is None
+        use = catchup and self.catchups and self.objects is None  # over NIXL each step arrives as itself
         for _ in range(8):  # each round refuses a catch-up or learns its true size; then the plain chain
             hops = cheapest_chain(step, start=start, max_walk=max_walk, anchors=anchors,
                                   manifest=self.manifest,
