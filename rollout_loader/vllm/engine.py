@@ -68,7 +68,7 @@ from .layout import checkpoint_layout
 from .plan import build_state
 from .prefetch import PlanBoard, Prefetcher, Prepared, prepare
 from .settings import EngineSettings
-from .shadow import reload_as_loaded
+from .shadow import load_checkpoint, reload_as_loaded
 from .state import Staged, WorkerState
 from .trace import all_gather_tp as _all_gather
 from .trace import refuse_moving_experts
@@ -104,7 +104,7 @@ def _crossing(e: DeltaSyncError) -> DeltaSyncError:
     if str(e) == text:
         return e
     try:
-        crossing = type(e)(text)
+        crossing = type(e)(text, **e.context())  # the attributes a program in this process reads stay on it
     except TypeError:  # an error class with other constructor arguments: the record still names the class
         crossing = EngineError(text)
     return crossing
@@ -123,6 +123,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         self._reader: StreamReader | None = None
         self._state: WorkerState | None = None
         self._held: int | None = None
+        self._checkpoint_loaded = False  # a load_format="dummy" engine, once deltasync loaded its checkpoint
         self._prefetcher: Prefetcher | None = None
         self._rdma: Any = None  # deltasync.RdmaConsumer when init_info names a controller
         self._feed: EventFeed | None = None  # init_info.notify's event feed
@@ -184,6 +185,13 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
             # checkpoint, and kept when the engine is pointed at another stream (its weights may have moved since)
             self.shutdown()
             refuse_moving_experts(self.vllm_config)
+            if self.vllm_config.load_config.load_format == "dummy" and not self._checkpoint_loaded:
+                # random weights vLLM never read from the checkpoint: nothing to learn the layouts from until it
+                # holds one; loaded once (later inits find the weights this engine's updates wrote)
+                log.info("deltasync: the engine started with load_format='dummy': loading %s through vLLM first",
+                         self.model_config.model)
+                load_checkpoint(self.vllm_config, self.model, self.model_config.model)
+                self._checkpoint_loaded = True
             layout = checkpoint_layout(self.model_config.model)
             self._state, summary = build_state(
                 self.model, layout=layout, checkpoint=self.model_config.model, mode=init_info.mode,
@@ -514,6 +522,11 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
             parts = state.checksums(list(want))
             gathered = _all_gather(parts)
             bad = [n for n in want if add_checksums(*(g[n] for g in gathered)) != want[n]]
+            # what vLLM derived after loading (prepacked experts, FP8 weights, widened copies) is not covered by
+            # those checksums (shadowed modules are checked by their host copies): derived again from the weights
+            # just proved, and compared with what the engine computed with
+            derived = [] if bad else [(rank, names) for rank, names in enumerate(_all_gather(state.rederive()))
+                                      if names]
         except BaseException:
             self._close_stream()
             raise
@@ -526,6 +539,18 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
                 f"engine 0x{add_checksums(*(g[n] for g in gathered)):016x}); start it from step {step}'s checkpoint "
                 f"(deltasync replay), or name no step: the first update then writes an anchor", step=step, tensor=n,
                 expected=f"0x{want[n]:016x}", found=f"0x{add_checksums(*(g[n] for g in gathered)):016x}")
+        if derived:
+            self._close_stream()
+            rank, names = derived[0]
+            count = sum(len(names) for _, names in derived)
+            raise HeldStepError(
+                f"{where}: init_info says the engine holds step {step}; its checkpoint-format weights are that step's, "
+                f"but {count} tensor(s) vLLM derives from them after loading were not what vLLM derives from them, "
+                f"first {names[0]!r} on rank {rank}: the engine computed with other weights than the ones it holds "
+                f"(it loaded another checkpoint than {self.model_config.model!r} holds now, or a reload left a "
+                f"transformed weight wrong). They are derived again now, but the claim is not believed: start the "
+                f"engine from step {step}'s checkpoint (deltasync replay), or name no step: the first update then "
+                f"writes an anchor", step=step, tensor=names[0])
         self._held = step
         return set(want)
 

@@ -28,7 +28,7 @@ from deltasync.engine import DTYPES, RankFingerprint, TensorPrint, format_checks
 
 log = logging.getLogger(__name__)
 
-__all__ = ["engine_config", "fingerprint_model", "rank_and_size"]
+__all__ = ["engine_config", "fingerprint_model", "rank_and_size", "runtime_checksums"]
 
 _DROPPED = ("transformers_version", "torch_dtype", "dtype")  # names and versions, not layout (dtype: its own field)
 
@@ -124,6 +124,12 @@ def _checksum(t: torch.Tensor) -> int:
     if t.dtype not in DTYPES.values():  # a dtype deltasync's kernels have no width for: its raw bytes
         t = t.contiguous().reshape(-1).view(torch.uint8)
     return tensor_checksum(t)
+
+
+def runtime_checksums(model: torch.nn.Module) -> dict[str, int]:
+    """The ``mix64-sum`` of every parameter, buffer and captured kernel tensor of ``model`` (or of one of its
+    modules), by the names :func:`fingerprint_model` gives them: one pass, to tell which changed."""
+    return {name: _checksum(t) for name, t in _tensors(model)}
 
 
 def fingerprint_model(model: torch.nn.Module) -> RankFingerprint:

@@ -52,8 +52,10 @@ class EngineSettings:
         mode: how parameters vLLM transforms after loading are written (``"auto"``, ``"live"``, ``"reload"``:
             rollout_loader/vllm/plan.py).
         step: the step the engine's weights are at when it holds none yet (started from that step's replayed
-            checkpoint); proved by checksums before it is believed (``HeldStepError``). None: the first update
-            writes an anchor.
+            checkpoint); proved before it is believed (``HeldStepError``): by checksums of the checkpoint-format
+            weights, and by deriving again what vLLM derives from them after loading (prepacked experts, FP8
+            weights) and comparing. None: the first update writes an anchor over every tensor, whatever the engine
+            started from (random weights, ``load_format="dummy"``, another step's checkpoint).
         prefetch: stage the next committed step (fetch, verify, decode) before the update asks for it.
         rdma: read steps over NIXL first: ``{"controller": "tcp://host:port", ...}`` (deltasync.rdma.options),
             or just the controller's address.

@@ -26,8 +26,8 @@ from safetensors import safe_open
 
 from rollout_loader.routing import Route, RoutingError, RoutingTable
 
-from .layout import safetensors_files
-from .trace import Trace
+from .layout import checkpoint_layout, read_checkpoint, safetensors_files
+from .trace import Trace, reloaded_attrs
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -171,6 +171,17 @@ def reload_as_loaded(vllm_config: VllmConfig, model: torch.nn.Module, weights: I
         for method, kernel in kernels:
             if method.moe_kernel is None:  # the reload failed before rebuilding it
                 method.moe_kernel = kernel
+
+
+def load_checkpoint(vllm_config: VllmConfig, model: torch.nn.Module, checkpoint: str) -> None:
+    """Load ``checkpoint`` into an engine that never read it (vLLM's ``load_format="dummy"``: random weights, their
+    post-load processing run over them), every module as at first load (:func:`reload_as_loaded` over every module
+    vLLM keeps a record of). Afterwards the engine holds what a fresh engine loaded from ``checkpoint`` holds, so
+    the routes' sampled bits tell which parameters vLLM transforms after loading (:func:`find_transformed`), as for
+    any other engine. Reads the whole checkpoint into host memory, and re-loads every layer at once."""
+    shapes, _ = checkpoint_layout(checkpoint)
+    weights = read_checkpoint(checkpoint, sorted(shapes), shapes)
+    reload_as_loaded(vllm_config, model, list(weights.items()), set(reloaded_attrs(model)))
 
 
 def _matches(reader: object, route: Route, live: torch.Tensor, rng: random.Random) -> bool:

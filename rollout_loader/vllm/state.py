@@ -324,6 +324,31 @@ class WorkerState:
             out.append((name, None, x))
         return out
 
+    def rederive(self) -> list[str]:
+        """Derive again, from the checkpoint-format weights this rank holds, every tensor vLLM derives from them
+        after loading (shadowed modules re-loaded from their host copies, CPU kernels' packed copies rebuilt,
+        converted copies converted again) and return the runtime tensors whose bits changed: those the engine
+        computed with that were not derived from the weights it holds (a start from another checkpoint than the
+        one it reads its host copies from, a reload that left a transformed weight wrong). Checksums of the
+        checkpoint-format weights cannot see them. Afterwards every derived tensor is the derivation of the weights
+        held. One reload of every shadowed module (an anchor's work) and two passes over the weights; nothing to
+        do where every tensor is written in place."""
+        from .fingerprint import runtime_checksums
+
+        modules = set(self.feeds) | {m for h in self.homes.values() if not h.host for m in h.modules}
+        mirrored = [Staged(name=n, idx=torch.arange(h.hf_numel, dtype=torch.int64), x=torch.empty(0),
+                           hf_idx=torch.empty(0)) for n, h in self.homes.items() if h.mirror]
+        if not modules and not mirrored:
+            return []
+        before = runtime_checksums(self.model)
+        with self.lock:
+            self.version += 1  # a seal taken before is stale
+            with torch.inference_mode():
+                self._mirror([(self.homes[s.name].bits, s) for s in mirrored])
+            self.sync_kernels(modules)
+        after = runtime_checksums(self.model)
+        return sorted(n for n in after if before.get(n) != after[n])
+
     def sync_kernels(self, modules: set[str]) -> None:
         """Make the kernels of ``modules`` see the new bits: reload from host copies, or rebuild."""
         if not modules:

@@ -32,6 +32,15 @@ OUTSIDE_CI = {("llama", "live", "bf16"), ("gemma", "live", "bf16"), ("mixtral", 
               ("deepseek_v2", "stock", "bf16"), ("deepseek_v3", "live", "bf16"), ("gpt_oss", "live", "bf16"),
               ("qwen3_next", "live", "bf16"), ("tied_head", "live", "bf16")}
 OUTSIDE_CI_NOTE = " (outside CI: `./run.sh test -m outside_ci`)"
+# (family, kernels, served) of every family case: test_vllm_models follows a stream with each, and
+# test_vllm_poisoned_start starts each from random weights
+FAMILY_CASES = ([(f, "live", "bf16") for f in FAMILIES] + [(f, "stock", "bf16") for f in MOE]
+                + [("llama", "live", "fp8")])
+# how a poisoned start gets its random weights: a checkpoint of random weights, or vLLM's load_format="dummy"
+STARTS = ("random", "dummy")
+# the poisoned-start cases CI runs (a dense family; one with tensors vLLM derives after loading: MLA's absorbed
+# weights, prepacked MoE experts); the others run outside CI
+POISONED_IN_CI = {("llama", "live", "bf16", "random"), ("deepseek_v2", "live", "bf16", "dummy")}
 
 
 def _test(family: str, kernels: str, dtype: str) -> str:
@@ -179,5 +188,21 @@ def matrix_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
+def poisoned_markdown() -> str:
+    """The poisoned-start table docs/MODELS.md holds: a row per family case, a column per kind of random start
+    (bit-equal to a fresh engine after the first update, in CI or outside it), and the test's parameters."""
+    test = "test_vllm_poisoned_start::test_a_random_start_told_no_step_is_healed_by_the_anchor"
+    rows = ["| family | kernels | dtype | random checkpoint | `load_format=\"dummy\"` | test |",
+            "|---|---|---|---|---|---|"]
+    for family, kernels, served in FAMILY_CASES:
+        cells = [f"bit-equal ({'CI' if (family, kernels, served, start) in POISONED_IN_CI else 'outside CI'})"
+                 for start in STARTS]
+        dtype = "fp8 engine, bf16 stream" if served == "fp8" else served
+        case = f"{family}-{kernels}-{served}-{{{','.join(STARTS)}}}"
+        rows.append(f"| {family} | {kernels} | {dtype} | {' | '.join(cells)} | {test}[{case}] |")
+    return "\n".join(rows) + "\n"
+
+
 if __name__ == "__main__":
-    print(matrix_markdown(), end="")
+    print(matrix_markdown())
+    print(poisoned_markdown(), end="")

@@ -21,7 +21,7 @@ import torch
 
 from deltasync import DeltaPublisher, replay_to_folder
 from tests.integration.conftest import generate, load_state, perturb, save_like, update_to
-from tests.integration.families import FAMILIES, MOE, OUTSIDE_CI, TIED, build_family
+from tests.integration.families import FAMILY_CASES, OUTSIDE_CI, TIED, build_family
 from tests.integration.fp8 import fp8_stand_in
 
 pytest.importorskip("vllm")
@@ -29,9 +29,7 @@ pytestmark = pytest.mark.vllm
 
 STEPS = (1, 2, 3)  # 1, 2: deltas; 3: an anchor (anchor_every=3)
 COMPARED = (2, 3)  # a delta on a delta, and an anchor: each against a fresh engine
-CASES = [pytest.param(*case, marks=pytest.mark.outside_ci) if case in OUTSIDE_CI else case
-         for case in [(f, "live", "bf16") for f in FAMILIES] + [(f, "stock", "bf16") for f in MOE]
-         + [("llama", "live", "fp8")]]
+CASES = [pytest.param(*case, marks=pytest.mark.outside_ci) if case in OUTSIDE_CI else case for case in FAMILY_CASES]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -45,11 +43,11 @@ def _held(llm) -> dict[str, tuple[str, tuple[int, ...], torch.Tensor]]:
     return {n: (str(t.dtype), tuple(t.shape), _bits(t)) for n, t in tensors}
 
 
-def _start(path: Path, live: bool, *, quantization: str | None = None):
+def _start(path: Path, live: bool, *, quantization: str | None = None, load_format: str = "auto"):
     from rollout_loader.vllm import start_engine
 
-    return start_engine(str(path), in_process=True, live_cpu_weights=live,
-                        dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0, quantization=quantization)
+    return start_engine(str(path), in_process=True, live_cpu_weights=live, dtype="bfloat16", enforce_eager=True,
+                        max_model_len=512, seed=0, quantization=quantization, load_format=load_format)
 
 
 def _close(llm) -> None:
@@ -111,15 +109,19 @@ def test_family_follows_a_stream_bit_exact_against_fresh_engines(family, kernels
 
 
 def _follow_and_compare(model_dir, url, live, quantization, followed, tokens, tmp_path, *, steps=STEPS,
-                        compared=COMPARED, before=None, check=None, verify="all") -> None:
+                        compared=COMPARED, before=None, check=None, verify="all", start=None, held=0,
+                        load_format="auto") -> None:
     """Follow ``steps`` with one engine, then compare it at each of ``compared`` with a fresh engine loaded from
     that step's replayed checkpoint. ``before(llm)``: run on the engine before it initialises deltasync;
-    ``check(engine)``: on its weight-transfer engine once it followed."""
-    llm = _start(model_dir, live, quantization=quantization)
+    ``check(engine)``: on its weight-transfer engine once it followed. ``start``: the folder the following engine
+    loads (default ``model_dir``, step 0's checkpoint), ``load_format`` how ("dummy": random weights), ``held``:
+    the step its ``init_info`` says it holds (None: says nothing, so the first update writes an anchor)."""
+    llm = _start(start or model_dir, live, quantization=quantization, load_format=load_format)
     try:
         if before is not None:
             before(llm)
-        llm.init_weight_transfer_engine({"init_info": {"url": url, "verify": verify, "step": 0}})
+        info = {"url": url, "verify": verify} | ({} if held is None else {"step": held})
+        llm.init_weight_transfer_engine({"init_info": info})
         for step in steps:
             update_to(llm, step)
             if step in compared:  # generation first: it converts caches (gpt-oss's fp32 rope cache) as a fresh one's
@@ -130,7 +132,7 @@ def _follow_and_compare(model_dir, url, live, quantization, followed, tokens, tm
         if check is not None:
             check(engine)
         if quantization:  # the engine really serves float8 weights (and the test compares them)
-            assert any("float8" in dtype for dtype, _, _ in followed[COMPARED[-1]].values())
+            assert any("float8" in dtype for dtype, _, _ in followed[compared[-1]].values())
     finally:
         _close(llm)
         del llm
