@@ -3,8 +3,9 @@
 * **Random weights, no step.** For every family of the tested matrix (docs/MODELS.md) an engine starts from a
   checkpoint of random weights of the family's shapes, or with vLLM's ``load_format="dummy"`` (random weights vLLM
   draws; deltasync loads the checkpoint through vLLM at init, to learn which parameters vLLM transforms after
-  loading), and is told nothing about its step: its first update writes the stream's anchor over every tensor (in place, or into the host copies
-  of the modules vLLM transforms after loading, re-loaded through vLLM), then the deltas. Every parameter and
+  loading), and is told nothing about its step: its first update writes the stream's anchor over every tensor (in
+  place, or into the host copies of the modules vLLM transforms after loading, re-loaded through vLLM), then the
+  deltas. Every parameter and
   buffer it holds (what vLLM derives after loading too: prepacked CPU experts, MLA's ``W_UK_T``/``W_UV``, FP8
   weights and scales, widened copies) and its greedy output equal a fresh engine's loaded from the replayed step.
 * **A wrong claim.** An engine started from step 2's checkpoint that says it holds step 1 is refused
