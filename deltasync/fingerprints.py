@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from deltasync.errors import FormatError, SignatureError, UnsignedStepError
+from deltasync.errors import FormatError, SignatureError, UnsignedStepError, printable
 from deltasync.format.documents import (
     MAX_FINGERPRINT_BYTES,
     ConfigValue,
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from deltasync.trust import TrustedKeys
 
 __all__ = ["FINGERPRINTS_DIR", "config_key", "differing", "disagreements", "engine_fingerprint", "make_reference",
-           "rank_digest", "read_reference", "reference_path", "write_reference"]
+           "mismatch_note", "rank_digest", "read_reference", "reference_path", "write_reference"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,28 @@ def engine_fingerprint(rank_digests: Sequence[str]) -> str:
 def differing(reference: Mapping[str, TensorPrint], mine: Mapping[str, TensorPrint]) -> list[str]:
     """The tensors whose fingerprints differ (or that only one side holds), sorted."""
     return sorted(n for n in set(reference) | set(mine) if reference.get(n) != mine.get(n))
+
+
+def mismatch_note(where: str, rank: int, step: int, reference: FingerprintReference,
+                  mine: Mapping[str, TensorPrint], *, signed: bool) -> str | None:
+    """What an engine says when rank ``rank``'s tensors ``mine`` at ``step`` are not ``reference``'s (None: they
+    are): how many differ, the first, what holds that, and who made the reference (``where``: its document). The
+    reference's ``made_by`` is its writer's text (on an unsigned stream, anyone's who can write the bucket): shown
+    on one line, control characters escaped, since the note reaches logs, errors and heartbeats."""
+    bad = differing(reference.ranks[rank].tensors, mine)
+    if not bad:
+        return None
+    first = bad[0]
+    theirs, ours = reference.ranks[rank].tensors.get(first), mine.get(first)
+    trust = ("signed by a trusted key" if signed else
+             "unsigned: anyone who can write the bucket could have written it; follow with trusted keys and sign "
+             "references (deltasync fingerprint --signing-key), docs/SECURITY.md")
+    return (f"{where}: rank {rank}: the engine's runtime fingerprint at step {step} is not the reference's: "
+            f"{len(bad)} of {len(mine)} tensor(s) differ, first {printable(repr(first))} (reference "
+            f"{theirs.checksum if theirs else 'has none'}, engine {ours.checksum if ours else 'has none'}): what this "
+            f"engine computes with is not what a fresh engine of its configuration loaded from step {step}'s "
+            f"checkpoint holds, though the checkpoint checksums matched. The reference: "
+            f"{printable(reference.made_by) or 'no maker named'}; {trust}")
 
 
 def reference_path(key: str, step: int) -> str:
