@@ -24,11 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from deltasync.errors import FormatError, SignatureError, UnsignedStepError, printable
+from deltasync.errors import ConfigError, FormatError, SignatureError, UnsignedStepError, printable
 from deltasync.format.documents import (
     MAX_FINGERPRINT_BYTES,
     ConfigValue,
@@ -104,12 +105,25 @@ def mismatch_note(where: str, rank: int, step: int, reference: FingerprintRefere
             f"{printable(reference.made_by) or 'no maker named'}; {trust}")
 
 
+_KEY = re.compile(r"[0-9a-f]{16}")
+
+
+def check_config_key(key: object) -> str:
+    """``key`` if it is a configuration key (16 lowercase hex digits, whole), else ``ConfigError``: it names a folder
+    of ``fingerprints/``, never one elsewhere in the stream."""
+    if not (isinstance(key, str) and _KEY.fullmatch(key)):
+        raise ConfigError(f"a configuration key is 16 lowercase hex digits (docs/FORMAT.md section 5f), got "
+                          f"{printable(repr(key)[:80])}", expected="16 hex digits", found=str(key)[:80])
+    return key
+
+
 def reference_path(key: str, step: int) -> str:
-    return f"{FINGERPRINTS_DIR}/{key}/{check_step(step):012d}.json"
+    """The reference document of configuration ``key`` at ``step`` (``ConfigError`` for a key that is not one)."""
+    return f"{FINGERPRINTS_DIR}/{check_config_key(key)}/{check_step(step):012d}.json"
 
 
 def signature_path(key: str, step: int) -> str:
-    return f"{FINGERPRINTS_DIR}/{key}/{check_step(step):012d}.signature.json"
+    return f"{FINGERPRINTS_DIR}/{check_config_key(key)}/{check_step(step):012d}.signature.json"
 
 
 def make_reference(step: int, config: Mapping[str, ConfigValue], ranks: Sequence[RankFingerprint], *,
@@ -145,7 +159,7 @@ def read_reference(store: Store, key: str, step: int, *, trusted: TrustedKeys | 
     With ``trusted`` keys only a reference signed by one of them (trusted for ``step``, for the pinned stream,
     over exactly these bytes) is returned. Raises ``UnsignedStepError`` (a trusted reader and an unsigned
     reference), ``SignatureError`` (a bad signature), ``FormatError`` (not a reference, another key or step, or
-    digests that are not its tensors').
+    digests that are not its tensors'), ``ConfigError`` (a ``key`` that is no configuration key).
     """
     path = reference_path(key, step)
     where = f"{store.url}/{path}"

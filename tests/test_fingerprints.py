@@ -133,3 +133,17 @@ def test_a_mismatch_is_described_from_the_reference_inert(stream):
     assert f"1 of 4 tensor(s) differ, {first}" in note
     assert "ok ERROR deltasync: forged line\\x1b]52;c;ZXZpbA==\\x07\\u202e" in note and "unsigned" in note
     assert "signed by a trusted key" in mismatch_note("p", 0, 0, ref, mine, signed=True)
+
+
+@pytest.mark.parametrize("key", ["../../steps", "0123456789abcdef/../x", "0123456789abcdef\n", "0123456789ABCDEF",
+                                 "0123456789abcde", "", 12])
+def test_a_configuration_key_names_one_folder_of_fingerprints(stream, key):
+    """``fingerprints/<key>/<step>.json``: a key is 16 lowercase hex digits, whole, or a ``ConfigError`` naming it
+    (a path from a caller, never a folder elsewhere in the stream, nor the store's plain ValueError)."""
+    from deltasync.errors import ConfigError
+
+    with Store(stream[0]) as store:
+        with pytest.raises(ConfigError, match="configuration key"):
+            read_reference(store, key, 0, trusted=None)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="configuration key"):
+            reference_path(key, 0)  # type: ignore[arg-type]
