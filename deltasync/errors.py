@@ -7,6 +7,7 @@ the matching builtin so that callers can catch ``FileNotFoundError`` or ``ValueE
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -285,8 +286,14 @@ def error_record(error: BaseException) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> bool:
-    """A context value that crosses as JSON as it is: a bounded string, an int or float (a bool is neither)."""
-    return (isinstance(value, str) and len(value) <= 1000) or (type(value) in (int, float))
+    """A context value that crosses as JSON as it is: a bounded string, an int of 64 bits (a size, a step, a
+    checksum) or a finite float (a bool is neither; JSON has no infinity, NaN or integer of thousands of digits
+    that an error names, though Python's reads them)."""
+    if type(value) is int:
+        return -(2**63) <= value < 2**64
+    if type(value) is float:
+        return math.isfinite(value)
+    return isinstance(value, str) and len(value) <= 1000
 
 
 def _context(record: dict) -> dict[str, Any]:
@@ -298,7 +305,7 @@ def _context(record: dict) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for field in CONTEXT:
         value = context.get(field)
-        if not _plain(value) or (isinstance(value, float) and value != value):
+        if not _plain(value):
             continue
         if field == "step" and not (type(value) is int and 0 <= value < 10**12):
             continue

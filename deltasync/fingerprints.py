@@ -24,11 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from deltasync.errors import FormatError, SignatureError, UnsignedStepError
+from deltasync.errors import ConfigError, FormatError, SignatureError, UnsignedStepError, printable
 from deltasync.format.documents import (
     MAX_FINGERPRINT_BYTES,
     ConfigValue,
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from deltasync.trust import TrustedKeys
 
 __all__ = ["FINGERPRINTS_DIR", "config_key", "differing", "disagreements", "engine_fingerprint", "make_reference",
-           "rank_digest", "read_reference", "reference_path", "write_reference"]
+           "mismatch_note", "rank_digest", "read_reference", "reference_path", "write_reference"]
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +83,47 @@ def differing(reference: Mapping[str, TensorPrint], mine: Mapping[str, TensorPri
     return sorted(n for n in set(reference) | set(mine) if reference.get(n) != mine.get(n))
 
 
+def mismatch_note(where: str, rank: int, step: int, reference: FingerprintReference,
+                  mine: Mapping[str, TensorPrint], *, signed: bool) -> str | None:
+    """What an engine says when rank ``rank``'s tensors ``mine`` at ``step`` are not ``reference``'s (None: they
+    are): how many differ, the first, what holds that, and who made the reference (``where``: its document). The
+    reference's ``made_by`` is its writer's text (on an unsigned stream, anyone's who can write the bucket): shown
+    on one line, control characters escaped, since the note reaches logs, errors and heartbeats."""
+    bad = differing(reference.ranks[rank].tensors, mine)
+    if not bad:
+        return None
+    first = bad[0]
+    theirs, ours = reference.ranks[rank].tensors.get(first), mine.get(first)
+    trust = ("signed by a trusted key" if signed else
+             "unsigned: anyone who can write the bucket could have written it; follow with trusted keys and sign "
+             "references (deltasync fingerprint --signing-key), docs/SECURITY.md")
+    return (f"{where}: rank {rank}: the engine's runtime fingerprint at step {step} is not the reference's: "
+            f"{len(bad)} of {len(mine)} tensor(s) differ, first {printable(repr(first))} (reference "
+            f"{theirs.checksum if theirs else 'has none'}, engine {ours.checksum if ours else 'has none'}): what this "
+            f"engine computes with is not what a fresh engine of its configuration loaded from step {step}'s "
+            f"checkpoint holds, though the checkpoint checksums matched. The reference: "
+            f"{printable(reference.made_by) or 'no maker named'}; {trust}")
+
+
+_KEY = re.compile(r"[0-9a-f]{16}")
+
+
+def check_config_key(key: object) -> str:
+    """``key`` if it is a configuration key (16 lowercase hex digits, whole), else ``ConfigError``: it names a folder
+    of ``fingerprints/``, never one elsewhere in the stream."""
+    if not (isinstance(key, str) and _KEY.fullmatch(key)):
+        raise ConfigError(f"a configuration key is 16 lowercase hex digits (docs/FORMAT.md section 5f), got "
+                          f"{printable(repr(key)[:80])}", expected="16 hex digits", found=str(key)[:80])
+    return key
+
+
 def reference_path(key: str, step: int) -> str:
-    return f"{FINGERPRINTS_DIR}/{key}/{check_step(step):012d}.json"
+    """The reference document of configuration ``key`` at ``step`` (``ConfigError`` for a key that is not one)."""
+    return f"{FINGERPRINTS_DIR}/{check_config_key(key)}/{check_step(step):012d}.json"
 
 
 def signature_path(key: str, step: int) -> str:
-    return f"{FINGERPRINTS_DIR}/{key}/{check_step(step):012d}.signature.json"
+    return f"{FINGERPRINTS_DIR}/{check_config_key(key)}/{check_step(step):012d}.signature.json"
 
 
 def make_reference(step: int, config: Mapping[str, ConfigValue], ranks: Sequence[RankFingerprint], *,
@@ -123,7 +159,7 @@ def read_reference(store: Store, key: str, step: int, *, trusted: TrustedKeys | 
     With ``trusted`` keys only a reference signed by one of them (trusted for ``step``, for the pinned stream,
     over exactly these bytes) is returned. Raises ``UnsignedStepError`` (a trusted reader and an unsigned
     reference), ``SignatureError`` (a bad signature), ``FormatError`` (not a reference, another key or step, or
-    digests that are not its tensors').
+    digests that are not its tensors'), ``ConfigError`` (a ``key`` that is no configuration key).
     """
     path = reference_path(key, step)
     where = f"{store.url}/{path}"

@@ -208,6 +208,12 @@ def inert(text: object) -> str:
     return "".join(out)
 
 
+def inert_line(text: object) -> str:
+    """``inert(text)`` kept to one line: its line breaks and tabs shown as escapes too, for text from outside inside a
+    line of our own (a note under a table), where a break would start a line that seems to be ours."""
+    return inert(text).replace("\n", "\\x0a").replace("\t", "\\x09")
+
+
 def shown(text: object) -> str:
     """``inert(text)`` for a place that reads rich markup (a table cell, ``print`` with markup): its square
     brackets escaped too, so that ``[link=...]`` or ``[red]`` from a store is shown as written, never rendered."""

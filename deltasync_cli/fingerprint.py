@@ -59,7 +59,8 @@ def fingerprint(
                                     "weights); the default keeps them live, as start_engine does.")] = False,
     signing_key: Annotated[Path | None, typer.Option(
         "--signing-key", metavar="PATH", help="Sign the reference (followers with trusted keys use only signed "
-                                              "ones).")] = None,
+                                              "ones); needs --trusted-key and --stream-id: it is signed for that "
+                                              "stream, from signed steps only.")] = None,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
     trusted_key: TrustedKeyOpt = None,

@@ -19,6 +19,7 @@ from deltasync_cli.app import (
     command,
     fit_names,
     inert,
+    inert_line,
     out,
     shown,
 )
@@ -199,7 +200,7 @@ def _fleet_table(url: str, fleet: Any, stale_after_s: float) -> None:
             why.append(f"{c.errors} error(s)")
         if c.last_error:
             flags.append("error")
-            why.append(f"last error: {inert(c.last_error[:300])}")
+            why.append(f"last error: {inert_line(c.last_error[:300])}")
         if why:
             notes.append(f"{inert(c.consumer_id)}: {'; '.join(why)}")
         fingerprint = "-" if c.fingerprint is None else f"{c.fingerprint[:8]} {inert(c.fingerprint_check or '?')}"
@@ -226,7 +227,8 @@ def _fleet_table(url: str, fleet: Any, stale_after_s: float) -> None:
         out.print(f"{len(fleet.stale)} stale: no heartbeat within {stale_after_s:g} s "
                   f"({', '.join(inert(c.consumer_id) for c in fleet.stale[:10])})", markup=False)
     for bad in fleet.unreadable:  # one line each; the fleet's other consumers are shown all the same
-        out.print(f"{inert(bad.file)}: unreadable heartbeat ({inert(bad.error)}): that consumer's position is unknown",
+        out.print(f"{inert_line(bad.file)}: unreadable heartbeat ({inert_line(bad.error)}): that consumer's position "
+                  "is unknown",
                   markup=False, soft_wrap=True)
     for d in fleet.disagreements:
         groups = "; ".join(f"{f[:12]}: {', '.join(inert(i) for i in ids)}" for f, ids in d.groups.items())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import sys
 import threading
@@ -37,6 +38,7 @@ from deltasync.errors import (
     CatchupError,
     ConfigError,
     FollowError,
+    FormatError,
     SignatureError,
     StepNotFoundError,
     WaitTimeoutError,
@@ -279,9 +281,17 @@ class Follower:
             record = record_of() if callable(record_of) else None
             if record is not None and record.last_error is None and self.last_error is not None:
                 record = dataclasses.replace(record, last_error=f"{type(self.last_error).__name__}: {self.last_error}")
-            write_heartbeat(self.reader.store, self.consumer_id, held, newest_step=seen.newest_step,
-                            weight_version=getattr(self.target, "weight_version", None), errors=seen.errors,
-                            record=record)
+            beat = functools.partial(write_heartbeat, self.reader.store, self.consumer_id, held,
+                                     newest_step=seen.newest_step,
+                                     weight_version=getattr(self.target, "weight_version", None), errors=seen.errors)
+            try:
+                beat(record=record)
+            except FormatError as e:  # the target's own account does not fit: it costs the record, not the position
+                if record is None:
+                    raise
+                log.warning("follower: heartbeat for step %d written without the target's replica record, which "
+                            "does not fit it: %s", held, e)
+                beat(record=None)
         except Exception as e:  # noqa: BLE001 - a missed heartbeat must not stop the follower
             log.warning("follower: heartbeat for step %d failed: %s", held, str(e))
             return False

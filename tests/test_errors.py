@@ -180,3 +180,23 @@ def test_a_hostile_records_context_is_checked_field_by_field():
     assert back.context() == {"url": "s3://x\\x1b]52;c;ZXZpbA==\\x07"}
     for context in ("not a dict", None, [1, 2], {"step": 10**13}, {"step": True}, {"step": 1.0}):
         assert from_record({**record, "context": context}).context() == {}
+
+
+def test_a_records_numbers_are_finite_and_bounded():
+    """Numbers from another process: an infinity (Python's JSON reads ``Infinity``) or an integer of thousands of
+    digits is no size, step or checksum any error names (every one fits 64 bits): left out, like a NaN."""
+    import json
+
+    from deltasync.errors import ChecksumMismatchError, error_record
+
+    record = {"type": "ChecksumMismatchError", "kind": "ChecksumMismatchError", "retryable": True, "message": "m"}
+    for value in (float("inf"), float("-inf"), 10**4000, -(2**64), 2**64):
+        assert from_record({**record, "context": {"expected": value, "found": value}}).context() == {}, value
+    for value in (2**64 - 1, -(2**63), 0.5, 1 << 50):  # what errors name: kept
+        assert from_record({**record, "context": {"found": value}}).context() == {"found": value}
+    head = to_text(ChecksumMismatchError("bad")).split(" ", 1)[0].removeprefix("deltasync-error:")
+    crafted = "deltasync-error:" + json.dumps(json.loads(head) | {"context": {"found": "F"}}).replace(
+        '"F"', "Infinity") + " bad"  # as a worker's relayed text
+    back = in_text(crafted)
+    assert type(back) is ChecksumMismatchError and back.context() == {}
+    assert json.dumps(error_record(from_record({**record, "context": {"found": 1.5}}))["context"]) == '{"found": 1.5}'

@@ -115,3 +115,35 @@ def test_replicas_that_disagree_are_grouped_from_their_heartbeats(stream):
         with pytest.raises(FormatError):  # a record that is not one is never written
             write_heartbeat(store, "f", 3, record=ReplicaRecord(fingerprint="not a digest"))
     assert disagreements(positions) == {(key, 3): {"1" * 64: ["a", "b"], "2" * 64: ["c"]}}
+
+
+def test_a_mismatch_is_described_from_the_reference_inert(stream):
+    """What an engine says on a mismatch (its error, its log line, its heartbeat's last error) names the reference's
+    ``made_by``: on an unsigned stream a bucket writer's text, shown escaped on one line (no forged log lines, no
+    escape sequences), and says the reference is unsigned; the first differing tensor's name is quoted."""
+    from deltasync.fingerprints import mismatch_note
+
+    ref = make_reference(0, CONFIG, [RankFingerprint(digest="0" * 64, tensors=_prints(1))],
+                         made_by="ok\nERROR deltasync: forged line\x1b]52;c;ZXZpbA==\x07\u202e")
+    mine = dict(_prints(1)) | {"model.norm.weight\x1b[2J": _prints(2)["model.norm.weight"]}
+    assert mismatch_note("s/fingerprints/k/0.json", 0, 0, ref, _prints(1), signed=False) is None
+    note = mismatch_note("s/fingerprints/k/0.json", 0, 0, ref, mine, signed=False)
+    assert note is not None and note.isprintable(), note
+    first = "first 'model.norm.weight\\x1b[2J' (reference has none, engine 0x0000000000000002)"
+    assert f"1 of 4 tensor(s) differ, {first}" in note
+    assert "ok ERROR deltasync: forged line\\x1b]52;c;ZXZpbA==\\x07\\u202e" in note and "unsigned" in note
+    assert "signed by a trusted key" in mismatch_note("p", 0, 0, ref, mine, signed=True)
+
+
+@pytest.mark.parametrize("key", ["../../steps", "0123456789abcdef/../x", "0123456789abcdef\n", "0123456789ABCDEF",
+                                 "0123456789abcde", "", 12])
+def test_a_configuration_key_names_one_folder_of_fingerprints(stream, key):
+    """``fingerprints/<key>/<step>.json``: a key is 16 lowercase hex digits, whole, or a ``ConfigError`` naming it
+    (a path from a caller, never a folder elsewhere in the stream, nor the store's plain ValueError)."""
+    from deltasync.errors import ConfigError
+
+    with Store(stream[0]) as store:
+        with pytest.raises(ConfigError, match="configuration key"):
+            read_reference(store, key, 0, trusted=None)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="configuration key"):
+            reference_path(key, 0)  # type: ignore[arg-type]

@@ -167,3 +167,25 @@ def test_what_a_heartbeat_says_is_shown_inert(tmp_path, monkeypatch, capsys):
     column = [c.strip() for c in header.split("┃")].index("version")
     cells = [line.split("│")[column].strip() for line in out.splitlines() if line.count("│") == header.count("┃")]
     assert "".join(cells) == "\\x1b]52;c;ZXZpbA==\\x07\\x1b[2J[red]x[/red]\\u202e", out
+
+
+def test_a_heartbeat_cannot_write_lines_of_the_report(tmp_path, monkeypatch, capsys):
+    """A consumer's own text (its last error; a heartbeat file's name, which a bucket writer chooses) holding line
+    breaks cannot add lines under the table that speak for others: that an honest replica differs from its reference,
+    that replicas disagree. Each note stays on its line, the breaks shown as escapes."""
+    url = str(tmp_path / "stream")
+    _stream(url, range(2))
+    store = Store(url)
+    forged = ("\nhonest: its runtime fingerprint at step 1 differs from the reference"
+              "\u2028replicas of configuration 0123456789abcdef disagree at step 1: honest")
+    store.write_bytes("consumers/honest.json", encode(ConsumerPosition(consumer_id="honest", step=1,
+                                                                       updated_unix_s=time.time())))
+    store.write_bytes("consumers/evil.json", encode(ConsumerPosition(consumer_id="evil", step=1,
+                                                                     updated_unix_s=time.time(), last_error=forged)))
+    store.write_bytes("consumers/bad\nhonest: unreadable heartbeat (forged).json", b"{}")
+    code, out, _ = run_main(monkeypatch, capsys, "status", url)
+    assert code == 0, out
+    lines = out.splitlines()
+    assert not any(line.startswith(("honest:", "replicas of configuration")) for line in lines), out
+    evil = [line for line in lines if line.startswith("evil:")]
+    assert len(evil) == 1 and "\\x0ahonest: its runtime fingerprint" in evil[0] and "\\u2028replicas" in evil[0], out

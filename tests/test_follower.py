@@ -238,3 +238,27 @@ def test_errors_retrying_cannot_fix_stop_the_follower():
     for cls in (StoreError, CorruptObjectError, EngineError):
         assert can_retry(cls("x")), cls
     assert can_retry(RuntimeError("a bug in on_step"))
+
+
+def test_a_replica_record_that_does_not_fit_costs_the_record_not_the_heartbeat(tmp_path, caplog):
+    """A target's record (an engine's own account, across a process boundary) that the heartbeat refuses (a
+    fingerprint that is no SHA-256) must not cost the consumer its heartbeat: without one it looks stopped, and
+    garbage collection no longer keeps what it holds. The heartbeat is written without the record, and the reason
+    logged."""
+    import torch
+
+    from deltasync.consumers import ReplicaRecord, read_heartbeats
+
+    class Reporting(StateDictTarget):
+        def record(self) -> ReplicaRecord:
+            return ReplicaRecord(pause_s=0.5, fingerprint="not a digest\n", config_key="0123456789abcdef")
+
+    url = str(tmp_path / "s")
+    with DeltaPublisher(url, {"w": torch.zeros(8)}) as pub:
+        pub.publish(0)
+    with caplog.at_level(logging.WARNING, logger="rollout_loader.follower"), \
+            Follower(url, Reporting(), consumer_id="c0") as follower:
+        follower.sync()
+    [beat] = read_heartbeats(follower.reader.store)
+    assert (beat.consumer_id, beat.step, beat.fingerprint, beat.pause_s) == ("c0", 0, None, None)
+    assert any("record" in r.getMessage() and "fingerprint" in r.getMessage() for r in caplog.records), caplog.text

@@ -278,3 +278,47 @@ def test_without_the_rdma_extra_the_error_names_it():
             "except MissingDependencyError as e:\n    print(e)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "install it with pip install 'deltasync[rdma]'" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_controller_that_went_away_never_blocks_a_peer():
+    """A controller that planned and then went away (a crash, a partition) takes no more messages: ZMQ queues a
+    thousand, then a blocking send would wait for ever: inside the publisher's commit announcement (every later
+    commit), inside an engine's update (its pause). Each send beyond the queue is an ``RdmaTimeoutError`` at
+    once; the callers fall back to the store (tests/test_transport_nixl.py)."""
+    import threading
+
+    controller = Controller(trainers=1, consumers=1, secret=SECRET)
+    t, c = trainer_link(controller.address), consumer_link(controller.address, "c0")
+    threads: list[threading.Thread] = []
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            fc = pool.submit(c.register, ConsumerHello(id="c0", engine="e", agent="agent-c0", needs=["w"]))
+            assert pool.submit(t.register, _trainer(0, "trainer-a")).result(30).consumers == ["agent-c0"]
+            fc.result(30)
+        controller.close()
+        outcome: dict[str, object] = {}
+
+        def flood(name: str, send) -> None:  # noqa: ANN001 - a link's send of one step
+            try:
+                for step in range(5000):
+                    send(step)
+                outcome[name] = "all sent"
+            except RdmaTimeoutError as e:
+                outcome[name] = e
+
+        threads += [threading.Thread(target=flood, args=("trainer", lambda s: t.ready(_slot("trainer-a", s))),
+                                    daemon=True),
+                   threading.Thread(target=flood, args=("consumer", c.applied), daemon=True)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads), "a send blocked on a controller that went away"
+        for name in ("trainer", "consumer"):
+            assert isinstance(outcome[name], RdmaTimeoutError), outcome
+            assert controller.address in str(outcome[name]) and "queued" in str(outcome[name])
+    finally:
+        controller.close()
+        if not any(thread.is_alive() for thread in threads):  # a socket blocked in another thread is left be
+            t.close()
+            c.close()

@@ -312,3 +312,53 @@ def test_a_reader_asks_its_object_source_first_with_the_manifest_then_the_store(
         doc = json.loads((tmp_path / "store" / "steps" / f"{step:012d}" / "manifest.json").read_text())
         expected.append((step, {"name": doc["object"], "nbytes": doc["object_bytes"], "sha256": doc["object_sha256"]}))
     assert source.asked == expected
+
+
+def test_commits_go_on_when_the_controller_goes_away_after_the_plan(tmp_path):
+    """The controller planned, then went away (a crash, a partition): the announcements queue where nobody takes
+    them, and once ZMQ's queue is full (a thousand steps later: offered here at once) a blocking send would hold
+    every later commit for ever. Each commit goes on in bounded time; those steps go by the store (stats say
+    why), and the store holds every one."""
+    import threading
+
+    import torch
+
+    from deltasync.errors import RdmaTimeoutError
+    from deltasync.publish.publisher import DeltaPublisher
+    from deltasync.rdma.controller import Controller
+    from deltasync.reader import StreamReader
+
+    url = str(tmp_path / "store")
+    state = _model()
+    controller = Controller(trainers=1, consumers=0, secret=SECRET)
+    rdma = {"secret": SECRET, "controller": controller.address, "slot_bytes": 1 << 20, "plan_wait_s": 30.0}
+    truth: dict[int, dict[str, str]] = {}
+    with DeltaPublisher(url, state, anchor_every=1000, on_backlog="block", rdma=rdma) as pub:
+        with torch.no_grad():
+            pub.publish(1)
+        pub.flush()
+        truth[1] = _digests(state)
+        assert pub.rdma.stats.announced == [1]
+        controller.close()
+        with pytest.raises(RdmaTimeoutError):  # a long run's announcements fill ZMQ's queue (1000) for nobody
+            for _ in range(2000):
+                pub.rdma.link.ready(pub.rdma.outbox.offer(1, b"x" * 64))
+        done: list[int] = []
+
+        def publish() -> None:
+            for step in (2, 3):
+                _train_step(state, step)
+                with torch.no_grad():
+                    pub.publish(step)
+                pub.flush()
+                truth[step] = _digests(state)
+                done.append(step)
+
+        thread = threading.Thread(target=publish, daemon=True)
+        thread.start()
+        thread.join(60)
+        assert done == [2, 3], "a commit waited for a controller that went away"
+        why = dict(pub.rdma.stats.store_only)
+        assert sorted(why) == [2, 3] and all("RdmaTimeoutError" in w for w in why.values()), why
+    with StreamReader(url) as reader:
+        assert {s: _digests(reader.state_dict(s)) for s in (1, 2, 3)} == truth

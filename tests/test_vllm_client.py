@@ -435,7 +435,15 @@ def test_an_update_the_server_does_not_name_afterwards_is_an_error():
     {"held_step": [1], "arrived": {}, "pauses_s": [], "checksums": {}},                    # unhashable held step
     {"held_step": 1, "arrived": {}, "pauses_s": [], "checksums": {"w": 2**64}},            # past 64 bits
     {"held_step": 1, "arrived": {}, "pauses_s": ["x"], "checksums": {}},
-], ids=["arrived-key", "checksum-type", "held-list", "checksum-64", "pause-type"])
+    # a configuration key and a digest with a line break after them: "$" matched there; the heartbeat (whose
+    # pattern matches whole) then refused the record, and the consumer's every heartbeat failed
+    {"held_step": 1, "arrived": {}, "pauses_s": [], "checksums": {},
+     "fingerprint": {"config_key": "0123456789abcdef\n"}},
+    {"held_step": 1, "arrived": {}, "pauses_s": [], "checksums": {},
+     "fingerprint": {"config_key": "0123456789abcdef", "digest": "0" * 64 + "\n"}},
+    {"held_step": 1, "arrived": {"1\n": "rdma"}, "pauses_s": [], "checksums": {}},
+], ids=["arrived-key", "checksum-type", "held-list", "checksum-64", "pause-type", "config-key-newline",
+        "digest-newline", "arrived-newline"])
 def test_a_status_reply_that_is_not_one_is_an_engine_error(bad):
     """Found by the input fuzzer: these raised TypeError / ValueError from inside combine_status."""
     from rollout_loader.vllm.client import combine_status

@@ -155,7 +155,10 @@ class RingReader:
     def applied(self, step: int) -> None:
         """Tell the controller ``step`` is applied and verified here (the engine's version counts it)."""
         with self._lock:
-            self.link.applied(step)
+            try:
+                self.link.applied(step)
+            except RdmaError as e:  # the step is applied: a lost acknowledgement costs the slot its deadline
+                log.warning("%s: step %d applied, not acknowledged: %s", self.id, step, e)
             self.link.forget_through(step)
 
     def close(self) -> None:

@@ -32,6 +32,8 @@ from deltasync.rdma.outbox import SlotInfo
 
 log = logging.getLogger(__name__)
 
+QUEUED = 1000  # ZMQ's default send high-water mark: messages queued for a controller before a send waits
+SEND_WAIT_S = 5.0  # how long a send waits for room in that queue (a busy controller), once (a gone one)
 MAX_ANNOUNCED = 1024  # steps a consumer keeps announcements of (and engines it keeps versions of): bounded
 
 
@@ -48,9 +50,29 @@ class _Link:
         auth.connect_as(self._sock, key, name)
         self._sock.connect(address)
         self.address = address
+        self._stalled = False  # the last send found no room: the next ones do not wait for it
 
     def send(self, message: object) -> None:
-        self._sock.send(encoder.encode(message))
+        """Queue ``message`` for the controller, waiting at most ``SEND_WAIT_S`` for room: a controller that went
+        away (a crash, a partition) takes no more, and ZMQ would block a sender for ever once its queue is full
+        (inside a publisher's commit, an engine's update). Then :class:`RdmaTimeoutError` (the caller falls back to
+        the store), and at once for every later message until one is taken again."""
+        data = encoder.encode(message)
+        try:
+            self._sock.send(data, zmq.NOBLOCK)
+            self._stalled = False
+            return
+        except zmq.Again:
+            pass
+        if not self._stalled and self._sock.poll(int(SEND_WAIT_S * 1000), zmq.POLLOUT):  # a busy controller
+            try:
+                self._sock.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+        self._stalled = True
+        raise RdmaTimeoutError(f"the controller at {self.address} takes no messages ({QUEUED} queued unsent: "
+                               "gone or unreachable)")
 
     def pending(self, timeout_s: float) -> bool:
         """Whether a message is waiting, waiting up to ``timeout_s`` (millisecond resolution) for one."""

@@ -174,11 +174,12 @@ _Text = Annotated[str, msgspec.Meta(max_length=4000)]
 class _RankPrint(msgspec.Struct, forbid_unknown_fields=False):
     """One rank's ``fingerprint`` record in its status (rollout_loader/vllm/engine.py ``fingerprint_status``)."""
 
-    config_key: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16}$")] | None
+    # whole matches (\Z): "$" also matches before a trailing newline, which the heartbeat's patterns refuse
+    config_key: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16}\Z")] | None
     config: dict[Annotated[str, msgspec.Meta(max_length=64)], str | int | float | bool | None] = {}
     when: Literal["after", "pause", "off"] | None = None
     step: Annotated[int, msgspec.Meta(ge=0, le=10**12 - 1)] | None = None
-    digest: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")] | None = None
+    digest: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}\Z")] | None = None
     check: Literal["match", "mismatch", "no reference", "refused", "pending", "off"] | None = None
     note: _Text = ""
     seconds: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] | None = None
@@ -192,7 +193,8 @@ class _RankStatus(msgspec.Struct, forbid_unknown_fields=False):
     """One rank's ``deltasync_transfer_status`` reply (rollout_loader/vllm/worker.py), as it must be."""
 
     held_step: Annotated[int, msgspec.Meta(ge=0, le=10**12 - 1)] | None
-    arrived: dict[Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,12}$")], Annotated[str, msgspec.Meta(max_length=2000)]]
+    arrived: dict[Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,12}\Z")],
+                  Annotated[str, msgspec.Meta(max_length=2000)]]
     pauses_s: list[Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]]
     # and < 2**64
     checksums: dict[Annotated[str, msgspec.Meta(min_length=1, max_length=1024)], Annotated[int, msgspec.Meta(ge=0)]]

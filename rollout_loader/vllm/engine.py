@@ -48,7 +48,7 @@ from deltasync.engine import (
     RankFingerprint,
     add_checksums,
     config_key,
-    differing,
+    mismatch_note,
     read_reference,
     warm_kernels,
 )
@@ -343,23 +343,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
                 check, note = "refused", f"{path}: not compared: it holds {len(ref.ranks)} rank(s), this engine {size}"
                 log.warning("deltasync: %s", note)
             else:
-                bad = differing(ref.ranks[rank].tensors, mine.tensors)
-                check = "mismatch" if bad else "match"
-                if bad:
-                    n = bad[0]
-                    theirs, ours = ref.ranks[rank].tensors.get(n), mine.tensors.get(n)
-                    was = theirs.checksum if theirs else "has none"
-                    now = ours.checksum if ours else "has none"
-                    trust = ("signed by a trusted key" if reader.trusted is not None else
-                             "unsigned: anyone who can write the bucket could have written it; follow with trusted "
-                             "keys and sign references (deltasync fingerprint --signing-key), docs/SECURITY.md")
-                    error = note = (
-                        f"{path}: rank {rank}: the engine's runtime fingerprint at step {step} is not the reference's: "
-                        f"{len(bad)} of {len(mine.tensors)} tensor(s) differ, first {n!r} (reference {was}, engine "
-                        f"{now}): "
-                        f"what this engine computes with is not what a fresh engine of its configuration loaded from "
-                        f"step {step}'s checkpoint holds, though the checkpoint checksums matched. The reference: "
-                        f"{ref.made_by or 'no maker named'}; {trust}")
+                error = mismatch_note(path, rank, step, ref, mine.tensors, signed=reader.trusted is not None)
+                check, note = ("mismatch", error) if error is not None else ("match", "")
         self._print = {"step": step, "rank": mine, "check": check, "note": note,
                        "seconds": time.perf_counter() - t0}
         return error

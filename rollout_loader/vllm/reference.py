@@ -36,7 +36,10 @@ def reference_for_step(url: str, step: int, *, storage_options: Mapping[str, Any
         live_cpu_weights, engine_args: the engine's settings (``vllm.LLM`` keyword arguments: dtype,
             quantization, tensor_parallel_size, ...): they must be the followers' for the reference to be theirs.
         signing_key: a :class:`deltasync.engine.SigningKey` (or a path): the reference is signed, as followers with
-            trusted keys require.
+            trusted keys require. A signature vouches for the step's weights in one stream, so it needs
+            ``trusted_keys`` (the replay then reads signed steps only) and signs for their pinned stream, never for
+            the ``stream.json`` a bucket writer may have rewritten: ``ConfigError`` without them, ``SignatureError``
+            where ``stream.json`` names another stream; both before any engine starts.
         start: how to start the engine (``start_engine``'s signature; tests).
 
     The engine generates one token before it is fingerprinted: some models convert caches at their first forward
@@ -51,6 +54,7 @@ def reference_for_step(url: str, step: int, *, storage_options: Mapping[str, Any
     from .target import start_engine
 
     key = signing_key if signing_key is None or isinstance(signing_key, SigningKey) else SigningKey(signing_key)
+    stream_id = None if key is None else _signed_stream(url, step, storage_options, trusted_keys)
     folder = Path(tempfile.mkdtemp(prefix="deltasync-fingerprint-"))
     try:
         with StreamReader(url, storage_options=dict(storage_options or {}), trusted_keys=trusted_keys) as reader:
@@ -78,8 +82,28 @@ def reference_for_step(url: str, step: int, *, storage_options: Mapping[str, Any
     made_by = f"deltasync fingerprint: a fresh engine from step {step}'s replayed checkpoint on {platform.node()}"
     reference = make_reference(step, ranks[0]["config"], parsed, made_by=made_by)
     with Store(url, storage_options=dict(storage_options or {})) as store:
-        path = write_reference(store, reference, signing_key=key, stream_id=store.stream_id() if key else None)
+        path = write_reference(store, reference, signing_key=key, stream_id=stream_id)
     return path, reference
+
+
+def _signed_stream(url: str, step: int, storage_options: Mapping[str, Any] | None, trusted_keys: Any) -> str:
+    """The stream a signed reference of ``step`` is for: the trusted keys' pinned one (``ConfigError`` without trusted
+    keys, ``SignatureError`` where ``stream.json`` names another)."""
+    from deltasync import Store
+    from deltasync.errors import ConfigError, SignatureError
+
+    if trusted_keys is None:
+        raise ConfigError(f"{url}: signing the reference of step {step} vouches for its weights, so they must be read "
+                          "with trusted keys (--trusted-key, --stream-id; trusted_keys=): an unsigned or forged step "
+                          "would be vouched for, and every honest follower would undo its step")
+    pinned: str = trusted_keys.stream_id
+    with Store(url, storage_options=dict(storage_options or {})) as store:
+        found = store.stream_id()
+    if found is not None and found != pinned:
+        raise SignatureError(f"{url}: stream.json names stream {found!r}, the trusted keys are pinned to {pinned!r}: "
+                             "no reference is signed for a stream this one is not (a rewritten stream.json, or the "
+                             "wrong --stream-id)", url=url, expected=pinned, found=found)
+    return pinned
 
 
 def _close(llm: Any) -> None:
