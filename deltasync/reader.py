@@ -353,7 +353,13 @@ class StreamReader:
         against this manifest), or None."""
         if self.objects is None or m.is_multipart:  # the ring carries single-object steps only
             return None
-        return self.objects.held(m.step, name=part.object, nbytes=part.object_bytes, sha256=part.object_sha256)
+        held = self.objects.held(m.step, name=part.object, nbytes=part.object_bytes, sha256=part.object_sha256)
+        if held is not None and len(held.view()) != part.object_bytes:  # a source of another's making: not believed
+            log.warning("%s step %d: the object source held %d bytes for %s, the manifest says %d: read from the "
+                        "store", self.url, m.step, len(held.view()), part.object, part.object_bytes)
+            held.release()
+            return None
+        return held
 
     def fetch_bytes(self, m: Manifest) -> bytes:
         """A single-object step's object fetched into memory, checked against its manifest's size and SHA-256."""

@@ -328,3 +328,32 @@ def test_the_manifest_cache_is_bounded_in_bytes(tmp_path, small_state, gen, monk
             assert reader._manifest_bytes <= 10 * one
         assert 5 <= len(reader._manifests) <= 12 and max(reader._manifests) == 39  # the most recent are kept
         assert reader.manifest(39) is reader.manifest(39)  # a hit costs no read
+
+
+def test_an_object_source_that_holds_the_wrong_size_is_not_believed(tmp_path, small_state, gen):
+    """A third party's object source (``StreamReader(objects=...)``) that holds bytes of another size than the
+    manifest's is not believed: the reader reads the step from the store and releases what the source held."""
+    from deltasync import DeltaPublisher, StreamReader
+    from tests.conftest import states_equal
+
+    url = str(tmp_path / "s")
+    with DeltaPublisher(url, small_state, on_backlog="block") as pub:
+        pub.publish(0)
+    released = []
+
+    class Lying:
+        def held(self, step, *, name, nbytes, sha256):
+            class Held:
+                def view(self):
+                    return memoryview(b"\0" * (nbytes + 7))
+
+                def check(self):
+                    pass
+
+                def release(self):
+                    released.append(step)
+            return Held()
+
+    with StreamReader(url, objects=Lying()) as reader:
+        got = reader.state_dict(0)
+    assert states_equal(got, {n: t.clone() for n, t in small_state.items()}) and released == [0]
