@@ -50,7 +50,7 @@ from deltasync.format.patch import Patch
 from deltasync.history.replay import check_layout
 from deltasync.reader import StreamReader
 from deltasync.signing import SigningKey, StreamSigner
-from deltasync.store import Store
+from deltasync.store import Store, open_store
 from deltasync.trust import TrustedKeys, own_trust, writer_signer
 
 log = logging.getLogger(__name__)
@@ -165,8 +165,7 @@ class CatchupWriter:
                  stream_id: str | None = None, trusted_keys: Any = None,
                  storage_options: dict[str, Any] | None = None) -> None:
         self.options = options or CatchupOptions()
-        self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
-        self._owns_store = not isinstance(url, Store)
+        self.store, self._owns_store = open_store(url, storage_options)
         self.signer: StreamSigner | None = None
         trust: TrustedKeys | None = None if trusted_keys is None else TrustedKeys.load(trusted_keys)
         if signing_key is not None:

@@ -37,7 +37,7 @@ from deltasync.notify import EventServer, Notifier
 from deltasync.reader import StreamReader
 from deltasync.scratch import ScratchFolder
 from deltasync.signing import sha256_hex
-from deltasync.store import Manifest, Part, Store
+from deltasync.store import Manifest, Part, Store, open_store
 from deltasync.trust import UNTRUSTED, TrustedKeys
 from deltasync.watch import FollowLoop, PollPolicy, StepWatch
 
@@ -55,10 +55,6 @@ class MirrorReport:
     files_copied: bool
     seconds: float
     refused: tuple[int, ...] = ()  # with trusted keys: steps no trusted signature covers (not copied)
-
-
-def _store(where: str | Store, options: dict[str, Any] | None) -> tuple[Store, bool]:
-    return (where, False) if isinstance(where, Store) else (Store(where, storage_options=options), True)
 
 
 def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | None = None,
@@ -92,8 +88,8 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
     Example: ``mirror("s3://trainer/run-7", "/mnt/region-b/run-7").copied``
     """
     t0 = time.perf_counter()
-    source, own_src = _store(src, src_options)
-    target, own_dst = _store(dst, dst_options)
+    source, own_src = open_store(src, src_options)
+    target, own_dst = open_store(dst, dst_options)
     trusted = None if trusted_keys is None else TrustedKeys.load(trusted_keys)
     scratch = ScratchFolder("mirror")
     copied: list[int] = []

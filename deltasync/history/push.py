@@ -24,7 +24,7 @@ from deltasync.publish.steps import snapshot_headers, step_manifest, write_step_
 from deltasync.reader import StreamReader
 from deltasync.signing import SigningKey
 from deltasync.stages.diff import Snapshot
-from deltasync.store import Manifest, Store
+from deltasync.store import Manifest, Store, open_store
 from deltasync.trust import own_trust, writer_signer
 
 
@@ -52,7 +52,7 @@ def push_checkpoint(
     weights read through the key's own trust (a forged manifest does not exist for it).
     """
     key = signing_key if signing_key is None or isinstance(signing_key, SigningKey) else SigningKey(signing_key)
-    store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
+    store, _ = open_store(url, storage_options)
     check_step(step, what=f"{store.url}: step", error=StepOrderError)
     owner = f"push-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     store.acquire_lease(owner, ttl_s=600.0, take_over=take_over, stream_id=stream_id)

@@ -41,7 +41,7 @@ from deltasync.publish.stream import StreamCapture, Weights, checked_entry, drai
 from deltasync.scratch import ScratchFolder
 from deltasync.signing import SigningKey, StreamSigner
 from deltasync.stages.diff import Snapshot, published_dtype
-from deltasync.store import Store
+from deltasync.store import Store, open_store
 from deltasync.trust import TrustedKeys, own_trust, writer_signer
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class DeltaPublisher:
         # other than rank 0 is fine: rank 0 signs every commit
         key = opts.signing_key
         self.signing_key = key if key is None or isinstance(key, SigningKey) else SigningKey(key)
-        self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
+        self.store, _ = open_store(url, storage_options)
         self.source = source
         self._model_files = collect_model_files(opts.files) if opts.files is not None else None
         self.metrics: list[StepMetrics] = []
