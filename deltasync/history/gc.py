@@ -20,6 +20,7 @@ from deltasync.consumers import FUTURE_SKEW_S, read_heartbeats_checked
 from deltasync.errors import ConfigError
 from deltasync.format.documents import ConsumerPosition
 from deltasync.history.replay import ProgressFn, require_steps
+from deltasync.location import Where
 from deltasync.reader import StreamReader
 from deltasync.store import MANIFEST, CatchupEntry, Manifest, Store, open_store, step_dir
 
@@ -167,7 +168,7 @@ def run_gc(store: Store, plan: GcPlan, *, progress: ProgressFn | None = None) ->
 
 
 def collect_garbage(
-    url: str | Store,
+    url: Where,
     *,
     keep_last: int,
     keep_anchor_every: int | None = None,

@@ -25,6 +25,7 @@ from deltasync.errors import ConfigError, DeltaSyncError, NonFiniteStepError, Pu
 from deltasync.format.documents import Kind, check_step
 from deltasync.format.objects import TensorHeader
 from deltasync.format.patch import Patch
+from deltasync.location import Where
 from deltasync.model_files import collect_model_files, store_model_files
 from deltasync.publish.finite import refusal, refused_tensors
 from deltasync.publish.names import canonical_name, named_tensors
@@ -41,7 +42,7 @@ from deltasync.publish.stream import StreamCapture, Weights, checked_entry, drai
 from deltasync.scratch import ScratchFolder
 from deltasync.signing import SigningKey, StreamSigner
 from deltasync.stages.diff import Snapshot, published_dtype
-from deltasync.store import Store, open_store
+from deltasync.store import open_store
 from deltasync.trust import TrustedKeys, own_trust, writer_signer
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class DeltaPublisher:
 
     def __init__(
         self,
-        url: str | Store,
+        url: Where,
         source: Any,
         options: PublishOptions | None = None,
         *,
