@@ -67,8 +67,10 @@ from deltasync.format.names import CONSUMER_ID
 from deltasync.format.names import check as name_matches
 from deltasync.format.objects import StepHeader, StepObject
 from deltasync.format.parts import PartedObject
+from deltasync.location import StoreLocation
 from deltasync.notify import EventFeed, Notifier
 from deltasync.rdma.options import rdma_options
+from deltasync.reader import open_reader
 from deltasync.secrets import redact_url, reveal
 from deltasync.signing import SigningKey, pem_text, pem_texts, read_public_key
 from deltasync.stages.apply import Replica, Verify, xor_apply, xor_apply_all
@@ -116,6 +118,9 @@ __all__ = [
     "pem_texts",
     "SigningKey",
     "read_public_key",
+    # where a stream is: its URL and options as one value (crosses to an engine as data), and the reader for it
+    "StoreLocation",
+    "open_reader",
     # secrets that never print (docs/SECURITY.md)
     "reveal",
     "redact_url",

@@ -23,9 +23,10 @@ from deltasync.errors import (
 from deltasync.format.documents import CatchupManifest
 from deltasync.format.objects import StepObject
 from deltasync.format.parts import PartedObject
+from deltasync.location import StoreLocation, Where
 from deltasync.node_cache import NodeCache
 from deltasync.stages.apply import Replica, Verify
-from deltasync.store import Manifest, Part, Store, catchup_dir
+from deltasync.store import Manifest, Part, Store, catchup_dir, open_store
 from deltasync.trust import SignedStep, TrustedKeys, newest_trusted
 
 # deltas up to this size are fetched from a remote store into memory and opened from there (no cache file);
@@ -142,7 +143,7 @@ class StreamReader:
 
     def __init__(
         self,
-        url: str | Store,
+        url: Where,
         *,
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | Path | None = None,
@@ -160,9 +161,7 @@ class StreamReader:
         self._records: OrderedDict[int, tuple[Manifest, str, bytes, bytes | None]] = OrderedDict()
         # with keys, every manifest this reader returns is of a step a trusted key signed (docs/FORMAT.md 5e)
         self.trusted = None if trusted_keys is None else TrustedKeys.load(trusted_keys)
-        self._owns_store = not isinstance(url, Store)
-        self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options, cache_dir=cache_dir,
-                                                                 node_cache=node_cache)
+        self.store, self._owns_store = open_store(url, storage_options, cache_dir=cache_dir, node_cache=node_cache)
         self.refused: dict[int, str]  # with trusted keys: steps that do not count as committed, and why
         # catch-up deltas (docs/FORMAT.md section 5g): the last listing, those checked, those refused (and why)
         self.catchups = True  # False: chains never go through catch-ups (a transport that holds steps only)
@@ -173,6 +172,11 @@ class StreamReader:
     @property
     def url(self) -> str:
         return self.store.url
+
+    @property
+    def location(self) -> StoreLocation:
+        """Where the stream is: the store's URL and options (what an engine reading the same stream is sent)."""
+        return self.store.location
 
     @property
     def trusted(self) -> TrustedKeys | None:
@@ -532,3 +536,17 @@ class StreamReader:
     def state_dict(self, step: int | None = None) -> dict[str, torch.Tensor]:
         """The weights of ``step`` as a state dict with every trainer name (aliases included)."""
         return self.replica(step).state_dict()
+
+
+def open_reader(where: Where, storage_options: dict[str, Any] | None = None,
+                **kwargs: Any) -> tuple[StreamReader, bool]:
+    """The reader ``where`` is (a ``StreamReader`` given is used as it is), else one opened on the store or the
+    location :meth:`~deltasync.location.StoreLocation.of` resolves (``kwargs``: the ``StreamReader``'s); and whether
+    it was opened here (then the caller closes it). ``ConfigError`` for storage options beside a reader."""
+    if isinstance(where, StreamReader):
+        StoreLocation.of(where, storage_options)  # options beside a reader are refused, not ignored
+        return where, False
+    if isinstance(where, Store):
+        StoreLocation.of(where, storage_options)
+        return StreamReader(where, **kwargs), True
+    return StreamReader(StoreLocation.of(where, storage_options), **kwargs), True

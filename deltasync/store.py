@@ -44,10 +44,11 @@ from deltasync.format.documents import (
     encode,
 )
 from deltasync.lease import WRITER, WriterLease  # noqa: F401 - WRITER: the lease's name in the layout
+from deltasync.location import StoreLocation, Where
 from deltasync.node_cache import NodeCache, node_cache_from_env
 from deltasync.retries import Retrying, check_option_types
 from deltasync.scratch import plain_name
-from deltasync.secrets import redact, redact_url, remember, reveal, secret_values, wrap
+from deltasync.secrets import redact, redact_url, remember, secret_values
 from deltasync.signing import MAX_SIGNATURE_BYTES, SIGNATURE, StreamSigner, sha256_hex
 from deltasync.store_objects import MANIFEST, StoreObjects, sha256_file, step_dir  # noqa: F401 - re-exported
 from deltasync.transports import Transport, classify_failure, open_transport, scheme_of
@@ -55,7 +56,8 @@ from deltasync.transports.base import Entry
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CatchupEntry", "Lease", "Manifest", "Part", "Store", "StreamInfo", "catchup_dir", "step_dir"]
+__all__ = ["CatchupEntry", "Lease", "Manifest", "Part", "Store", "StreamInfo", "catchup_dir", "open_store",
+           "step_dir"]
 
 T = TypeVar("T")
 _STEP_DIR = re.compile(r"\A(\d{12})\Z")
@@ -84,6 +86,16 @@ class CatchupEntry:
     age_s: float | None
 
 
+def open_store(where: Where, storage_options: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Store, bool]:
+    """The store ``where`` is (a ``Store`` given is used as it is), else one opened at the location
+    :meth:`StoreLocation.of` resolves (``kwargs``: the ``Store``'s); and whether it was opened here (then the caller
+    closes it)."""
+    if isinstance(where, Store):
+        StoreLocation.of(where, storage_options)  # options beside a store are refused, not ignored
+        return where, False
+    return Store(StoreLocation.of(where, storage_options), **kwargs), True
+
+
 class Store(StoreObjects, Retrying):
     """A stream of steps under one URL: a local path or ``file://``, ``s3://``, ``hf://buckets/…``,
     ``memory://``, any fsspec URL, or a scheme a registered transport takes (deltasync.transports).
@@ -97,7 +109,7 @@ class Store(StoreObjects, Retrying):
 
     def __init__(
         self,
-        url: str,
+        url: str | StoreLocation,
         *,
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | Path | None = None,
@@ -107,18 +119,18 @@ class Store(StoreObjects, Retrying):
         retry_max_s: float = 60.0,
         transport: Transport | None = None,
     ) -> None:
-        self.location = url  # as given: what an engine reading the same store needs (a password in it too)
-        self.url = redact_url(url)  # what messages, reports and metrics show: a URL's password hidden
-        self.protocol = scheme_of(url) or "file"
-        # what an engine reading the same store needs: credentials held as Secrets, so that no repr shows them
-        options = wrap(dict(storage_options or {}))
-        self.storage_options = options
+        # the URL as given (a password in it too) and the options, credentials held as Secrets: one value, what an
+        # engine reading the same store is sent (deltasync/location.py)
+        self.location = where = StoreLocation.of(url, storage_options)
+        self.url = where.shown  # what messages, reports and metrics show: a URL's password hidden
+        self.protocol = scheme_of(where.url) or "file"
+        options = dict(where.options)
         # scrubbed from every error and log line (deltasync/secrets.py): what the backend says may quote them
         self._secrets = tuple(v for v in secret_values(options) if v not in self.url)
         remember(*self._secrets, public=self.url)
         self._option_names = frozenset(options)
-        self.transport = transport if transport is not None else self._open(url, options)
-        self.root = redact_url(self.transport.root or url)
+        self.transport = transport if transport is not None else self._open(where)
+        self.root = redact_url(self.transport.root or where.url)
         self.is_local = self.transport.capabilities.local_files
         self._answered = False  # has the store ever answered? (then a failed connect is an outage, not a wrong URL)
         self.retries = retries
@@ -134,12 +146,12 @@ class Store(StoreObjects, Retrying):
         self._gaps: list[float] = []  # its last few times between commits (seconds)
         self._last_hint: LatestHint | None = None  # what this writer last wrote to latest.json (heads refresh it)
 
-    def _open(self, url: str, options: dict[str, Any]) -> Transport:
+    def _open(self, where: StoreLocation) -> Transport:
         """The URL's transport (given the options' secrets revealed); a storage option the backend refuses at once,
         or one of a type it cannot take, is a ``StoreConfigError`` (naming the option, never its value)."""
-        check_option_types(self.protocol, options)
+        check_option_types(self.protocol, dict(where.options))
         try:
-            return open_transport(url, reveal(options))
+            return open_transport(where.url, where.backend_options())
         except DeltaSyncError:
             raise
         except TypeError as e:  # a backend that checks its options at once
@@ -152,6 +164,11 @@ class Store(StoreObjects, Retrying):
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """The backend's options, credentials held as ``Secret`` (``location.options``)."""
+        return dict(self.location.options)
 
     # --- paths ---
 

@@ -78,7 +78,15 @@ StorageOpt = Annotated[
 ]
 
 
-def _storage_options(pairs: list[str] | None) -> dict[str, Any]:
+def _location(url: str, pairs: list[str] | None) -> Any:
+    """Where ``url`` is, with the ``-S KEY=VALUE`` options (JSON values where they parse): the one value a command
+    hands on (deltasync.location.StoreLocation)."""
+    from deltasync.location import StoreLocation
+
+    return StoreLocation.of(url, _option_pairs(pairs))
+
+
+def _option_pairs(pairs: list[str] | None) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
@@ -173,7 +181,7 @@ def _reader(url: str, storage_option: list[str] | None, trust: Any = None) -> An
     when the command ends, fails or is interrupted (Ctrl-C). With a trust setting, only signed steps are read."""
     from deltasync.reader import StreamReader
 
-    return StreamReader(url, storage_options=_storage_options(storage_option), trusted_keys=trust)
+    return StreamReader(_location(url, storage_option), trusted_keys=trust)
 
 
 def _load_safetensors(path: Path) -> dict:

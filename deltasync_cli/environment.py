@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from deltasync_cli.app import StorageOpt, _print_json, _storage_options, command, inert, out
+from deltasync_cli.app import StorageOpt, _location, _print_json, command, inert, out
 
 
 @command(summary="Compile the CPU kernels now (for image builds).",
@@ -68,7 +68,7 @@ def env(
     report: dict[str, Any] = {"deltasync": _versions(), "extras": _extras(), "kernel_cache": _kernel_cache(),
               "environment": _environment()}
     if url is not None:
-        report["store"] = _store(url, _storage_options(storage_option))
+        report["store"] = _store(_location(url, storage_option))
     if as_json:
         _print_json(report)
         return
@@ -166,15 +166,16 @@ def _environment() -> dict[str, str]:
     return shown
 
 
-def _store(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Whether the store at ``url`` answers (one listing, one read), and what it holds; its error in one line."""
+def _store(where: Any) -> dict[str, Any]:
+    """Whether the store ``where`` (a URL and its options) answers (one listing, one read), and what it holds;
+    its error in one line."""
     from deltasync.secrets import redact
     from deltasync.store import Store
     from deltasync_cli.app import one_line
 
     t0 = time.perf_counter()
     try:
-        with Store(url, storage_options=options) as store:
+        with Store(where) as store:
             steps = store.steps()
             stream = bool(steps) or store.exists("stream.json")
     except Exception as e:  # noqa: BLE001 - reported, not raised: `env` describes what it finds

@@ -15,8 +15,8 @@ from deltasync_cli.app import (
     StorageOpt,
     StreamIdOpt,
     TrustedKeyOpt,
+    _location,
     _print_json,
-    _storage_options,
     _trust,
     command,
     inert,
@@ -76,7 +76,7 @@ def fingerprint(
     from rollout_loader.vllm import reference_for_step
 
     trust = _trust(trusted_key, revoked_key, stream_id, max_age_s)
-    path, ref = reference_for_step(url, step, storage_options=_storage_options(storage_option), trusted_keys=trust,
+    path, ref = reference_for_step(_location(url, storage_option), step, trusted_keys=trust,
                                    files_from=None if files_from is None else str(files_from),
                                    live_cpu_weights=not stock_cpu_kernels, engine_args=_engine_args(engine_arg),
                                    signing_key=signing_key)

@@ -12,8 +12,9 @@ from deltasync_cli.app import (
     StorageOpt,
     StreamIdOpt,
     TrustedKeyOpt,
+    _location,
+    _option_pairs,
     _progress,
-    _storage_options,
     _trust,
     command,
     err,
@@ -121,8 +122,8 @@ def follow(
 
     try:
         policy = PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s))
-        follower = Follower(url, target, policy=policy, on_step=report, metrics_port=metrics_port,
-                            storage_options=_storage_options(storage_option), notifier=feed,
+        follower = Follower(_location(url, storage_option), target, policy=policy, on_step=report,
+                            metrics_port=metrics_port, notifier=feed,
                             trusted_keys=keys, consumer_id=consumer_id)
     except BaseException:
         if feed is not None:
@@ -231,18 +232,18 @@ def mirror(
     from deltasync.store import Store
     from deltasync.watch import PollPolicy
 
-    src_options, dst_options = _storage_options(storage_option), _storage_options(dst_option)
+    src_at, dst_at = _location(src, storage_option), _location(dst, dst_option)
     trust = _trust(trusted_key, revoked_key, stream_id, max_age_s)
 
     def report(step: int, nbytes: int) -> None:
         out.print(f"step {step} copied ({nbytes / 1e6:,.2f} MB)", markup=False)
 
-    with Store(src, storage_options=src_options) as source:
+    with Store(src_at) as source:
         source.require_stream()  # a wrong URL: one line, exit 2, before anything is written
         if once:
             with _progress() as progress:
                 source.download_progress = progress  # large objects: a bar of bytes on a terminal
-                r = mirror_once(source, dst, dst_options=dst_options, on_step=report, trusted_keys=trust)
+                r = mirror_once(source, dst_at, on_step=report, trusted_keys=trust)
     if once:
         refused = f", {len(r.refused)} not covered by a trusted signature" if r.refused else ""
         out.print(f"{dst}: {len(r.copied)} step(s) copied ({r.bytes_copied / 1e6:,.2f} MB), {r.present} already there"
@@ -260,7 +261,7 @@ def mirror(
             server = EventServer(*host_port(events))
             out.print(f"events at {server.url}", markup=False)
         feed = EventFeed(notify) if notify is not None else None
-        mirror_follow(src, dst, src_options=src_options, dst_options=dst_options, until=until, stop=stop,
+        mirror_follow(src_at, dst_at, until=until, stop=stop,
                       policy=PollPolicy(fast_s=poll_s, idle_max_s=max(max_poll_s, poll_s), retry_max_s=60.0),
                       on_step=report,
                       on_error=warn, notifier=feed, events=server, trusted_keys=trust)
@@ -295,7 +296,7 @@ def demo(
     run_demo(
         store,
         DemoConfig(steps=steps, lr=lr, hidden_size=hidden_size, layers=layers, engine=engine, transport=transport),
-        storage_options=_storage_options(storage_option),
+        storage_options=_option_pairs(storage_option),  # the demo may make its own (temporary) store
         echo=lambda line: out.print(line, markup=False, soft_wrap=True),  # rows as they happen, never re-wrapped
     )
 

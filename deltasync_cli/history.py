@@ -18,13 +18,13 @@ from deltasync_cli.app import (
     StreamIdOpt,
     TrustedKeyOpt,
     _dtype,
+    _location,
     _mb,
     _num,
     _pct,
     _print_json,
     _progress,
     _reader,
-    _storage_options,
     _trust,
     command,
     fit_names,
@@ -109,7 +109,7 @@ def push(
     from deltasync.history.push import push_checkpoint
     from deltasync.store import Store
 
-    with Store(url, storage_options=_storage_options(storage_option)) as store:
+    with Store(_location(url, storage_option)) as store:
         m = push_checkpoint(store, step, checkpoint, anchor=anchor, dtype=_dtype(dtype), files=files,
                             take_over=take_over, signing_key=signing_key, stream_id=stream_id)
     if as_json:
@@ -155,8 +155,8 @@ def catchup(
     except ValueError:
         raise typer.BadParameter(f"--distances: expected step counts separated by commas, got {distances!r}") from None
     options = CatchupOptions(distances=dist, consumers=consumers, min_lag=min_lag)
-    with CatchupWriter(url, options=options, signing_key=signing_key, stream_id=stream_id,
-                       storage_options=_storage_options(storage_option)) as writer:
+    with CatchupWriter(_location(url, storage_option), options=options, signing_key=signing_key,
+                       stream_id=stream_id) as writer:
         if follow_:
             writer.follow(poll_s=poll_s)
             return
@@ -326,9 +326,9 @@ def gc_(
     ask = not (dry_run or yes or as_json) and _on_terminal()
     refuse = not (dry_run or yes or ask)  # a script, a pipe, --json: nobody to ask, and not told to delete
     with _progress() as progress:
-        plan = collect_garbage(url, keep_last=keep_last, keep_anchor_every=keep_anchor_every,
-                               consumer_max_age_s=consumer_max_age_s, dry_run=dry_run or ask or refuse,
-                               storage_options=_storage_options(storage_option), progress=progress)
+        plan = collect_garbage(_location(url, storage_option), keep_last=keep_last,
+                               keep_anchor_every=keep_anchor_every, consumer_max_age_s=consumer_max_age_s,
+                               dry_run=dry_run or ask or refuse, progress=progress)
     if refuse and (plan.delete or plan.leftovers or plan.catchups):
         raise typer.BadParameter(
             f"gc would delete {len(plan.delete)} steps ({_mb(plan.freed_bytes)}) and {len(plan.leftovers)} uncommitted "
@@ -345,7 +345,7 @@ def gc_(
                              "uncommitted folders?", default=False):
             out.print("nothing deleted", markup=False)
             return
-        with Store(url, storage_options=_storage_options(storage_option)) as store, _progress() as progress:
+        with Store(_location(url, storage_option)) as store, _progress() as progress:
             run_gc(store, plan, progress=progress)
     verb = "would delete" if dry_run else "deleted"
     out.print(f"{verb} {len(plan.delete)} steps ({_mb(plan.freed_bytes)}) and {len(plan.leftovers)} uncommitted "

@@ -14,8 +14,8 @@ from rich.table import Table
 from deltasync_cli.app import (
     StorageOpt,
     _load_safetensors,
+    _location,
     _mb,
-    _storage_options,
     command,
     fit_names,
     inert,
@@ -108,7 +108,7 @@ def ls_(
     """List the committed steps of a stream."""
     from deltasync.store import Store
 
-    with Store(url, storage_options=_storage_options(storage_option)) as store:
+    with Store(_location(url, storage_option)) as store:
         manifests = [store.manifest(s) for s in store.steps()]
         if not manifests:
             store.require_stream()  # "no stream at this URL" is an error; "a stream with no steps yet" is not
@@ -161,7 +161,7 @@ def status(
     from deltasync.history.fleet import fleet_status, prometheus_text
     from deltasync.store import Store
 
-    with Store(url, storage_options=_storage_options(storage_option)) as store:
+    with Store(_location(url, storage_option)) as store:
         store.require_stream()
         fleet = fleet_status(store, stale_after_s=stale_after_s)
     if as_json:
@@ -252,7 +252,7 @@ def show(
     from deltasync.errors import StepNotFoundError
     from deltasync.reader import StreamReader
 
-    with StreamReader(url, storage_options=_storage_options(storage_option)) as reader:
+    with StreamReader(_location(url, storage_option)) as reader:
         try:
             m = reader.manifest(step)
         except StepNotFoundError:

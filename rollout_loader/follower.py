@@ -32,6 +32,7 @@ from deltasync.engine import (
     StepWatch,
     TrustedKeys,
     check_consumer_id,
+    open_reader,
     write_heartbeat,
 )
 from deltasync.errors import (
@@ -110,8 +111,7 @@ class Follower:
         notifier: Notifier | None = None,
         trusted_keys: Any = None,
     ) -> None:
-        self._owns_reader = not isinstance(url, StreamReader)
-        self.reader = url if isinstance(url, StreamReader) else StreamReader(url, storage_options=storage_options)
+        self.reader, self._owns_reader = open_reader(url, storage_options)
         if trusted_keys is not None:  # every step must be signed by one of them (docs/FORMAT.md section 5e)
             self.reader.trusted = TrustedKeys.load(trusted_keys)
         self.stats = FollowerStats(self.reader.url)

@@ -297,3 +297,23 @@ def test_a_signing_trainers_engines_are_sent_its_trust(tmp_path, keys):
         finally:
             sync.close()
     assert sent["stream_id"] == "run-7" and sent["trusted_keys"] == [open(keys[1]).read()]
+
+
+def test_a_follower_made_from_a_reader_gives_the_engine_its_credentials(tmp_path, keys):
+    """Issue 32 item 6: the reader is the store's one value (URL, options, keys); a follower made from it, not from a
+    URL, sends the engine the same credentials (revealed only into init_info: the settings' repr hides them)."""
+    url = _stream(tmp_path, keys[0])
+    secret = "s3cr3t-" + "x" * 24
+    options = {"key": "AKIA-test", "secret": secret, "auto_mkdir": True}
+    with fake_server() as (fake, base):
+        reader = StreamReader(url, storage_options=options,
+                              trusted_keys=TrustedKeys.load([keys[1]], stream_id="run-7"))
+        f = Follower(reader, VllmTarget(base))
+        f.connect()
+        settings = f.target.engine_settings(reader)
+        f.close()
+        reader.close()
+        sent = _sent(fake)
+    assert sent["url"] == url and sent["storage_options"] == options
+    assert sent["trusted_keys"] == [open(keys[1]).read()] and sent["stream_id"] == "run-7"
+    assert secret not in repr(settings) and secret not in repr(reader.store)

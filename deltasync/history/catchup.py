@@ -48,9 +48,10 @@ from deltasync.format.documents import CatchupManifest, ManifestStats, StepHeade
 from deltasync.format.objects import StepObject, write_delta
 from deltasync.format.patch import Patch
 from deltasync.history.replay import check_layout
+from deltasync.location import StoreLocation, Where
 from deltasync.reader import StreamReader
 from deltasync.signing import SigningKey, StreamSigner
-from deltasync.store import Store
+from deltasync.store import open_store
 from deltasync.trust import TrustedKeys, own_trust, writer_signer
 
 log = logging.getLogger(__name__)
@@ -161,12 +162,11 @@ class CatchupWriter:
         ConfigError: a bad option, or a key for another stream.
     """
 
-    def __init__(self, url: str | Store, *, options: CatchupOptions | None = None, signing_key: Any = None,
+    def __init__(self, url: Where, *, options: CatchupOptions | None = None, signing_key: Any = None,
                  stream_id: str | None = None, trusted_keys: Any = None,
                  storage_options: dict[str, Any] | None = None) -> None:
         self.options = options or CatchupOptions()
-        self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
-        self._owns_store = not isinstance(url, Store)
+        self.store, self._owns_store = open_store(url, storage_options)
         self.signer: StreamSigner | None = None
         trust: TrustedKeys | None = None if trusted_keys is None else TrustedKeys.load(trusted_keys)
         if signing_key is not None:
@@ -332,14 +332,14 @@ class CatchupWriter:
             self._stop.wait(poll_s)
 
 
-def write_catchups(url: str | Store, *, options: CatchupOptions | None = None, signing_key: Any = None,
+def write_catchups(url: Where, *, options: CatchupOptions | None = None, signing_key: Any = None,
                    stream_id: str | None = None, trusted_keys: Any = None,
                    storage_options: dict[str, Any] | None = None) -> CatchupReport:
     """One pass of a :class:`CatchupWriter` over the stream at ``url`` (see it for the arguments).
 
     Example: ``write_catchups("s3://bucket/run-7", options=CatchupOptions(distances=(8, 32)))``.
     """
-    with CatchupWriter(url, options=options, signing_key=signing_key, stream_id=stream_id, trusted_keys=trusted_keys,
-                       storage_options=storage_options) as w:
+    with CatchupWriter(StoreLocation.of(url, storage_options), options=options, signing_key=signing_key,
+                       stream_id=stream_id, trusted_keys=trusted_keys) as w:
         return w.run_once()
 

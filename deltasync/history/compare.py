@@ -12,7 +12,7 @@ import torch
 
 from deltasync.errors import TensorMismatchError
 from deltasync.format._bits import int_view
-from deltasync.history.replay import Chain, ProgressFn, chain_steps, open_reader
+from deltasync.history.replay import Chain, ProgressFn, chain_steps, reader_of
 from deltasync.reader import StreamReader
 
 _LAYER = re.compile(r"^(.*?\.\d+)\.")
@@ -83,7 +83,7 @@ def compare(
 
     Both states are rebuilt tensor by tensor (one chain walk when ``a`` lies on ``b``'s chain).
     """
-    reader = open_reader(url, storage_options)
+    reader = reader_of(url, storage_options)
     diffs: dict[str, Difference] = {}
     if a in chain_steps(reader, b):
         with Chain.open(reader, b, progress=progress) as chain:

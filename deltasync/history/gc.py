@@ -20,8 +20,9 @@ from deltasync.consumers import FUTURE_SKEW_S, read_heartbeats_checked
 from deltasync.errors import ConfigError
 from deltasync.format.documents import ConsumerPosition
 from deltasync.history.replay import ProgressFn, require_steps
+from deltasync.location import Where
 from deltasync.reader import StreamReader
-from deltasync.store import MANIFEST, CatchupEntry, Manifest, Store, step_dir
+from deltasync.store import MANIFEST, CatchupEntry, Manifest, Store, open_store, step_dir
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ def run_gc(store: Store, plan: GcPlan, *, progress: ProgressFn | None = None) ->
 
 
 def collect_garbage(
-    url: str | Store,
+    url: Where,
     *,
     keep_last: int,
     keep_anchor_every: int | None = None,
@@ -182,7 +183,7 @@ def collect_garbage(
     (it names no step), and is listed in the plan's ``unreadable``.
     """
     check_gc_options(keep_last, keep_anchor_every, consumer_max_age_s)  # before the store is touched
-    store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
+    store, _ = open_store(url, storage_options)
     manifests = [StepSummary.of(store.manifest(s)) for s in require_steps(StreamReader(store))]  # one at a time
     consumers, unreadable = read_heartbeats_checked(store)
     plan = plan_gc(

@@ -32,12 +32,13 @@ from typing import Any
 
 from deltasync.errors import StepExistsError, StepNotFoundError, can_retry
 from deltasync.format.documents import LatestHint
+from deltasync.location import StoreLocation, Where
 from deltasync.model_files import FILES_DIR, FILES_INDEX, read_model_file_index, read_model_files
 from deltasync.notify import EventServer, Notifier
 from deltasync.reader import StreamReader
 from deltasync.scratch import ScratchFolder
 from deltasync.signing import sha256_hex
-from deltasync.store import Manifest, Part, Store
+from deltasync.store import Manifest, Part, Store, open_store
 from deltasync.trust import UNTRUSTED, TrustedKeys
 from deltasync.watch import FollowLoop, PollPolicy, StepWatch
 
@@ -57,11 +58,7 @@ class MirrorReport:
     refused: tuple[int, ...] = ()  # with trusted keys: steps no trusted signature covers (not copied)
 
 
-def _store(where: str | Store, options: dict[str, Any] | None) -> tuple[Store, bool]:
-    return (where, False) if isinstance(where, Store) else (Store(where, storage_options=options), True)
-
-
-def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | None = None,
+def mirror(src: Where, dst: Where, *, src_options: dict[str, Any] | None = None,
            dst_options: dict[str, Any] | None = None, after: int | None = None, newest: int | None = None,
            on_step: Callable[[int, int], None] | None = None, trusted_keys: Any = None,
            reader: StreamReader | None = None, hint: LatestHint | None = None) -> MirrorReport:
@@ -92,8 +89,8 @@ def mirror(src: str | Store, dst: str | Store, *, src_options: dict[str, Any] | 
     Example: ``mirror("s3://trainer/run-7", "/mnt/region-b/run-7").copied``
     """
     t0 = time.perf_counter()
-    source, own_src = _store(src, src_options)
-    target, own_dst = _store(dst, dst_options)
+    source, own_src = open_store(src, src_options)
+    target, own_dst = open_store(dst, dst_options)
     trusted = None if trusted_keys is None else TrustedKeys.load(trusted_keys)
     scratch = ScratchFolder("mirror")
     copied: list[int] = []
@@ -286,7 +283,7 @@ def _same_step(source: Store, target: Store, step: int, manifest: Any = None) ->
             "different streams under one name (mirror into an empty location, or an earlier copy of this stream)")
 
 
-def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = None,
+def mirror_follow(src: Where, dst: Where, *, src_options: dict[str, Any] | None = None,
                   dst_options: dict[str, Any] | None = None, policy: PollPolicy | None = None,
                   until: int | None = None, stop: threading.Event | None = None,
                   on_step: Callable[[int, int], None] | None = None,
@@ -307,9 +304,9 @@ def mirror_follow(src: str, dst: str, *, src_options: dict[str, Any] | None = No
     stop = stop or threading.Event()
     trusted = None if trusted_keys is None else TrustedKeys.load(trusted_keys)  # one set: endorsements seen persist
     # the watch's reader checks with the same trust: a forged newest step does not exist for the mirror either
-    reader = StreamReader(src, storage_options=src_options, trusted_keys=trusted)
+    reader = StreamReader(StoreLocation.of(src, src_options), trusted_keys=trusted)
     watch = StepWatch(reader, policy or PollPolicy(retry_max_s=60.0), notifier=notifier)
-    target = Store(dst, storage_options=dst_options)
+    target = Store(StoreLocation.of(dst, dst_options))
     done: int | None = None
     relayed: bytes | None = None  # the source's head last relayed (refreshed heads follow while it is idle)
 

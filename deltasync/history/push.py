@@ -18,18 +18,19 @@ from deltasync.format._bits import int_view
 from deltasync.format.documents import Kind, check_step
 from deltasync.history.checkpoints import load_checkpoint
 from deltasync.history.rebuild import reconstruct_state_dict
+from deltasync.location import Where
 from deltasync.model_files import ModelFiles, collect_model_files, read_model_file_index, store_model_files
 from deltasync.publish.names import named_tensors
 from deltasync.publish.steps import snapshot_headers, step_manifest, write_step_object
 from deltasync.reader import StreamReader
 from deltasync.signing import SigningKey
 from deltasync.stages.diff import Snapshot
-from deltasync.store import Manifest, Store
+from deltasync.store import Manifest, open_store
 from deltasync.trust import own_trust, writer_signer
 
 
 def push_checkpoint(
-    url: str | Store,
+    url: Where,
     step: int,
     checkpoint: str | Path,
     *,
@@ -52,7 +53,7 @@ def push_checkpoint(
     weights read through the key's own trust (a forged manifest does not exist for it).
     """
     key = signing_key if signing_key is None or isinstance(signing_key, SigningKey) else SigningKey(signing_key)
-    store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
+    store, _ = open_store(url, storage_options)
     check_step(step, what=f"{store.url}: step", error=StepOrderError)
     owner = f"push-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     store.acquire_lease(owner, ttl_s=600.0, take_over=take_over, stream_id=stream_id)

@@ -27,7 +27,7 @@ from deltasync.format.checksum import format_checksum, parse_checksum, tensor_ch
 from deltasync.format.documents import check_file_name
 from deltasync.format.objects import StepHeader
 from deltasync.history.checkpoints import CheckpointWriter
-from deltasync.history.replay import Chain, ProgressFn, open_reader, require_steps
+from deltasync.history.replay import Chain, ProgressFn, reader_of, require_steps
 from deltasync.model_files import read_model_files
 from deltasync.reader import StreamReader
 from deltasync.transports import UMASK
@@ -47,7 +47,7 @@ def reconstruct_state_dict(
 
     Same result as ``StreamReader.state_dict``, built tensor by tensor: one model copy in memory.
     """
-    reader = open_reader(url, storage_options)
+    reader = reader_of(url, storage_options)
     if step is None:
         step = require_steps(reader)[-1]
     with Chain.open(reader, step, progress=progress, read_anchor_once=True) as chain:
@@ -62,7 +62,7 @@ def reconstruct_tensor(
     url: str | StreamReader, step: int, name: str, *, storage_options: dict[str, Any] | None = None
 ) -> torch.Tensor:
     """One tensor of ``step`` (an alias names its target), checked against the step's checksum, without the rest."""
-    reader = open_reader(url, storage_options)
+    reader = reader_of(url, storage_options)
     with Chain.open(reader, step) as chain:
         target = chain.header.aliases.get(name, name)
         if target not in chain.header.tensors:
@@ -125,7 +125,7 @@ def replay_to_folder(
         raise OutputExistsError(f"{out}: already exists and is not empty (pass overwrite=True, CLI --overwrite)")
     if sign_with is not None:
         check_export_key(sign_with)  # before the replay's minutes, not after them
-    reader = open_reader(url, storage_options)
+    reader = reader_of(url, storage_options)
     with Chain.open(reader, step, progress=progress) as chain:
         header = chain.header
         if not model_files:

@@ -67,7 +67,8 @@ from deltasync.format.checksum import (
 from deltasync.format.objects import StepHeader, StepObject
 from deltasync.format.patch import Patch
 from deltasync.history._anchor import AnchorFeed
-from deltasync.reader import StreamReader
+from deltasync.location import Where
+from deltasync.reader import StreamReader, open_reader
 from deltasync.stages.apply import host_arrays, xor_apply
 
 T = TypeVar("T")
@@ -85,8 +86,9 @@ GROUP_BYTES = 32 << 20
 """The most decoded patches of one tensor a worker holds before applying them (positions and XOR bits)."""
 
 
-def open_reader(url: str | StreamReader, storage_options: dict[str, Any] | None = None) -> StreamReader:
-    return url if isinstance(url, StreamReader) else StreamReader(url, storage_options=storage_options)
+def reader_of(url: Where, storage_options: dict[str, Any] | None = None) -> StreamReader:
+    """The reader a history function reads ``url`` with (deltasync.reader.open_reader)."""
+    return open_reader(url, storage_options)[0]
 
 
 def require_steps(reader: StreamReader) -> list[int]:

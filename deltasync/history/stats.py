@@ -16,7 +16,7 @@ from typing import Any
 from deltasync.errors import CorruptObjectError, MissingDependencyError, StepNotFoundError
 from deltasync.format.objects import StepHeader, parse_header
 from deltasync.history.compare import layer_of
-from deltasync.history.replay import ProgressFn, open_reader, require_steps
+from deltasync.history.replay import ProgressFn, reader_of, require_steps
 from deltasync.reader import StreamReader
 from deltasync.store import Manifest, Part, Store, step_dir
 
@@ -100,7 +100,7 @@ def stream_stats(
     storage_options: dict[str, Any] | None = None
 ) -> StreamStats:
     """Figures of every committed step in ``first..last``, from the manifests alone."""
-    reader = open_reader(url, storage_options)
+    reader = reader_of(url, storage_options)
     committed = require_steps(reader)
     rows = []
     anchor_bytes: int | None = None
@@ -152,7 +152,7 @@ def layer_density(
     progress: ProgressFn | None = None,
 ) -> LayerDensity:
     """Per layer (``history.layer_of``) and step, the share of elements that changed, from step headers."""
-    reader = open_reader(url, storage_options)
+    reader = reader_of(url, storage_options)
     steps = list(steps) if steps is not None else require_steps(reader)
     columns: list[dict[str, float] | None] = []
     layers: dict[str, None] = {}  # ordered set, in model order

@@ -23,7 +23,7 @@ from deltasync.history.replay import (
     ProgressFn,
     check_layout,
     open_checked,
-    open_reader,
+    reader_of,
     require_steps,
 )
 from deltasync.reader import StreamReader
@@ -89,7 +89,7 @@ def verify(
     Stops at the first problem (the lowest step) unless ``all_problems``. A step whose chain starts below
     ``first`` is replayed from its anchor; problems there are reported under their own step.
     """
-    reader = open_reader(url, storage_options)
+    reader = reader_of(url, storage_options)
     if trusted_keys is not None:
         reader.trusted = TrustedKeys.load(trusted_keys)
     committed = require_steps(reader)

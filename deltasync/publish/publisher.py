@@ -25,6 +25,7 @@ from deltasync.errors import ConfigError, DeltaSyncError, NonFiniteStepError, Pu
 from deltasync.format.documents import Kind, check_step
 from deltasync.format.objects import TensorHeader
 from deltasync.format.patch import Patch
+from deltasync.location import Where
 from deltasync.model_files import collect_model_files, store_model_files
 from deltasync.publish.finite import refusal, refused_tensors
 from deltasync.publish.names import canonical_name, named_tensors
@@ -41,7 +42,7 @@ from deltasync.publish.stream import StreamCapture, Weights, checked_entry, drai
 from deltasync.scratch import ScratchFolder
 from deltasync.signing import SigningKey, StreamSigner
 from deltasync.stages.diff import Snapshot, published_dtype
-from deltasync.store import Store
+from deltasync.store import open_store
 from deltasync.trust import TrustedKeys, own_trust, writer_signer
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class DeltaPublisher:
 
     def __init__(
         self,
-        url: str | Store,
+        url: Where,
         source: Any,
         options: PublishOptions | None = None,
         *,
@@ -180,7 +181,7 @@ class DeltaPublisher:
         # other than rank 0 is fine: rank 0 signs every commit
         key = opts.signing_key
         self.signing_key = key if key is None or isinstance(key, SigningKey) else SigningKey(key)
-        self.store = url if isinstance(url, Store) else Store(url, storage_options=storage_options)
+        self.store, _ = open_store(url, storage_options)
         self.source = source
         self._model_files = collect_model_files(opts.files) if opts.files is not None else None
         self.metrics: list[StepMetrics] = []

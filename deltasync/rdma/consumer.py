@@ -30,6 +30,7 @@ from typing import Any
 from typing_extensions import Self
 
 from deltasync.errors import DeltaSyncError, RdmaError, StaleMetadataError
+from deltasync.location import StoreLocation, Where
 from deltasync.notify import Announcements
 from deltasync.rdma.agent import Agent
 from deltasync.rdma.inbox import Inbox, SlotLease
@@ -179,7 +180,7 @@ class RdmaConsumer(Announcements):
     now (the trainer must have said hello); steps before the plan are read from the store.
     """
 
-    def __init__(self, url: str, *, rdma: str | RdmaOptions | dict, consumer_id: str | None = None,
+    def __init__(self, url: Where, *, rdma: str | RdmaOptions | dict, consumer_id: str | None = None,
                  engine: str | None = None, needs: list[str] | None = None,
                  storage_options: dict[str, Any] | None = None, plan_wait_s: float = 0.0) -> None:
         super().__init__()
@@ -188,7 +189,7 @@ class RdmaConsumer(Announcements):
         self.ring = RingReader(options, consumer_id=consumer_id, engine=engine or consumer_id, needs=needs)
         self._stop = threading.Event()
         try:
-            self.store = Store(url, storage_options=storage_options)
+            self.store = Store(StoreLocation.of(url, storage_options))
             self.reader = StreamReader(self.store, memory_object_bytes=options.capacity_bytes, objects=self.ring)
             if plan_wait_s:
                 self.ring.wait_plan(plan_wait_s)

@@ -160,7 +160,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         """``init_info`` as :class:`EngineSettings`; a bad or unknown setting is a ``ConfigError`` naming it."""
         try:
             settings = EngineSettings.parse(init_dict)
-            settings.stream()  # a URL is set
+            settings.location()  # a URL is set
             return settings
         except DeltaSyncError as e:
             raise _crossing(e) from e
@@ -212,8 +212,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         else:
             self._close_stream()
             trusted = init_info.trusted()  # the trusted keys less the revoked ones: the follower's own set
-            url, options = init_info.stream()
-            self._reader = StreamReader(url, storage_options=options, trusted_keys=trusted)
+            self._reader = StreamReader(init_info.location(), trusted_keys=trusted)
             self._held = None
             if init_info.step is not None:  # asserted, not reached through verified steps: proved before believed
                 summed = self._prove_held(init_info.step)
@@ -228,8 +227,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         if init_info.prefetch:
             # one watcher per engine: the first rank watches the stream and tells the others what to stage
             board, plans = self._plan_board()
-            url, options = init_info.stream()
-            reader = self._rdma.reader if self._rdma is not None else StreamReader(url, storage_options=options)
+            reader = self._rdma.reader if self._rdma is not None else StreamReader(init_info.location())
             assert self._reader is not None  # opened above, or by the init this one continues (same stream)
             reader.trusted = self._reader.trusted  # the prefetcher's reader checks with the engine's own key set
             # over NIXL the trainer announces each step, or a mirror does: the watching rank hears of it at once (a
@@ -640,9 +638,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[Any, DeltasyncUpdateInf
         engine = str(options.pop("engine", "vllm"))
         plan_wait_s = float(options.pop("plan_wait_s", 0.0))
         rank = get_tp_group().rank_in_group
-        url, storage_options = info.stream()
-        return RdmaConsumer(url, rdma=options, consumer_id=f"{engine}-tp{rank}", engine=engine,
-                            storage_options=storage_options, plan_wait_s=plan_wait_s)
+        return RdmaConsumer(info.location(), rdma=options, consumer_id=f"{engine}-tp{rank}", engine=engine,
+                            plan_wait_s=plan_wait_s)
 
 
 def _host_ip() -> str:

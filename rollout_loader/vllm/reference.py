@@ -20,7 +20,7 @@ from deltasync.engine import RankFingerprint
 __all__ = ["reference_for_step"]
 
 
-def reference_for_step(url: str, step: int, *, storage_options: Mapping[str, Any] | None = None,
+def reference_for_step(url: Any, step: int, *, storage_options: Mapping[str, Any] | None = None,
                        trusted_keys: Any = None, files_from: str | None = None, live_cpu_weights: bool = True,
                        engine_args: Mapping[str, Any] | None = None, signing_key: Any = None,
                        start: Callable[..., Any] | None = None) -> tuple[str, Any]:
@@ -29,7 +29,8 @@ def reference_for_step(url: str, step: int, *, storage_options: Mapping[str, Any
     stream, the reference).
 
     Args:
-        url, storage_options, trusted_keys: the stream, as a reader takes them (with trusted keys, the replay is
+        url, storage_options, trusted_keys: the stream (a URL with its options, a ``StoreLocation``), as a
+            reader takes them (with trusted keys, the replay is
             of signed steps only).
         files_from: a checkpoint folder whose non-weight files (config, tokenizer) the replayed folder takes when
             the stream stores none.
@@ -48,16 +49,17 @@ def reference_for_step(url: str, step: int, *, storage_options: Mapping[str, Any
     import msgspec
 
     from deltasync import Store, StreamReader, replay_to_folder
-    from deltasync.engine import SigningKey, make_reference, write_reference
+    from deltasync.engine import SigningKey, StoreLocation, make_reference, write_reference
     from deltasync.errors import EngineError
 
     from .target import start_engine
 
+    where = StoreLocation.of(url, storage_options)
     key = signing_key if signing_key is None or isinstance(signing_key, SigningKey) else SigningKey(signing_key)
-    stream_id = None if key is None else _signed_stream(url, step, storage_options, trusted_keys)
+    stream_id = None if key is None else _signed_stream(where, step, trusted_keys)
     folder = Path(tempfile.mkdtemp(prefix="deltasync-fingerprint-"))
     try:
-        with StreamReader(url, storage_options=dict(storage_options or {}), trusted_keys=trusted_keys) as reader:
+        with StreamReader(where, trusted_keys=trusted_keys) as reader:
             replay_to_folder(reader, step, str(folder / "model"))
         if files_from is not None:  # the checkpoint's other files, where the stream stores none
             for f in Path(files_from).iterdir():
@@ -81,23 +83,24 @@ def reference_for_step(url: str, step: int, *, storage_options: Mapping[str, Any
     parsed = [msgspec.convert(r["fingerprint"], RankFingerprint) for r in ranks]
     made_by = f"deltasync fingerprint: a fresh engine from step {step}'s replayed checkpoint on {platform.node()}"
     reference = make_reference(step, ranks[0]["config"], parsed, made_by=made_by)
-    with Store(url, storage_options=dict(storage_options or {})) as store:
+    with Store(where) as store:
         path = write_reference(store, reference, signing_key=key, stream_id=stream_id)
     return path, reference
 
 
-def _signed_stream(url: str, step: int, storage_options: Mapping[str, Any] | None, trusted_keys: Any) -> str:
+def _signed_stream(where: Any, step: int, trusted_keys: Any) -> str:
     """The stream a signed reference of ``step`` is for: the trusted keys' pinned one (``ConfigError`` without trusted
     keys, ``SignatureError`` where ``stream.json`` names another)."""
     from deltasync import Store
     from deltasync.errors import ConfigError, SignatureError
 
     if trusted_keys is None:
-        raise ConfigError(f"{url}: signing the reference of step {step} vouches for its weights, so they must be read "
-                          "with trusted keys (--trusted-key, --stream-id; trusted_keys=): an unsigned or forged step "
-                          "would be vouched for, and every honest follower would undo its step")
+        raise ConfigError(f"{where.url}: signing the reference of step {step} vouches for its weights, so they must "
+                          "be read with trusted keys (--trusted-key, --stream-id; trusted_keys=): an unsigned or "
+                          "forged step would be vouched for, and every honest follower would undo its step")
+    url = where.url
     pinned: str = trusted_keys.stream_id
-    with Store(url, storage_options=dict(storage_options or {})) as store:
+    with Store(where) as store:
         found = store.stream_id()
     if found is not None and found != pinned:
         raise SignatureError(f"{url}: stream.json names stream {found!r}, the trusted keys are pinned to {pinned!r}: "

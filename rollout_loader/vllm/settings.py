@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args
 from deltasync.engine import (
     CONSUMER_ID,
     MAX_STEP,
+    StoreLocation,
     TrustedKeys,
     check_max_age_s,
     check_stream_id,
@@ -215,11 +216,12 @@ class EngineSettings:
         info["storage_options"] = reveal(self.storage_options)  # a deltasync.Secret travels as its value (JSON)
         return info
 
-    def stream(self) -> tuple[str, dict[str, Any]]:
-        """The stream's URL and storage options; ``ConfigError`` when the URL is not set (the engine needs one)."""
+    def location(self) -> StoreLocation:
+        """Where the stream is (its URL and storage options, as one value); ``ConfigError`` when the URL is not set
+        (the engine needs one)."""
         if self.url is None:
             raise ConfigError("deltasync init_info: url: expected the stream's URL, got none")
-        return self.url, dict(self.storage_options)
+        return StoreLocation.from_record({"url": self.url, "storage_options": self.storage_options})
 
     def trusted(self) -> TrustedKeys | None:
         """The trust the engine checks every step with (None: steps are not checked): the trusted keys, less the

@@ -154,9 +154,10 @@ class VllmTarget:
         reader's URL (made absolute when local), storage options, trusted and revoked keys, and ``notify``."""
         s = self.settings
         changes: dict[str, Any] = {}
-        changes["url"] = _absolute(reader.store.location if s.url is None else s.url)  # as given, password too
-        if s.url is None and not s.storage_options:  # the follower's store: its options too
-            changes["storage_options"] = dict(reader.store.storage_options)
+        where = reader.location  # the follower's store, as one value: its URL as given (password too), its options
+        changes["url"] = _absolute(where.url if s.url is None else s.url)
+        if s.url is None and not s.storage_options:
+            changes["storage_options"] = dict(where.options)
         trust = reader.trusted
         if s.trusted_keys is None and trust is not None:  # the follower's trust, whole: keys, stream, freshness
             changes["trusted_keys"] = tuple(pem_texts(trust))
