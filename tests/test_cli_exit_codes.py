@@ -103,6 +103,10 @@ COMMANDS: dict[str, tuple[list[str], list[str], str]] = {
     "env": (["env", "{url}"], ["env", "{url}", "--bogus"], "No such option: --bogus"),
     "demo": (["demo", "--engine", "torch", "--steps", "2", "--hidden-size", "64", "--layers", "1"],
              ["demo", "--engine", "sglang"], "--engine"),
+    "catchup": (["catchup", "{url}", "--distances", "2"], ["catchup", "{url}", "--distances", "1"], "at least 2"),
+    # its success starts a vLLM engine (tests/integration/test_vllm_fingerprint.py makes references): here its help;
+    # the mistake is found before any engine starts
+    "fingerprint": (["fingerprint", "--help"], ["fingerprint", "{url}", "--step", "9"], "step 9 is not committed"),
 }
 
 
@@ -156,6 +160,7 @@ WHERE = {"diff": ("safetensors.torch.load_file", 1), "patch": ("safetensors.torc
 INTERRUPTED = {  # arguments that would run on (follow and mirror: for ever) unless interrupted
     "follow": ["follow", "{url}", "--server", "{server}", "--until", "99", "--timeout-s", "60", "--poll-s", "0.05"],
     "mirror": ["mirror", "{url}", "{dst}", "--until", "99", "--poll-s", "0.05"],
+    "fingerprint": ["fingerprint", "{url}", "--step", "2"],  # interrupted while it replays, before an engine starts
 }
 
 
