@@ -51,8 +51,10 @@ def cheapest_chain(
     reach ``start``, at most ``max_walk`` of them. Raises ``StepNotFoundError`` when no way exists (the chain to
     ``step`` is broken before any anchor is reached).
     """
-    if start is not None and start >= step:
-        start = None  # a consumer at or past the target goes back from an anchor
+    if start == step:
+        return []  # held already: nothing to open
+    if start is not None and start > step:
+        start = None  # a consumer past the target goes back from an anchor
     cost: dict[int, int] = {step: 0}
     via: dict[int, Hop] = {}  # node -> the hop that leaves it toward ``step`` on the cheapest way found
     heap: list[tuple[int, int]] = [(0, -step)]  # ties: the newer step first (fewer manifests to read)

@@ -356,3 +356,20 @@ def test_the_command_writes_catchups_and_the_writer_keeps_up(stream, monkeypatch
     with CatchupWriter(url, options=CatchupOptions(distances=(4,), consumers=False)) as w:
         w.follow(poll_s=0.01, passes=1)
     assert {(e.base_step, e.step) for e in Store(url).catchup_entries()} >= {(0, 4), (32, 36), (16, 32)}
+
+
+def test_a_reader_at_the_target_opens_nothing(tmp_path):
+    """``chain(step, start=step)``: the step is held already (a framework that repeats a step only to wake its
+    replicas must move nothing); past it, the way starts at an anchor."""
+    import torch
+
+    from deltasync import DeltaPublisher, StreamReader
+
+    url = str(tmp_path / "s")
+    state = {"w": torch.zeros(64)}
+    with DeltaPublisher(url, state, anchor_every=100, on_backlog="block") as pub:
+        for s in range(3):
+            state["w"][s] += 1.0
+            pub.publish(s)
+    with StreamReader(url) as reader:
+        assert reader.chain(2, start=2) == [] and reader.chain(1, start=2) == [0, 1] and reader.chain(2, start=1) == [2]
