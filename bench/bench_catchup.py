@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import Training, machine, parser, write_results  # noqa: E402
 from deltasync import DeltaPublisher, StreamReader  # noqa: E402
-from deltasync.consumers import write_heartbeat  # noqa: E402
+from deltasync.follow.consumers import write_heartbeat  # noqa: E402
 from deltasync.format.checksum import format_checksum, state_checksum  # noqa: E402
 from deltasync.history import CatchupOptions, CatchupWriter  # noqa: E402
 from deltasync.store import Store  # noqa: E402

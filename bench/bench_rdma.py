@@ -119,9 +119,9 @@ def _apply(replica: Any, obj: Any) -> tuple[Any, float, float]:
 
 def follow(mode: str, url: str, options: dict | None, address: str | None, steps: int, repeats: int, poll_s: float,
            go: Any) -> list[dict[str, Any]]:
+    from deltasync.follow.reader import StreamReader
     from deltasync.format.objects import StepObject
     from deltasync.rdma.consumer import RdmaConsumer
-    from deltasync.reader import StreamReader
 
     consumer = RdmaConsumer(url, rdma={"controller": address, "capacity_bytes": 1 << 30}, consumer_id="bench",
                             plan_wait_s=60.0) if mode == "nixl" else None

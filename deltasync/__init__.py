@@ -32,9 +32,9 @@ from deltasync.errors import DeltaSyncError
 _HOMES = {
     "DeltaPublisher": "deltasync.publish.publisher",
     "PublishOptions": "deltasync.publish.options",
-    "StreamReader": "deltasync.reader",
-    "StepWatch": "deltasync.watch",
-    "NodeCache": "deltasync.node_cache",
+    "StreamReader": "deltasync.follow.reader",
+    "StepWatch": "deltasync.follow.watch",
+    "NodeCache": "deltasync.store.node_cache",
     "RdmaConsumer": "deltasync.rdma.consumer",  # needs pyzmq and NIXL: pip install 'deltasync[rdma]'
     "Store": "deltasync.store",
     "replay_to_folder": "deltasync.history.rebuild",
@@ -82,16 +82,16 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)
 
 if TYPE_CHECKING:  # what static checkers and IDEs see
+    from deltasync.follow.reader import StreamReader
+    from deltasync.follow.watch import StepWatch
     from deltasync.history.compare import compare
     from deltasync.history.gc import collect_garbage
     from deltasync.history.push import push_checkpoint
     from deltasync.history.rebuild import replay_to_folder
     from deltasync.history.stats import stream_stats
     from deltasync.history.verify import verify
-    from deltasync.node_cache import NodeCache
     from deltasync.publish.options import PublishOptions
     from deltasync.publish.publisher import DeltaPublisher
     from deltasync.rdma.consumer import RdmaConsumer
-    from deltasync.reader import StreamReader
     from deltasync.store import Store
-    from deltasync.watch import StepWatch
+    from deltasync.store.node_cache import NodeCache

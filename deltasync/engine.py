@@ -40,7 +40,6 @@ and ``differing`` to compare with a reference; ``ReplicaRecord`` carries them in
 must not queue behind other work, a pool of the caller's).
 """
 
-from deltasync.consumers import ReplicaRecord, check_consumer_id, write_heartbeat
 from deltasync.fingerprints import (
     config_key,
     differing,
@@ -51,6 +50,9 @@ from deltasync.fingerprints import (
     read_reference,
     write_reference,
 )
+from deltasync.follow.consumers import ReplicaRecord, check_consumer_id, write_heartbeat
+from deltasync.follow.reader import open_reader
+from deltasync.follow.watch import FollowLoop, PollPolicy, StepWatch, retry_delay_s
 from deltasync.format._bits import DTYPES, dtype_name
 from deltasync.format._kernel_cache import cache_state as kernel_cache_state
 from deltasync.format._kernels import warm_kernels
@@ -67,17 +69,15 @@ from deltasync.format.names import CONSUMER_ID
 from deltasync.format.names import check as name_matches
 from deltasync.format.objects import StepHeader, StepObject
 from deltasync.format.parts import PartedObject
-from deltasync.location import StoreLocation
 from deltasync.notify import EventFeed, Notifier
 from deltasync.rdma.options import rdma_options
-from deltasync.reader import open_reader
 from deltasync.secrets import redact_url, reveal
 from deltasync.signing import SigningKey, pem_text, pem_texts, read_public_key
 from deltasync.stages.apply import Replica, Verify, xor_apply, xor_apply_all
 from deltasync.store import Manifest
+from deltasync.store.location import StoreLocation
 from deltasync.threads import parallel_map, submit_all
 from deltasync.trust import TrustedKeys, check_max_age_s, check_stream_id
-from deltasync.watch import FollowLoop, PollPolicy, StepWatch, retry_delay_s
 
 __all__ = [
     # decode ahead, write in place, prove it

@@ -3,7 +3,7 @@
 A follower that polls pays a request per poll and notices a step up to a poll period late. Where something
 can tell it "step N is committed" (a mirror that just committed N in this region, the trainer's RDMA
 announcements, a Hugging Face bucket's event feed), a :class:`Notifier` hands the step to the follower's
-:class:`~deltasync.watch.StepWatch`, which wakes at once and checks that step's manifest (one GET): a pushed
+:class:`~deltasync.follow.watch.StepWatch`, which wakes at once and checks that step's manifest (one GET): a pushed
 step is a hint, never believed without its commit, so a bogus one costs a log line. Polling goes on at
 ``PollPolicy.push_poll_s`` as a safety net while the notifier is connected, and at the normal cadence when
 it is not.
@@ -74,7 +74,7 @@ class Announcements:
     """The subscriber list every notifier keeps (a base class).
 
     Every announcement is passed on but a repeat of the one before: what a notifier hears is a hint, which the
-    subscriber checks against the store (:class:`~deltasync.watch.StepWatch`). Keeping only announcements past
+    subscriber checks against the store (:class:`~deltasync.follow.watch.StepWatch`). Keeping only announcements past
     the largest so far would let one announcement of a step far ahead silence every real one after it.
     """
 

@@ -80,8 +80,8 @@ StorageOpt = Annotated[
 
 def _location(url: str, pairs: list[str] | None) -> Any:
     """Where ``url`` is, with the ``-S KEY=VALUE`` options (JSON values where they parse): the one value a command
-    hands on (deltasync.location.StoreLocation)."""
-    from deltasync.location import StoreLocation
+    hands on (deltasync.store.location.StoreLocation)."""
+    from deltasync.store.location import StoreLocation
 
     return StoreLocation.of(url, _option_pairs(pairs))
 
@@ -179,7 +179,7 @@ def _trust(trusted_key: list[Path] | None, revoked_key: list[Path] | None = None
 def _reader(url: str, storage_option: list[str] | None, trust: Any = None) -> Any:
     """A ``StreamReader`` for a command; open it in a ``with`` block, so that its downloads are removed
     when the command ends, fails or is interrupted (Ctrl-C). With a trust setting, only signed steps are read."""
-    from deltasync.reader import StreamReader
+    from deltasync.follow.reader import StreamReader
 
     return StreamReader(_location(url, storage_option), trusted_keys=trust)
 
@@ -280,7 +280,7 @@ def _progress() -> Iterator[Any]:
         tasks: dict[str, Any] = {}
 
         def update(what: str, done: int, total: int) -> None:
-            # a download counts bytes (store_objects.py reports them), everything else counts items
+            # a download counts bytes (deltasync/store/objects.py reports them), everything else counts items
             count = f"{done / 1e6:,.1f}/{total / 1e6:,.1f} MB" if what.startswith("download") else f"{done}/{total}"
             if what not in tasks:
                 tasks[what] = bar.add_task(what, total=total, count=count)

@@ -20,7 +20,7 @@ import torch
 
 from deltasync.format.checksum import format_checksum, state_checksum
 from deltasync.publish.publisher import DeltaPublisher
-from deltasync.scratch import ScratchFolder
+from deltasync.store.scratch import ScratchFolder
 from deltasync.testing import save_model_dir, stdlib_corpus, tiny_qwen3
 from deltasync_cli.demo_config import DemoConfig, bf16_checksums
 

@@ -226,11 +226,11 @@ def mirror(
     copied."""
     import threading
 
+    from deltasync.follow.watch import PollPolicy
     from deltasync.history.mirror import mirror as mirror_once
     from deltasync.history.mirror import mirror_follow
     from deltasync.notify import EventFeed, EventServer, host_port
     from deltasync.store import Store
-    from deltasync.watch import PollPolicy
 
     src_at, dst_at = _location(src, storage_option), _location(dst, dst_option)
     trust = _trust(trusted_key, revoked_key, stream_id, max_age_s)

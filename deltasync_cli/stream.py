@@ -250,7 +250,7 @@ def show(
 ) -> None:
     """Show one step: its manifest and, per tensor, how many elements changed."""
     from deltasync.errors import StepNotFoundError
-    from deltasync.reader import StreamReader
+    from deltasync.follow.reader import StreamReader
 
     with StreamReader(_location(url, storage_option)) as reader:
         try:

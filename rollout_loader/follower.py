@@ -1,6 +1,6 @@
 """Follow a deltasync stream and keep a target (a state dict, or a vLLM engine) at the newest step.
 
-The follower finds the newest step in the background (:class:`deltasync.watch.FollowLoop`, the one follow loop)
+The follower finds the newest step in the background (:class:`deltasync.follow.watch.FollowLoop`, the one follow loop)
 and tells the target to advance along the chain to it, one step at a time; the target reads what it needs from
 the follower's reader (a state dict fetches and verifies the step's object; a vLLM engine is sent the step number
 and reads the store itself) and applies it all-or-nothing. A failed step is retried (from the nearest anchor when
@@ -56,8 +56,8 @@ class Follower:
     """Keep ``target`` at the newest committed step of the stream at ``url``.
 
     ``start()`` runs a background thread that polls the store; ``sync()`` catches up once in the caller's
-    thread. A poll is one small read (``latest.json``: :class:`deltasync.watch.StepWatch`), spaced by the
-    stream's cadence (``policy``, a :class:`~deltasync.watch.PollPolicy`): every ``fast_s`` around the moment the
+    thread. A poll is one small read (``latest.json``: :class:`deltasync.follow.watch.StepWatch`), spaced by the
+    stream's cadence (``policy``, a :class:`~deltasync.follow.watch.PollPolicy`): every ``fast_s`` around the moment the
     next step is due, backing off to ``idle_max_s`` while the stream is quiet (docs/FORMAT.md section 5c). With a
     ``notifier`` (:mod:`deltasync.notify`: a mirror's ``EventFeed``, an ``RdmaConsumer``) a pushed step is
     fetched at once and polls slow to a safety net. ``on_step(step)`` is called after each step is live in the target.
@@ -68,7 +68,7 @@ class Follower:
     Failures: every exception is recorded in ``last_error``, with the step it happened at in
     ``last_error_step`` (None when no step was being applied, e.g. listing the store failed); both are
     cleared by the next success. The thread never dies from one failure: it retries after
-    ``deltasync.watch.retry_delay_s`` (``fast_s`` doubling up to the policy's ``retry_max_s``), logging each
+    ``deltasync.follow.watch.retry_delay_s`` (``fast_s`` doubling up to the policy's ``retry_max_s``), logging each
     distinct error once.
     An error retrying cannot help (``deltasync.errors.can_retry``: the error class decides; e.g. a stream whose
     model changed shape, wrong credentials or settings, a missing package, a target said to hold a step it does

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+import deltasync.follow.reader
 import deltasync.history.catchup as catchup_mod
-import deltasync.reader
 from deltasync import DeltaPublisher, StreamReader, collect_garbage, verify
-from deltasync.consumers import write_heartbeat
 from deltasync.errors import ConfigError
+from deltasync.follow.consumers import write_heartbeat
 from deltasync.format.patch import Patch
 from deltasync.history import CatchupOptions, CatchupWriter, write_catchups
 from deltasync.history.catchup import merge_patches
@@ -130,7 +130,7 @@ def test_a_replica_behind_takes_catchups_and_lands_bit_exact(stream):
 def test_a_follower_follows_through_catchups(stream, monkeypatch):
     """The real follower: it holds step 5, catch-ups appear, it syncs to the newest by them, bit-exact."""
     url, truth = stream
-    monkeypatch.setattr(deltasync.reader, "CATCHUP_LIST_S", 0.0)  # it listed (none) a moment ago
+    monkeypatch.setattr(deltasync.follow.reader, "CATCHUP_LIST_S", 0.0)  # it listed (none) a moment ago
     f = Follower(url, StateDictTarget())  # not started: this test drives it
     try:
         f.sync(5)

@@ -8,8 +8,8 @@ from deltasync import DeltaPublisher
 from deltasync.errors import CorruptObjectError, FormatError
 from deltasync.format.objects import TensorHeader
 from deltasync.history.checkpoints import CheckpointWriter, load_checkpoint
-from deltasync.model_files import FILES_INDEX, collect_model_files, read_model_files, write_model_files
 from deltasync.store import Store
+from deltasync.store.model_files import FILES_INDEX, collect_model_files, read_model_files, write_model_files
 from tests.conftest import states_equal
 from tests.test_publisher import train
 

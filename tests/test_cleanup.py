@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from deltasync import DeltaPublisher
 from deltasync.errors import PublishError, WriterConflictError
-from deltasync.scratch import ScratchFolder
+from deltasync.store.scratch import ScratchFolder
 from deltasync_cli import app
 from tests.conftest import LEAK_PREFIX, leftovers
 from tests.http_server import serving

@@ -22,7 +22,7 @@ import pytest
 import safetensors.torch
 
 from deltasync import DeltaPublisher
-from deltasync.retries import Retrying
+from deltasync.store.retries import Retrying
 from deltasync_cli import main
 from tests.conftest import perturb
 from tests.test_cli_errors import assert_one_line_error

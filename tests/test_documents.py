@@ -237,7 +237,7 @@ def test_names_match_whole_not_up_to_a_trailing_newline(kind, doc):
 
 
 def test_one_validator_for_names_from_outside():
-    from deltasync.consumers import check_consumer_id
+    from deltasync.follow.consumers import check_consumer_id
     from deltasync.format.names import CONSUMER_ID, PEER_NAME, check
 
     assert check(CONSUMER_ID, "rollout-0") and check(PEER_NAME, "trainer-0:a")

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from deltasync import DeltaPublisher
-from deltasync.consumers import ReplicaRecord, read_heartbeats, write_heartbeat
 from deltasync.errors import FormatError, SignatureError, UnsignedStepError, UntrustedKeyError
 from deltasync.fingerprints import (
     config_key,
@@ -22,6 +21,7 @@ from deltasync.fingerprints import (
     reference_path,
     write_reference,
 )
+from deltasync.follow.consumers import ReplicaRecord, read_heartbeats, write_heartbeat
 from deltasync.format.documents import RankFingerprint, TensorPrint
 from deltasync.signing import SigningKey, keygen
 from deltasync.store import Store

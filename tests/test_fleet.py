@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deltasync import DeltaPublisher
-from deltasync.consumers import read_heartbeats
+from deltasync.follow.consumers import read_heartbeats
 from deltasync.format.documents import ConsumerPosition, encode
 from deltasync.history.fleet import fleet_status, prometheus_text
 from deltasync.store import Store

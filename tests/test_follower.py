@@ -7,8 +7,8 @@ import pytest
 
 from deltasync import DeltaPublisher
 from deltasync.errors import CorruptObjectError, DeltaSyncError, TensorMismatchError, WaitTimeoutError
+from deltasync.follow.watch import retry_delay_s
 from deltasync.store import step_dir
-from deltasync.watch import retry_delay_s
 from rollout_loader import Follower, PollPolicy, StateDictTarget
 from rollout_loader.follower import FollowError
 from tests.conftest import states_equal
@@ -247,7 +247,7 @@ def test_a_replica_record_that_does_not_fit_costs_the_record_not_the_heartbeat(t
     logged."""
     import torch
 
-    from deltasync.consumers import ReplicaRecord, read_heartbeats
+    from deltasync.follow.consumers import ReplicaRecord, read_heartbeats
 
     class Reporting(StateDictTarget):
         def record(self) -> ReplicaRecord:

@@ -126,7 +126,7 @@ def test_input_fuzzer_sees_planted_trust_defects(monkeypatch):
     event parser that keeps only the largest step, are each found."""
     import importlib
 
-    import deltasync.node_cache
+    import deltasync.store.node_cache
     import deltasync_cli.stream
     from deltasync.notify import EventParser
     from tests.fuzz.inputs import run_inputs
@@ -145,8 +145,8 @@ def test_input_fuzzer_sees_planted_trust_defects(monkeypatch):
         with os.fdopen(fd, "wb") as f:
             f.write(data)
 
-    monkeypatch.setattr(deltasync.node_cache.NodeCache, "_add", careless)
-    monkeypatch.setattr(deltasync.node_cache, "_remove", lambda path: None)  # and what is found there stays
+    monkeypatch.setattr(deltasync.store.node_cache.NodeCache, "_add", careless)
+    monkeypatch.setattr(deltasync.store.node_cache, "_remove", lambda path: None)  # and what is found there stays
     report = run_inputs(CI_SEED, 300, targets=("node_cache",))
     assert "a write went through a link" in report.failure_text(), report.table()
 

@@ -22,8 +22,8 @@ from deltasync.errors import (
 from deltasync.format.patch import Patch
 from deltasync.history import reconstruct_state_dict, reconstruct_tensor, replay
 from deltasync.history.compare import layer_of
-from deltasync.model_files import FILES_INDEX
 from deltasync.store import Store
+from deltasync.store.model_files import FILES_INDEX
 from tests.conftest import bits_equal, states_equal
 from tests.damage import damage_blob, object_path, rewrite_header, wrong_checksum
 

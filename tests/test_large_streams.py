@@ -79,7 +79,7 @@ def _peak_mib(fn) -> float:
 
 
 def test_a_long_running_reader_keeps_manifests_within_its_byte_bound(large_stream, monkeypatch):
-    import deltasync.reader as reader_module
+    import deltasync.follow.reader as reader_module
 
     one = _held_mib(lambda: Store(str(large_stream)).manifest(STEPS - 1))  # what one parsed manifest holds
     monkeypatch.setattr(reader_module, "MANIFEST_CACHE_BYTES", 32 * MIB)

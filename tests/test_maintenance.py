@@ -3,9 +3,9 @@ import json
 import pytest
 
 from deltasync import StreamReader, collect_garbage, verify
-from deltasync.consumers import read_heartbeats, read_heartbeats_checked
 from deltasync.engine import write_heartbeat
 from deltasync.errors import ConfigError, FormatError, StepNotFoundError
+from deltasync.follow.consumers import read_heartbeats, read_heartbeats_checked
 from deltasync.format.documents import ConsumerPosition
 from deltasync.history import plan_gc
 from deltasync.store import Manifest, Store, step_dir

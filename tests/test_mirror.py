@@ -17,9 +17,9 @@ import torch
 
 from deltasync import DeltaPublisher, StreamReader, verify
 from deltasync.errors import CorruptObjectError, StepExistsError
+from deltasync.follow.watch import PollPolicy
 from deltasync.history.mirror import mirror, mirror_follow
 from deltasync.store import Store, step_dir
-from deltasync.watch import PollPolicy
 from rollout_loader import Follower, StateDictTarget
 from tests.conftest import states_equal
 from tests.test_cli_errors import assert_one_line_error, run_main

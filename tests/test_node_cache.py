@@ -1,4 +1,4 @@
-"""The host's shared download cache (deltasync/node_cache.py): each object fetched once per host, by real
+"""The host's shared download cache (deltasync/store/node_cache.py): each object fetched once per host, by real
 processes at once; bounded in bytes; nothing found there is trusted; a bad configuration is refused.
 
 The multi-reader S3 case (object GETs counted at a proxy in front of SeaweedFS) is in
@@ -21,8 +21,8 @@ import pytest
 
 from deltasync import NodeCache, StreamReader
 from deltasync.errors import ConfigError, CorruptObjectError
-from deltasync.node_cache import node_cache_from_env
 from deltasync.store import step_dir
+from deltasync.store.node_cache import node_cache_from_env
 from tests import test_reader
 from tests.conftest import states_equal
 
@@ -274,15 +274,15 @@ def test_a_broken_or_full_cache_falls_back_to_the_store_and_says_so_once(tmp_pat
         def full(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr("deltasync.node_cache._write_new", full)  # deltas read into memory
-        monkeypatch.setattr("deltasync.node_cache._link_or_copy", full)  # anchors downloaded to a file
+        monkeypatch.setattr("deltasync.store.node_cache._write_new", full)  # deltas read into memory
+        monkeypatch.setattr("deltasync.store.node_cache._link_or_copy", full)  # anchors downloaded to a file
     else:
         shutil.rmtree(node.folder / breakage.split()[0])
-    with caplog.at_level(logging.WARNING, logger="deltasync.node_cache"):
+    with caplog.at_level(logging.WARNING, logger="deltasync.store.node_cache"):
         for _ in range(2):
             with StreamReader(url, node_cache=node) as reader:
                 assert states_equal(reader.state_dict(5), truth[5])  # an anchor and two deltas
-    said = [r for r in caplog.records if r.name == "deltasync.node_cache"]
+    said = [r for r in caplog.records if r.name == "deltasync.store.node_cache"]
     assert len(said) == 1 and "reading from the store" in said[0].getMessage(), [r.getMessage() for r in said]
 
 

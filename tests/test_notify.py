@@ -15,10 +15,10 @@ import torch
 
 from deltasync import DeltaPublisher, StreamReader
 from deltasync.errors import ConfigError
+from deltasync.follow.watch import PollPolicy, StepWatch
 from deltasync.history.mirror import mirror_follow
 from deltasync.notify import EventFeed, EventServer
 from deltasync.store import Store
-from deltasync.watch import PollPolicy, StepWatch
 from rollout_loader import Follower, StateDictTarget
 from tests.conftest import states_equal
 from tests.http_server import serving
@@ -157,7 +157,7 @@ def test_a_pushed_step_is_checked_against_the_commit(tmp_path, caplog):
             watch.wait(30)
             assert watch.newest() == 1 and hints == []  # a step already known: not a single request
             assert watch.delay() > 100  # connected: polls are a safety net
-            with caplog.at_level(logging.INFO, logger="deltasync.watch"):
+            with caplog.at_level(logging.INFO, logger="deltasync.follow.watch"):
                 server.announce(40)  # never committed
                 watch.wait(30)
                 assert watch.newest() == 1

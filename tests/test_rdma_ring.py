@@ -430,10 +430,10 @@ def test_pieced_read_hashed_once_held_in_place_and_refused_once_changed(run, tmp
     import torch
 
     from deltasync.errors import StaleSlotError
+    from deltasync.follow.reader import _HeldObject
     from deltasync.publish.publisher import DeltaPublisher
     from deltasync.rdma.agent import Agent
     from deltasync.rdma.inbox import Inbox
-    from deltasync.reader import _HeldObject
 
     url = str(tmp_path / "published")
     state = _model()

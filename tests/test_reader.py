@@ -7,7 +7,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-import deltasync.reader
+import deltasync.follow.reader
 from deltasync import DeltaPublisher, StreamReader
 from deltasync.errors import (
     CorruptObjectError,
@@ -88,7 +88,7 @@ def test_broken_chain_names_the_missing_step(stream):
 def remote(small_state, gen, monkeypatch):
     """A stream on a remote store (fsspec memory): its objects are downloaded into a cache to be read (deltas
     too: here no object is small enough to be fetched into memory; ``test_small_deltas_open_from_memory``)."""
-    monkeypatch.setattr(deltasync.reader, "MEMORY_OBJECT_BYTES", 0)
+    monkeypatch.setattr(deltasync.follow.reader, "MEMORY_OBJECT_BYTES", 0)
     url = f"memory://reader-{uuid.uuid4().hex}"
     truth = {}
     with DeltaPublisher(url, small_state, anchor_every=3, on_backlog="block") as pub:
@@ -321,8 +321,8 @@ def test_the_manifest_cache_is_bounded_in_bytes(tmp_path, small_state, gen, monk
             train(small_state, gen)
             pub.publish(s)
     with StreamReader(url) as reader:
-        one = deltasync.reader._manifest_cost(reader.store.manifest(3))
-        monkeypatch.setattr(deltasync.reader, "MANIFEST_CACHE_BYTES", 10 * one)
+        one = deltasync.follow.reader._manifest_cost(reader.store.manifest(3))
+        monkeypatch.setattr(deltasync.follow.reader, "MANIFEST_CACHE_BYTES", 10 * one)
         for s in range(40):
             assert reader.manifest(s).step == s
             assert reader._manifest_bytes <= 10 * one

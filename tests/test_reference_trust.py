@@ -113,7 +113,7 @@ def library_accepts_step(stream: Path, step: int, public: Path, stream_id: str) 
 def library_files_ok(stream: Path, step: int, public: Path) -> bool:
     from deltasync import StreamReader
     from deltasync.errors import SignatureError
-    from deltasync.model_files import read_model_files
+    from deltasync.store.model_files import read_model_files
     from deltasync.trust import TrustedKeys
 
     with StreamReader(str(stream), trusted_keys=TrustedKeys.load([public], stream_id=STREAM)) as reader:

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from deltasync import DeltaPublisher
+from deltasync.follow.reader import StreamReader
 from deltasync.history.stats import layer_density
 from deltasync.history.verify import verify
-from deltasync.reader import StreamReader
 from deltasync.store import Store
 from deltasync.trust import TrustedKeys
 

@@ -1,6 +1,6 @@
-"""A store is one value (issue 32 item 6): ``StoreLocation`` (deltasync/location.py) holds a store's URL and options,
-is resolved once from whatever an entry point was given, crosses to another process as data, and never prints its
-secrets; ``storage_options`` is used only where such a value is built."""
+"""A store is one value (issue 32 item 6): ``StoreLocation`` (deltasync/store/location.py) holds a store's URL and
+options, is resolved once from whatever an entry point was given, crosses to another process as data, and never
+prints its secrets; ``storage_options`` is used only where such a value is built."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 from deltasync import Store, StreamReader
 from deltasync.errors import ConfigError
-from deltasync.location import StoreLocation
 from deltasync.secrets import Secret
+from deltasync.store.location import StoreLocation
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "s3cr3t-" + "y" * 24
@@ -21,7 +21,7 @@ SECRET = "s3cr3t-" + "y" * 24
 # where a storage-options *mapping* is still handled as such, and why (keep it short)
 HOLDERS = {
     # the value itself
-    "deltasync/location.py",
+    "deltasync/store/location.py",
     # the records that cross to an engine process: their JSON fields are ``url`` and ``storage_options`` (the wire
     # format vLLM's init_info and the trainer configs carry); each turns into a StoreLocation on arrival
     "rollout_loader/vllm/settings.py",
@@ -40,7 +40,7 @@ HOLDERS = {
     "deltasync/transports/hf_bucket.py",
     "deltasync/transports/local.py",
     "deltasync/transports/memory.py",
-    "deltasync/retries.py",
+    "deltasync/store/retries.py",
     # the store contract a third-party transport runs: its fixture's options
     "deltasync/testing/store_contract.py",
     # the demos: a store the demo may make itself (a temporary folder) and the processes it starts

@@ -7,7 +7,7 @@ import uuid
 import torch
 
 from deltasync import DeltaPublisher, StreamReader
-from deltasync.store_objects import PROGRESS_AFTER_BYTES
+from deltasync.store.objects import PROGRESS_AFTER_BYTES
 
 
 def test_a_large_download_reports_its_bytes_and_a_small_one_nothing():

@@ -209,7 +209,7 @@ def _objects_equal_store(url: str) -> None:
 
 
 def _store_holds_truth(url: str, truth: dict[int, dict[str, str]]) -> None:
-    from deltasync.reader import StreamReader
+    from deltasync.follow.reader import StreamReader
 
     with StreamReader(url) as reader:
         assert reader.steps() == STEPS
@@ -254,7 +254,7 @@ def test_only_a_reader_holding_the_manifest_asks_the_ring(tmp_path):
     """A step object read through the store (a sharded step's part, never offered over RDMA, or by a reader
     without the manifest) never asks the ring, so never waits for an announcement (issue 19, item 4): the ring is
     the reader's object source, and the store knows nothing of it."""
-    from deltasync.reader import StreamReader
+    from deltasync.follow.reader import StreamReader
     from deltasync.store import Store
 
     class Ring:  # stands beside the real ring of the tests above: records whether it was asked at all
@@ -284,8 +284,8 @@ def test_a_reader_asks_its_object_source_first_with_the_manifest_then_the_store(
 
     import torch
 
+    from deltasync.follow.reader import StreamReader
     from deltasync.publish.publisher import DeltaPublisher
-    from deltasync.reader import StreamReader
 
     url = str(tmp_path / "store")
     state = _model()
@@ -324,9 +324,9 @@ def test_commits_go_on_when_the_controller_goes_away_after_the_plan(tmp_path):
     import torch
 
     from deltasync.errors import RdmaTimeoutError
+    from deltasync.follow.reader import StreamReader
     from deltasync.publish.publisher import DeltaPublisher
     from deltasync.rdma.controller import Controller
-    from deltasync.reader import StreamReader
 
     url = str(tmp_path / "store")
     state = _model()

@@ -261,7 +261,7 @@ def test_a_deleted_tail_is_a_rollback_and_an_old_head_is_stale(tmp_path, keys, c
 
 
 def test_heads_are_signed_after_each_commit_refreshed_and_closed(tmp_path, keys):
-    from deltasync.watch import StepWatch
+    from deltasync.follow.watch import StepWatch
 
     def watch(wall: float | None = None) -> StepWatch:
         reader = StreamReader(str(stream), trusted_keys=trust(keys[1], max_age_s=60))

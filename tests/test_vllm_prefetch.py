@@ -14,7 +14,7 @@ import torch
 
 from deltasync import DeltaPublisher, StreamReader
 from deltasync.errors import FormatError
-from deltasync.watch import PollPolicy
+from deltasync.follow.watch import PollPolicy
 from tests.conftest import perturb
 from tests.test_reference import ref_checksum
 from tests.test_watch import _counting

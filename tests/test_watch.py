@@ -1,4 +1,4 @@
-"""StepWatch (deltasync/watch.py): the newest committed step for one small read per poll, and polls timed by
+"""StepWatch (deltasync/follow/watch.py): the newest committed step for one small read per poll, and polls timed by
 the stream's cadence. Requests are counted at the transport; time is a fake clock."""
 
 from __future__ import annotations
@@ -178,13 +178,13 @@ def test_a_policy_that_makes_no_sense_is_refused(bad):
 
 
 def test_the_follow_loop_retries_what_can_be_retried_and_raises_the_rest():
-    """deltasync.watch.FollowLoop, the one loop body: each turn polls the watch once and hands the newest step to
+    """deltasync.follow.watch.FollowLoop, the one loop body: each turn polls the watch once and hands the newest step to
     ``act``; a failure is counted, reported and retried (the error class decides: ``retryable``), a success resets
     the count, and ``until`` ends the loop after a turn."""
     import threading
 
     from deltasync.errors import StoreError
-    from deltasync.watch import FollowLoop
+    from deltasync.follow.watch import FollowLoop
 
     reader = StreamReader(_stream(3))
     watch = StepWatch(reader, PollPolicy(fast_s=0.01, idle_max_s=0.02, retry_max_s=0.02, jitter=0.0))

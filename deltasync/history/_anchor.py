@@ -15,9 +15,9 @@ import threading
 import torch
 
 from deltasync.errors import DeltaSyncError, FormatError
+from deltasync.follow.reader import StreamReader
 from deltasync.format.documents import Manifest
 from deltasync.format.objects import StepObject
-from deltasync.reader import StreamReader
 
 
 class AnchorFeed:

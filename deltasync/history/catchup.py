@@ -41,17 +41,17 @@ from typing import Any
 
 import numpy as np
 
-from deltasync.consumers import read_heartbeats
 from deltasync.errors import ConfigError, DeltaSyncError, StepExistsError, StepNotFoundError
+from deltasync.follow.consumers import read_heartbeats
+from deltasync.follow.reader import StreamReader
 from deltasync.format.codecs import encode_patch
 from deltasync.format.documents import CatchupManifest, ManifestStats, StepHeader, TensorHeader
 from deltasync.format.objects import StepObject, write_delta
 from deltasync.format.patch import Patch
 from deltasync.history.replay import check_layout
-from deltasync.location import StoreLocation, Where
-from deltasync.reader import StreamReader
 from deltasync.signing import SigningKey, StreamSigner
 from deltasync.store import open_store
+from deltasync.store.location import StoreLocation, Where
 from deltasync.trust import TrustedKeys, own_trust, writer_signer
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Checkpoint folders in and out of a stream: loading checkpoints, writing one tensor at a time.
 
-Replay writes the weights here and copies the stream's model files (:mod:`deltasync.model_files`) beside them, so
+Replay writes the weights here and copies the stream's model files (:mod:`deltasync.store.model_files`) beside them, so
 that the folder loads in transformers and vLLM as it is.
 """
 

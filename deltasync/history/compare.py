@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from deltasync.errors import TensorMismatchError
+from deltasync.follow.reader import StreamReader
 from deltasync.format._bits import int_view
 from deltasync.history.replay import Chain, ProgressFn, chain_steps, reader_of
-from deltasync.reader import StreamReader
 
 _LAYER = re.compile(r"^(.*?\.\d+)\.")
 

@@ -17,9 +17,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deltasync.consumers import FUTURE_SKEW_S, UnreadableHeartbeat, read_heartbeats_checked
 from deltasync.errors import ConfigError
 from deltasync.fingerprints import disagreements
+from deltasync.follow.consumers import FUTURE_SKEW_S, UnreadableHeartbeat, read_heartbeats_checked
 from deltasync.store import Store
 
 __all__ = ["ConsumerStatus", "Disagreement", "FleetStatus", "UnreadableHeartbeat", "fleet_status", "prometheus_text"]

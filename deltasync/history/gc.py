@@ -1,4 +1,5 @@
-"""Garbage collection that never hurts a consumer: it respects the consumers' heartbeats (consumers.py).
+"""Garbage collection that never hurts a consumer: it respects the consumers' heartbeats
+(deltasync/follow/consumers.py).
 
 Planned by a pure function (``plan_gc``: committed steps and consumer positions in, a ``GcPlan`` out) and
 executed by ``run_gc``; ``collect_garbage`` does both. Consumers record their position in the store
@@ -16,13 +17,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deltasync.consumers import FUTURE_SKEW_S, read_heartbeats_checked
 from deltasync.errors import ConfigError
+from deltasync.follow.consumers import FUTURE_SKEW_S, read_heartbeats_checked
+from deltasync.follow.reader import StreamReader
 from deltasync.format.documents import ConsumerPosition
 from deltasync.history.replay import ProgressFn, require_steps
-from deltasync.location import Where
-from deltasync.reader import StreamReader
 from deltasync.store import MANIFEST, CatchupEntry, Manifest, Store, open_store, step_dir
+from deltasync.store.location import Where
 
 log = logging.getLogger(__name__)
 

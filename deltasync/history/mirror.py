@@ -31,16 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from deltasync.errors import StepExistsError, StepNotFoundError, can_retry
+from deltasync.follow.reader import StreamReader
+from deltasync.follow.watch import FollowLoop, PollPolicy, StepWatch
 from deltasync.format.documents import LatestHint
-from deltasync.location import StoreLocation, Where
-from deltasync.model_files import FILES_DIR, FILES_INDEX, read_model_file_index, read_model_files
 from deltasync.notify import EventServer, Notifier
-from deltasync.reader import StreamReader
-from deltasync.scratch import ScratchFolder
 from deltasync.signing import sha256_hex
 from deltasync.store import Manifest, Part, Store, open_store
+from deltasync.store.location import StoreLocation, Where
+from deltasync.store.model_files import FILES_DIR, FILES_INDEX, read_model_file_index, read_model_files
+from deltasync.store.scratch import ScratchFolder
 from deltasync.trust import UNTRUSTED, TrustedKeys
-from deltasync.watch import FollowLoop, PollPolicy, StepWatch
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ def mirror_follow(src: Where, dst: Where, *, src_options: dict[str, Any] | None 
                   notifier: Notifier | None = None, events: EventServer | None = None,
                   trusted_keys: Any = None) -> int | None:
     """Keep ``dst`` a copy of ``src``: copy what is committed, then each new step as the source commits it,
-    polling the source with one small read per poll (the follow loop, :class:`~deltasync.watch.FollowLoop`).
+    polling the source with one small read per poll (the follow loop, :class:`~deltasync.follow.watch.FollowLoop`).
     Returns the newest step copied once ``until`` is copied or ``stop`` is set. Transient failures are retried
     with the watch's back-off (``policy``, by default ``PollPolicy(retry_max_s=60)``; ``on_error`` hears each, a
     damaged source object too: a committed step is never rewritten, but a truncated download reads whole next

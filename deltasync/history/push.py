@@ -14,18 +14,18 @@ from typing import Any
 import torch
 
 from deltasync.errors import StepOrderError, TensorMismatchError
+from deltasync.follow.reader import StreamReader
 from deltasync.format._bits import int_view
 from deltasync.format.documents import Kind, check_step
 from deltasync.history.checkpoints import load_checkpoint
 from deltasync.history.rebuild import reconstruct_state_dict
-from deltasync.location import Where
-from deltasync.model_files import ModelFiles, collect_model_files, read_model_file_index, store_model_files
 from deltasync.publish.names import named_tensors
 from deltasync.publish.steps import snapshot_headers, step_manifest, write_step_object
-from deltasync.reader import StreamReader
 from deltasync.signing import SigningKey
 from deltasync.stages.diff import Snapshot
 from deltasync.store import Manifest, open_store
+from deltasync.store.location import Where
+from deltasync.store.model_files import ModelFiles, collect_model_files, read_model_file_index, store_model_files
 from deltasync.trust import own_trust, writer_signer
 
 

@@ -23,13 +23,13 @@ from deltasync.errors import (
     OutputExistsError,
     TensorMismatchError,
 )
+from deltasync.follow.reader import StreamReader
 from deltasync.format.checksum import format_checksum, parse_checksum, tensor_checksum
 from deltasync.format.documents import check_file_name
 from deltasync.format.objects import StepHeader
 from deltasync.history.checkpoints import CheckpointWriter
 from deltasync.history.replay import Chain, ProgressFn, reader_of, require_steps
-from deltasync.model_files import read_model_files
-from deltasync.reader import StreamReader
+from deltasync.store.model_files import read_model_files
 from deltasync.transports import UMASK
 
 WEIGHTS_FILE = "model.safetensors"

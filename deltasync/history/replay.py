@@ -56,6 +56,7 @@ from deltasync.errors import (
     StepNotFoundError,
     TensorMismatchError,
 )
+from deltasync.follow.reader import StreamReader, open_reader
 from deltasync.format import _kernels
 from deltasync.format.checksum import (
     add,
@@ -67,9 +68,8 @@ from deltasync.format.checksum import (
 from deltasync.format.objects import StepHeader, StepObject
 from deltasync.format.patch import Patch
 from deltasync.history._anchor import AnchorFeed
-from deltasync.location import Where
-from deltasync.reader import StreamReader, open_reader
 from deltasync.stages.apply import host_arrays, xor_apply
+from deltasync.store.location import Where
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -87,7 +87,7 @@ GROUP_BYTES = 32 << 20
 
 
 def reader_of(url: Where, storage_options: dict[str, Any] | None = None) -> StreamReader:
-    """The reader a history function reads ``url`` with (deltasync.reader.open_reader)."""
+    """The reader a history function reads ``url`` with (deltasync.follow.reader.open_reader)."""
     return open_reader(url, storage_options)[0]
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from deltasync.errors import CorruptObjectError, MissingDependencyError, StepNotFoundError
+from deltasync.follow.reader import StreamReader
 from deltasync.format.objects import StepHeader, parse_header
 from deltasync.history.compare import layer_of
 from deltasync.history.replay import ProgressFn, reader_of, require_steps
-from deltasync.reader import StreamReader
 from deltasync.store import Manifest, Part, Store, step_dir
 
 

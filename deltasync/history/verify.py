@@ -17,6 +17,7 @@ from deltasync.errors import (
     StepNotFoundError,
     TensorMismatchError,
 )
+from deltasync.follow.reader import StreamReader
 from deltasync.format.objects import StepObject
 from deltasync.history.replay import (
     Chain,
@@ -26,7 +27,6 @@ from deltasync.history.replay import (
     reader_of,
     require_steps,
 )
-from deltasync.reader import StreamReader
 from deltasync.store import MANIFEST
 from deltasync.trust import UNTRUSTED, TrustedKeys
 

@@ -21,8 +21,8 @@ from deltasync.rdma.options import RdmaOptions, rdma_options
 from deltasync.stages.diff import SnapshotDevice
 
 if TYPE_CHECKING:
-    from deltasync.model_files import ModelFiles
     from deltasync.signing import SigningKey
+    from deltasync.store.model_files import ModelFiles
 
 OnBacklog = Literal["coalesce", "block"]
 

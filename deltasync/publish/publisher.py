@@ -25,8 +25,6 @@ from deltasync.errors import ConfigError, DeltaSyncError, NonFiniteStepError, Pu
 from deltasync.format.documents import Kind, check_step
 from deltasync.format.objects import TensorHeader
 from deltasync.format.patch import Patch
-from deltasync.location import Where
-from deltasync.model_files import collect_model_files, store_model_files
 from deltasync.publish.finite import refusal, refused_tensors
 from deltasync.publish.names import canonical_name, named_tensors
 from deltasync.publish.options import PublishOptions
@@ -39,10 +37,12 @@ from deltasync.publish.steps import (
     write_step_object,
 )
 from deltasync.publish.stream import StreamCapture, Weights, checked_entry, drain, stream_entries
-from deltasync.scratch import ScratchFolder
 from deltasync.signing import SigningKey, StreamSigner
 from deltasync.stages.diff import Snapshot, published_dtype
 from deltasync.store import open_store
+from deltasync.store.location import Where
+from deltasync.store.model_files import collect_model_files, store_model_files
+from deltasync.store.scratch import ScratchFolder
 from deltasync.trust import TrustedKeys, own_trust, writer_signer
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class DeltaPublisher:
         self.source = source
         self._model_files = collect_model_files(opts.files) if opts.files is not None else None
         self.metrics: list[StepMetrics] = []
-        # where objects are written before upload: made on first use, removed by close() (scratch.py)
+        # where objects are written before upload: made on first use, removed by close() (deltasync/store/scratch.py)
         self._spool_folder = ScratchFolder("spool", opts.spool_dir)
         self._snapshot: Snapshot | None = None
         self._pinned: threading.Event | None = None  # set when the anchor written from the snapshot is out of it
@@ -466,8 +466,8 @@ class DeltaPublisher:
             pairs: Any = iter([*tensors.items(), *((alias, tensors[name]) for alias, name in tied.items())])
         else:
             pairs = stream_entries(weights, where)
+        from deltasync.follow.reader import StreamReader  # (the reader sits above the publisher)
         from deltasync.format.checksum import tensor_checksum
-        from deltasync.reader import StreamReader  # (the reader sits above the publisher)
 
         try:
             with StreamReader(self.store, trusted_keys=self.trust) as reader, reader.open(step) as obj:

@@ -5,7 +5,7 @@ two things a follower already knows:
 
 - a :class:`~deltasync.notify.Notifier`: the trainer's announcements are pushed to whoever follows, so a step
   is fetched as soon as it is announced (after its manifest is found committed: an announcement is a hint);
-- an object source (:class:`~deltasync.reader.ObjectSource`, its ``RingReader``) that its ``StreamReader``
+- an object source (:class:`~deltasync.follow.reader.ObjectSource`, its ``RingReader``) that its ``StreamReader``
   (``.reader``) asks first: a step's object comes from the announced ring slot (hashed once, as it lands in
   the inbox, against the manifest's SHA-256; opened in place, no copy), and from the store on any
   ``RdmaError``.
@@ -30,15 +30,15 @@ from typing import Any
 from typing_extensions import Self
 
 from deltasync.errors import DeltaSyncError, RdmaError, StaleMetadataError
-from deltasync.location import StoreLocation, Where
+from deltasync.follow.reader import StreamReader
 from deltasync.notify import Announcements
 from deltasync.rdma.agent import Agent
 from deltasync.rdma.inbox import Inbox, SlotLease
 from deltasync.rdma.link import ConsumerLink
 from deltasync.rdma.messages import ConsumerHello
 from deltasync.rdma.trainer import RdmaOptions, rdma_options
-from deltasync.reader import StreamReader
 from deltasync.store import Store
+from deltasync.store.location import StoreLocation, Where
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 class RingReader:
     """The NIXL half of a consumer: its agent, inbox and controller link; reads a step's announced slot.
 
-    The object source (:class:`~deltasync.reader.ObjectSource`) its ``StreamReader`` asks first, from whichever
+    The object source (:class:`~deltasync.follow.reader.ObjectSource`) its ``StreamReader`` asks first, from whichever
     thread reads; one lock keeps the ZMQ socket and the inbox buffer to one caller at a time.
     """
 

@@ -13,11 +13,12 @@ at once. Anything it fails at is dropped (logged once, retried with the follow l
 prepares that step again in its own thread and raises the error there, where it is reported.
 
 One watcher per engine: only the first tensor-parallel rank's prefetcher watches the stream (its
-:class:`~deltasync.watch.StepWatch`, its event feed or NIXL announcements) and resolves the chain; it decides what
-to stage (a :class:`StagePlan`) and tells the engine's other ranks over a :class:`PlanBoard` (a socket it serves,
-each rank admitted with a token the ranks exchanged when the engine was initialised). Each rank then fetches,
-decodes and seals its own slices. Both sides drive the one follow loop (:class:`~deltasync.watch.FollowLoop`): the
-first rank over the stream, the others over the plans it posts (:class:`PlanFeed`).
+:class:`~deltasync.follow.watch.StepWatch`, its event feed or NIXL announcements) and resolves the chain; it decides
+what to stage (a :class:`StagePlan`) and tells the engine's other ranks over a :class:`PlanBoard` (a socket it
+serves, each rank admitted with a token the ranks exchanged when the engine was initialised). Each rank then
+fetches, decodes and seals its own slices. Both sides drive the one follow loop
+(:class:`~deltasync.follow.watch.FollowLoop`): the first rank over the stream, the others over the plans it posts
+(:class:`PlanFeed`).
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ class PlanBoard:
 
 
 class PlanFeed:
-    """The plans a :class:`PlanBoard` brings, as a :class:`~deltasync.watch.Polled` source: a rank that does not
+    """The plans a :class:`PlanBoard` brings, as a :class:`~deltasync.follow.watch.Polled` source: a rank that does not
     watch the stream drives the follow loop over it. A thread listens to the board; each plan wakes the loop."""
 
     def __init__(self, board: PlanBoard, policy: PollPolicy | None = None) -> None:

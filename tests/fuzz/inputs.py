@@ -624,7 +624,7 @@ class _NodeCacheUnderTest:
     def __init__(self) -> None:
         import tempfile
 
-        from deltasync.node_cache import NodeCache
+        from deltasync.store.node_cache import NodeCache
 
         self._tmp = tempfile.TemporaryDirectory(prefix="deltasync-fuzz-node-")
         self.root = Path(self._tmp.name)
@@ -719,7 +719,8 @@ def run_inputs(seed: int, iterations: int, *, targets: tuple[str, ...] = TARGETS
     shares = [weights.get(t, 1) for t in targets]
     makers: dict[str, Any] = {}
     t0 = time.monotonic()
-    quiet = [logging.getLogger(n) for n in ("deltasync.rdma", "deltasync.node_cache", "deltasync.consumers")]
+    quiet = [logging.getLogger(n)
+             for n in ("deltasync.rdma", "deltasync.store.node_cache", "deltasync.follow.consumers")]
     levels = [q.level for q in quiet]  # the controller logs every refusal, a cache every dropped entry: millions
     for q in quiet:
         q.setLevel(logging.CRITICAL)

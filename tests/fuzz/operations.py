@@ -396,7 +396,7 @@ def op_compare(c: CaseContext, r: Reference, a: int, b: int) -> None:
 
 def op_heartbeats(c: CaseContext, r: Reference) -> None:
     from deltasync import Store
-    from deltasync.consumers import read_heartbeats
+    from deltasync.follow.consumers import read_heartbeats
 
     beats = read_heartbeats(Store(c.url))
     got = [(b.consumer_id, b.step, b.updated_unix_s) for b in beats]

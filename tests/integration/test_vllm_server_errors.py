@@ -95,7 +95,7 @@ def vllm_server(model_dir: Path, log_dir: Path, *, dev_mode: bool, extension: bo
         # vLLM ends its engine-core process without running its exit handlers, so a download cache the
         # deltasync engine made there outlives it; the library's promise is that the next process reclaims
         # folders whose owner died: this test process is that next process.
-        from deltasync.scratch import reclaim_abandoned
+        from deltasync.store.scratch import reclaim_abandoned
 
         reclaim_abandoned("cache", older_than_s=0)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from deltasync.errors import CorruptObjectError, FormatError, SignatureError
 from deltasync.format.documents import MAX_DOCUMENT_BYTES, FileEntry, FilesIndex, check_file_name, decode, encode
 from deltasync.signing import sha256_hex
-from deltasync.store import Store
+from deltasync.store.stream import Store
 
 __all__ = ["FILES_DIR", "FILES_INDEX", "ModelFiles", "collect_model_files", "read_model_file_index", "read_model_files",
            "store_model_files", "write_model_files"]

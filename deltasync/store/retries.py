@@ -39,7 +39,7 @@ def _from_backend(error: BaseException) -> bool:
     return last is not None and _PACKAGE not in last
 
 
-_PACKAGE = str(Path(__file__).resolve().parent)
+_PACKAGE = str(Path(__file__).resolve().parents[1])  # deltasync/ (this file is deltasync/store/retries.py)
 
 # the types of the storage options users set most, per backend: a wrong one is named before the backend trips on
 # it somewhere deep (a str where a bool belongs, an int for a URL); others the backend checks itself

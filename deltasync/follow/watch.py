@@ -63,7 +63,7 @@ __all__ = ["FollowLoop", "Polled", "PollPolicy", "StepWatch", "retry_delay_s"]
 
 
 class Watched(Protocol):
-    """What a watch reads through (``deltasync.reader.StreamReader`` is one; the reader builds watches, so the
+    """What a watch reads through (``deltasync.follow.reader.StreamReader`` is one; the reader builds watches, so the
     watch knows it only by this): the store, the manifests as the reader trusts them, and the steps it refused."""
 
     store: Store

@@ -3,8 +3,8 @@
 A store is reached by a URL *and* the options its backend needs; carried apart, the pair gets dropped on the way
 (a follower's engine sent the URL and ``None`` for the credentials). :class:`StoreLocation` holds both, resolved
 once by :meth:`StoreLocation.of` from whatever a public entry point was given (a URL with ``storage_options=``, a
-:class:`~deltasync.store.Store`, a :class:`~deltasync.reader.StreamReader`, another location), and crosses a process
-boundary as data (:meth:`to_record` / :meth:`from_record`: the ``url`` and ``storage_options`` of an engine's
+:class:`~deltasync.store.Store`, a :class:`~deltasync.follow.reader.StreamReader`, another location), and crosses a
+process boundary as data (:meth:`to_record` / :meth:`from_record`: the ``url`` and ``storage_options`` of an engine's
 ``init_info``).
 
 Its secrets never print (deltasync/secrets.py): option values whose names say secret are held in

@@ -43,14 +43,14 @@ from deltasync.format.documents import (
     decode,
     encode,
 )
-from deltasync.lease import WRITER, WriterLease  # noqa: F401 - WRITER: the lease's name in the layout
-from deltasync.location import StoreLocation, Where
-from deltasync.node_cache import NodeCache, node_cache_from_env
-from deltasync.retries import Retrying, check_option_types
-from deltasync.scratch import plain_name
 from deltasync.secrets import redact, redact_url, remember, secret_values
 from deltasync.signing import MAX_SIGNATURE_BYTES, SIGNATURE, StreamSigner, sha256_hex
-from deltasync.store_objects import MANIFEST, StoreObjects, sha256_file, step_dir  # noqa: F401 - re-exported
+from deltasync.store.lease import WRITER, WriterLease  # noqa: F401 - WRITER: the lease's name in the layout
+from deltasync.store.location import StoreLocation, Where
+from deltasync.store.node_cache import NodeCache, node_cache_from_env
+from deltasync.store.objects import MANIFEST, StoreObjects, sha256_file, step_dir  # noqa: F401 - re-exported
+from deltasync.store.retries import Retrying, check_option_types
+from deltasync.store.scratch import plain_name
 from deltasync.transports import Transport, classify_failure, open_transport, scheme_of
 from deltasync.transports.base import Entry
 
@@ -120,7 +120,7 @@ class Store(StoreObjects, Retrying):
         transport: Transport | None = None,
     ) -> None:
         # the URL as given (a password in it too) and the options, credentials held as Secrets: one value, what an
-        # engine reading the same store is sent (deltasync/location.py)
+        # engine reading the same store is sent (deltasync/store/location.py)
         self.location = where = StoreLocation.of(url, storage_options)
         self.url = where.shown  # what messages, reports and metrics show: a URL's password hidden
         self.protocol = scheme_of(where.url) or "file"
@@ -284,7 +284,7 @@ class Store(StoreObjects, Retrying):
         The hint cannot decide it: step numbers may have gaps (every 10th step published, or coalesced
         steps), so a writer that died between step 20's manifest and the hint leaves a hint of 10 with no
         step 11, which a probe of "the next step" takes for the newest for ever. Followers poll with
-        :class:`deltasync.watch.StepWatch` instead: one read of the hint per poll, checked by its manifest,
+        :class:`deltasync.follow.watch.StepWatch` instead: one read of the hint per poll, checked by its manifest,
         and a listing every ``audit_s`` that catches such a stale hint.
         """
         steps = self.steps()

@@ -12,7 +12,6 @@ from typing import Any, Protocol
 
 import torch
 
-from deltasync.chain_plan import cheapest_chain
 from deltasync.errors import (
     CatchupError,
     DeltaSyncError,
@@ -20,13 +19,14 @@ from deltasync.errors import (
     StepNotFoundError,
     WaitTimeoutError,
 )
+from deltasync.follow.chain_plan import cheapest_chain
 from deltasync.format.documents import CatchupManifest
 from deltasync.format.objects import StepObject
 from deltasync.format.parts import PartedObject
-from deltasync.location import StoreLocation, Where
-from deltasync.node_cache import NodeCache
 from deltasync.stages.apply import Replica, Verify
 from deltasync.store import Manifest, Part, Store, catchup_dir, open_store
+from deltasync.store.location import StoreLocation, Where
+from deltasync.store.node_cache import NodeCache
 from deltasync.trust import SignedStep, TrustedKeys, newest_trusted
 
 # deltas up to this size are fetched from a remote store into memory and opened from there (no cache file);
@@ -125,7 +125,7 @@ class StreamReader:
     and opened from there; anchors and larger deltas are downloaded into a cache (``cache_dir``, else a
     temporary folder) and read from the file, which is deleted again when the object is closed. ``node_cache``
     (a folder or ``deltasync.NodeCache``; default ``DELTASYNC_NODE_CACHE``) shares downloads with the host's
-    other processes (deltasync/node_cache.py). ``close()``
+    other processes (deltasync/store/node_cache.py). ``close()``
     (or a ``with`` block) removes the cache; a reader that is dropped or still open at interpreter exit is
     cleaned up too. A reader made from a ``Store`` leaves closing that store to its owner.
 
@@ -266,7 +266,7 @@ class StreamReader:
 
     def wait_for(self, step: int | None = None, *, timeout_s: float = 60.0, poll_s: float = 0.05) -> int:
         """Block until ``step`` (or, with None, any step) is committed; returns the latest committed step."""
-        from deltasync.watch import PollPolicy, StepWatch
+        from deltasync.follow.watch import PollPolicy, StepWatch
 
         deadline = time.monotonic() + timeout_s
         watch = StepWatch(self, PollPolicy(fast_s=poll_s, idle_max_s=max(poll_s, 1.0)))  # one small read a poll
@@ -541,8 +541,8 @@ class StreamReader:
 def open_reader(where: Where, storage_options: dict[str, Any] | None = None,
                 **kwargs: Any) -> tuple[StreamReader, bool]:
     """The reader ``where`` is (a ``StreamReader`` given is used as it is), else one opened on the store or the
-    location :meth:`~deltasync.location.StoreLocation.of` resolves (``kwargs``: the ``StreamReader``'s); and whether
-    it was opened here (then the caller closes it). ``ConfigError`` for storage options beside a reader."""
+    location :meth:`~deltasync.store.location.StoreLocation.of` resolves (``kwargs``: the ``StreamReader``'s);
+    and whether it was opened here (then the caller closes it). ``ConfigError`` for storage options beside a reader."""
     if isinstance(where, StreamReader):
         StoreLocation.of(where, storage_options)  # options beside a reader are refused, not ignored
         return where, False

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from deltasync.errors import CorruptObjectError, StepNotFoundError
 from deltasync.format.documents import Manifest, Part, check_step
-from deltasync.scratch import ObjectCache, plain_name
+from deltasync.store.scratch import ObjectCache, plain_name
 
 if TYPE_CHECKING:
-    from deltasync.node_cache import NodeCache
+    from deltasync.store.node_cache import NodeCache
 
 
 MANIFEST = "manifest.json"

@@ -1,0 +1,33 @@
+"""Storing: a stream's layout on any store URL, and everything a ``Store`` is made of.
+
+What lives here:
+
+- ``stream``: the :class:`Store` (a step-addressed stream on any store URL: layout, create-only commit, the
+  ``latest.json`` hint, catch-up entries) and ``open_store``;
+- ``objects``: a stream's objects (step directories, manifests, checked downloads);
+- ``lease``: the writer lease (one publisher per stream);
+- ``retries``: retrying a store's transient failures, and what a failure says;
+- ``node_cache``: the host's shared download cache;
+- ``scratch``: scratch space (downloads kept while open, files written before upload);
+- ``location``: a store as one value (``StoreLocation``: URL + options, secrets that never print);
+- ``model_files``: the model's own files (config, tokenizer) kept beside the stream.
+
+The other half, following a stream (reading it, watching for steps), is ``deltasync.follow``. This module
+re-exports the names other modules import from ``deltasync.store``; the rest is imported from its own module.
+"""
+
+from deltasync.store.stream import (
+    LATEST,
+    MANIFEST,
+    CatchupEntry,
+    Manifest,
+    Part,
+    Store,
+    catchup_dir,
+    open_store,
+    sha256_file,
+    step_dir,
+)
+
+__all__ = ["LATEST", "MANIFEST", "CatchupEntry", "Manifest", "Part", "Store", "catchup_dir", "open_store",
+           "sha256_file", "step_dir"]
