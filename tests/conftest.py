@@ -151,15 +151,9 @@ def gen() -> torch.Generator:
 
 @pytest.fixture
 def small_state(gen) -> dict[str, torch.Tensor]:
-    return {
-        "embed.weight": torch.randn(300, 64, generator=gen).bfloat16(),
-        "layer.0.weight": torch.randn(64, 64, generator=gen).bfloat16(),
-        "layer.0.bias": torch.randn(64, generator=gen).bfloat16(),
-        "norm.weight": torch.ones(64).bfloat16(),
-        "scale": torch.tensor(0.5, dtype=torch.float32),
-        "empty": torch.zeros(0, 4),
-        "counts": torch.arange(10, dtype=torch.int64),
-    }
+    from deltasync.testing.store_contract import every_shape  # (imported late: see perturb)
+
+    return every_shape(gen)
 
 
 @pytest.fixture(scope="session")

@@ -76,17 +76,7 @@ class StoreContract:
 
     @pytest.fixture
     def small_state(self, gen: torch.Generator) -> dict[str, torch.Tensor]:
-        """A trainer's state with every shape a stream must carry: bf16 matrices, a float32 scalar, an empty
-        tensor, integers."""
-        return {
-            "embed.weight": torch.randn(300, 64, generator=gen).bfloat16(),
-            "layer.0.weight": torch.randn(64, 64, generator=gen).bfloat16(),
-            "layer.0.bias": torch.randn(64, generator=gen).bfloat16(),
-            "norm.weight": torch.ones(64).bfloat16(),
-            "scale": torch.tensor(0.5, dtype=torch.float32),
-            "empty": torch.zeros(0, 4),
-            "counts": torch.arange(10, dtype=torch.int64),
-        }
+        return every_shape(gen)
 
     def publish(self, url, state, gen, steps=4, **kw):
         truth = []
@@ -298,6 +288,20 @@ def _manifest(step: int, data: bytes) -> Manifest:
     digest = hashlib.sha256(data).hexdigest()
     return Manifest(step=step, base_step=None, kind="anchor", object=f"anchor-{digest[:16]}.safetensors",
                     object_bytes=len(data), object_sha256=digest, state_checksum="0" * 64, created_unix_s=1.0)
+
+
+def every_shape(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """A trainer's state with every shape a stream must carry: bf16 matrices, a float32 scalar, an empty tensor,
+    integers (the contract's ``small_state``; the tests' conftest uses this one too)."""
+    return {
+        "embed.weight": torch.randn(300, 64, generator=gen).bfloat16(),
+        "layer.0.weight": torch.randn(64, 64, generator=gen).bfloat16(),
+        "layer.0.bias": torch.randn(64, generator=gen).bfloat16(),
+        "norm.weight": torch.ones(64).bfloat16(),
+        "scale": torch.tensor(0.5, dtype=torch.float32),
+        "empty": torch.zeros(0, 4),
+        "counts": torch.arange(10, dtype=torch.int64),
+    }
 
 
 def perturb(t: torch.Tensor, density: float, gen: torch.Generator, *, finite: bool = True) -> torch.Tensor:
