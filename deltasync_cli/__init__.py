@@ -39,6 +39,9 @@ def main() -> None:
     ``DeltaSyncError``s, ``OSError``s (a disk, a permission) and usage errors (an unknown option, a bad value).
     Anything else is a bug: one line, exit 3. ``DELTASYNC_DEBUG=1`` adds the traceback."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # stdout is the command's answer (`--json` is piped into programs); vLLM, which some commands start in this
+    # process, logs to stdout unless told otherwise when it is first imported. A user's own choice wins.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     for handler in logging.getLogger().handlers:  # log lines quote stores and peers: shown inert
         if type(handler) is logging.StreamHandler and not isinstance(handler.formatter, _InertFormatter):
             handler.setFormatter(_InertFormatter(handler.formatter))

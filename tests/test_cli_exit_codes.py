@@ -104,7 +104,8 @@ COMMANDS: dict[str, tuple[list[str], list[str], str]] = {
     "demo": (["demo", "--engine", "torch", "--steps", "2", "--hidden-size", "64", "--layers", "1"],
              ["demo", "--engine", "sglang"], "--engine"),
     "catchup": (["catchup", "{url}", "--distances", "2"], ["catchup", "{url}", "--distances", "1"], "at least 2"),
-    # its success starts a vLLM engine (tests/integration/test_vllm_fingerprint.py makes references): here its help;
+    # its success starts a vLLM engine (tests/integration/test_vllm_fingerprint.py runs the command for its reference
+    # and reads back what it stored): here its help;
     # the mistake is found before any engine starts
     "fingerprint": (["fingerprint", "--help"], ["fingerprint", "{url}", "--step", "9"], "step 9 is not committed"),
 }

@@ -2,7 +2,8 @@
 
 One tiny Qwen3-MoE, whose experts vLLM's CPU kernel prepacks after loading (a transformed parameter: the engine
 shadows them and re-loads them through vLLM at every update, docs/MODELS.md). A fresh engine loaded from step 3's
-replayed checkpoint stores the reference (``deltasync fingerprint``, in this process); then one followed engine:
+replayed checkpoint stores the reference (the ``deltasync fingerprint`` command, in a process of its own); then
+one followed engine:
 
 * a corruption injected into the prepacked experts right after vLLM's reload (what a reload bug leaves) is caught
   against a sibling replica without any reference (``deltasync status`` flags it: exit status 1, the Prometheus
@@ -14,6 +15,7 @@ replayed checkpoint stores the reference (``deltasync fingerprint``, in this pro
 from __future__ import annotations
 
 import gc
+import json
 import os
 import time
 from pathlib import Path
@@ -24,7 +26,7 @@ import torch
 from deltasync.errors import FingerprintMismatchError
 from tests.integration.conftest import update_to
 from tests.integration.families import build_family
-from tests.test_cli_errors import run_main
+from tests.test_cli_errors import run_cli, run_main
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -39,7 +41,7 @@ def world(tmp_path_factory):
     followed engine (in-process: one at a time, so the fresh one is closed before it starts)."""
     from vllm import envs
 
-    from rollout_loader.vllm import reference_for_step, start_engine
+    from rollout_loader.vllm import start_engine
     from tests.integration.test_vllm_models import _close, _publish
 
     saved = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
@@ -48,7 +50,7 @@ def world(tmp_path_factory):
     model_dir = build_family("qwen3_moe", root / "model")
     url = str(root / "stream")
     _publish(model_dir, url)
-    path, reference = reference_for_step(url, 3, files_from=str(model_dir), engine_args=ENGINE)
+    path, reference = _reference_by_cli(url, 3, model_dir)
     llm = start_engine(str(model_dir), **ENGINE)
     try:
         yield {"url": url, "model_dir": model_dir, "llm": llm, "reference": reference, "path": path}
@@ -61,6 +63,24 @@ def world(tmp_path_factory):
         else:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
         envs.disable_envs_cache()
+
+
+def _reference_by_cli(url: str, step: int, model_dir: Path) -> tuple[str, object]:
+    """``deltasync fingerprint ... --json`` as a user runs it, in a fresh process (its stdout, vLLM's logs and all,
+    must be the JSON alone), then the reference it stored, read back from the stream as a follower reads it."""
+    from deltasync.fingerprints import read_reference
+    from deltasync.store import Store
+
+    engine_args = [a for k, v in ENGINE.items() for a in ("-E", f"{k}={json.dumps(v)}")]
+    done = run_cli("fingerprint", url, "--step", str(step), "--files-from", str(model_dir), *engine_args, "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert summary["step"] == step and summary["signed"] is False and summary["tensors"] > 0
+    with Store(url) as store:
+        reference = read_reference(store, summary["config_key"], step, trusted=None)
+    assert reference is not None and reference.fingerprint == summary["fingerprint"]
+    assert reference.config_key == summary["config_key"] and len(reference.ranks) == summary["ranks"]
+    return summary["path"], reference
 
 
 def _engine(llm):
@@ -135,7 +155,6 @@ def test_a_corrupted_reload_is_flagged_against_a_sibling_without_a_reference(wor
 
     code, out, _ = run_main(monkeypatch, capsys, "status", url, "--json")
     assert code == 1
-    import json
 
     report = json.loads(out)
     assert report["healthy"] is False
