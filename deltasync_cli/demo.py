@@ -20,6 +20,7 @@ import torch
 
 from deltasync.format.checksum import format_checksum, state_checksum
 from deltasync.publish.publisher import DeltaPublisher
+from deltasync.store.location import StoreLocation
 from deltasync.store.scratch import ScratchFolder
 from deltasync.testing import save_model_dir, stdlib_corpus, tiny_qwen3
 from deltasync_cli.demo_config import DemoConfig, bf16_checksums
@@ -38,28 +39,27 @@ def run_demo(
     config = DemoConfig() if config is None else config
     scratch = ScratchFolder("demo")
     try:
+        # the store as one value, made here: the given URL, else a folder of the demo's own (removed at the end)
+        where = StoreLocation.of(url if url is not None else str(scratch.path / "stream"), storage_options)
         if config.transport == "nixl":
             from deltasync_cli.demo_nixl import run_demo_nixl
 
-            return run_demo_nixl(url, config, scratch.path, storage_options=storage_options, echo=echo)
-        return _run_demo(url, config, scratch.path, storage_options=storage_options, echo=echo)
+            return run_demo_nixl(where, config, scratch.path, temporary=url is None, echo=echo)
+        return _run_demo(where, config, scratch.path, temporary=url is None, echo=echo)
     finally:
         scratch.remove()
 
 
-def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_options: dict | None, echo) -> list[dict]:
+def _run_demo(where: StoreLocation, config: DemoConfig, workdir: Path, *, temporary: bool, echo) -> list[dict]:
     from rollout_loader import Follower, StateDictTarget
 
     torch.manual_seed(config.seed)
-    temporary = url is None
-    if url is None:
-        url = str(workdir / "stream")
     model = tiny_qwen3(hidden_size=config.hidden_size, layers=config.layers, seed=config.seed).float()
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     data = stdlib_corpus(seed=config.seed) % model.config.vocab_size
     nparams = sum(p.numel() for p in model.parameters())
     echo(f"model: Qwen3-shaped, {nparams / 1e6:.1f}M parameters, trained in fp32, published as bf16")
-    echo(f"store: {url}" + (" (temporary: removed at the end; --store DIR keeps it)" if temporary else ""))
+    echo(f"store: {where.shown}" + (" (temporary: removed at the end; --store DIR keeps it)" if temporary else ""))
 
     live_at: dict[int, float] = {}
     paused: dict[int, float] = {}
@@ -81,7 +81,7 @@ def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_opt
         if not isinstance(target, StateDictTarget):  # the vLLM engine's
             paused[s] = target.pauses_s[-1]
 
-    follower = Follower(url, target, on_step=on_step, storage_options=storage_options)
+    follower = Follower(where, target, on_step=on_step)
     trainer_sums: dict[int, str] = {}
     published_at: dict[int, float] = {}
     rows: list[dict] = []
@@ -89,12 +89,11 @@ def _run_demo(url: str | None, config: DemoConfig, workdir: Path, *, storage_opt
     table = _RowTable(engine=llm is not None, echo=echo)
     gen = torch.Generator().manual_seed(config.seed)
     with DeltaPublisher(
-        url,
+        where,
         model,
         dtype=torch.bfloat16,
         anchor_every=config.anchor_every,
         on_backlog="block",
-        storage_options=storage_options,
     ) as pub:
 
         def print_ready(final: bool = False) -> None:

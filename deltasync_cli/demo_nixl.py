@@ -23,6 +23,7 @@ import torch
 
 from deltasync.format.checksum import format_checksum, state_checksum
 from deltasync.publish.publisher import DeltaPublisher
+from deltasync.store.location import StoreLocation
 from deltasync.testing import save_model_dir, stdlib_corpus, tiny_qwen3
 from deltasync_cli.demo_config import DemoConfig, bf16_checksums
 
@@ -46,16 +47,17 @@ def _train_batches(config: DemoConfig):
     return model, opt, batch
 
 
-def _nixl_trainer(address: str, url: str, config: DemoConfig, storage_options: dict | None, out, go) -> None:
-    """The trainer process: once the consumer is up (``go``), train and publish every step to the store and,
-    once committed, over NIXL; its own bf16 checksums of every step go to ``out``."""
+def _nixl_trainer(address: str, store: dict, config: DemoConfig, out, go) -> None:
+    """The trainer process: once the consumer is up (``go``), train and publish every step to the store (``store``:
+    a StoreLocation's record, as data across the process hop) and, once committed, over NIXL; its own bf16 checksums
+    of every step go to ``out``."""
     try:
         model, opt, batch = _train_batches(config)
         if not go.wait(600):
             raise TimeoutError("the consumer did not start within 600 s")
         rdma = {"controller": address, "slot_bytes": 64 << 20, "plan_wait_s": 60.0}
-        with DeltaPublisher(url, model, dtype=torch.bfloat16, anchor_every=config.anchor_every, on_backlog="block",
-                            rdma=rdma, storage_options=storage_options) as pub:
+        with DeltaPublisher(StoreLocation.from_record(store), model, dtype=torch.bfloat16,
+                            anchor_every=config.anchor_every, on_backlog="block", rdma=rdma) as pub:
             for step in range(config.steps):
                 b = batch()
                 model(input_ids=b[:, :-1], labels=b[:, 1:]).loss.backward()
@@ -72,15 +74,16 @@ def _nixl_trainer(address: str, url: str, config: DemoConfig, storage_options: d
         raise
 
 
-def _nixl_consumer(address: str, url: str, config: DemoConfig, storage_options: dict | None, out) -> None:
-    """The torch engine's consumer process: a state dict that follows every announced step over NIXL."""
+def _nixl_consumer(address: str, store: dict, config: DemoConfig, out) -> None:
+    """The torch engine's consumer process: a state dict that follows every announced step over NIXL (``store``: a
+    StoreLocation's record)."""
     from deltasync.rdma.consumer import RdmaConsumer
     from rollout_loader import StateDictTarget
 
     try:
         target = StateDictTarget(verify="full")
-        with RdmaConsumer(url, rdma={"controller": address, "capacity_bytes": 64 << 20}, consumer_id=ENGINE_ID,
-                          storage_options=storage_options) as consumer:
+        with RdmaConsumer(StoreLocation.from_record(store), rdma={"controller": address, "capacity_bytes": 64 << 20},
+                          consumer_id=ENGINE_ID) as consumer:
             out.put(("ready",))
             reader = consumer.reader
             for step in range(config.steps):  # every step live in turn, as the vLLM engine takes them
@@ -103,7 +106,7 @@ class _VllmFollower:
     NIXL: the deltasync weight-transfer engine in its worker is the RDMA consumer (``init_info["rdma"]``); this
     process drives it with vLLM's own weight-transfer methods, one step at a time, as an RL loop would."""
 
-    def __init__(self, model_dir: Path, url: str, address: str, storage_options: dict | None) -> None:
+    def __init__(self, model_dir: Path, where: StoreLocation, address: str) -> None:
         from deltasync.store import Store
         from rollout_loader.vllm import start_engine
 
@@ -114,7 +117,7 @@ class _VllmFollower:
         self._rpc_path = os.environ.get("VLLM_RPC_BASE_PATH")
         if len(os.fsencode(model_dir.parent)) + 37 <= 107:
             os.environ["VLLM_RPC_BASE_PATH"] = str(model_dir.parent)
-        self.store = Store(url, storage_options=storage_options)  # only to see which steps are committed
+        self.store = Store(where)  # only to see which steps are committed
         self.llm = None
         self.held = -1
         self.live_at: dict[int, float] = {}
@@ -122,7 +125,7 @@ class _VllmFollower:
             self.llm = start_engine(str(model_dir), dtype="bfloat16", enforce_eager=True,
                                     max_model_len=256, seed=0)
             self.llm.init_weight_transfer_engine({"init_info": {
-                "url": url, "storage_options": storage_options or {}, "verify": "all",
+                **where.to_record(), "verify": "all",  # the store crosses to the engine as its record
                 "rdma": {"controller": address, "capacity_bytes": 64 << 20, "engine": ENGINE_ID}}})
         except BaseException:
             self.close()
@@ -251,41 +254,37 @@ def _take(q, got: dict, echo, timeout_s: float) -> None:
         got[kind] = msg[1:]
 
 
-def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage_options: dict | None,
+def run_demo_nixl(where: StoreLocation, config: DemoConfig, workdir: Path, *, temporary: bool,
                   echo) -> list[dict]:
     import multiprocessing as mp
 
     from deltasync.rdma.auth import cluster_secret_for_this_run
     from deltasync.rdma.controller import Controller
 
-    temporary = url is None
-    if url is None:
-        url = str(workdir / "stream")
     vllm = config.engine == "vllm"
     echo("transport: NIXL (UCX loopback, CPU memory): trainer and consumer in separate processes, the controller in "
          "this one; every step is also committed to the store")
     echo("consumer: a vLLM engine in multiprocess mode (engine core in its own process), its deltasync weight-transfer "
          "engine reading over NIXL" if vllm else "consumer: a state dict in its own process (the torch engine)")
-    echo(f"store: {url}" + (" (temporary: removed at the end; --store DIR keeps it)" if temporary else ""))
+    echo(f"store: {where.shown}" + (" (temporary: removed at the end; --store DIR keeps it)" if temporary else ""))
     ctx = mp.get_context("spawn")
     got: dict = {"sum": {}, "published": {}, "live": {}}
     engine: _VllmFollower | None = None
     with _ctrl_c_reaches_main_thread() as cleaning, cluster_secret_for_this_run(), \
             Controller(trainers=1, consumers=1) as controller:
         q, go = ctx.Queue(), ctx.Event()
-        procs = [ctx.Process(target=_nixl_trainer, args=(controller.address, url, config, storage_options, q, go),
-                             daemon=True)]
+        record = where.to_record()  # the store as data across the process hop
+        procs = [ctx.Process(target=_nixl_trainer, args=(controller.address, record, config, q, go), daemon=True)]
         if not vllm:
-            procs.append(ctx.Process(target=_nixl_consumer, args=(controller.address, url, config, storage_options, q),
-                                     daemon=True))
+            procs.append(ctx.Process(target=_nixl_consumer, args=(controller.address, record, config, q), daemon=True))
         for p in procs:
             p.start()
         try:
             if vllm:
                 echo("starting a vLLM engine on the initial weights (multiprocess, CPU)...")
                 model = tiny_qwen3(hidden_size=config.hidden_size, layers=config.layers, seed=config.seed)
-                engine = _VllmFollower(save_model_dir(model, workdir / "model-step0"), url, controller.address,
-                                       storage_options)  # step 0 is an anchor: these weights are only a start
+                engine = _VllmFollower(save_model_dir(model, workdir / "model-step0"), where,
+                                       controller.address)  # step 0 is an anchor: these weights are only a start
             deadline = time.monotonic() + 600
             while not vllm and "ready" not in got:
                 _check(procs, got, deadline)
@@ -324,7 +323,7 @@ def run_demo_nixl(url: str | None, config: DemoConfig, workdir: Path, *, storage
             q.close()
             q.join_thread()
         versions = dict(controller.versions)
-    return _report(url, config, got, versions, storage_options=storage_options, echo=echo)
+    return _report(where, config, got, versions, echo=echo)
 
 
 def _check(procs, got: dict, deadline: float) -> None:
@@ -333,8 +332,7 @@ def _check(procs, got: dict, deadline: float) -> None:
         raise SystemExit(f"NIXL demo failed: {got.get('error') or [p.exitcode for p in procs]}")
 
 
-def _report(url: str, config: DemoConfig, got: dict, versions: dict, *, storage_options: dict | None,
-            echo) -> list[dict]:
+def _report(where: StoreLocation, config: DemoConfig, got: dict, versions: dict, *, echo) -> list[dict]:
     """The table (one row per step: how it arrived, publish -> live) and the bit-exactness line."""
     from rich.console import Console
     from rich.table import Table
@@ -352,7 +350,7 @@ def _report(url: str, config: DemoConfig, got: dict, versions: dict, *, storage_
             "live +ms"] + (["engine paused ms"] if vllm else []) + ["exact"]
     for col in cols:
         table.add_column(col, justify="right")
-    with Store(url, storage_options=storage_options) as store:
+    with Store(where) as store:
         for m in metrics:
             s = m["step"]
             exact = s in got["live"] and store.manifest(s).state_checksum == got["sum"][s]

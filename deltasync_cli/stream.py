@@ -180,11 +180,12 @@ def _fleet_table(url: str, fleet: Any, stale_after_s: float) -> None:
     newest = "no committed step" if fleet.newest_step is None else f"newest committed step {fleet.newest_step}"
     table = Table(title=shown(f"{url}: {len(fleet.consumers)} consumer(s), {newest}"))
     # a replica record's columns only where some heartbeat has one (a state-dict follower's has none)
-    records = any(c.fingerprint or c.pause_s is not None for c in fleet.consumers)
+    records = any(c.record.fingerprint or c.record.pause_s is not None for c in fleet.consumers)
     cols = ("consumer", "step", "behind", "reported", "version", *(("pause", "fingerprint") if records else ()),
             "state")
     rows, notes = [], []
     for c in fleet.consumers:  # everything a heartbeat says is shown inert (docs/SECURITY.md)
+        r = c.record  # what the replica says of itself
         flags = ["suspect" if c.suspect else "stale" if c.stale else "live"]
         why = []
         if c.suspect:
@@ -192,19 +193,19 @@ def _fleet_table(url: str, fleet: Any, stale_after_s: float) -> None:
         if c.disagrees:
             flags.append("disagrees")
             why.append("its fingerprint differs from a sibling's of the same configuration and step")
-        if c.fingerprint_check == "mismatch":
+        if r.fingerprint_check == "mismatch":
             flags.append("mismatch")
-            why.append(f"its fingerprint of step {c.fingerprint_step} differs from the reference for config "
-                       f"{inert(c.config_key)}")
+            why.append(f"its fingerprint of step {r.fingerprint_step} differs from the reference for config "
+                       f"{inert(r.config_key)}")
         if c.errors:
             why.append(f"{c.errors} error(s)")
-        if c.last_error:
+        if r.last_error:
             flags.append("error")
-            why.append(f"last error: {inert_line(c.last_error[:300])}")
+            why.append(f"last error: {inert_line(r.last_error[:300])}")
         if why:
             notes.append(f"{inert(c.consumer_id)}: {'; '.join(why)}")
-        fingerprint = "-" if c.fingerprint is None else f"{c.fingerprint[:8]} {inert(c.fingerprint_check or '?')}"
-        record = ["-" if c.pause_s is None else f"{1e3 * c.pause_s:.1f} ms", fingerprint] if records else []
+        fingerprint = "-" if r.fingerprint is None else f"{r.fingerprint[:8]} {inert(r.fingerprint_check or '?')}"
+        record = ["-" if r.pause_s is None else f"{1e3 * r.pause_s:.1f} ms", fingerprint] if records else []
         rows.append([str(c.step), "-" if c.lag_steps is None else str(c.lag_steps),
                      f"{c.age_s:.0f} s ago" if not c.suspect else "future", inert(c.weight_version or "-"), *record,
                      ", ".join(flags)])
@@ -236,8 +237,8 @@ def _fleet_table(url: str, fleet: Any, stale_after_s: float) -> None:
                   f"deltasync fingerprint {inert(url)} --step {d.step}, says which computes with the right bytes)",
                   markup=False, soft_wrap=True)
     for c in fleet.mismatched:
-        out.print(f"{inert(c.consumer_id)}: its runtime fingerprint at step {c.fingerprint_step} differs from the "
-                  "reference", markup=False, soft_wrap=True)
+        out.print(f"{inert(c.consumer_id)}: its runtime fingerprint at step {c.record.fingerprint_step} differs from "
+                  "the reference", markup=False, soft_wrap=True)
 
 
 @command(summary="One step: its manifest and per-tensor changes.",

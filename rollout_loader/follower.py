@@ -30,6 +30,7 @@ from deltasync.engine import (
     Notifier,
     PollPolicy,
     StepWatch,
+    StoreLocation,
     TrustedKeys,
     check_consumer_id,
     open_reader,
@@ -53,7 +54,8 @@ log = logging.getLogger(__name__)
 
 
 class Follower:
-    """Keep ``target`` at the newest committed step of the stream at ``url``.
+    """Keep ``target`` at the newest committed step of the stream at ``url`` (a URL, a
+    :class:`~deltasync.engine.StoreLocation` or a reader).
 
     ``start()`` runs a background thread that polls the store; ``sync()`` catches up once in the caller's
     thread. A poll is one small read (``latest.json``: :class:`deltasync.follow.watch.StepWatch`), spaced by the
@@ -97,7 +99,7 @@ class Follower:
 
     def __init__(
         self,
-        url: str | StreamReader,
+        url: str | StoreLocation | StreamReader,
         target: Target,
         *,
         policy: PollPolicy | None = None,

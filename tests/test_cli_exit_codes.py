@@ -22,7 +22,7 @@ import pytest
 import safetensors.torch
 
 from deltasync import DeltaPublisher
-from deltasync.store.retries import Retrying
+from deltasync.store.retries import Retrier
 from deltasync_cli import main
 from tests.conftest import perturb
 from tests.test_cli_errors import assert_one_line_error
@@ -185,7 +185,7 @@ def test_a_signal_ends_every_command_with_128_plus_its_number(name, sig, world, 
     where, at = WHERE.get(name, ("store", 1))
     interrupter = Interrupter(sig, at)
     if where == "store":
-        monkeypatch.setattr(Retrying, "call", interrupter.wrap(Retrying.call))
+        monkeypatch.setattr(Retrier, "call", interrupter.wrap(Retrier.call))
     else:
         module, attr = where.rsplit(".", 1)
         __import__(module)

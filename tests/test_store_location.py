@@ -23,29 +23,21 @@ HOLDERS = {
     # the value itself
     "deltasync/store/location.py",
     # the records that cross to an engine process: their JSON fields are ``url`` and ``storage_options`` (the wire
-    # format vLLM's init_info and the trainer configs carry); each turns into a StoreLocation on arrival
+    # format vLLM's init_info and the trainer configs carry: plain containers, each says why beside its field); each
+    # turns into a StoreLocation on arrival (their ``location()``)
     "rollout_loader/vllm/settings.py",
     "rollout_loader/vllm/trainer.py",
     "rollout_loader/integrations/verl/settings.py",
-    # completes the engine's record from the follower's location (options kept as Secrets until init_info)
-    "rollout_loader/vllm/target.py",
-    # the trainer-side wrappers that keep the pair for a publisher and a reader made later (TRL's and ours)
-    "rollout_loader/vllm/trainer_sync.py",
-    "rollout_loader/integrations/trl.py",
-    "rollout_loader/integrations/verl/engine.py",
-    # the backends: a transport factory is given the revealed options (the one place they leave a StoreLocation)
+    # the backends: a transport factory is given the revealed options (the one place they leave a StoreLocation:
+    # fsspec's own ``**storage_options``, and the factory signature third-party transports register)
     "deltasync/transports/__init__.py",
     "deltasync/transports/fsspec.py",
     "deltasync/transports/s3.py",
     "deltasync/transports/hf_bucket.py",
     "deltasync/transports/local.py",
     "deltasync/transports/memory.py",
-    "deltasync/store/retries.py",
     # the store contract a third-party transport runs: its fixture's options
     "deltasync/testing/store_contract.py",
-    # the demos: a store the demo may make itself (a temporary folder) and the processes it starts
-    "deltasync_cli/demo.py",
-    "deltasync_cli/demo_nixl.py",
 }
 BUILDERS = {"of", "open_store", "open_reader", "reader_of"}  # StoreLocation.of and the openers that call it
 DEMO = "run_demo"  # `deltasync demo -S`: the demo may make its own (temporary) store, so it takes the options

@@ -49,3 +49,19 @@ def test_a_server_that_names_a_dtype_no_vllm_serves_is_refused_before_anything_i
             assert sync.send([("w", torch.ones(4))]) == 0
         finally:
             sync.close()
+
+
+def test_the_trainers_credentials_sent_to_the_engines_are_warned_about(tmp_path, caplog):
+    """Engines that name no stream of their own read the trainer's, with the trainer's storage options: its
+    credentials (which may write) then reach every engine, and the trainer says so. A secret-named option is held
+    as a Secret on both sides (deltasync/secrets.py), and is recognised all the same."""
+    url = str(tmp_path / "stream")
+    options = {"auto_mkdir": True, "token": "trainer-write-token"}  # a folder ignores them; the engine gets them
+    with fake_server() as (fake, base), caplog.at_level("WARNING", logger="rollout_loader.vllm.trainer_sync"):
+        fake.replies["/server_info"] = _server_info("torch.bfloat16")
+        sync = TrainerSync(url, target=VllmTarget(base), storage_options=options)
+        try:
+            sync.open()
+        finally:
+            sync.close()
+    assert any("get the trainer's storage options" in r.getMessage() for r in caplog.records), caplog.text

@@ -13,7 +13,14 @@ import time
 from dataclasses import asdict, dataclass
 
 from deltasync.errors import FormatError
-from deltasync.format.documents import MAX_ERROR_CHARS, ConsumerPosition, check_step, decode, encode
+from deltasync.format.documents import (  # ReplicaRecord: re-exported (declared beside the heartbeat it is part of)
+    MAX_ERROR_CHARS,
+    ConsumerPosition,
+    ReplicaRecord,
+    check_step,
+    decode,
+    encode,
+)
 from deltasync.format.names import CONSUMER_ID, check
 from deltasync.store import Store
 
@@ -23,21 +30,6 @@ FUTURE_SKEW_S = 60.0
 consumer's clock may run a little ahead; ten years ahead is a lie or a broken clock)."""
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReplicaRecord:
-    """What a replica says of itself beside its step (docs/FORMAT.md section 5f): when the step was applied (its
-    clock), how long generation paused for it, its engine's configuration key and runtime fingerprint (of
-    ``fingerprint_step``), what comparing that with a reference said, and its last error (None: none since)."""
-
-    applied_unix_s: float | None = None
-    pause_s: float | None = None
-    config_key: str | None = None
-    fingerprint: str | None = None
-    fingerprint_step: int | None = None
-    fingerprint_check: str | None = None
-    last_error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Annotated, Any, ClassVar, Final, Literal, TypeVar
 
 import msgspec
@@ -507,18 +507,16 @@ class Lease:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ConsumerPosition:
-    """``consumers/<id>.json``: a consumer's heartbeat, the step it holds and when it said so."""
+class ReplicaRecord:
+    """What a replica says of itself beside its step (section 5f): when the step was applied (its clock), how long
+    generation paused for it, its engine's configuration key and runtime fingerprint (of ``fingerprint_step``), what
+    comparing that with a reference said, and its last error (None: none since).
 
-    consumer_id: ConsumerId
-    step: Step
-    updated_unix_s: UnixTime
-    newest_step: Step | None = None  # the newest committed step the consumer had seen
-    weight_version: Annotated[str, msgspec.Meta(max_length=64)] | None = None  # what its engine reports
-    errors: Count | None = None  # failed attempts since it started
-    # the replica's record (section 5f): when its step was applied, the pause it took, its engine's runtime
-    # fingerprint (of ``fingerprint_step``) and configuration key, what comparing it with a reference said, and
-    # its last error
+    Declared once: a heartbeat (:class:`ConsumerPosition`) is one, with its position beside it, and the fleet's
+    status row (``deltasync.history.fleet.ConsumerStatus``) carries one. Checked where it is written into a
+    heartbeat (a fingerprint that is not a SHA-256 is a ``FormatError`` there).
+    """
+
     applied_unix_s: UnixTime | None = None
     pause_s: Seconds | None = None
     config_key: ConfigKey | None = None
@@ -526,6 +524,24 @@ class ConsumerPosition:
     fingerprint_step: Step | None = None
     fingerprint_check: FingerprintCheck | None = None
     last_error: Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS)] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerPosition(ReplicaRecord):
+    """``consumers/<id>.json``: a consumer's heartbeat, the step it holds and when it said so, and the replica's
+    record (section 5f; its fields, inherited, sit beside these in the same JSON object)."""
+
+    consumer_id: ConsumerId
+    step: Step
+    updated_unix_s: UnixTime
+    newest_step: Step | None = None  # the newest committed step the consumer had seen
+    weight_version: Annotated[str, msgspec.Meta(max_length=64)] | None = None  # what its engine reports
+    errors: Count | None = None  # failed attempts since it started
+
+    @property
+    def record(self) -> ReplicaRecord:
+        """The replica's record alone (what the fleet's status row carries)."""
+        return ReplicaRecord(**{f.name: getattr(self, f.name) for f in fields(ReplicaRecord)})
 
 
 # --- runtime fingerprints (section 5f) ---

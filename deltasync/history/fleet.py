@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deltasync.errors import ConfigError
 from deltasync.fingerprints import disagreements
-from deltasync.follow.consumers import FUTURE_SKEW_S, UnreadableHeartbeat, read_heartbeats_checked
+from deltasync.follow.consumers import FUTURE_SKEW_S, ReplicaRecord, UnreadableHeartbeat, read_heartbeats_checked
 from deltasync.store import Store
 
 __all__ = ["ConsumerStatus", "Disagreement", "FleetStatus", "UnreadableHeartbeat", "fleet_status", "prometheus_text"]
@@ -38,14 +38,8 @@ class ConsumerStatus:
     newest_seen: int | None
     weight_version: str | None
     errors: int | None
-    # the replica's record (docs/FORMAT.md section 5f), None where its heartbeat has none
-    applied_unix_s: float | None = None
-    pause_s: float | None = None
-    config_key: str | None = None
-    fingerprint: str | None = None
-    fingerprint_step: int | None = None
-    fingerprint_check: str | None = None
-    last_error: str | None = None
+    # the replica's record (docs/FORMAT.md section 5f; its fields None where its heartbeat has none)
+    record: ReplicaRecord = field(default_factory=ReplicaRecord)
     disagrees: bool = False  # another replica of its configuration holds another fingerprint at the same step
 
 
@@ -73,7 +67,7 @@ class FleetStatus:
     @property
     def mismatched(self) -> tuple[ConsumerStatus, ...]:
         """Consumers whose runtime fingerprint differs from the reference for their configuration and step."""
-        return tuple(c for c in self.consumers if c.fingerprint_check == "mismatch")
+        return tuple(c for c in self.consumers if c.record.fingerprint_check == "mismatch")
 
     @property
     def healthy(self) -> bool:
@@ -90,9 +84,17 @@ class FleetStatus:
 
     def to_dict(self) -> dict[str, Any]:
         return {"url": self.url, "newest_step": self.newest_step, "stale_after_s": self.stale_after_s,
-                "consumers": [asdict(c) for c in self.consumers],
+                "consumers": [_row(c) for c in self.consumers],
                 "unreadable": [asdict(u) for u in self.unreadable],
                 "disagreements": [asdict(d) for d in self.disagreements], "healthy": self.healthy}
+
+
+def _row(consumer: ConsumerStatus) -> dict[str, Any]:
+    """A status row as JSON has it (``deltasync status --json``): the replica's record beside the row's own fields,
+    in one object, as in the heartbeat."""
+    row = asdict(consumer)
+    row.update(row.pop("record"))
+    return row
 
 
 def fleet_status(store: Store, *, stale_after_s: float = 900.0, now_unix_s: float | None = None) -> FleetStatus:
@@ -126,10 +128,7 @@ def fleet_status(store: Store, *, stale_after_s: float = 900.0, now_unix_s: floa
         consumers.append(ConsumerStatus(consumer_id=p.consumer_id, step=p.step, lag_steps=lag, age_s=round(age, 3),
                                         stale=not suspect and age > stale_after_s, suspect=suspect,
                                         newest_seen=p.newest_step, weight_version=p.weight_version, errors=p.errors,
-                                        applied_unix_s=p.applied_unix_s, pause_s=p.pause_s, config_key=p.config_key,
-                                        fingerprint=p.fingerprint, fingerprint_step=p.fingerprint_step,
-                                        fingerprint_check=p.fingerprint_check, last_error=p.last_error,
-                                        disagrees=(p.config_key, p.fingerprint_step) in split))
+                                        record=p.record, disagrees=(p.config_key, p.fingerprint_step) in split))
     consumers.sort(key=lambda c: (c.step, c.consumer_id))
     return FleetStatus(url=store.url, newest_step=newest, stale_after_s=float(stale_after_s),
                        consumers=tuple(consumers), unreadable=tuple(unreadable),
@@ -177,18 +176,18 @@ def prometheus_text(status: FleetStatus) -> str:
     family("fingerprint_mismatches", "Consumers whose runtime fingerprint differs from the reference.",
            [("{" + stream + "}", len(status.mismatched))])
     family("consumer_disagrees", "1 if another replica of the consumer's configuration holds another runtime "
-           "fingerprint at the same step.", [(lab, float(c.disagrees)) for c, lab in per if c.fingerprint])
+           "fingerprint at the same step.", [(lab, float(c.disagrees)) for c, lab in per if c.record.fingerprint])
     family("consumer_fingerprint_mismatch", "1 if the consumer's runtime fingerprint differs from the reference, 0 "
            "if it matches (absent: not compared).",
-           [(lab, float(c.fingerprint_check == "mismatch")) for c, lab in per
-            if c.fingerprint_check in ("match", "mismatch")])
+           [(lab, float(c.record.fingerprint_check == "mismatch")) for c, lab in per
+            if c.record.fingerprint_check in ("match", "mismatch")])
     family("consumer_applied_unix_seconds", "When the consumer applied the step it holds (its clock).",
-           [(lab, c.applied_unix_s) for c, lab in per if c.applied_unix_s is not None])
+           [(lab, c.record.applied_unix_s) for c, lab in per if c.record.applied_unix_s is not None])
     family("consumer_pause_seconds", "Seconds generation paused for the consumer's last step.",
-           [(lab, c.pause_s) for c, lab in per if c.pause_s is not None])
+           [(lab, c.record.pause_s) for c, lab in per if c.record.pause_s is not None])
     family("consumer_fingerprint_info", "1, labelled with the consumer's configuration key, the step fingerprinted, "
            "the runtime fingerprint and the comparison with a reference.",
-           [("{" + f'{lab[1:-1]},config_key="{_label(str(c.config_key))}",step="{c.fingerprint_step}",'
-             f'fingerprint="{_label(c.fingerprint)}",check="{_label(str(c.fingerprint_check))}"' + "}", 1.0)
-            for c, lab in per if c.fingerprint])
+           [("{" + f'{lab[1:-1]},config_key="{_label(str(r.config_key))}",step="{r.fingerprint_step}",'
+             f'fingerprint="{_label(r.fingerprint)}",check="{_label(str(r.fingerprint_check))}"' + "}", 1.0)
+            for r, lab in ((c.record, lab) for c, lab in per) if r.fingerprint])
     return "\n".join(lines) + "\n"

@@ -1,9 +1,10 @@
 """Reading a step's objects out of a store: the per-process download cache, the host's node cache, and the
 size and SHA-256 checks every object passes before anyone parses it (docs/FORMAT.md section 5).
 
-A mixin of :class:`deltasync.store.Store` (split out so that the store module stays about layout and commits):
-it uses the store's ``transport``, ``call`` (retries), ``url``, ``is_local``, ``exists``, ``_cache_dir`` and
-``node_cache``.
+A part of :class:`deltasync.store.Store` (which delegates ``fetch_object``, ``read_object`` and the rest here, so
+that the store module stays about layout and commits): it is given what it needs when it is made (the store's URL,
+transport and retry policy, whether the store is local, the cache folder and the node cache) and reaches into no
+other part.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from deltasync.errors import CorruptObjectError, StepNotFoundError
 from deltasync.format.documents import Manifest, Part, check_step
@@ -22,10 +23,11 @@ from deltasync.store.scratch import ObjectCache, plain_name
 
 if TYPE_CHECKING:
     from deltasync.store.node_cache import NodeCache
+    from deltasync.store.retries import Retrier
+    from deltasync.transports.base import Transport
 
 
 MANIFEST = "manifest.json"
-T = TypeVar("T")
 
 ByteProgress = Callable[[str, int, int], None]
 """``progress(what, bytes_done, bytes_total)`` during a download (the CLI draws a bar from it)."""
@@ -44,6 +46,16 @@ def _folder(manifest: Manifest) -> str:
     return manifest.folder if manifest.folder is not None else step_dir(manifest.step)
 
 
+def part_of(manifest: Manifest, part: Part | None) -> Part:
+    """The object meant: ``part``, or a version-1 step's only object."""
+    if part is not None:
+        return part
+    objects = manifest.objects
+    if len(objects) != 1:
+        raise ValueError(f"step {manifest.step} has {len(objects)} parts: name the one to read")
+    return objects[0]
+
+
 def sha256_file(path: str | Path) -> str:
     with open(path, "rb") as f:
         if sys.version_info >= (3, 11):
@@ -55,20 +67,38 @@ def sha256_file(path: str | Path) -> str:
 
 
 class StoreObjects:
-    """Object reads of a :class:`~deltasync.store.Store`: ``fetch_object``, ``read_object``, ``release_object``."""
+    """Object reads of a :class:`~deltasync.store.Store`: ``fetch_object``, ``read_object``, ``release_object``.
 
-    url: str
-    is_local: bool
-    transport: Any
-    node_cache: NodeCache | None
-    _cache_dir: Path | None
+    ``transport`` and ``retry`` are the store's (every request goes through the store's retry policy); ``is_local``:
+    objects are read in place (``transport.local_path``) instead of downloaded; ``cache_dir``: where downloads go
+    (a temporary folder made on first use by default); ``node_cache``: the host's shared cache, if any.
+
+    Example::
+
+        objects = StoreObjects("s3://bucket/run", transport, Retrier("s3://bucket/run", "s3"), is_local=False)
+        path = objects.fetch_object(manifest)
+    """
+
     download_progress: ByteProgress | None = None
     """Set (by the CLI) to see large downloads advance: every transport, because it watches the partial file."""
-    if TYPE_CHECKING:  # the store's, typed here for readers of this module
 
-        def call(self, what: str, fn: Callable[[], T], *, landed: Callable[[], bool] | None = None) -> T: ...
+    def __init__(self, url: str, transport: Transport, retry: Retrier, *, is_local: bool,
+                 cache_dir: Path | None = None, node_cache: NodeCache | None = None) -> None:
+        self.url = url
+        self.transport = transport
+        self.is_local = is_local
+        self.node_cache = node_cache
+        self._retry = retry
+        self._cache_dir = cache_dir
 
-        def exists(self, rel: str) -> bool: ...
+    def close(self) -> None:
+        """Delete every downloaded object and the cache folder (a later download starts a new cache)."""
+        cache = self.__dict__.get("_object_cache")
+        if cache is not None:
+            cache.close()
+
+    def _exists(self, rel: str) -> bool:
+        return self._retry.call(f"check {rel}", lambda: self.transport.exists(rel))
 
     @property
     def cache_dir(self) -> Path:
@@ -95,20 +125,10 @@ class StoreObjects:
     def release_object(self, manifest: Manifest, part: Part | None = None) -> None:
         """A holder (``fetch_object(hold=True)``) is done with the object: deleted once nobody holds it."""
         if not self.is_local and "_object_cache" in self.__dict__:
-            self.object_cache.release(self._cache_name(manifest, self._part(manifest, part)))
+            self.object_cache.release(self._cache_name(manifest, part_of(manifest, part)))
 
     def _cache_name(self, manifest: Manifest, part: Part) -> str:
         return f"{manifest.step:012d}-{plain_name(part.object, where=f'{self.url} step {manifest.step}')}"
-
-    @staticmethod
-    def _part(manifest: Manifest, part: Part | None) -> Part:
-        """The object meant: ``part``, or a version-1 step's only object."""
-        if part is not None:
-            return part
-        objects = manifest.objects
-        if len(objects) != 1:
-            raise ValueError(f"step {manifest.step} has {len(objects)} parts: name the one to read")
-        return objects[0]
 
     def _object_key(self, manifest: Manifest, part: Part) -> str:
         """The key of a step's object; its name comes from a store, so it must be a plain file name."""
@@ -122,7 +142,7 @@ class StoreObjects:
         without, until the cache's byte cap or ``close()`` removes it. ``part``: which object of a multi-part
         step (docs/FORMAT.md section 5b); a version-1 step has one.
         """
-        part = self._part(manifest, part)
+        part = part_of(manifest, part)
         rel = self._object_key(manifest, part)
         where = f"{self.url} step {manifest.step} object {part.object}"
         local = self.transport.local_path(rel) if self.is_local else None
@@ -155,7 +175,7 @@ class StoreObjects:
         partial = path.with_name(f"{path.name}.part")
         try:
             with _watching(partial, f"download step {manifest.step}", total, self.download_progress):
-                self.call(f"download {rel}", lambda: self.transport.get_file(rel, partial))
+                self._retry.call(f"download {rel}", lambda: self.transport.get_file(rel, partial))
             os.replace(partial, path)
         except FileNotFoundError:
             partial.unlink(missing_ok=True)
@@ -169,13 +189,13 @@ class StoreObjects:
         SHA-256 (no cache, no file). At most ``object_bytes + 1`` bytes are fetched: an oversized object
         costs no more than that.
         """
-        part = self._part(manifest, part)
+        part = part_of(manifest, part)
         rel = self._object_key(manifest, part)
         where = f"{self.url} step {manifest.step} object {part.object}"
 
         def download() -> bytes:
             try:
-                return self.call(f"read {rel}", lambda: self.transport.get(rel, end=part.object_bytes + 1))
+                return self._retry.call(f"read {rel}", lambda: self.transport.get(rel, end=part.object_bytes + 1))
             except FileNotFoundError:
                 raise self._missing(manifest, where) from None
 
@@ -200,7 +220,7 @@ class StoreObjects:
     def _missing(self, manifest: Manifest, where: str) -> StepNotFoundError | CorruptObjectError:
         """The error for an object that is not there: its step was collected meanwhile (no manifest either),
         or the store lost it (the manifest is still there)."""
-        if not self.exists(f"{_folder(manifest)}/{MANIFEST}"):
+        if not self._exists(f"{_folder(manifest)}/{MANIFEST}"):
             what = (f"step {manifest.step}" if manifest.folder is None
                     else f"catch-up {manifest.base_step}->{manifest.step}")
             return StepNotFoundError(f"{self.url}: {what} was collected (deleted by gc) while it was being read",

@@ -71,18 +71,30 @@ _TYPE_WORDS: dict[type, str] = {bool: "true or false", str: "a string", Secret: 
                                 dict: "an object", int: "a number", float: "a number", list: "a list"}
 
 
-class Retrying:
-    """What ``Store`` runs every transport call through (``call``); it sets the attributes below."""
+class Retrier:
+    """The retry policy of one store, a part of it (``Store.call`` delegates here): what every transport call runs
+    through. Given what it needs and nothing more: the store's URL and scheme (for messages and hints), the names of
+    its options and its secret values (scrubbed from what the backend says); it keeps whether the store has ever
+    answered and how long the store asked to be left alone.
 
-    url: str
-    protocol: str
-    retries: int
-    retry_base_s: float
-    retry_max_s: float
-    _option_names: frozenset[str]
-    _secrets: tuple[str, ...] = ()  # the store's own secret values (what its backend's words may quote)
-    _answered: bool  # has the store ever answered? (then a failed connect is an outage, not a wrong URL)
-    _throttled_until: float = 0.0  # monotonic time until which the store asked to be left alone
+    Example::
+
+        retry = Retrier("s3://bucket/run", "s3", retries=4)
+        data = retry.call("read latest.json", lambda: transport.get("latest.json"))
+    """
+
+    def __init__(self, url: str, protocol: str, *, retries: int = 4, retry_base_s: float = 0.2,
+                 retry_max_s: float = 60.0, option_names: frozenset[str] = frozenset(),
+                 secrets: tuple[str, ...] = ()) -> None:
+        self.url = url
+        self.protocol = protocol
+        self.retries = retries
+        self.retry_base_s = retry_base_s
+        self.retry_max_s = retry_max_s
+        self.option_names = option_names  # the store's storage options (names only: what a refusal lists)
+        self._secrets = secrets  # the store's own secret values (what its backend's words may quote)
+        self._answered = False  # has the store ever answered? (then a failed connect is an outage, not a wrong URL)
+        self._throttled_until = 0.0  # monotonic time until which the store asked to be left alone
 
     def throttle_s(self) -> float:
         """Seconds the store still asked callers to wait (``Retry-After``, or a throttling answer: HTTP 429 or
@@ -119,12 +131,12 @@ class Retrying:
                 raise
             except Exception as e:
                 scrub(e, also=self._secrets)  # the backend's own words, kept as the cause: no secret in them
-                failure = classify_failure(e, self._option_names)
+                failure = classify_failure(e, self.option_names)
                 if failure is not None and not (failure.kind == "unreachable" and self._answered):
-                    raise self._refusal(failure, what) from e
+                    raise self.refusal(failure, what) from e
                 if not is_transient(e):
-                    if self._option_names and _from_backend(e):  # the backend tripped over a setting: the user's
-                        raise self._settings_failed(e, what) from e
+                    if self.option_names and _from_backend(e):  # the backend tripped over a setting: the user's
+                        raise self.settings_failed(e, what) from e
                     raise
                 delay = self.retry_base_s * 2**attempt * (0.5 + random.random())
                 asked = retry_after_s(e)
@@ -154,15 +166,15 @@ class Retrying:
                         redact(str(e), also=self._secrets))
             return False
 
-    def _settings_failed(self, error: BaseException, what: str) -> StoreConfigError:
+    def settings_failed(self, error: BaseException, what: str) -> StoreConfigError:
         """The error for a backend that failed on its settings (a wrong type, a value it cannot use): the user's
         to fix, never retried, naming the options given (their names, never their values)."""
         detail = redact(" ".join(f"{type(error).__name__}: {error}".split()), also=self._secrets)[:300]
         return StoreConfigError(
             f"{self.url}: {what}: the {self.protocol!r} filesystem failed on its settings ({detail}); check each "
-            f"storage option's type and value (options given: {', '.join(sorted(self._option_names))})")
+            f"storage option's type and value (options given: {', '.join(sorted(self.option_names))})")
 
-    def _refusal(self, failure: StoreFailure, what: str) -> Exception:
+    def refusal(self, failure: StoreFailure, what: str) -> Exception:
         """The error a user sees for a failure that retrying cannot mend: what, why, and what to check."""
         detail = redact(" ".join(failure.detail.split()), also=self._secrets)  # one line, no secret
         hint = failure.hint(self.protocol)
@@ -176,5 +188,5 @@ class Retrying:
             return FileNotFoundError(f"{self.url}: {detail}")
         return StoreConfigError(
             f"{self.url}: storage option {detail!r} is not one the {self.protocol!r} filesystem takes "
-            f"(options given: {', '.join(sorted(self._option_names))}); check its spelling"
+            f"(options given: {', '.join(sorted(self.option_names))}); check its spelling"
         )

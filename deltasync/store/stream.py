@@ -17,6 +17,7 @@ import re
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,9 +49,16 @@ from deltasync.signing import MAX_SIGNATURE_BYTES, SIGNATURE, StreamSigner, sha2
 from deltasync.store.lease import WRITER, WriterLease  # noqa: F401 - WRITER: the lease's name in the layout
 from deltasync.store.location import StoreLocation, Where
 from deltasync.store.node_cache import NodeCache, node_cache_from_env
-from deltasync.store.objects import MANIFEST, StoreObjects, sha256_file, step_dir  # noqa: F401 - re-exported
-from deltasync.store.retries import Retrying, check_option_types
-from deltasync.store.scratch import plain_name
+from deltasync.store.objects import (  # noqa: F401 - sha256_file, step_dir: re-exported
+    MANIFEST,
+    ByteProgress,
+    StoreObjects,
+    part_of,
+    sha256_file,
+    step_dir,
+)
+from deltasync.store.retries import Retrier, check_option_types
+from deltasync.store.scratch import ObjectCache, plain_name
 from deltasync.transports import Transport, classify_failure, open_transport, scheme_of
 from deltasync.transports.base import Entry
 
@@ -96,7 +104,7 @@ def open_store(where: Where, storage_options: dict[str, Any] | None = None, **kw
     return Store(StoreLocation.of(where, storage_options), **kwargs), True
 
 
-class Store(StoreObjects, Retrying):
+class Store:
     """A stream of steps under one URL: a local path or ``file://``, ``s3://``, ``hf://buckets/…``,
     ``memory://``, any fsspec URL, or a scheme a registered transport takes (deltasync.transports).
 
@@ -128,19 +136,19 @@ class Store(StoreObjects, Retrying):
         # scrubbed from every error and log line (deltasync/secrets.py): what the backend says may quote them
         self._secrets = tuple(v for v in secret_values(options) if v not in self.url)
         remember(*self._secrets, public=self.url)
-        self._option_names = frozenset(options)
-        self.transport = transport if transport is not None else self._open(where)
-        self.root = redact_url(self.transport.root or where.url)
-        self.is_local = self.transport.capabilities.local_files
-        self._answered = False  # has the store ever answered? (then a failed connect is an outage, not a wrong URL)
-        self.retries = retries
-        self.retry_base_s = retry_base_s
-        self.retry_max_s = retry_max_s
-        self._cache_dir = Path(cache_dir) if cache_dir else None
+        # the parts (each given what it needs, none reaching into another): the retry policy every request runs
+        # through, the object reads (objects.py) and the writer lease (lease.py)
+        self._retry = Retrier(self.url, self.protocol, retries=retries, retry_base_s=retry_base_s,
+                              retry_max_s=retry_max_s, option_names=frozenset(options), secrets=self._secrets)
+        self._transport = transport if transport is not None else self._open(where)
+        self.root = redact_url(self._transport.root or where.url)
+        is_local = self._transport.capabilities.local_files
         # shared with the host's other processes (node_cache.py): given, else DELTASYNC_NODE_CACHE; never for a
         # local store, whose objects are read in place
         node = NodeCache(node_cache) if isinstance(node_cache, (str, Path)) else node_cache
-        self.node_cache = None if self.is_local else node if node is not None else node_cache_from_env()
+        node = None if is_local else node if node is not None else node_cache_from_env()
+        self._objects = StoreObjects(self.url, self._transport, self._retry, is_local=is_local,
+                                     cache_dir=Path(cache_dir) if cache_dir else None, node_cache=node)
         self._lease = WriterLease(self)
         self._committed_at: float | None = None  # monotonic time of this writer's last commit
         self._gaps: list[float] = []  # its last few times between commits (seconds)
@@ -155,10 +163,10 @@ class Store(StoreObjects, Retrying):
         except DeltaSyncError:
             raise
         except TypeError as e:  # a backend that checks its options at once
-            failure = classify_failure(e, self._option_names)
+            failure = classify_failure(e, self._retry.option_names)
             if failure is None:
-                raise self._settings_failed(e, "open it") from e
-            raise self._refusal(failure, "open it") from e
+                raise self._retry.settings_failed(e, "open it") from e
+            raise self._retry.refusal(failure, "open it") from e
         except ValueError as e:
             raise StoreError(f"cannot open store {self.url!r}: {redact(str(e), also=self._secrets)}") from e
 
@@ -179,15 +187,125 @@ class Store(StoreObjects, Retrying):
     def close(self) -> None:
         """Delete every downloaded object and the cache folder this store made; also right after an error
         (a ``with`` block). The store stays usable: a later download starts a new cache."""
-        cache = self.__dict__.get("_object_cache")
-        if cache is not None:
-            cache.close()
+        self._objects.close()
 
     def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # --- the parts' public faces: the transport, the retry policy (retries.py), the object reads (objects.py) ---
+
+    @property
+    def transport(self) -> Transport:
+        """The backend every byte moves through (deltasync/transports)."""
+        return self._transport
+
+    @transport.setter
+    def transport(self, transport: Transport) -> None:
+        # replaced (a counting wrapper in a benchmark, a test's): the object reads move with it; the lease reads it here
+        self._transport = self._objects.transport = transport
+
+    @property
+    def is_local(self) -> bool:
+        """Whether objects are read in place (a local store) rather than downloaded into the cache."""
+        return self._objects.is_local
+
+    @is_local.setter
+    def is_local(self, local: bool) -> None:
+        self._objects.is_local = local
+
+    @property
+    def retries(self) -> int:
+        """How often a transient failure is retried (``Retrier.retries``)."""
+        return self._retry.retries
+
+    @retries.setter
+    def retries(self, retries: int) -> None:
+        self._retry.retries = retries
+
+    @property
+    def retry_base_s(self) -> float:
+        """The first back-off delay in seconds, doubled at each retry (``Retrier.retry_base_s``)."""
+        return self._retry.retry_base_s
+
+    @retry_base_s.setter
+    def retry_base_s(self, seconds: float) -> None:
+        self._retry.retry_base_s = seconds
+
+    @property
+    def retry_max_s(self) -> float:
+        """The longest one operation is retried for, in seconds (``Retrier.retry_max_s``)."""
+        return self._retry.retry_max_s
+
+    @retry_max_s.setter
+    def retry_max_s(self, seconds: float) -> None:
+        self._retry.retry_max_s = seconds
+
+    def call(self, what: str, fn: Callable[[], T], *, landed: Callable[[], bool] | None = None) -> T:
+        """Run one store operation under the store's retry policy (:meth:`Retrier.call`)."""
+        return self._retry.call(what, fn, landed=landed)
+
+    def throttle_s(self) -> float:
+        """Seconds the store still asked callers to wait (:meth:`Retrier.throttle_s`); 0 when it did not."""
+        return self._retry.throttle_s()
+
+    @property
+    def node_cache(self) -> NodeCache | None:
+        """The host's shared object cache (node_cache.py), None for a local store or where there is none."""
+        return self._objects.node_cache
+
+    @property
+    def cache_dir(self) -> Path:
+        """Where remote objects are downloaded (``StoreObjects.cache_dir``)."""
+        return self._objects.cache_dir
+
+    @property
+    def object_cache(self) -> ObjectCache:
+        """The download cache (``StoreObjects.object_cache``)."""
+        return self._objects.object_cache
+
+    @property
+    def cache_max_bytes(self) -> int:
+        """At most this many bytes of downloaded objects that nobody holds open are kept (held ones always)."""
+        return self._objects.cache_max_bytes
+
+    @cache_max_bytes.setter
+    def cache_max_bytes(self, max_bytes: int) -> None:
+        self._objects.cache_max_bytes = max_bytes
+
+    @property
+    def download_progress(self) -> ByteProgress | None:
+        """Set (by the CLI) to see large downloads advance (``StoreObjects.download_progress``)."""
+        return self._objects.download_progress
+
+    @download_progress.setter
+    def download_progress(self, progress: ByteProgress | None) -> None:
+        self._objects.download_progress = progress
+
+    def fetch_object(self, manifest: Manifest, *, part: Part | None = None, hold: bool = False) -> Path:
+        """A local path to the step's object, checked against the manifest's size and SHA-256
+        (:meth:`StoreObjects.fetch_object`: ``hold`` keeps it until ``release_object``)."""
+        return self._objects.fetch_object(manifest, part=part, hold=hold)
+
+    def read_object(self, manifest: Manifest, *, part: Part | None = None) -> bytes:
+        """A step's object in memory, checked against the manifest's size and SHA-256
+        (:meth:`StoreObjects.read_object`)."""
+        return self._objects.read_object(manifest, part=part)
+
+    def release_object(self, manifest: Manifest, part: Part | None = None) -> None:
+        """A holder of ``fetch_object(hold=True)`` is done with the object (:meth:`StoreObjects.release_object`)."""
+        self._objects.release_object(manifest, part)
+
+    def local_object_unhashed(self, manifest: Manifest) -> Path | None:
+        """A local single-object step's object, its size checked but not its SHA-256
+        (:meth:`StoreObjects.local_object_unhashed`; then ``check_sha256``)."""
+        return self._objects.local_object_unhashed(manifest)
+
+    def check_sha256(self, manifest: Manifest, digest: str) -> None:
+        """``CorruptObjectError`` unless ``digest`` is the single-object step's (:meth:`StoreObjects.check_sha256`)."""
+        self._objects.check_sha256(manifest, digest)
 
     # --- objects by key (relative to the stream's URL) ---
 
@@ -329,7 +447,7 @@ class Store(StoreObjects, Retrying):
         ``data``: the object's bytes (``bytes``, ``memoryview``, ...), or a local file (``str``/``Path``),
         streamed, and consumed on a local store (moved into place). Its size must be the manifest's.
         """
-        self.put_part(manifest.step, self._part(manifest, part), data)
+        self.put_part(manifest.step, part_of(manifest, part), data)
 
     def put_part(self, step: int, part: Part, data: ObjectData) -> None:
         """Upload one object of ``step`` before its manifest exists (a rank's part of a multi-part step)."""

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 from deltasync import DeltaPublisher, PublishOptions
-from deltasync.engine import MAX_STEP
+from deltasync.engine import MAX_STEP, StoreLocation
 from deltasync.errors import ConfigError, MissingDependencyError
 from rollout_loader.vllm import VllmTarget
 from rollout_loader.vllm.trainer_sync import TrainerSync, drain
@@ -164,10 +164,11 @@ class DeltasyncWeightTransfer:
         self.trl_version = check_trl()
         if not isinstance(url, str) or not url.strip():
             raise ConfigError(f"{_WHO}: url must be the stream's URL (a folder, s3://bucket/prefix, ...), got {url!r}")
-        if storage_options is not None and not (isinstance(storage_options, dict)
-                                                and all(isinstance(k, str) for k in storage_options)):
-            raise ConfigError(f"{_WHO}: storage_options must be a dict with string keys (the store's options), got "
-                              f"{type(storage_options).__name__}")
+        try:  # the store as one value, made here (the options are a convenience beside the URL)
+            location = StoreLocation.of(url, storage_options)
+        except ConfigError as e:
+            raise ConfigError(f"{_WHO}: storage_options must be a dict with string keys (the store's options): "
+                              f"{e}") from None
         if step_fn is not None and not callable(step_fn):
             raise ConfigError(f"{_WHO}: step_fn must be a function returning each sync's step number, got "
                               f"{type(step_fn).__name__}")
@@ -181,11 +182,11 @@ class DeltasyncWeightTransfer:
         if trusted_keys is not None:
             _check_signing_pair(trusted_keys, self.options.signing_key)
         self.url = url
-        self.storage_options = storage_options
+        self.location = location
         self.step_fn = step_fn
         self.timeout_s = float(timeout_s)
         # the publisher, the steps and what a committed step means: shared with every framework seam
-        self.sync = TrainerSync(url, options=self.options, storage_options=storage_options, target=self.target,
+        self.sync = TrainerSync(location, options=self.options, target=self.target,
                                 who=_WHO, timeout_s=self.timeout_s)
 
     # --- TRL's WeightTransferProtocol (rank 0) ---

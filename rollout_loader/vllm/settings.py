@@ -95,6 +95,9 @@ class EngineSettings:
     """
 
     url: str | None = None
+    # the store's URL and options as two fields, not one StoreLocation: this record *is* vLLM's init_info, a flat
+    # JSON object whose ``url``/``storage_options`` keys clients and trainer configs send (StoreLocation.to_record's
+    # shape); location() makes the one value on arrival, reading() fills both from one
     storage_options: dict[str, Any] = field(default_factory=dict)
     verify: EngineVerify = "incremental"
     mode: Mode = "auto"
@@ -222,6 +225,14 @@ class EngineSettings:
         if self.url is None:
             raise ConfigError("deltasync init_info: url: expected the stream's URL, got none")
         return StoreLocation.from_record({"url": self.url, "storage_options": self.storage_options})
+
+    def reading(self, where: StoreLocation) -> EngineSettings:
+        """These settings completed by the store ``where`` (a follower's): where they name no stream of their own,
+        its URL, and its options unless options are set here. Settings that name a stream are returned as they are.
+        """
+        if self.url is not None:
+            return self
+        return self.replace(url=where.url, storage_options=self.storage_options or dict(where.options))
 
     def trusted(self) -> TrustedKeys | None:
         """The trust the engine checks every step with (None: steps are not checked): the trusted keys, less the

@@ -152,12 +152,11 @@ class VllmTarget:
     def engine_settings(self, reader: StreamReader, *, notify: str | None = None) -> EngineSettings:
         """The settings sent to the engine for the stream ``reader`` reads: this target's, completed by the
         reader's URL (made absolute when local), storage options, trusted and revoked keys, and ``notify``."""
-        s = self.settings
+        # the follower's store, as one value: its URL as given (password too), its options
+        s = self.settings.reading(reader.location)
         changes: dict[str, Any] = {}
-        where = reader.location  # the follower's store, as one value: its URL as given (password too), its options
-        changes["url"] = _absolute(where.url if s.url is None else s.url)
-        if s.url is None and not s.storage_options:
-            changes["storage_options"] = dict(where.options)
+        assert s.url is not None  # reading() filled it
+        changes["url"] = _absolute(s.url)
         trust = reader.trusted
         if s.trusted_keys is None and trust is not None:  # the follower's trust, whole: keys, stream, freshness
             changes["trusted_keys"] = tuple(pem_texts(trust))

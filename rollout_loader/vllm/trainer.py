@@ -48,6 +48,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from deltasync import PublishOptions
+from deltasync.engine import StoreLocation
 from deltasync.errors import ConfigError
 
 from .settings import EngineSettings
@@ -82,6 +83,8 @@ class DeltasyncTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = BACKEND
 
     url: str
+    # a plain dict, not a StoreLocation: vLLM builds this init info from the JSON/keyword arguments a trainer's
+    # config gives (TrainerInitInfo is a plain dataclass); location() makes the one value the publisher opens
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False)  # credentials: never in a repr
     publish: PublishOptions | Mapping[str, Any] | None = None
     engine: EngineSettings | Mapping[str, Any] | None = None
@@ -106,6 +109,11 @@ class DeltasyncTrainerInitInfo(TrainerInitInfo):
             raise ConfigError(f"{where}.engine: expected EngineSettings or a mapping, got {type(self.engine).__name__}")
         if self.engine.url is None:  # the engines read what the trainer writes
             self.engine = self.engine.replace(url=self.url, storage_options=dict(self.storage_options))
+
+
+    def location(self) -> StoreLocation:
+        """The trainer's stream as one value (its URL and storage options): what its publisher opens."""
+        return StoreLocation.of(self.url, self.storage_options)
 
 
 class DeltasyncTrainerEngine(TrainerWeightTransferEngine[DeltasyncTrainerInitInfo]):
@@ -151,8 +159,7 @@ class DeltasyncTrainerEngine(TrainerWeightTransferEngine[DeltasyncTrainerInitInf
         target = VllmTarget(self.client, info.engine) if self.is_sender else None
         if not (self.is_sender or sharded):
             return
-        self.sync = TrainerSync(info.url, source=module, options=info.publish,
-                                storage_options=dict(info.storage_options), target=target,
+        self.sync = TrainerSync(info.location(), source=module, options=info.publish, target=target,
                                 who="deltasync trainer engine", served_dtype=not sharded)
         try:
             self.sync.open()

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from deltasync import DeltaPublisher, PublishOptions, StreamReader
-from deltasync.engine import MAX_STEP
+from deltasync.engine import MAX_STEP, StoreLocation
 from deltasync.errors import ConfigError
 
 from .client import HttpWeightTransfer
@@ -49,11 +49,12 @@ class TrainerSync:
     """A trainer's publisher and (on the rank that drives them) its inference engines, moved one step at a time.
 
     Args:
-        url: the stream the trainer writes (and, unless the target's settings name another, the engines read).
+        url: the stream the trainer writes (and, unless the target's settings name another, the engines read): a URL,
+            or a :class:`deltasync.engine.StoreLocation` (its URL and options as one value).
         source: the publisher's source (a module, a state dict; every rank of a sharded module), or None when each
             :meth:`send` passes the round's pairs.
         options: the publisher's settings (``on_backlog`` is always ``"block"``: each round waits for its commit).
-        storage_options: the store's options.
+        storage_options: the store's options beside a URL (a convenience: made into the location at once).
         target: the engines (a :class:`~rollout_loader.vllm.VllmTarget`), or None on a rank that only publishes.
         who: names the caller in messages (``"DeltasyncWeightTransfer"``).
         timeout_s: how long a send waits for its step to be committed.
@@ -67,13 +68,13 @@ class TrainerSync:
             nothing is published, the engines keep their step, and the next ``send`` takes the same step number.
     """
 
-    def __init__(self, url: str, *, source: Any = None, options: PublishOptions | None = None,
+    def __init__(self, url: str | StoreLocation, *, source: Any = None, options: PublishOptions | None = None,
                  storage_options: dict[str, Any] | None = None, target: VllmTarget | None = None,
                  who: str = "deltasync", timeout_s: float | None = None, served_dtype: bool = True) -> None:
-        self.url = url
+        self.location = StoreLocation.of(url, storage_options)  # the store, as one value: what both sides open
+        self.url = self.location.shown  # what messages show (a URL's password hidden)
         self.source = source
         self.options = options if options is not None else PublishOptions()
-        self.storage_options = storage_options
         self.target = target
         self.who = who
         self.timeout_s = timeout_s
@@ -93,15 +94,14 @@ class TrainerSync:
         if self.publisher is not None:
             return
         options = dataclasses.replace(self._served_dtype(self.options), on_backlog="block")
-        publisher = DeltaPublisher(self.url, self.source, options, storage_options=self.storage_options)
+        publisher = DeltaPublisher(self.location, self.source, options)
         try:
             if self.target is not None:
                 # a signing trainer's engines apply only what its key signed for its stream (docs/FORMAT.md 5e),
                 # unless the target's settings name their own trust
-                self._reader = reader = StreamReader(self.url, storage_options=self.storage_options,
-                                                     trusted_keys=publisher.trust)
-                sent = self.target.engine_settings(reader).storage_options
-                if sent and sent == dict(self.storage_options or {}):
+                self._reader = reader = StreamReader(self.location, trusted_keys=publisher.trust)
+                sent = self.target.engine_settings(reader).location().options
+                if sent and sent == self.location.options:
                     # the trainer's store options may carry write access; an engine only reads (SECURITY.md)
                     log.warning("%s: the inference engines get the trainer's storage options (its credentials): "
                                 "give them read-only ones in the engine settings (storage_options)", self.who)

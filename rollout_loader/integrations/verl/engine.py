@@ -128,7 +128,7 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
             s = self.settings
             options = PublishOptions(anchor_every=s.anchor_every, dtype=s.publish_dtype, signing_key=s.signing_key,
                                      stream_id=s.stream_id)
-            self._sync = TrainerSync(s.url, options=options, storage_options=s.storage_options, who=WHO)
+            self._sync = TrainerSync(s.location(), options=options, who=WHO)
             self._track()
         return self._sync
 
@@ -151,7 +151,7 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
     def _open_reader(self) -> StreamReader:
         if self._reader is None:
             s = self.settings
-            self._reader = StreamReader(s.url, storage_options=s.storage_options, trusted_keys=s.trusted())
+            self._reader = StreamReader(s.location(), trusted_keys=s.trusted())
             self._track()
         return self._reader
 

@@ -10,7 +10,7 @@ from typing import Any, get_args
 
 import torch
 
-from deltasync.engine import Manifest, TrustedKeys, check_stream_id, pem_text, pem_texts
+from deltasync.engine import Manifest, StoreLocation, TrustedKeys, check_stream_id, pem_text, pem_texts
 from deltasync.errors import ConfigError
 from rollout_loader.vllm.settings import EngineSettings, EngineVerify
 
@@ -64,6 +64,8 @@ class VerlSettings:
     """
 
     url: str
+    # a plain dict, not a StoreLocation: verl hands its engine_kwargs over as plain containers (OmegaConf, then
+    # JSON to the rollout workers), and this record is what a verl user writes; location() makes the one value
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False)  # credentials: never in a repr
     dtype: str | None = "bfloat16"
     anchor_every: int = 20
@@ -142,6 +144,10 @@ class VerlSettings:
             return TrustedKeys.load(list(self.trusted_keys), list(self.revoked_keys), stream_id=self.stream_id)
         except ConfigError as e:
             raise ConfigError(f"{SETTINGS}.trusted_keys: {e}") from None
+
+    def location(self) -> StoreLocation:
+        """The stream as one value (its URL and storage options): what the actor's publisher and readers open."""
+        return StoreLocation.of(self.url, self.storage_options)
 
     def init_info(self) -> dict[str, Any]:
         """The deltasync vLLM engine's ``init_info`` (JSON-safe: key files read here, sent as PEM text)."""
