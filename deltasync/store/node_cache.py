@@ -105,7 +105,7 @@ class NodeCache:
         a folder removed) costs the sharing, never the read: the object is downloaded as without a cache (the
         failure logged once).
         """
-        digest = self._key(digest)
+        digest = self.file_name(digest)
         claim = self._try(lambda: self._claim(digest))
         if claim is None:
             download(dest)
@@ -131,7 +131,7 @@ class NodeCache:
     def read(self, digest: str, size: int, download: Callable[[], bytes], check: Callable[[bytes], None]) -> bytes:
         """The object's bytes: from the cache, else ``download()``-ed (one process at a time), checked and
         added. Like :meth:`fetch`, for objects read into memory."""
-        digest = self._key(digest)
+        digest = self.file_name(digest)
         claim = self._try(lambda: self._claim(digest))
         if claim is None:
             data = download()
@@ -176,7 +176,8 @@ class NodeCache:
                             self.folder, type(e).__name__, e)
             return None
 
-    def _key(self, digest: str) -> str:
+    @staticmethod
+    def file_name(digest: str) -> str:
         """The file name of an object with prefixed ``digest``: the bare hex for SHA-256 (as caches written before
         BLAKE3 hold them), ``blake3-<hex>`` for BLAKE3, so that two algorithms' digests never name one file."""
         m = _DIGEST.fullmatch(digest) if isinstance(digest, str) else None

@@ -237,7 +237,7 @@ def _check_size(size: int, part: Part, where: str) -> None:
 def _check_digest(digest: str, part: Part, where: str) -> None:
     """``digest`` (prefixed) is the manifest's, or ``CorruptObjectError`` naming both."""
     if not digests.matches(digest, part.digest):
-        raise CorruptObjectError(f"{where}: {digest[:23]}… differs from the manifest's {part.digest[:23]}…",
+        raise CorruptObjectError(f"{where}: digest {digest[:23]}… differs from the manifest's {part.digest[:23]}…",
                                  key=part.object, expected=part.digest, found=digest)
 
 
