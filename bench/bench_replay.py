@@ -145,8 +145,10 @@ def breakdown(url: str, step: int, work: Path, passes: int = 3) -> dict:
             profile.enable()
         anchor, landed = reader.open_unhashed(steps[0]), {}
         assert anchor is not None, "a local store reads its anchor once"
-        digest = timed("read + SHA-256 anchor (once)", anchor.read_tensors_hashed, landed.__setitem__)
-        reader.store.check_sha256(reader.manifest(steps[0]), digest)
+        first = reader.manifest(steps[0])
+        digest = timed("read + SHA-256 anchor (once)", anchor.read_tensors_hashed, landed.__setitem__,
+                       algorithm=first.algorithm)
+        reader.store.check_digest(first, digest)
         objects = [anchor] + [timed("fetch + SHA-256 deltas", open_checked, reader, s) for s in steps[1:]]
         with Chain(objects) as chain:
             for name in chain.order():
