@@ -172,7 +172,7 @@ def follow(mode: str, url: str, options: dict | None, address: str | None, steps
                 row["transport_s"], (row["transport_wait_s"], row["transport_hash_s"]) = _least(lease, repeats)
                 data = bytes(inbox.read(info, digest=digest))
                 row["sha256_s"], _ = _least(lambda data=data: hashlib.sha256(data).hexdigest(), max(3, repeats // 3))
-                row["digest_s"], _ = _least(lambda data=data: digests.compute(data, digests.algorithm_of(digest)),
+                row["digest_s"], _ = _least(lambda data=data, d=digest: digests.compute(data, digests.algorithm_of(d)),
                                             max(3, repeats // 3))
                 with StepObject(data, where="raw check") as again:
                     assert again.header.step == s  # the raw READ brought the same object
