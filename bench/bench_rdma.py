@@ -120,6 +120,7 @@ def _apply(replica: Any, obj: Any) -> tuple[Any, float, float]:
 def follow(mode: str, url: str, options: dict | None, address: str | None, steps: int, repeats: int, poll_s: float,
            go: Any) -> list[dict[str, Any]]:
     from deltasync.follow.reader import StreamReader
+    from deltasync.format import digest as digests
     from deltasync.format.objects import StepObject
     from deltasync.rdma.consumer import RdmaConsumer
 
@@ -161,14 +162,18 @@ def follow(mode: str, url: str, options: dict | None, address: str | None, steps
                 inbox = consumer.ring.inbox
                 row["raw_s"], _ = _least(lambda inbox=inbox, info=info: inbox.transfer(info), repeats)
 
-                def lease(inbox: Any = inbox, info: Any = info, sha256: str = m.object_sha256) -> tuple[float, float]:
-                    got = inbox.lease(info, sha256=sha256)
+                digest = m.objects[0].digest  # the manifest's, prefixed with its algorithm
+
+                def lease(inbox: Any = inbox, info: Any = info, digest: str = digest) -> tuple[float, float]:
+                    got = inbox.lease(info, digest=digest)
                     got.release()
                     return got.wait_s, got.hash_s
 
                 row["transport_s"], (row["transport_wait_s"], row["transport_hash_s"]) = _least(lease, repeats)
-                data = bytes(inbox.read(info, sha256=m.object_sha256))
+                data = bytes(inbox.read(info, digest=digest))
                 row["sha256_s"], _ = _least(lambda data=data: hashlib.sha256(data).hexdigest(), max(3, repeats // 3))
+                row["digest_s"], _ = _least(lambda data=data, d=digest: digests.compute(data, digests.algorithm_of(d)),
+                                            max(3, repeats // 3))
                 with StepObject(data, where="raw check") as again:
                     assert again.header.step == s  # the raw READ brought the same object
             rows.append(row)

@@ -11,14 +11,15 @@ a fresh process (after a warm-up that loads the compiled kernels), timing the ca
 resident set (/proc/self/statm) every millisecond for its peak growth, and the process's CPU time (user +
 system, every thread: on a machine shared with other jobs the wall time follows their load, the CPU time
 much less):
-  full            reconstruct_state_dict of step N from the full checkpoint (SHA-256 + every checksum);
+  full            reconstruct_state_dict of step N from the full checkpoint (its digest + every checksum);
   replay          reconstruct_state_dict of step N from the anchor + N deltas (same checks, every step);
   replay-folder   replay_to_folder: the same, written as a checkpoint folder (what `deltasync replay` does);
   plain-load      safetensors.load_file of the full checkpoint, copied into memory, unverified (reference);
   replica         StreamReader.state_dict: the follower's path (Replica, delta by delta), once;
   breakdown       the replay's stages on one thread, each timed in thread CPU time (best of 3 passes):
-                  reading the anchor's tensors and hashing the same bytes (SHA-256, read once), fetch +
-                  SHA-256 of the deltas, reading and decoding the deltas, applying them, the final checksum;
+                  reading the anchor's tensors and hashing the same bytes (the manifest's digest: BLAKE3, or
+                  SHA-256 in older streams; read once), fetch + digest of the deltas, reading and decoding the
+                  deltas, applying them, the final checksum;
                   then the kernels and calls that took the most time in a profiled pass.
 Targets (issue 22): replay <= 1.5x the full load's time and <= 1.1x its peak memory. Prints a table, writes JSON.
 ``--streams DIR`` builds the streams there and keeps them (a later run with the same DIR reuses them: the
@@ -131,7 +132,7 @@ def breakdown(url: str, step: int, work: Path, passes: int = 3) -> dict:
     counts = {"deltas": len(steps) - 1, "patches": 0, "changed_elements": 0}
     for k in range(passes + 1):  # the last pass runs under the profiler
         spent: dict[str, float] = dict.fromkeys(
-            ("read + SHA-256 anchor (once)", "fetch + SHA-256 deltas", "read + decode deltas",
+            ("read + digest anchor (once)", "fetch + digest deltas", "read + decode deltas",
              "apply (XOR)", "checksum (final state)"), 0.0)
         profile = cProfile.Profile() if k == passes else None
 
@@ -145,9 +146,11 @@ def breakdown(url: str, step: int, work: Path, passes: int = 3) -> dict:
             profile.enable()
         anchor, landed = reader.open_unhashed(steps[0]), {}
         assert anchor is not None, "a local store reads its anchor once"
-        digest = timed("read + SHA-256 anchor (once)", anchor.read_tensors_hashed, landed.__setitem__)
-        reader.store.check_sha256(reader.manifest(steps[0]), digest)
-        objects = [anchor] + [timed("fetch + SHA-256 deltas", open_checked, reader, s) for s in steps[1:]]
+        first = reader.manifest(steps[0])
+        digest = timed("read + digest anchor (once)", anchor.read_tensors_hashed, landed.__setitem__,
+                       algorithm=first.algorithm)
+        reader.store.check_digest(first, digest)
+        objects = [anchor] + [timed("fetch + digest deltas", open_checked, reader, s) for s in steps[1:]]
         with Chain(objects) as chain:
             for name in chain.order():
                 t = landed.pop(name)

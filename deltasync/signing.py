@@ -39,11 +39,13 @@ from deltasync.format.documents import CatchupManifest, Manifest, Step, decode
 __all__ = ["SIGNATURE", "SigningKey", "StreamSigner", "keygen"]
 
 SIGNATURE = "signature.json"
-STATEMENT_TYPE = "deltasync.step/2"  # what writers sign (docs/FORMAT.md section 5e)
+STATEMENT_TYPE = "deltasync.step/2"  # what writers sign for a SHA-256 manifest (docs/FORMAT.md section 5e)
+STATEMENT_TYPE_V3 = "deltasync.step/3"  # ... for a manifest that names its digest (format version 3)
 STATEMENT_TYPE_V1 = "deltasync.step/1"  # what earlier writers signed: read where that is safe
 HEAD_TYPE = "deltasync.head/1"
 FINGERPRINT_TYPE = "deltasync.fingerprint/1"  # a reference runtime fingerprint (docs/FORMAT.md section 5f)
 CATCHUP_TYPE = "deltasync.catchup/1"  # a catch-up delta's statement (docs/FORMAT.md section 5g)
+CATCHUP_TYPE_V2 = "deltasync.catchup/2"  # ... for a catch-up manifest that names its digest (version 2)
 ENDORSEMENT_CONTEXT = b"deltasync.key-endorsement/1\n"
 MAX_SIGNATURE_BYTES = 64 << 10
 MAX_CHAIN = 8
@@ -79,18 +81,40 @@ def key_id(public_key: bytes) -> str:
     return hashlib.sha256(public_key).hexdigest()[:16]
 
 
+def statement_type(manifest: Manifest) -> str:
+    """The statement type a writer signs for ``manifest``, the only one a reader accepts for it besides
+    ``deltasync.step/1`` on a version-1 manifest: ``deltasync.step/3`` exactly when it names its digest."""
+    return STATEMENT_TYPE if manifest.digest is None else STATEMENT_TYPE_V3
+
+
 def statement_fields(manifest: Manifest) -> dict[str, Any]:
-    """The fields of a step statement that the manifest's parsed values decide (both statement types)."""
+    """The fields of a step statement that the manifest's parsed values decide (every statement type): for a
+    manifest that names its digest, that name and each object's prefixed digest (``"blake3:…"``); else each
+    object's bare SHA-256."""
+    if manifest.digest is None:
+        return {"step": manifest.step, "base_step": manifest.base_step, "kind": manifest.kind,
+                "state_checksum": manifest.state_checksum,
+                "objects": {p.object: p.object_sha256 for p in manifest.stored_objects}}
     return {"step": manifest.step, "base_step": manifest.base_step, "kind": manifest.kind,
-            "state_checksum": manifest.state_checksum,
-            "objects": {p.object: p.object_sha256 for p in manifest.stored_objects}}
+            "state_checksum": manifest.state_checksum, "digest": manifest.digest,
+            "objects": {p.object: p.digest for p in manifest.stored_objects}}
+
+
+def document_digests(manifest_digest: str | None, files: str | None, *, prefixed: bool) -> dict[str, str | None]:
+    """``manifest`` and ``files`` of a statement: SHA-256 of the documents as stored, bare (``step/2``,
+    ``catchup/1``) or written ``"sha256:…"`` (``step/3``, ``catchup/2``: every digest names its algorithm)."""
+    if not prefixed:
+        return {"manifest": manifest_digest, "files": files}
+    return {"manifest": None if manifest_digest is None else f"sha256:{manifest_digest}",
+            "files": None if files is None else f"sha256:{files}"}
 
 
 def statement(manifest: Manifest, stream_id: str, *, manifest_sha256: str, files_sha256: str | None) -> bytes:
     """What a step's signature covers (docs/FORMAT.md section 5e), as the exact bytes signed: the manifest's
     fields, the SHA-256 of ``manifest.json`` and of ``files.json`` as stored, and the stream."""
-    return _canonical({"type": STATEMENT_TYPE, "stream_id": stream_id, **statement_fields(manifest),
-                       "manifest": manifest_sha256, "files": files_sha256})
+    kind = statement_type(manifest)
+    return _canonical({"type": kind, "stream_id": stream_id, **statement_fields(manifest),
+                       **document_digests(manifest_sha256, files_sha256, prefixed=kind == STATEMENT_TYPE_V3)})
 
 
 def statement_v1(manifest: Manifest, stream_id: str | None) -> bytes:
@@ -98,18 +122,30 @@ def statement_v1(manifest: Manifest, stream_id: str | None) -> bytes:
     return _canonical({"type": STATEMENT_TYPE_V1, "stream_id": stream_id, **statement_fields(manifest)})
 
 
+def catchup_type(manifest: CatchupManifest) -> str:
+    """``deltasync.catchup/2`` for a catch-up manifest that names its digest, else ``deltasync.catchup/1``."""
+    return CATCHUP_TYPE if manifest.digest is None else CATCHUP_TYPE_V2
+
+
 def catchup_fields(manifest: CatchupManifest) -> dict[str, Any]:
     """The fields of a catch-up statement that its manifest's parsed values decide (docs/FORMAT.md section 5g)."""
-    return {"step": manifest.step, "base_step": manifest.base_step, "state_checksum": manifest.state_checksum,
-            "base_state_checksum": manifest.base_state_checksum,
-            "objects": {manifest.object: manifest.object_sha256}}
+    fields = {"step": manifest.step, "base_step": manifest.base_step, "state_checksum": manifest.state_checksum,
+              "base_state_checksum": manifest.base_state_checksum}
+    if manifest.digest is None:
+        return {**fields, "objects": {manifest.object: manifest.object_sha256}}
+    return {**fields, "digest": manifest.digest, "objects": {manifest.object: manifest.part.digest}}
+
+
+def catchup_manifest_digest(manifest: CatchupManifest, manifest_sha256: str) -> str:
+    """The statement's ``manifest``: bare SHA-256 (``catchup/1``) or ``"sha256:…"`` (``catchup/2``)."""
+    return manifest_sha256 if manifest.digest is None else f"sha256:{manifest_sha256}"
 
 
 def catchup_statement(manifest: CatchupManifest, stream_id: str, *, manifest_sha256: str) -> bytes:
     """What a catch-up's signature covers, as the exact bytes signed: its own type (never a step's), the stream,
     the manifest's fields and the SHA-256 of ``manifest.json`` as stored."""
-    return _canonical({"type": CATCHUP_TYPE, "stream_id": stream_id, **catchup_fields(manifest),
-                       "manifest": manifest_sha256})
+    return _canonical({"type": catchup_type(manifest), "stream_id": stream_id, **catchup_fields(manifest),
+                       "manifest": catchup_manifest_digest(manifest, manifest_sha256)})
 
 
 def head_statement(stream_id: str, step: int, *, signed_unix_ms: int, closed: bool) -> bytes:

@@ -40,6 +40,7 @@ from deltasync.format.documents import CatchupManifest, Manifest, StreamInfo, de
 from deltasync.format.names import SHA256, STREAM_ID, check
 from deltasync.signing import (
     CATCHUP_TYPE,
+    CATCHUP_TYPE_V2,
     FINGERPRINT_TYPE,
     HEAD_TYPE,
     MAX_CHAIN,
@@ -48,16 +49,21 @@ from deltasync.signing import (
     SIGNATURE,
     STATEMENT_TYPE,
     STATEMENT_TYPE_V1,
+    STATEMENT_TYPE_V3,
     Endorsement,
     SignatureDoc,
     SigningKey,
     StreamSigner,
     _canonical,
     catchup_fields,
+    catchup_manifest_digest,
+    catchup_type,
+    document_digests,
     key_id,
     pem_text,
     read_public_key,
     statement_fields,
+    statement_type,
     statement_v1,
     verify_signature,
 )
@@ -77,7 +83,7 @@ NO_PIN = ("trusted keys need the id of the stream they sign for (stream_id=..., 
 class SignedStep:
     """A step whose signature verified over a statement that matches its manifest: who signed it (``key``, with
     the ``endorsements`` it carried), the ``files.json`` digest it vouches for (None: none, or a statement of
-    type ``deltasync.step/1``, which vouches for no model files) and the statement's ``version`` (1 or 2)."""
+    type ``deltasync.step/1``, which vouches for no model files) and the statement's ``version`` (1, 2 or 3)."""
 
     step: int
     key: bytes
@@ -241,6 +247,14 @@ class TrustedKeys:
                                     "signed steps", step=step)
         doc, text, fields = self._verified(raw, where=f"{where}/steps/{step:012d}/{SIGNATURE}", what=f"step {step}")
         kind = fields.get("type")
+        expected = statement_type(manifest)
+        if kind in (STATEMENT_TYPE, STATEMENT_TYPE_V1, STATEMENT_TYPE_V3) and kind != expected and not (
+                kind == STATEMENT_TYPE_V1 and expected == STATEMENT_TYPE):
+            # a manifest that names its digest is signed only by a statement that names it too, and the reverse:
+            # no statement of one digest stands for a manifest of another (docs/FORMAT.md section 5e)
+            raise SignatureError(f"{where}: step {step}'s statement is of type {kind!r}, its manifest "
+                                 f"(format version {manifest.format_version}, digest {manifest.algorithm}) is signed "
+                                 f"by {expected!r}")
         if kind == STATEMENT_TYPE_V1:
             want = statement_v1(manifest, self.stream_id)
             if text != want:
@@ -251,21 +265,24 @@ class TrustedKeys:
                                      f"{STATEMENT_TYPE_V1}, which does not cover a multi-part manifest's aliases "
                                      "(docs/FORMAT.md section 5e): republish it with this version")
             files = None
-        elif kind == STATEMENT_TYPE:
-            want_fields = {"type": STATEMENT_TYPE, "stream_id": self.stream_id, **statement_fields(manifest),
-                           "manifest": manifest_sha256, "files": fields.get("files")}
+        elif kind in (STATEMENT_TYPE, STATEMENT_TYPE_V3):
             files = fields.get("files")
+            if kind == STATEMENT_TYPE_V3 and isinstance(files, str) and files.startswith("sha256:"):
+                files = files[len("sha256:"):]
             if files is not None and not check(SHA256, files):
-                raise SignatureError(f"{where}: step {step}'s statement names files {str(files)[:80]!r}, not a SHA-256")
+                raise SignatureError(f"{where}: step {step}'s statement names files {str(fields.get('files'))[:80]!r}, "
+                                     f"not a SHA-256{' (sha256:<64 hex>)' if kind == STATEMENT_TYPE_V3 else ''}")
+            want_fields = {"type": kind, "stream_id": self.stream_id, **statement_fields(manifest),
+                           **document_digests(manifest_sha256, files, prefixed=kind == STATEMENT_TYPE_V3)}
             if set(fields) != set(want_fields) or any(fields[k] != v for k, v in want_fields.items()):
                 raise SignatureError(f"{where}: step {step} is signed, but for other contents: the statement signed "
                                      f"says {_diff(text, _canonical(want_fields))}")
         else:
             raise SignatureError(f"{where}: step {step}'s statement is of type {str(kind)[:80]!r}; expected "
-                                 f"{STATEMENT_TYPE!r} (or {STATEMENT_TYPE_V1!r})")
+                                 f"{expected!r}")
         signer = base64.b64decode(doc.public_key)
         signed = SignedStep(step=step, key=signer, endorsements=tuple(doc.endorsements), files_sha256=files,
-                            version=2 if kind == STATEMENT_TYPE else 1)
+                            version=1 if kind == STATEMENT_TYPE_V1 else 2 if kind == STATEMENT_TYPE else 3)
         self.accept(signed, where=where)
         return signed
 
@@ -280,8 +297,12 @@ class TrustedKeys:
                                     "catch-ups")
         doc, text, fields = self._verified(
             raw, where=f"{where}/catchup/{manifest.step:012d}/{manifest.base_step:012d}/{SIGNATURE}", what=what)
-        want = {"type": CATCHUP_TYPE, "stream_id": self.stream_id, **catchup_fields(manifest),
-                "manifest": manifest_sha256}
+        kind = fields.get("type")
+        if kind in (CATCHUP_TYPE, CATCHUP_TYPE_V2) and kind != catchup_type(manifest):
+            raise SignatureError(f"{where}: {what}'s statement is of type {kind!r}, its manifest (digest "
+                                 f"{manifest.algorithm}) is signed by {catchup_type(manifest)!r}")
+        want = {"type": catchup_type(manifest), "stream_id": self.stream_id, **catchup_fields(manifest),
+                "manifest": catchup_manifest_digest(manifest, manifest_sha256)}
         if set(fields) != set(want) or any(fields[k] != v for k, v in want.items()):
             raise SignatureError(f"{where}: {what} is signed, but for other contents: the statement signed says "
                                  f"{_diff(text, _canonical(want))}")

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import blake3
 import safetensors
 import safetensors.torch
 
@@ -22,6 +23,20 @@ def object_path(store: Store, step: int) -> Path:
 def write_manifest(store: Store, step: int, **changes) -> None:
     m = replace(store.manifest(step), **changes)
     store.write_bytes(f"{step_dir(step)}/{MANIFEST}", m.to_json().encode())
+
+
+def digest_fields(manifest_digest: str | None, data: bytes) -> dict[str, str]:
+    """The manifest field that makes ``data`` agree with a manifest of digest ``manifest_digest`` (None: SHA-256,
+    versions 1 and 2; ``"blake3"``: version 3), hashed here with hashlib and blake3 directly (FORMAT.md 1b)."""
+    if manifest_digest is None:
+        return {"object_sha256": hashlib.sha256(data).hexdigest()}
+    assert manifest_digest == "blake3"
+    return {"object_digest": "blake3:" + blake3.blake3(data).hexdigest()}
+
+
+def write_manifest_agreeing(store: Store, step: int, data: bytes, **changes) -> None:
+    """Rewrite step ``step``'s one-object manifest so that its size and digest are those of ``data``."""
+    write_manifest(store, step, object_bytes=len(data), **digest_fields(store.manifest(step).digest, data), **changes)
 
 
 def rewrite_header(store: Store, step: int, mutate: Callable[[dict], None], *,
@@ -42,8 +57,7 @@ def rewrite_header(store: Store, step: int, mutate: Callable[[dict], None], *,
     metadata["deltasync"] = json.dumps(header)
     safetensors.torch.save_file(tensors, str(path), metadata=metadata)
     data = path.read_bytes()
-    write_manifest(store, step, object_bytes=len(data), object_sha256=hashlib.sha256(data).hexdigest(),
-                   state_checksum=header["state_checksum"])
+    write_manifest_agreeing(store, step, data, state_checksum=header["state_checksum"])
 
 
 def wrong_checksum(header: dict) -> None:
@@ -65,5 +79,5 @@ def damage_blob(store: Store, step: int) -> str:
     blob[len(blob) // 2 : len(blob) // 2 + 8] ^= 0xFF
     safetensors.torch.save_file(tensors, str(path), metadata=metadata)
     data = path.read_bytes()
-    write_manifest(store, step, object_bytes=len(data), object_sha256=hashlib.sha256(data).hexdigest())
+    write_manifest_agreeing(store, step, data)
     return key.rsplit(":", 1)[0]

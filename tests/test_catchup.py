@@ -244,7 +244,7 @@ def test_a_damaged_catchup_is_refused_and_the_way_planned_again(stream):
     rep = r.replica(16)
     assert r.catch_up(rep, 33) == _plain(url, 33, 16)
     assert states_equal(rep.state_dict(), truth[33])
-    assert "SHA-256" in r.refused_catchups[(32, 16)]
+    assert "differs from the manifest's blake3:" in r.refused_catchups[(32, 16)]
     problems = verify(url, all_problems=True).problems
     assert [(p.step, p.kind) for p in problems] == [(32, "catchup")]
 
@@ -268,10 +268,12 @@ def test_a_catchup_that_lies_is_caught_by_the_checksums(stream):
             o.close()
     store.delete_catchup(32, 16)
     import dataclasses
-    import hashlib
-    sha = hashlib.sha256(data).hexdigest()
-    lie = dataclasses.replace(good, object=f"catchup-{sha[:16]}.safetensors", object_bytes=data.nbytes,
-                              object_sha256=sha)
+
+    import blake3
+    digest = "blake3:" + blake3.blake3(data).hexdigest()
+    assert good.format_version == 2 and good.digest == "blake3"  # a catch-up manifest that names its digest
+    lie = dataclasses.replace(good, object=f"catchup-{digest[7:23]}.safetensors", object_bytes=data.nbytes,
+                              object_digest=digest)
     store.commit_catchup(lie, data)
     problems = verify(url, all_problems=True).problems
     assert [(p.step, p.kind) for p in problems] == [(32, "catchup")]

@@ -80,8 +80,8 @@ def test_push_then_ls(qwen_stream, tmp_path):
     assert "pushed" in r.output and "step 5 (delta on step 0)" in r.output
     d = run_json("push", url, str(ckpt), "--step", "6", "--anchor", "--dtype", "bfloat16")
     assert (d["step"], d["kind"], d["base_step"]) == (6, "anchor", None)
-    assert set(d) == {"step", "base_step", "kind", "object", "object_bytes", "object_sha256", "state_checksum",
-                      "created_unix_s", "stats", "format_version"}
+    assert set(d) == {"step", "base_step", "kind", "object", "object_bytes", "object_digest", "digest",
+                      "state_checksum", "created_unix_s", "stats", "format_version"}
     assert [m["step"] for m in run_json("ls", url)] == [0, 5, 6]
 
 

@@ -22,8 +22,8 @@ def _doc_json_blocks() -> list[dict]:
 
 
 def test_format_doc_examples_parse():
-    header, manifest, anchor, manifest_v2, signature, statement, latest, reference, catchup, catchup_statement = (
-        _doc_json_blocks())
+    (manifest_v3, header, manifest, anchor, manifest_v2, signature, statement, statement_v3, latest, reference, catchup,
+     catchup_statement) = _doc_json_blocks()
     header["state_checksum"] = "0" * 64
     for t in header["tensors"].values():
         t["checksum"] = t["checksum"] if len(t["checksum"]) == 18 else "0x" + "0" * 16
@@ -47,14 +47,23 @@ def test_format_doc_examples_parse():
     assert m2.format_version == 2 and m2.object is None and len(m2.objects) == 2
     assert m2.object_bytes == sum(p.object_bytes for p in m2.objects)
     assert m2.objects[1].tensors == {"model.layers.0.mlp.down_proj.weight": (24576, 49152)}
+    # section 1b: a manifest of version 3 names its digest, and each object's digest names its algorithm
+    manifest_v3["state_checksum"] = "0" * 64
+    manifest_v3["object_digest"] = "blake3:" + manifest_v3["object_digest"].removeprefix("blake3:").ljust(64, "0")
+    manifest_v3["stats"] = {}
+    m3 = Manifest.from_json(json.dumps(manifest_v3), where="FORMAT.md")
+    assert m3.format_version == 3 and m3.algorithm == "blake3" and m3.objects[0].digest.startswith("blake3:")
+    assert m3.object is not None and m3.object.removeprefix("delta-")[:16] == m3.objects[0].digest[7:23]
     # section 5e: a signature document and the statement it signs (the code writes the same keys)
-    from deltasync.signing import STATEMENT_TYPE, SignatureDoc
+    from deltasync.signing import STATEMENT_TYPE, STATEMENT_TYPE_V3, SignatureDoc
 
     assert set(signature) == set(SignatureDoc.__struct_fields__)
     assert set(signature["endorsements"][0]) == {"public_key", "signed_by", "from_step", "signature"}
     assert statement["type"] == STATEMENT_TYPE and list(statement) == sorted(statement)
     assert set(statement) == {"type", "stream_id", "step", "base_step", "kind", "state_checksum", "objects",
                               "manifest", "files"}
+    assert statement_v3["type"] == STATEMENT_TYPE_V3 and list(statement_v3) == sorted(statement_v3)
+    assert set(statement_v3) == set(statement) | {"digest"} and statement_v3["digest"] == "blake3"
     # and latest.json with a signed head: a hint readers parse, the head a statement of its own
     from deltasync.format.documents import LatestHint, decode
     from deltasync.signing import HEAD_TYPE
@@ -197,11 +206,12 @@ def _mixed_state(gen) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["anchor", "delta"])
 def test_writer_hashes_what_it_writes_and_memory_holds_the_same_object(tmp_path, gen, kind):
-    """The size and SHA-256 a writer reports are those of the bytes on disk (hashlib over the file); the same
+    """The size and digest a writer reports are those of the bytes on disk (blake3 over the file); the same
     object written to memory is byte-identical, and opens from bytes, memoryview and mmap as from the file."""
-    import hashlib
     import io
     import mmap
+
+    import blake3
 
     from deltasync.publish.steps import write_step_object
 
@@ -217,7 +227,7 @@ def test_writer_hashes_what_it_writes_and_memory_holds_the_same_object(tmp_path,
     path = tmp_path / "o.safetensors"
     header, written = write_step_object(path, **kw)
     data = path.read_bytes()
-    assert written.nbytes == len(data) and written.sha256 == hashlib.sha256(data).hexdigest()
+    assert written.nbytes == len(data) and written.digest == "blake3:" + blake3.blake3(data).hexdigest()
     buf = io.BytesIO()
     _, in_memory = write_step_object(buf, **kw)
     assert buf.getvalue() == data and in_memory == written

@@ -11,7 +11,14 @@ from deltasync.history import plan_gc
 from deltasync.store import Manifest, Store, step_dir
 from rollout_loader import Follower, StateDictTarget
 from tests.conftest import states_equal
-from tests.damage import damage_blob, object_path, rewrite_header, write_manifest, wrong_checksum
+from tests.damage import (
+    damage_blob,
+    object_path,
+    rewrite_header,
+    write_manifest,
+    write_manifest_agreeing,
+    wrong_checksum,
+)
 
 
 def test_a_sound_stream_verifies(qwen_stream):
@@ -66,7 +73,7 @@ def _anchor_checksum_does_not_replay(store):
          "step 6 object delta-[0-9a-f]{16}.safetensors: missing, though the step is committed", [7]),
         (_truncated_object, 6, "object", r"step 6 object delta-[0-9a-f]{16}.safetensors: \d+ bytes, manifest says \d+",
          [7]),
-        (_garbage_object, 6, "object", "step 6 object delta-[0-9a-f]{16}.safetensors: SHA-256", [7]),
+        (_garbage_object, 6, "object", "step 6 object delta-[0-9a-f]{16}.safetensors: digest blake3:", [7]),
         (_missing_manifest_mid_chain, 6, "chain",
          "step 6 is a delta on step 5, which is not committed \\(its folder holds objects but no manifest.json\\)",
          [7]),
@@ -207,8 +214,6 @@ def test_steps_before_a_bad_object_are_still_replayed(stream_copy):
 
 def test_verify_refuses_an_anchor_whose_layout_disagrees_with_its_header(stream_copy):
     """verify passed such an anchor, which every reader refuses: both now run the same checks."""
-    import hashlib
-
     import safetensors
     import safetensors.torch
 
@@ -221,7 +226,7 @@ def test_verify_refuses_an_anchor_whose_layout_disagrees_with_its_header(stream_
     tensors[name] = tensors[name].reshape(-1)  # same bytes, another shape than the header says
     safetensors.torch.save_file(tensors, str(path), metadata=metadata)
     data = path.read_bytes()
-    write_manifest(store, 4, object_bytes=len(data), object_sha256=hashlib.sha256(data).hexdigest())
+    write_manifest_agreeing(store, 4, data)
     report = verify(stream_copy, all_problems=True)
     assert (4, "header") in [(p.step, p.kind) for p in report.problems]
     assert f"tensor {name!r} is stored as" in next(p.message for p in report.problems if p.step == 4)

@@ -45,7 +45,7 @@ def _fetch_in_process(folder: str, digest: str, payload: bytes, dest: str, log: 
         path.write_bytes(payload)
 
     def check(path: Path) -> None:
-        if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+        if hashlib.sha256(path.read_bytes()).hexdigest() != digest.removeprefix("sha256:"):
             raise CorruptObjectError("bad bytes")
 
     go.wait(60)
@@ -54,7 +54,7 @@ def _fetch_in_process(folder: str, digest: str, payload: bytes, dest: str, log: 
 
 def test_processes_of_one_host_download_an_object_once(tmp_path):
     payload = os.urandom(100_000)
-    digest = hashlib.sha256(payload).hexdigest()
+    digest = "sha256:" + hashlib.sha256(payload).hexdigest()
     log = tmp_path / "downloads.log"
     go = CTX.Event()
     procs = [CTX.Process(target=_fetch_in_process,
@@ -123,8 +123,9 @@ def test_the_cache_stays_within_its_byte_bound(remote, tmp_path):
 
 def test_a_digest_from_a_manifest_must_be_a_digest(tmp_path):
     node = NodeCache(tmp_path / "node")
-    for bad in ("../../etc/passwd", "A" * 64, "a" * 63, "a" * 64 + "\n"):
-        with pytest.raises(CorruptObjectError, match="expected a SHA-256"):
+    for bad in ("../../etc/passwd", "A" * 64, "a" * 63, "a" * 64 + "\n", "a" * 64, "sha256:" + "a" * 63,
+                "blake3:" + "a" * 64 + "\n", "md5:" + "a" * 64, "blake3-" + "a" * 64):
+        with pytest.raises(CorruptObjectError, match="expected a digest 'sha256:<64 hex>' or 'blake3:<64 hex>'"):
             node.read(bad, 1, lambda: b"x", lambda data: None)
     assert os.listdir(tmp_path / "node" / "objects") == []
 
@@ -159,7 +160,7 @@ def test_step_objects_are_keyed_by_content_not_name(remote, tmp_path):
     node = NodeCache(tmp_path / "node")
     with StreamReader(url, node_cache=node) as reader:
         reader.state_dict(0)
-        digest = reader.manifest(0).object_sha256
+        digest = NodeCache.file_name(reader.manifest(0).objects[0].digest)
     fs = fsspec.filesystem("memory")
     copy = f"memory://node-copy-{uuid.uuid4().hex}"
     fs.cp(url.removeprefix("memory://"), copy.removeprefix("memory://"), recursive=True)
@@ -206,7 +207,7 @@ def test_a_link_planted_in_the_cache_is_never_followed(tmp_path, remote, monkeyp
     victim.write_text("precious")
     with StreamReader(url) as plain:
         m = plain.manifest(5)
-    digest = m.object_sha256
+    digest = NodeCache.file_name(m.objects[0].digest)
     os.symlink(victim, node.folder / "tmp" / f"{digest}.{os.getpid()}.part")
     with StreamReader(url, node_cache=node) as reader:
         assert states_equal(reader.state_dict(5), truth[5])
@@ -237,7 +238,7 @@ def test_a_special_file_in_the_cache_blocks_nothing(tmp_path, remote, monkeypatc
     url, truth = remote
     node = NodeCache(tmp_path / "node")
     with StreamReader(url) as plain:
-        digests = [plain.manifest(s).object_sha256 for s in plain.chain(5)]
+        digests = [NodeCache.file_name(plain.manifest(s).objects[0].digest) for s in plain.chain(5)]
     for d in digests:
         os.mkfifo(node.folder / "objects" / d)
     done = threading.Event()
@@ -300,3 +301,22 @@ def test_another_users_folder_or_link_is_refused(tmp_path):
     os.lchown(link, 4242, 4242)  # a link another user planted, pointing at a folder of ours
     with pytest.raises(ConfigError, match="a link another user made"):
         NodeCache(link)
+
+
+def test_two_algorithms_never_share_a_cached_object(tmp_path):
+    """A SHA-256 and a BLAKE3 digest with the same 64 hex digits (a bucket writer who names a BLAKE3 step's object
+    by another object's SHA-256 hex, or the reverse) are two keys: neither read is served the other's bytes."""
+    node = NodeCache(tmp_path / "node")
+    same = "ab" * 32
+    first = node.read(f"sha256:{same}", 5, lambda: b"first", lambda data: None)
+    served: list[bytes] = []
+
+    def check(data: bytes) -> None:
+        served.append(data)
+        if data != b"other":
+            raise CorruptObjectError("not the BLAKE3 object")
+
+    second = node.read(f"blake3:{same}", 5, lambda: b"other", check)
+    assert (first, second) == (b"first", b"other") and served == [b"other"]  # never offered the SHA-256 one
+    assert sorted(os.listdir(node.folder / "objects")) == [same, f"blake3-{same}"]
+    assert NodeCache.file_name(f"sha256:{same}") == same  # caches written before BLAKE3 keep their entries

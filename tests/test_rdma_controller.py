@@ -52,7 +52,7 @@ def _trainer(rank: int, agent: str) -> TrainerHello:
 
 def _slot(agent: str, step: int) -> SlotInfo:
     return SlotInfo(agent=agent, step=step, slot=step % 2, offset=(step % 2) * 4096, length=10,
-                    sha256=hashlib.sha256(b"%d" % step).hexdigest(), generation=step)
+                    digest="sha256:" + hashlib.sha256(b"%d" % step).hexdigest(), generation=step)
 
 
 @pytest.fixture

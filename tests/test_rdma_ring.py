@@ -9,7 +9,6 @@ killed while reading, a lost announcement, a missing acknowledgement, a restarte
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing as mp
 import os
 import queue
@@ -19,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 
 from deltasync.rdma.agent import nixl_available
@@ -60,7 +60,7 @@ def _store_object(url: str, step: int) -> bytes:
     with Store(url) as store:
         manifest = store.manifest(step)
         data = store.fetch_object(manifest).read_bytes()
-    assert hashlib.sha256(data).hexdigest() == manifest.object_sha256
+    assert "blake3:" + blake3.blake3(data).hexdigest() == manifest.objects[0].digest
     return data
 
 
@@ -152,7 +152,7 @@ def consumer_peer(address: str, url: str, cid: str, engine: str, steps: list[int
                     how, data = "rdma-refetched", bytes(inbox.read(info))
             except RdmaError as e:
                 how, error, data = "store", type(e).__name__, _store_object(url, step)
-            ok = hashlib.sha256(data).hexdigest() == store.manifest(step).object_sha256  # the publisher's hash
+            ok = "blake3:" + blake3.blake3(data).hexdigest() == store.manifest(step).objects[0].digest  # publisher
             with StepObject(data, where=f"{cid} step {step}") as obj:  # opens as the store's object does
                 ok = ok and obj.header.step == step
             record.append((step, how, error if ok else f"{error} BYTES DIFFER"))
@@ -442,7 +442,7 @@ def test_pieced_read_hashed_once_held_in_place_and_refused_once_changed(run, tmp
         _train_step(state, 2)
         pub.publish(2)
     objects = {s: _store_object(url, s) for s in (1, 2)}  # checked against the manifest's SHA-256 there
-    sha = {s: hashlib.sha256(d).hexdigest() for s, d in objects.items()}
+    sha = {s: "blake3:" + blake3.blake3(d).hexdigest() for s, d in objects.items()}
     assert len(objects[1]) > 2 * (64 << 10)  # several pieces of one 64 KiB chunk each
 
     r = run(consumers=0)
@@ -455,16 +455,16 @@ def test_pieced_read_hashed_once_held_in_place_and_refused_once_changed(run, tmp
         commands.put(("consumers", [agent.name]))
         commands.put(("offer", 1, objects[1]))
         first = r.wait("info")
-        held = inbox.lease(first, sha256=sha[1])
-        assert bytes(held.view()) == objects[1] and held.sha256 == sha[1]
+        held = inbox.lease(first, digest=sha[1])
+        assert bytes(held.view()) == objects[1] and held.digest == sha[1]
         commands.put(("waiting", first.slot))
         assert r.wait("waiting") == []  # the pieced read acknowledged the slot once every piece landed
 
         commands.put(("offer", 2, objects[2]))
         second = r.wait("info")
         with pytest.raises(StaleSlotError, match="not the expected"):  # announced object is not the manifest's
-            inbox.lease(second, sha256=sha[1])
-        other = inbox.lease(second, sha256=sha[2])
+            inbox.lease(second, digest=sha[1])
+        other = inbox.lease(second, digest=sha[2])
         assert other.offset >= held.offset + held.total  # landed beside the held object, not over it
         assert bytes(held.view()) == objects[1] and bytes(other.view()) == objects[2]
         other.release()
@@ -488,7 +488,9 @@ def test_pieced_read_hashed_once_held_in_place_and_refused_once_changed(run, tmp
         third = r.wait("info")
         commands.put(("flip", third.slot, len(objects[1]) - 7))
         r.wait("flipped")
-        with pytest.raises(StaleSlotError, match="SHA-256"):  # the single hash still catches one flipped bit
-            inbox.lease(third, sha256=sha[1])
+        with pytest.raises(StaleSlotError, match="differs from the announced"):  # one hash catches one flipped bit
+            inbox.lease(third, digest=sha[1])
+        with pytest.raises(StaleSlotError, match="not the expected"):  # same hex, another algorithm: another object
+            inbox.lease(third, digest="sha256:" + sha[1].removeprefix("blake3:"))
         assert not inbox._leases
         inbox.close()

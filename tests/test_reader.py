@@ -100,7 +100,7 @@ def remote(small_state, gen, monkeypatch):
 
 
 def test_small_deltas_open_from_memory(remote, monkeypatch):
-    """By default a remote delta is fetched into memory, checked (size, SHA-256) and opened from there: no
+    """By default a remote delta is fetched into memory, checked (size, digest) and opened from there: no
     cache file; anchors still go through the cache file. Damage is refused as before."""
     monkeypatch.undo()
     url, truth = remote
@@ -116,7 +116,7 @@ def test_small_deltas_open_from_memory(remote, monkeypatch):
         data = bytearray(fs.cat_file(obj))
         data[-1] ^= 1
         fs.pipe_file(obj, bytes(data))
-        with pytest.raises(CorruptObjectError, match="SHA-256"):
+        with pytest.raises(CorruptObjectError, match="digest blake3:.* differs from the manifest's blake3:"):
             reader.open(5)
         fs.pipe_file(obj, bytes(data) + b"x")
         with pytest.raises(CorruptObjectError, match=f"{m.object_bytes + 1}\\+ bytes, manifest says {m.object_bytes}"):
@@ -342,7 +342,7 @@ def test_an_object_source_that_holds_the_wrong_size_is_not_believed(tmp_path, sm
     released = []
 
     class Lying:
-        def held(self, step, *, name, nbytes, sha256):
+        def held(self, step, *, name, nbytes, digest):
             class Held:
                 def view(self):
                     return memoryview(b"\0" * (nbytes + 7))

@@ -1,7 +1,6 @@
 """An anchor read once (history/_anchor.py): reconstruct_state_dict hashes a local anchor while it reads it,
 and refuses every damage with the same error as the path that hashes each object first (replay_to_folder)."""
 
-import hashlib
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from deltasync.history import reconstruct_state_dict
 from deltasync.history.replay import Chain
 from deltasync.store import Store
 from tests.conftest import states_equal
-from tests.damage import damage_blob, object_path, rewrite_header, write_manifest, wrong_checksum
+from tests.damage import damage_blob, object_path, rewrite_header, write_manifest_agreeing, wrong_checksum
 
 
 def both_refuse(url, step, tmp_path, error, match):
@@ -46,7 +45,7 @@ def test_a_corrupt_anchor_is_named_as_such(stream_copy, tmp_path, where):
     size = path.stat().st_size
     flip(path, {"data": size // 2, "header": 40, "end": size - 1}[where])
     both_refuse(stream_copy, 6, tmp_path, CorruptObjectError,
-                r"step 4 object anchor-[0-9a-f]{16}\.safetensors: SHA-256")
+                r"step 4 object anchor-[0-9a-f]{16}\.safetensors: digest blake3:")
 
 
 def test_a_truncated_anchor_is_named_as_such(stream_copy, tmp_path):
@@ -58,9 +57,10 @@ def test_a_truncated_anchor_is_named_as_such(stream_copy, tmp_path):
 def test_a_corrupt_delta_in_the_middle_of_a_chain(stream_copy, tmp_path):
     store = Store(stream_copy)
     flip(object_path(store, 6), object_path(store, 6).stat().st_size // 2)
-    both_refuse(stream_copy, 7, tmp_path, CorruptObjectError, r"step 6 object delta-[0-9a-f]{16}\.safetensors: SHA-256")
+    both_refuse(stream_copy, 7, tmp_path, CorruptObjectError,
+                r"step 6 object delta-[0-9a-f]{16}\.safetensors: digest blake3:")
     flip(object_path(store, 6), object_path(store, 6).stat().st_size // 2)  # restored
-    name = damage_blob(store, 5)  # passes SHA-256: decoding finds it
+    name = damage_blob(store, 5)  # passes the digest: decoding finds it
     both_refuse(stream_copy, 7, tmp_path, FormatError, f"step 5 tensor '{name}'")
 
 
@@ -78,7 +78,7 @@ def test_anchor_bits_changed_with_a_matching_manifest_fail_the_checksum(stream_c
     path = object_path(store, 8)
     flip(path, path.stat().st_size - 3)  # a tensor's bits (the data buffer ends the file), manifest made to agree
     data = path.read_bytes()
-    write_manifest(store, 8, object_bytes=len(data), object_sha256=hashlib.sha256(data).hexdigest())
+    write_manifest_agreeing(store, 8, data)
     both_refuse(stream_copy, 9, tmp_path, ChecksumMismatchError,
                 "step 9: tensor .* does not match the trainer's checksum")
 

@@ -192,7 +192,8 @@ def test_fsdp2_ranks_publish_their_own_shards_bit_exact(tmp_path, world):
     assert reader.steps() == [1, 2, 3, 4, 5]
     _assert_bit_exact(reader, out, [1, 2, 3, 4, 5])
     m = reader.manifest(2)
-    assert m.format_version == 2 and m.kind == "delta" and len(m.objects) == world
+    assert m.format_version == 3 and m.digest == "blake3" and m.kind == "delta" and len(m.objects) == world
+    assert all(p.digest.startswith("blake3:") and p.digest[7:23] in p.object for p in m.objects)
     # each part names its writer's rank, and every tensor's ranges tile it (rank 0 holds the first rows)
     assert [p.object.split("-")[1] for p in m.objects] == [f"r{r:05d}" for r in range(world)]
     assert m.objects[0].tensors["emb.weight"][0] == 0 and m.objects[-1].tensors["emb.weight"][1] == 23 * 16
@@ -225,7 +226,8 @@ def test_fsdp2_ranks_publish_their_own_shards_bit_exact(tmp_path, world):
         pub.publish(10)
         final["up.weight"][0, :3] += 1.0
         pub.publish(11)
-    assert reader.manifest(11).format_version == 1 and reader.manifest(11).kind == "delta"
+    assert reader.manifest(11).format_version == 3 and reader.manifest(11).parts is None
+    assert reader.manifest(11).kind == "delta"
     assert torch.equal(reader.state_dict(11)["up.weight"], final["up.weight"])
     assert verify(str(stream)).verified == (1, 2, 3, 4, 5, 10, 11)
     reader.close()
@@ -240,8 +242,7 @@ def test_fsdp2_ranks_publish_their_own_shards_bit_exact(tmp_path, world):
 def _tamper_part_checksum(stream: Path, step: int) -> None:
     """Change one tensor's checksum in the last part of ``step`` and re-sign the part in the manifest (a writer
     that lies consistently about one part): everything but the sum of the parts' checksums checks out."""
-    import hashlib
-
+    from tests.damage import digest_fields
     from tests.fuzz.edits import SafetensorsFile
 
     folder = stream / "steps" / f"{step:012d}"
@@ -253,12 +254,12 @@ def _tamper_part_checksum(stream: Path, step: int) -> None:
     old = int(header["tensors"][name]["checksum"], 16)
     header["tensors"][name]["checksum"] = f"0x{(old + 1) % (1 << 64):016x}"
     data = f.build(step_header=json.dumps(header).encode())
-    sha = hashlib.sha256(data).hexdigest()
-    new_name = f"{part['object'].rsplit('-', 1)[0]}-{sha[:16]}.safetensors"
+    agreeing = digest_fields(manifest.get("digest"), data)
+    new_name = f"{part['object'].rsplit('-', 1)[0]}-{next(iter(agreeing.values()))[-64:][:16]}.safetensors"
     (folder / part["object"]).unlink()
     (folder / new_name).write_bytes(data)
     manifest["object_bytes"] += len(data) - part["object_bytes"]
-    part.update(object=new_name, object_bytes=len(data), object_sha256=sha)
+    part.update(object=new_name, object_bytes=len(data), **agreeing)
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -318,7 +319,7 @@ def test_ddp_rank_zero_publishes_canonical_names(tmp_path):
     stream = tmp_path / "stream"
     _, out = _run(tmp_path, stream, "ddp", 2, 1, 4, "run")
     reader = StreamReader(str(stream))
-    assert reader.steps() == [1, 2, 3, 4] and reader.manifest(2).format_version == 1
+    assert reader.steps() == [1, 2, 3, 4] and reader.manifest(2).parts is None
     assert not any(n.startswith("module.") for n in reader.state_dict(4))
     _assert_bit_exact(reader, out, [1, 2, 3, 4])
     reader.close()

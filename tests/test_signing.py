@@ -285,12 +285,17 @@ def test_signature_json_is_what_format_md_says(signed, keys):
     for step in (0, 4, 5):  # anchors carry their own delta (section 5): it is a stored object too
         raw = (_step_dir(stream, step) / "manifest.json").read_bytes()
         m = json.loads(raw)
-        objects = {m["object"]: m["object_sha256"]}
+        # written by this version: format version 3, BLAKE3 (section 1b), signed by a step/3 statement whose every
+        # digest names its algorithm
+        assert (m["format_version"], m["digest"]) == (3, "blake3") and "object_sha256" not in m
+        objects = {m["object"]: m["object_digest"]}
         if m.get("delta"):
-            objects[m["delta"]["object"]] = m["delta"]["object_sha256"]
-        want = json.dumps({"type": "deltasync.step/2", "stream_id": stream_id, "step": step,
+            objects[m["delta"]["object"]] = m["delta"]["object_digest"]
+        assert all(d.startswith("blake3:") and len(d) == 7 + 64 for d in objects.values())
+        want = json.dumps({"type": "deltasync.step/3", "stream_id": stream_id, "step": step, "digest": "blake3",
                            "base_step": m["base_step"], "kind": m["kind"], "state_checksum": m["state_checksum"],
-                           "objects": objects, "manifest": hashlib.sha256(raw).hexdigest(), "files": None},
+                           "objects": objects, "manifest": "sha256:" + hashlib.sha256(raw).hexdigest(),
+                           "files": None},
                           sort_keys=True, separators=(",", ":"))
         doc = json.loads((_step_dir(stream, step) / SIGNATURE).read_text())
         assert (doc["format_version"], doc["algorithm"]) == (1, "ed25519")

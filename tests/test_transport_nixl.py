@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 
 from deltasync.rdma.agent import nixl_available
@@ -205,7 +206,7 @@ def _objects_equal_store(url: str) -> None:
         assert store.steps() == STEPS
         for s in STEPS:
             m = store.manifest(s)
-            assert hashlib.sha256(store.fetch_object(m).read_bytes()).hexdigest() == m.object_sha256
+            assert "blake3:" + blake3.blake3(store.fetch_object(m).read_bytes()).hexdigest() == m.objects[0].digest
 
 
 def _store_holds_truth(url: str, truth: dict[int, dict[str, str]]) -> None:
@@ -310,7 +311,7 @@ def test_a_reader_asks_its_object_source_first_with_the_manifest_then_the_store(
     expected = []
     for step in STEPS[:3]:
         doc = json.loads((tmp_path / "store" / "steps" / f"{step:012d}" / "manifest.json").read_text())
-        expected.append((step, {"name": doc["object"], "nbytes": doc["object_bytes"], "sha256": doc["object_sha256"]}))
+        expected.append((step, {"name": doc["object"], "nbytes": doc["object_bytes"], "digest": doc["object_digest"]}))
     assert source.asked == expected
 
 

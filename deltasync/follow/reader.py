@@ -72,10 +72,10 @@ class ObjectSource(Protocol):
     from elsewhere, and only bytes that match the manifest's size and SHA-256 are accepted.
     """
 
-    def held(self, step: int, *, name: str, nbytes: int, sha256: str) -> HeldBytes | None:
+    def held(self, step: int, *, name: str, nbytes: int, digest: str) -> HeldBytes | None:
         """Step ``step``'s single object ``name`` held in memory, its ``nbytes`` bytes already checked against
-        ``sha256`` (the manifest's: the only hash of these bytes, the reader opens them as they are), or None
-        (never raising: why is the source's to record) where the store must serve it."""
+        ``digest`` (the manifest's, prefixed with its algorithm: the only hash of these bytes, the reader opens them
+        as they are), or None (never raising: why is the source's to record) where the store must serve it."""
 
 
 class _HeldObject(StepObject):
@@ -317,7 +317,7 @@ class StreamReader:
 
     def open_unhashed(self, step: int) -> StepObject | None:
         """``open(step)`` without the SHA-256 check, for a reader that hashes the object's bytes as it reads
-        them (``StepObject.read_tensors_hashed``) and then calls ``store.check_sha256``: nothing read from it
+        them (``StepObject.read_tensors_hashed``) and then calls ``store.check_digest``: nothing read from it
         is proven before that. None where this cannot be done (a remote store, several parts, a reader
         with an object source, which holds checked objects): then ``open``."""
         m = self.manifest(step)
@@ -357,7 +357,7 @@ class StreamReader:
         against this manifest), or None."""
         if self.objects is None or m.is_multipart:  # the ring carries single-object steps only
             return None
-        held = self.objects.held(m.step, name=part.object, nbytes=part.object_bytes, sha256=part.object_sha256)
+        held = self.objects.held(m.step, name=part.object, nbytes=part.object_bytes, digest=part.digest)
         if held is not None and len(held.view()) != part.object_bytes:  # a source of another's making: not believed
             log.warning("%s step %d: the object source held %d bytes for %s, the manifest says %d: read from the "
                         "store", self.url, m.step, len(held.view()), part.object, part.object_bytes)

@@ -18,6 +18,7 @@ from typing import Annotated, Any, ClassVar, Final, Literal, TypeVar
 import msgspec
 
 from deltasync.errors import DeltaSyncError, FormatError
+from deltasync.format import digest as digests
 from deltasync.format import names
 from deltasync.format.names import DtypeName, whole
 
@@ -49,7 +50,15 @@ ConsumerId = Annotated[str, msgspec.Meta(pattern=whole(names.CONSUMER_ID))]
 WriterId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 Version = Literal[1]
-PartVersion = Literal[1, 2]  # 2: multi-part steps (docs/FORMAT.md section 5b)
+# 2: multi-part steps (docs/FORMAT.md section 5b); 3: either layout, objects named by the digest the manifest names
+# (section 1b)
+PartVersion = Literal[1, 2, 3]
+DIGEST_VERSION: Final = 3  # the manifest version that names its digest
+CATCHUP_DIGEST_VERSION: Final = 2  # the catch-up manifest version that names its digest (section 5g)
+# a version-3 digest: "<algorithm>:<hex>"; which algorithms a reader knows is checked after parsing, so that an
+# unknown one is refused by name (an unknown name never fails a pattern first)
+PrefixedDigest = Annotated[str, msgspec.Meta(pattern=r"\A[a-z0-9]{1,32}:[0-9a-f]{1,128}\Z")]
+DigestName = Annotated[str, msgspec.Meta(max_length=64)]
 MAX_MANIFEST_BYTES = 64 << 20  # a version-2 manifest lists every tensor of every part
 MAX_PARTS = 1 << 16
 Range = tuple[Count, Count]
@@ -252,6 +261,51 @@ class _RawStepHeader:
     checksum_algorithm: Literal["mix64-sum"] = CHECKSUM_ALGORITHM
 
 
+def _digest_field(digest: str) -> dict[str, Any]:
+    """Where a manifest stores a prefixed digest: SHA-256 as bare hex in ``object_sha256`` (versions 1, 2),
+    anything else as it is in ``object_digest`` (version 3)."""
+    algorithm, hexdigest = digests.split(digest)
+    return {"object_sha256": hexdigest} if algorithm == "sha256" else {"object_digest": digest}
+
+
+def _stored_digest(entry: Part | AnchorDelta | Manifest | CatchupManifest) -> dict[str, str]:
+    if entry.object_digest is not None:
+        return {"object_digest": entry.object_digest}
+    assert entry.object_sha256 is not None
+    return {"object_sha256": entry.object_sha256}
+
+
+def _check_digests(version: int, digest: str | None, entries: list[tuple[str, str | None, str | None]]) -> None:
+    """Versions 1 and 2 are SHA-256 (``object_sha256`` everywhere, no ``digest``); version 3 names its digest,
+    one this reader knows and not SHA-256, and every object's ``object_digest`` is of that algorithm
+    (docs/FORMAT.md section 1b). A ``FormatError`` (a ``ValueError``) names the field, what was expected and
+    what arrived."""
+    if version != DIGEST_VERSION:
+        if digest is not None:
+            raise FormatError(f"$.digest: format version {version} digests with SHA-256 and names no digest, "
+                              f"got {digest[:40]!r} (version {DIGEST_VERSION} names its digest)")
+        for where, sha, other in entries:
+            if sha is None or other is not None:
+                raise FormatError(f"{where}.object_sha256: format version {version} names each object's SHA-256 "
+                                  f"(object_sha256), got object_digest {str(other)[:80]!r}")
+        return
+    if digest is None:
+        raise FormatError(f"$.digest: format version {DIGEST_VERSION} names its digest, expected one of "
+                          f"{', '.join(a for a in digests.ALGORITHMS if a != 'sha256')}, got none")
+    algorithm = digests.check_algorithm(digest, where="$.digest")
+    if algorithm == "sha256":
+        raise FormatError(f"$.digest: format version {DIGEST_VERSION} names 'sha256'; SHA-256 steps are format "
+                          "versions 1 and 2 (object_sha256)")
+    for where, sha, other in entries:
+        if other is None or sha is not None:
+            raise FormatError(f"{where}.object_digest: format version {DIGEST_VERSION} names each object's "
+                              f"{algorithm} digest (object_digest), got object_sha256 {str(sha)[:80]!r}")
+        named = other.split(":", 1)[0]
+        if named != algorithm or len(other) != len(algorithm) + 65:
+            raise FormatError(f"{where}.object_digest: expected '{algorithm}:<64 hex>' (the manifest's digest), "
+                              f"got {other[:80]!r}")
+
+
 def _check_base(kind: str, step: int, base_step: int | None) -> None:
     if kind == "anchor" and base_step is not None:
         raise ValueError(f"an anchor has no base step, got base_step {base_step}")
@@ -279,22 +333,42 @@ class ManifestStats:
 
 @dataclass(frozen=True, kw_only=True)
 class Part:
-    """One object of a step: its name, size and SHA-256, and (in a multi-part step) the element range of
-    each tensor it holds (``tensors`` is None for the single object of a version-1 step: every tensor)."""
+    """One object of a step: its name, size and digest, and (in a multi-part step) the element range of
+    each tensor it holds (``tensors`` is None for the single object of a one-object step: every tensor).
+
+    The digest is ``object_sha256`` (bare hex: manifests of versions 1 and 2) or ``object_digest`` (prefixed,
+    ``"blake3:…"``: version 3); ``digest`` gives either in the prefixed form. Build one with :meth:`of`."""
 
     object: ObjectName
     object_bytes: Annotated[int, msgspec.Meta(ge=8, le=MAX_OBJECT_BYTES)]
-    object_sha256: Sha256
+    object_sha256: Sha256 | None = None
+    object_digest: PrefixedDigest | None = None
     tensors: dict[TensorName, Range] | None = None
 
     def __post_init__(self) -> None:
+        if (self.object_sha256 is None) == (self.object_digest is None):
+            raise ValueError(f"object {self.object!r} names exactly one of object_sha256 (format versions 1 and 2) "
+                             "and object_digest (version 3)")
         for name, (start, stop) in (self.tensors or {}).items():
             if start > stop:
                 raise ValueError(f"the range [{start}, {stop}) of {name!r} ends before it starts")
 
+    @classmethod
+    def of(cls, *, object: str, object_bytes: int, digest: str, tensors: dict[str, Range] | None = None) -> Part:
+        """The part for an object whose prefixed ``digest`` a writer computed: SHA-256 in ``object_sha256``,
+        anything else in ``object_digest``."""
+        return cls(object=object, object_bytes=object_bytes, tensors=tensors, **_digest_field(digest))
+
+    @property
+    def digest(self) -> str:
+        """The object's digest, prefixed with its algorithm (``"sha256:…"``, ``"blake3:…"``)."""
+        if self.object_digest is not None:
+            return self.object_digest
+        assert self.object_sha256 is not None
+        return digests.join("sha256", self.object_sha256)
+
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"object": self.object, "object_bytes": self.object_bytes,
-                             "object_sha256": self.object_sha256}
+        d: dict[str, Any] = {"object": self.object, "object_bytes": self.object_bytes, **_stored_digest(self)}
         if self.tensors is not None:
             d["tensors"] = {n: list(r) for n, r in self.tensors.items()}
         return d
@@ -308,12 +382,18 @@ class AnchorDelta:
     base_step: Step
     object: ObjectName
     object_bytes: Annotated[int, msgspec.Meta(ge=8, le=MAX_OBJECT_BYTES)]
-    object_sha256: Sha256
+    object_sha256: Sha256 | None = None
+    object_digest: PrefixedDigest | None = None
 
     @property
     def part(self) -> Part:
         """The delta object as an object of its step (what uploads and reads take)."""
-        return Part(object=self.object, object_bytes=self.object_bytes, object_sha256=self.object_sha256)
+        return Part(object=self.object, object_bytes=self.object_bytes, object_sha256=self.object_sha256,
+                    object_digest=self.object_digest)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"base_step": self.base_step, "object": self.object, "object_bytes": self.object_bytes,
+                **_stored_digest(self)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -322,7 +402,8 @@ class Manifest:
 
     Version 1: one object (``object``, ``object_bytes``, ``object_sha256``). Version 2 (docs/FORMAT.md
     section 5b): ``parts`` (one per writing rank), ``object_bytes`` their total, ``aliases`` the step's.
-    ``objects`` gives both as a list of ``Part``.
+    Version 3 (section 1b): either layout, with ``digest`` naming the algorithm (``"blake3"``) and each object's
+    ``object_digest`` in its place of ``object_sha256``. ``objects`` gives every layout as a list of ``Part``.
     """
 
     step: Step
@@ -333,10 +414,12 @@ class Manifest:
     created_unix_s: UnixTime
     object: ObjectName | None = None
     object_sha256: Sha256 | None = None
+    object_digest: PrefixedDigest | None = None
     parts: Annotated[tuple[Part, ...], msgspec.Meta(min_length=1, max_length=MAX_PARTS)] | None = None
     aliases: dict[TensorName, TensorName] | None = None
     stats: ManifestStats = field(default_factory=ManifestStats)
     format_version: PartVersion = FORMAT_VERSION
+    digest: DigestName | None = None
     delta: AnchorDelta | None = None
     # where the objects live, for a manifest that is not stored as steps/<step>/manifest.json (a catch-up's view:
     # ``CatchupManifest.as_manifest``); never stored, never parsed
@@ -351,14 +434,16 @@ class Manifest:
                 raise ValueError(f"$.delta.base_step {self.delta.base_step} is not below the step {self.step}")
             if self.delta.object == self.object:
                 raise ValueError("$.delta.object names the anchor's own object")
-        if self.format_version == 1:
-            if self.object is None or self.object_sha256 is None or self.parts is not None or self.aliases is not None:
-                raise ValueError("$.format_version is 1: a version-1 manifest names one object (object, object_sha256) "
-                                 "and no parts")
+        _check_digests(self.format_version, self.digest, self._digest_fields())
+        single = self.format_version == 1 or (self.format_version == DIGEST_VERSION and self.parts is None)
+        if single:
+            if self.object is None or self.parts is not None or self.aliases is not None:
+                raise ValueError(f"$.format_version is {self.format_version}: a one-object manifest names its "
+                                 "object (object, object_bytes and its digest) and no parts")
             return
-        if self.parts is None or self.object is not None or self.object_sha256 is not None:
-            raise ValueError("$.format_version is 2: a version-2 manifest lists parts instead of one object "
-                             "(docs/FORMAT.md section 5b)")
+        if self.parts is None or self.object is not None:
+            raise ValueError(f"$.format_version is {self.format_version}: a multi-part manifest lists parts instead "
+                             "of one object (docs/FORMAT.md section 5b)")
         names = [p.object for p in self.parts]
         if len(set(names)) != len(names):
             raise ValueError("two parts name the same object")
@@ -366,6 +451,24 @@ class Manifest:
             raise ValueError("every part lists its tensors' element ranges")
         if sum(p.object_bytes for p in self.parts) != self.object_bytes:
             raise ValueError(f"object_bytes {self.object_bytes} is not the total of the parts' sizes")
+
+    def _digest_fields(self) -> list[tuple[str, str | None, str | None]]:
+        """``(where, object_sha256, object_digest)`` of every object the manifest names."""
+        out: list[tuple[str, str | None, str | None]] = []
+        if self.parts is None:
+            out.append(("$", self.object_sha256, self.object_digest))
+        else:
+            if self.object_sha256 is not None or self.object_digest is not None:
+                raise ValueError("$: a multi-part manifest names its parts' digests, not one of its own")
+            out += [(f"$.parts[{i}]", p.object_sha256, p.object_digest) for i, p in enumerate(self.parts)]
+        if self.delta is not None:
+            out.append(("$.delta", self.delta.object_sha256, self.delta.object_digest))
+        return out
+
+    @property
+    def algorithm(self) -> digests.Algorithm:
+        """The algorithm of every digest in the manifest: ``sha256`` (versions 1 and 2) or the one it names."""
+        return "sha256" if self.digest is None else digests.check_algorithm(self.digest, where="$.digest")
 
     @property
     def is_multipart(self) -> bool:
@@ -378,17 +481,18 @@ class Manifest:
         if d is None:
             raise ValueError(f"step {self.step} carries no delta")
         return Manifest(step=self.step, base_step=d.base_step, kind="delta", object=d.object,
-                        object_bytes=d.object_bytes,
-                        object_sha256=d.object_sha256, state_checksum=self.state_checksum,
-                        created_unix_s=self.created_unix_s, stats=self.stats)
+                        object_bytes=d.object_bytes, object_sha256=d.object_sha256, object_digest=d.object_digest,
+                        state_checksum=self.state_checksum, created_unix_s=self.created_unix_s, stats=self.stats,
+                        format_version=1 if self.format_version == 1 else DIGEST_VERSION, digest=self.digest)
 
     @property
     def objects(self) -> tuple[Part, ...]:
         """Every object of the step (one for a version-1 manifest)."""
         if self.parts is not None:
             return self.parts
-        assert self.object is not None and self.object_sha256 is not None
-        return (Part(object=self.object, object_bytes=self.object_bytes, object_sha256=self.object_sha256),)
+        assert self.object is not None
+        return (Part(object=self.object, object_bytes=self.object_bytes, object_sha256=self.object_sha256,
+                     object_digest=self.object_digest),)
 
     @property
     def stored_objects(self) -> tuple[Part, ...]:
@@ -398,16 +502,19 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         d = {**asdict(self), "stats": self.stats.to_dict()}
         if self.parts is None:
-            order = ("step", "base_step", "kind", "object", "object_bytes", "object_sha256", "state_checksum",
+            stored = _stored_digest(self)
+            head = ("digest",) if self.digest is not None else ()
+            order = (*head, "step", "base_step", "kind", "object", "object_bytes", *stored, "state_checksum",
                      "created_unix_s", "stats", "format_version")
             out = {k: d[k] for k in order}
             if self.delta is not None:
-                out["delta"] = asdict(self.delta)
+                out["delta"] = self.delta.to_dict()
             return out
-        else:
-            for key in ("object", "object_sha256"):
-                d.pop(key)
-            d["parts"] = [p.to_dict() for p in self.parts]
+        for key in ("object", "object_sha256", "object_digest"):
+            d.pop(key)
+        if self.digest is None:
+            d.pop("digest")
+        d["parts"] = [p.to_dict() for p in self.parts]
         return d
 
     def to_json(self) -> str:
@@ -421,41 +528,66 @@ class Manifest:
 @dataclass(frozen=True, kw_only=True)
 class CatchupManifest:
     """``catchup/<step>/<base_step>/manifest.json``: the commit marker of a catch-up delta, an optional object
-    that takes a follower from ``base_step`` straight to ``step`` (docs/FORMAT.md section 5g)."""
+    that takes a follower from ``base_step`` straight to ``step`` (docs/FORMAT.md section 5g). Version 1 names
+    its object's SHA-256 (``object_sha256``); version 2 names its digest (``digest``, ``object_digest``), as a
+    step manifest of version 3 does."""
 
     kind: Literal["catchup"]
     step: Step
     base_step: Step
     object: ObjectName
     object_bytes: Annotated[int, msgspec.Meta(ge=8, le=MAX_OBJECT_BYTES)]
-    object_sha256: Sha256
     state_checksum: Sha256
     base_state_checksum: Sha256
     created_unix_s: UnixTime
+    object_sha256: Sha256 | None = None
+    object_digest: PrefixedDigest | None = None
     stats: ManifestStats = field(default_factory=ManifestStats)
-    format_version: Version = FORMAT_VERSION
+    format_version: Literal[1, 2] = FORMAT_VERSION
+    digest: DigestName | None = None
 
     def __post_init__(self) -> None:
         if self.base_step >= self.step:
             raise ValueError(f"$.base_step {self.base_step} is not below $.step {self.step}")
+        # the same rule as a step manifest's, version 2 here standing for a step manifest's 3
+        _check_digests(DIGEST_VERSION if self.format_version == CATCHUP_DIGEST_VERSION else 1, self.digest,
+                       [("$", self.object_sha256, self.object_digest)])
+
+    @classmethod
+    def of(cls, *, digest: str, **fields: Any) -> CatchupManifest:
+        """The catch-up manifest for an object of prefixed ``digest``: version 1 for SHA-256, else version 2."""
+        algorithm = digests.algorithm_of(digest)
+        if algorithm == "sha256":
+            return cls(**fields, **_digest_field(digest))
+        return cls(**fields, **_digest_field(digest), format_version=CATCHUP_DIGEST_VERSION, digest=algorithm)
+
+    @property
+    def algorithm(self) -> digests.Algorithm:
+        return "sha256" if self.digest is None else digests.check_algorithm(self.digest, where="$.digest")
 
     @property
     def part(self) -> Part:
-        return Part(object=self.object, object_bytes=self.object_bytes, object_sha256=self.object_sha256)
+        return Part(object=self.object, object_bytes=self.object_bytes, object_sha256=self.object_sha256,
+                    object_digest=self.object_digest)
 
     def as_manifest(self, folder: str) -> Manifest:
         """The catch-up as the manifest of a delta step from ``base_step`` to ``step`` whose object lives in
         ``folder``: what a reader opens (its object is checked and its header agrees, as for a step)."""
         m = Manifest(step=self.step, base_step=self.base_step, kind="delta", object=self.object,
                      object_bytes=self.object_bytes, object_sha256=self.object_sha256,
+                     object_digest=self.object_digest, digest=self.digest,
+                     format_version=1 if self.digest is None else DIGEST_VERSION,
                      state_checksum=self.state_checksum, created_unix_s=self.created_unix_s, stats=self.stats)
         object.__setattr__(m, "folder", folder)  # an instance's own value of the class-level default
         return m
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format_version": self.format_version, "kind": self.kind, "step": self.step,
+        head: dict[str, Any] = {"format_version": self.format_version}
+        if self.digest is not None:
+            head["digest"] = self.digest
+        return {**head, "kind": self.kind, "step": self.step,
                 "base_step": self.base_step, "object": self.object, "object_bytes": self.object_bytes,
-                "object_sha256": self.object_sha256, "state_checksum": self.state_checksum,
+                **_stored_digest(self), "state_checksum": self.state_checksum,
                 "base_state_checksum": self.base_state_checksum, "created_unix_s": self.created_unix_s,
                 "stats": self.stats.to_dict()}
 

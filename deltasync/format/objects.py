@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import math
 import mmap
@@ -26,8 +25,10 @@ import numpy as np
 import torch
 
 from deltasync.errors import FormatError, ResourceLimitError
+from deltasync.format import digest as digests
 from deltasync.format._bits import dtype_name
 from deltasync.format.codecs import EncodedTensor, decode_patch
+from deltasync.format.digest import Algorithm
 from deltasync.format.documents import (
     FORMAT_VERSION,
     ITEMSIZE,
@@ -68,20 +69,28 @@ def blob_names(name: str) -> tuple[str, str]:
 
 @dataclass(frozen=True, kw_only=True)
 class WrittenObject:
-    """What a writer wrote: its size and SHA-256, taken from the bytes as they were written (the manifest's
-    ``object_bytes`` and ``object_sha256``), so nobody reads the object back to hash it."""
+    """What a writer wrote: its size and digest (prefixed: ``"blake3:…"``), taken from the bytes as they were
+    written (the manifest's ``object_bytes`` and ``object_digest``/``object_sha256``), so nobody reads the object
+    back to hash it."""
 
     nbytes: int
-    sha256: str
+    digest: str
+
+    @property
+    def hex16(self) -> str:
+        """The first 16 hex digits of the digest, which the object's name carries (docs/FORMAT.md section 5)."""
+        return digests.hex_of(self.digest)[:16]
 
 
 Destination = str | Path | BinaryIO
 
 
-def write_delta(dest: Destination, header: StepHeader, encoded: Mapping[str, EncodedTensor]) -> WrittenObject:
+def write_delta(dest: Destination, header: StepHeader, encoded: Mapping[str, EncodedTensor], *,
+                algorithm: Algorithm | None = None) -> WrittenObject:
     """Write a delta object: the header plus the positions/values blobs of each changed tensor.
 
-    ``dest`` is a path or a binary file object (``io.BytesIO`` for an object kept in memory).
+    ``dest`` is a path or a binary file object (``io.BytesIO`` for an object kept in memory). ``algorithm``: the
+    digest taken as it is written (default: :func:`deltasync.format.digest.write_algorithm`).
     """
     blobs: list[_Item] = []
     for name, enc in encoded.items():
@@ -91,10 +100,11 @@ def write_delta(dest: Destination, header: StepHeader, encoded: Mapping[str, Enc
             blobs.append((pos_name, "U8", (len(enc.positions),), pos.nbytes, pos))
         values = memoryview(enc.values)
         blobs.append((val_name, "U8", (len(enc.values),), values.nbytes, values))
-    return _write_safetensors(dest, blobs, header)
+    return _write_safetensors(dest, blobs, header, algorithm)
 
 
-def write_anchor(dest: Destination, header: StepHeader, tensors: Mapping[str, torch.Tensor]) -> WrittenObject:
+def write_anchor(dest: Destination, header: StepHeader, tensors: Mapping[str, torch.Tensor], *,
+                 algorithm: Algorithm | None = None) -> WrittenObject:
     """Write an anchor: an ordinary checkpoint with the trainer's names, plus the step header.
 
     Each tensor is written straight from its memory; one that lives elsewhere (an accelerator) is copied to the
@@ -104,7 +114,7 @@ def write_anchor(dest: Destination, header: StepHeader, tensors: Mapping[str, to
         (name, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size(), functools.partial(_host_bytes, t))
         for name, t in tensors.items()
     ]
-    return _write_safetensors(dest, entries, header)
+    return _write_safetensors(dest, entries, header, algorithm)
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:
@@ -117,7 +127,8 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
 _Item = tuple[str, DtypeName, tuple[int, ...], int, "memoryview | Callable[[], memoryview]"]
 
 
-def _write_safetensors(dest: Destination, entries: list[_Item], header: StepHeader) -> WrittenObject:
+def _write_safetensors(dest: Destination, entries: list[_Item], header: StepHeader,
+                       algorithm: Algorithm | None) -> WrittenObject:
     """Write a safetensors file (the layout ``safetensors.save`` writes: wider dtypes first, then by name,
     so every tensor is aligned to its width; the header padded with spaces to 8 bytes), hashing every byte
     on its way out."""
@@ -129,7 +140,8 @@ def _write_safetensors(dest: Destination, entries: list[_Item], header: StepHead
         offset += nbytes
     text = json.dumps(table, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    hasher = hashlib.sha256()
+    algorithm = algorithm or digests.write_algorithm()
+    hasher = digests.hasher(algorithm)
     with _opened(dest) as f:
         for chunk in (len(text).to_bytes(8, "little"), text):
             hasher.update(chunk)
@@ -141,7 +153,7 @@ def _write_safetensors(dest: Destination, entries: list[_Item], header: StepHead
             hasher.update(view)
             f.write(view)
             del view  # a host copy of a device tensor goes before the next is made
-    return WrittenObject(nbytes=8 + len(text) + offset, sha256=hasher.hexdigest())
+    return WrittenObject(nbytes=8 + len(text) + offset, digest=digests.join(algorithm, hasher.hexdigest()))
 
 
 @contextlib.contextmanager
@@ -302,17 +314,19 @@ class StepObject:
     tensor = read_tensor
 
     def read_tensors_hashed(
-        self, landed: Callable[[str, torch.Tensor], None], *, stop: threading.Event | None = None,
-        chunk_bytes: int = 1 << 20,
+        self, landed: Callable[[str, torch.Tensor], None], *, algorithm: Algorithm = "sha256",
+        stop: threading.Event | None = None, chunk_bytes: int = 1 << 20,
     ) -> str | None:
         """Read every tensor of an anchor once, in file order, each into fresh memory, hashing the object's
         bytes as they pass (the header, then the tensors: parsing checked that they fill the data buffer with
-        no hole); returns the SHA-256 hex digest of the whole object, or None when ``stop`` was set.
+        no hole) with ``algorithm`` (the manifest's); returns the prefixed digest of the whole object, or None
+        when ``stop`` was set.
 
         ``landed(name, tensor)`` is called as each tensor is complete. Its bits are proven only once the
         caller has compared the digest with the manifest's: this is for a reader that would otherwise hash
         the object first and read it again (replay), each chunk hashed while it is still in the cache."""
-        digest = hashlib.sha256(self._src.read(0, self._data_start))
+        digest = digests.hasher(algorithm)
+        digest.update(self._src.read(0, self._data_start))
         for key, e in sorted(self._entries.items(), key=lambda kv: kv[1].data_offsets):
             h = self.header.tensors[key]
             t = torch.empty(h.shape if h.range is None else (h.count,), dtype=h.torch_dtype)
@@ -330,7 +344,7 @@ class StepObject:
                     raise FormatError(f"{self.where}: tensor {key!r} is truncated")
                 digest.update(part)  # releases the GIL: the workers patch tensors meanwhile
             landed(key, t)
-        return digest.hexdigest()
+        return digests.join(algorithm, digest.hexdigest())
 
     def _read_into(self, key: str, out: np.ndarray | bytearray) -> None:
         begin, end = self._entries[key].data_offsets

@@ -1,7 +1,8 @@
 """An anchor read once, on a thread of its own: each tensor lands in its final buffer while the object's
-SHA-256 is computed over the same bytes (``StepObject.read_tensors_hashed``), so that rebuilding the chain's
-tensors (decoding the deltas, patching) starts while the anchor is still being hashed, and the object is
-read once instead of twice (hashed, then read). Used by ``replay.Chain.open(read_anchor_once=True)``.
+digest (the manifest's algorithm) is computed over the same bytes (``StepObject.read_tensors_hashed``), so
+that rebuilding the chain's tensors (decoding the deltas, patching) starts while the anchor is still being
+hashed, and the object is read once instead of twice (hashed, then read). Used by
+``replay.Chain.open(read_anchor_once=True)``.
 
 Nothing taken from a feed is proven before ``wait`` returned: the chain waits for it before it hands out
 anything, its errors included (a corrupt anchor is reported as a ``CorruptObjectError``, as when it was
@@ -16,6 +17,7 @@ import torch
 
 from deltasync.errors import DeltaSyncError, FormatError
 from deltasync.follow.reader import StreamReader
+from deltasync.format import digest as digests
 from deltasync.format.documents import Manifest
 from deltasync.format.objects import StepObject
 
@@ -37,10 +39,11 @@ class AnchorFeed:
     def _run(self) -> None:
         error: BaseException | None = None
         try:
-            digest = self.obj.read_tensors_hashed(self._landed, stop=self._stop)
+            algorithm = digests.algorithm_of(self._manifest.objects[0].digest)
+            digest = self.obj.read_tensors_hashed(self._landed, algorithm=algorithm, stop=self._stop)
             if digest is None:
                 raise FormatError(f"{self.obj.where}: reading the anchor was stopped before its end")
-            self._reader.store.check_sha256(self._manifest, digest)
+            self._reader.store.check_digest(self._manifest, digest)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
             error = e
         with self._cond:

@@ -30,7 +30,6 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
 import threading
@@ -44,6 +43,7 @@ import numpy as np
 from deltasync.errors import ConfigError, DeltaSyncError, StepExistsError, StepNotFoundError
 from deltasync.follow.consumers import read_heartbeats
 from deltasync.follow.reader import StreamReader
+from deltasync.format import digest as digests
 from deltasync.format.codecs import encode_patch
 from deltasync.format.documents import CatchupManifest, ManifestStats, StepHeader, TensorHeader
 from deltasync.format.objects import StepObject, write_delta
@@ -303,14 +303,15 @@ class CatchupWriter:
         return buf.getbuffer(), header  # no second copy of the object
 
     def _commit(self, base: int, step: int, data: memoryview, header: StepHeader) -> None:
-        sha = hashlib.sha256(data).hexdigest()
+        digest = digests.compute(data, digests.write_algorithm())
         numel, changed = header.numel, header.changed
-        m = CatchupManifest(kind="catchup", step=step, base_step=base, object=f"catchup-{sha[:16]}.safetensors",
-                            object_bytes=data.nbytes, object_sha256=sha,
-                            state_checksum=self.reader.manifest(step).state_checksum,
-                            base_state_checksum=self.reader.manifest(base).state_checksum, created_unix_s=time.time(),
-                            stats=ManifestStats(numel=numel, changed=changed,
-                                                density=changed / numel if numel else 0.0))
+        m = CatchupManifest.of(kind="catchup", step=step, base_step=base, digest=digest,
+                               object=f"catchup-{digests.hex_of(digest)[:16]}.safetensors", object_bytes=data.nbytes,
+                               state_checksum=self.reader.manifest(step).state_checksum,
+                               base_state_checksum=self.reader.manifest(base).state_checksum,
+                               created_unix_s=time.time(),
+                               stats=ManifestStats(numel=numel, changed=changed,
+                                                   density=changed / numel if numel else 0.0))
         self.store.commit_catchup(m, data, signer=self.signer)
 
     # --- keeping up ---

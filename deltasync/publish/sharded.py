@@ -38,10 +38,12 @@ from deltasync.errors import (
     PublishError,
     TensorMismatchError,
 )
+from deltasync.format import digest as digests
 from deltasync.format._bits import dtype_name
 from deltasync.format.checksum import MASK64, format_checksum, state_checksum
 from deltasync.format.codecs import encode_patch
 from deltasync.format.documents import (
+    DIGEST_VERSION,
     Kind,
     Manifest,
     ManifestStats,
@@ -270,11 +272,15 @@ def combined_checksums(partials: list[dict[str, int]], names: Mapping[str, Any])
 
 def step_manifest(*, cap: ShardedCapture, parts: list[Part], state: str, numel: int, changed: int,
                   encode_s: float) -> Manifest:
-    """The version-2 manifest that commits the ranks' parts (rank order)."""
+    """The multi-part manifest that commits the ranks' parts (rank order): version 2 where they are digested with
+    SHA-256, else version 3 naming their algorithm (docs/FORMAT.md section 1b). Ranks that digest with different
+    algorithms (``DELTASYNC_DIGEST`` set on some) make a manifest the parser refuses: the step fails."""
+    algorithm = digests.algorithm_of(parts[0].digest) if parts else digests.write_algorithm()
     return Manifest(
         step=cap.step, base_step=cap.base_step, kind=cap.kind, object_bytes=sum(p.object_bytes for p in parts),
         state_checksum=state, created_unix_s=time.time(), parts=tuple(parts), aliases=dict(cap.shards.aliases),
-        format_version=2,
+        format_version=2 if algorithm == "sha256" else DIGEST_VERSION,
+        digest=None if algorithm == "sha256" else algorithm,
         stats=ManifestStats(
             numel=numel, changed=changed if cap.kind == "delta" else numel,
             density=changed / numel if cap.kind == "delta" and numel else 1.0,
@@ -283,8 +289,9 @@ def step_manifest(*, cap: ShardedCapture, parts: list[Part], state: str, numel: 
     )
 
 
-def part_name(kind: Kind, rank: int, sha256: str) -> str:
-    return f"{kind}-r{rank:05d}-{sha256[:16]}.safetensors"
+def part_name(kind: Kind, rank: int, hex16: str) -> str:
+    """A part's name: its kind, writing rank and the first 16 hex digits of its digest (docs/FORMAT.md 5b)."""
+    return f"{kind}-r{rank:05d}-{hex16[:16]}.safetensors"
 
 
 class ShardedWriter:
@@ -385,8 +392,8 @@ class ShardedWriter:
                 local = self.spool() / f"{cap.step:012d}-r{self.rank:05d}.safetensors"
                 _, written = write_part(local, cap, self.snapshot, state=state, zstd_level=self.options.zstd_level)
                 data = local
-            part = Part(object=part_name(cap.kind, self.rank, written.sha256), object_bytes=written.nbytes,
-                        object_sha256=written.sha256, tensors=dict(cap.shards.ranges))
+            part = Part.of(object=part_name(cap.kind, self.rank, written.hex16), object_bytes=written.nbytes,
+                           digest=written.digest, tensors=dict(cap.shards.ranges))
             encode_s = time.perf_counter() - t0
             self.store.put_part(cap.step, part, data)
             return part, None, encode_s

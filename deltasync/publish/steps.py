@@ -10,13 +10,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from deltasync.format import digest as digests
 from deltasync.format._bits import dtype_name
 from deltasync.format.checksum import format_checksum, state_checksum
 from deltasync.format.codecs import EncodedTensor, encode_patch
-from deltasync.format.documents import AnchorDelta, ManifestStats
+from deltasync.format.documents import DIGEST_VERSION, AnchorDelta, ManifestStats, Part
 from deltasync.format.objects import (
     Destination,
     Kind,
@@ -28,7 +30,7 @@ from deltasync.format.objects import (
 )
 from deltasync.format.patch import Patch
 from deltasync.stages.diff import Snapshot
-from deltasync.store import Manifest, sha256_file
+from deltasync.store import Manifest
 from deltasync.threads import parallel_map
 
 __all__ = ["anchor_delta", "snapshot_headers", "step_manifest", "write_step", "write_step_object"]
@@ -104,20 +106,25 @@ def step_manifest(
     delta: AnchorDelta | None = None,
 ) -> Manifest:
     """The manifest that commits an object (docs/FORMAT.md section 5): ``source`` is what its writer
-    reported (size and SHA-256 taken while writing), or a path, hashed here. ``delta``: an anchor's own
-    delta object (:func:`anchor_delta`)."""
+    reported (size and digest taken while writing), or a path, hashed here (with the writers' algorithm).
+    ``delta``: an anchor's own delta object (:func:`anchor_delta`)."""
     if isinstance(source, WrittenObject):
-        digest, nbytes = source.sha256, source.nbytes
+        written = source
     else:
-        digest, nbytes = sha256_file(source), Path(source).stat().st_size
+        written = WrittenObject(digest=digests.of_file(source, digests.write_algorithm()),
+                                nbytes=Path(source).stat().st_size)
+    algorithm = digests.algorithm_of(written.digest)
+    if delta is not None and digests.algorithm_of(delta.part.digest) != algorithm:
+        raise ValueError(f"step {header.step}: the anchor's own delta is digested with "
+                         f"{digests.algorithm_of(delta.part.digest)}, the anchor with {algorithm}")
     return Manifest(
         step=header.step,
         base_step=header.base_step,
         kind=header.kind,
         # a name no other attempt at this step uses: an upload never touches another writer's object
-        object=f"{header.kind}-{digest[:16]}.safetensors",
-        object_bytes=nbytes,
-        object_sha256=digest,
+        object=f"{header.kind}-{written.hex16}.safetensors",
+        object_bytes=written.nbytes,
+        **_digest_fields(written.digest),
         state_checksum=header.state_checksum,
         created_unix_s=time.time(),
         stats=ManifestStats(
@@ -134,8 +141,18 @@ def step_manifest(
 
 def anchor_delta(written: WrittenObject, base_step: int) -> AnchorDelta:
     """The manifest entry of an anchor's own delta object, written as ``written`` (docs/FORMAT.md section 5)."""
-    return AnchorDelta(base_step=base_step, object=f"delta-{written.sha256[:16]}.safetensors",
-                       object_bytes=written.nbytes, object_sha256=written.sha256)
+    part = Part.of(object=f"delta-{written.hex16}.safetensors", object_bytes=written.nbytes, digest=written.digest)
+    return AnchorDelta(base_step=base_step, object=part.object, object_bytes=part.object_bytes,
+                       object_sha256=part.object_sha256, object_digest=part.object_digest)
+
+
+def _digest_fields(digest: str) -> dict[str, Any]:
+    """A one-object manifest's digest fields: version 1 for SHA-256, else version 3 naming the algorithm
+    (docs/FORMAT.md section 1b)."""
+    algorithm, hexdigest = digests.split(digest)
+    if algorithm == "sha256":
+        return {"object_sha256": hexdigest, "format_version": 1}
+    return {"object_digest": digest, "digest": algorithm, "format_version": DIGEST_VERSION}
 
 
 def snapshot_headers(snapshot: Snapshot) -> dict[str, TensorHeader]:

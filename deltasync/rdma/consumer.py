@@ -7,7 +7,7 @@ two things a follower already knows:
   is fetched as soon as it is announced (after its manifest is found committed: an announcement is a hint);
 - an object source (:class:`~deltasync.follow.reader.ObjectSource`, its ``RingReader``) that its ``StreamReader``
   (``.reader``) asks first: a step's object comes from the announced ring slot (hashed once, as it lands in
-  the inbox, against the manifest's SHA-256; opened in place, no copy), and from the store on any
+  the inbox, against the manifest's digest; opened in place, no copy), and from the store on any
   ``RdmaError``.
 
 One follow loop serves every path::
@@ -104,8 +104,8 @@ class RingReader:
         finally:
             lease.release()
 
-    def lease(self, step: int, *, sha256: str | None = None) -> SlotLease:
-        """``step``'s object from its announced slot, checked (against ``sha256`` too: the manifest's) and
+    def lease(self, step: int, *, digest: str | None = None) -> SlotLease:
+        """``step``'s object from its announced slot, checked (against ``digest`` too: the manifest's) and
         held in the inbox until the lease is released; an ``RdmaError`` when it cannot be had there.
 
         Waits up to ``announce_wait_s`` for the announcement unless a later step was announced already (then
@@ -126,23 +126,23 @@ class RingReader:
                 self.link.pending(0.001)
             timeout_s = self.options.read_timeout_s
             try:
-                return self.inbox.lease(info, timeout_s=timeout_s, sha256=sha256)
+                return self.inbox.lease(info, timeout_s=timeout_s, digest=digest)
             except StaleMetadataError:  # the trainer restarted: its new agent's metadata, then read again
                 rank = min(self.link.ranks)
                 fresh = self.link.fetch_metadata(rank, timeout_s=timeout_s)
                 self.inbox.connect(fresh.ring, fresh.metadata)
-                return self.inbox.lease(info, timeout_s=timeout_s, sha256=sha256)
+                return self.inbox.lease(info, timeout_s=timeout_s, digest=digest)
 
-    def held(self, step: int, *, name: str, nbytes: int, sha256: str) -> SlotLease | None:
-        """Step ``step``'s object held in the inbox, checked against the manifest's ``nbytes`` and ``sha256``
+    def held(self, step: int, *, name: str, nbytes: int, digest: str) -> SlotLease | None:
+        """Step ``step``'s object held in the inbox, checked against the manifest's ``nbytes`` and ``digest``
         (the only hash of these bytes: the reader opens them as they are); None (why recorded in ``arrived``)
         where the store must serve it. The reader releases the lease once the object is closed."""
         try:
-            lease = self.lease(step, sha256=sha256)
+            lease = self.lease(step, digest=digest)
         except DeltaSyncError as e:  # RdmaError and the rest: the store has the step
             self._missed(step, e)
             return None
-        if lease.info.length != nbytes:  # the SHA-256 matched, so this cannot happen short of a collision
+        if lease.info.length != nbytes:  # the digest matched, so this cannot happen short of a collision
             lease.release()
             self._missed(step, RdmaError(f"{lease.info.length} bytes, manifest says {nbytes}"))
             return None

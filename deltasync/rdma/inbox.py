@@ -3,12 +3,12 @@
 A read uses descriptor lists prepared once per trainer ring (the ring cut into ``chunk_bytes`` chunks, the
 local buffer likewise), picks the chunks covering the slot's header and object, and waits with a timeout. The
 bytes are accepted only when the slot header's generation, step and length equal the announcement's and the
-object's SHA-256 equals the expected one (the manifest's, when the caller has it, and the announcement's);
+object's digest equals the expected one (the manifest's, when the caller has it, and the announcement's);
 anything else raises a :class:`~deltasync.rdma.agent.RdmaError` subclass and the caller reads the step from
 the object store instead. Nothing is applied from an unchecked read.
 
 **Hashed once, while it lands.** A read larger than ``piece_bytes`` is posted as several READs at once; each
-piece is hashed as soon as it landed while the next ones are still moving, so the SHA-256 (the one check:
+piece is hashed as soon as it landed while the next ones are still moving, so the digest (the one check:
 the reader does not hash again, see ``RingReader.held``) overlaps the transfer.
 
 **Zero copy.** ``lease`` returns a :class:`SlotLease`: the checked bytes stay where they landed, and no later read
@@ -24,7 +24,6 @@ read of several pieces sends it once every piece is done (the trainer may then r
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import math
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 
 from deltasync.errors import RdmaError, StaleMetadataError, StaleSlotError
+from deltasync.format import digest as digests
 from deltasync.rdma.agent import Agent, PreparedSide, Region
 from deltasync.rdma.outbox import HEADER, RingLayout, SlotInfo
 
@@ -62,7 +62,7 @@ class SlotLease:
     info: SlotInfo
     offset: int
     total: int
-    sha256: str = ""
+    digest: str = ""  # prefixed: what the landed bytes hashed to
     wait_s: float = 0.0
     hash_s: float = 0.0
     released: bool = field(default=False)
@@ -127,21 +127,22 @@ class Inbox:
     def connected(self) -> list[str]:
         return list(self._rings)
 
-    def read(self, info: SlotInfo, *, timeout_s: float = 10.0, sha256: str | None = None) -> memoryview:
+    def read(self, info: SlotInfo, *, timeout_s: float = 10.0, digest: str | None = None) -> memoryview:
         """The announced object's bytes, checked; a view valid until the next read (copy it to keep it)."""
-        lease = self.lease(info, timeout_s=timeout_s, sha256=sha256)
+        lease = self.lease(info, timeout_s=timeout_s, digest=digest)
         try:
             return lease.view()
         finally:
             lease.release()
 
-    def lease(self, info: SlotInfo, *, timeout_s: float = 10.0, sha256: str | None = None) -> SlotLease:
-        """READ the announced object, check it (header, then SHA-256 against ``sha256`` when given, which
-        must also be the announced one) and hold it in place; raises an ``RdmaError`` subclass otherwise."""
+    def lease(self, info: SlotInfo, *, timeout_s: float = 10.0, digest: str | None = None) -> SlotLease:
+        """READ the announced object, check it (header, then its digest, with the announced algorithm, against
+        ``digest`` when given, which must also be the announced one: algorithm and value) and hold it in place;
+        raises an ``RdmaError`` subclass otherwise."""
         where = f"{self.agent.name}: step {info.step} from {info.agent} slot {info.slot}"
-        if sha256 is not None and sha256 != info.sha256:
-            raise StaleSlotError(f"{where}: announced SHA-256 {info.sha256[:16]}… is not the expected "
-                                 f"{sha256[:16]}… (another object)")
+        if digest is not None and not digests.matches(digest, info.digest):
+            raise StaleSlotError(f"{where}: announced digest {info.digest[:23]}… is not the expected "
+                                 f"{digest[:23]}… (another object)")
         ring, count = self._ring_for(info, where)
         lease = self._reserve(info, ring.layout.chunk_bytes, count, where)
         try:
@@ -218,7 +219,7 @@ class Inbox:
         one = len(pieces) == 1
         handles: list[Any] = []
         done = 0
-        digest = hashlib.sha256()
+        digest = digests.hasher(digests.algorithm_of(info.digest))
         try:
             for a, b in pieces:
                 local, remote = self._indices(ring, lease, a, b)
@@ -247,10 +248,10 @@ class Inbox:
                 self.agent.drop(handle, where)
         if not one:  # every piece landed: the slot is read
             self.agent.notify(info.agent, info.ack())
-        lease.sha256 = digest.hexdigest()
-        if lease.sha256 != info.sha256:
-            raise StaleSlotError(f"{where}: SHA-256 {lease.sha256[:16]}… differs from the announced "
-                                 f"{info.sha256[:16]}… (overwritten while read)")
+        lease.digest = digests.join(digests.algorithm_of(info.digest), digest.hexdigest())
+        if not digests.matches(lease.digest, info.digest):
+            raise StaleSlotError(f"{where}: {lease.digest[:23]}… differs from the announced "
+                                 f"{info.digest[:23]}… (overwritten while read)")
 
     def _check_header(self, info: SlotInfo, offset: int, where: str) -> None:
         generation, step, length, _ = HEADER.unpack(self._host(offset, offset + HEADER.size))

@@ -10,12 +10,11 @@ by all, deadline not passed) are bounded by ``max_inflight_bytes``.
 
 Slot layout: a 32-byte header ``(generation, step, length, 0)`` as little-endian u64, then the object. Every
 offer takes a new generation (a counter over the whole ring), written first, so a reader that raced an
-overwrite sees a different generation or a different SHA-256 and never applies a mix of two objects.
+overwrite sees a different generation or a different digest and never applies a mix of two objects.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 import struct
@@ -29,7 +28,8 @@ import numpy as np
 import torch
 
 from deltasync.errors import RdmaError, RingFullError
-from deltasync.format.names import PEER_NAME, SHA256, whole
+from deltasync.format import digest as digests
+from deltasync.format.names import PEER_NAME, whole
 from deltasync.rdma.agent import Agent, MemType
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ AgentName = Annotated[str, msgspec.Meta(pattern=whole(PEER_NAME))]
 U64 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # msgspec bounds fit an int64
 Step = Annotated[int, msgspec.Meta(ge=0, le=10**12 - 1)]
 SlotIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
-Sha256 = Annotated[str, msgspec.Meta(pattern=whole(SHA256))]
+Digest = Annotated[str, msgspec.Meta(pattern=whole(digests.PREFIXED))]  # "blake3:<hex>", "sha256:<hex>"
 
 
 class RingLayout(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,7 +71,7 @@ class SlotInfo(msgspec.Struct, frozen=True, kw_only=True):
     slot: SlotIndex
     offset: U64
     length: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
-    sha256: Sha256
+    digest: Digest
     generation: U64
 
     def ack(self) -> bytes:
@@ -147,10 +147,10 @@ class Outbox:
                 if slot < len(self._slots) and self._slots[slot].generation == generation:
                     self._slots[slot].waiting.discard(sender)
 
-    def offer(self, step: int, data: bytes | bytearray | memoryview, *, sha256: str | None = None) -> SlotInfo:
+    def offer(self, step: int, data: bytes | bytearray | memoryview, *, digest: str | None = None) -> SlotInfo:
         """Copy ``data`` (a step's encoded object) into the next slot and return what to announce.
 
-        ``sha256``: ``data``'s digest when the caller has it (the manifest's: the publisher hashed the object
+        ``digest``: ``data``'s prefixed digest when the caller has it (the manifest's: the publisher hashed the object
         while writing it), announced as is; consumers check the bytes they read against it, so a wrong one
         only sends them to the store.
 
@@ -180,7 +180,7 @@ class Outbox:
         self._generation += 1
         offset = index * self.slot_bytes
         raw = self._buffer[offset:offset + self.slot_bytes]
-        # the new generation goes in first: a reader racing this write sees it, or a different SHA-256
+        # the new generation goes in first: a reader racing this write sees it, or a different digest
         _write(raw[:HEADER.size], HEADER.pack(self._generation, step, 0, 0))
         _write(raw[HEADER.size:HEADER.size + view.nbytes], view)
         _write(raw[:HEADER.size], HEADER.pack(self._generation, step, view.nbytes, 0))
@@ -189,7 +189,8 @@ class Outbox:
         slot.deadline = time.monotonic() + self.ack_deadline_s
         self._next = (index + 1) % len(self._slots)
         return SlotInfo(agent=self.agent.name, step=step, slot=index, offset=offset, length=view.nbytes,
-                        sha256=sha256 or hashlib.sha256(view).hexdigest(), generation=self._generation)
+                        digest=digest or digests.compute(view, digests.write_algorithm()),
+                        generation=self._generation)
 
     def close(self) -> None:
         """Nothing of its own to release: the agent deregisters the ring when it closes."""

@@ -68,7 +68,7 @@ class RdmaTrainer:
 
     def committed(self, step: int, manifest: Manifest | None, data: bytes | None) -> None:
         """The publisher committed ``step`` (its ``manifest``; ``data``: its object's bytes, None when larger than a
-        slot): offer the object, announced with the manifest's SHA-256 (the writer hashed it once, while writing).
+        slot): offer the object, announced with the manifest's digest (the writer hashed it once, while writing).
         A sharded step (one object per rank, ``manifest`` None or multi-part) goes by the store only."""
         if manifest is None or manifest.is_multipart:
             self.skip(step, "a multi-part step (one object per rank) goes by the store")
@@ -77,11 +77,11 @@ class RdmaTrainer:
             self.skip(step, f"object of {manifest.object_bytes} bytes larger than a ring slot "
                             f"({self.outbox.capacity})")
             return
-        self.offer(step, data, sha256=manifest.objects[0].object_sha256)
+        self.offer(step, data, digest=manifest.objects[0].digest)
 
-    def offer(self, step: int, data: bytes | memoryview, *, sha256: str | None = None) -> SlotInfo | None:
+    def offer(self, step: int, data: bytes | memoryview, *, digest: str | None = None) -> SlotInfo | None:
         """Put a committed step's object in the ring and announce it; None (logged) when it goes by store only.
-        ``sha256``: the object's digest when known (the manifest's), so that it is not computed again."""
+        ``digest``: the object's prefixed digest when known (the manifest's), so that it is not computed again."""
         try:
             if not self.registered:
                 self._register(data, where=f"step {step}")
@@ -89,7 +89,7 @@ class RdmaTrainer:
             if not self.planned:
                 self.skip(step, "no plan from the controller yet")
                 return None
-            info = self.outbox.offer(step, data, sha256=sha256)
+            info = self.outbox.offer(step, data, digest=digest)
             self.link.ready(info)
         except (DeltaSyncError, OSError) as e:  # RingFullError, a controller gone: the store has the step
             self.skip(step, f"{type(e).__name__}: {e}")

@@ -3,8 +3,8 @@
 Eight engines on one host following one remote stream would otherwise download every step eight times
 (and pay eight times the egress and requests). A :class:`NodeCache` is a folder every process on the host
 points at (``DELTASYNC_NODE_CACHE``, or ``node_cache=`` on ``Store``/``StreamReader``): objects are kept
-by their SHA-256 (from the manifest), so two streams, two steps or two processes that need the same bytes
-share one file, and nothing a process finds there is trusted: the store checks the size and digest of
+by their digest (from the manifest, algorithm included), so two streams, two steps or two processes that need the
+same bytes share one file, and nothing a process finds there is trusted: the store checks the size and digest of
 every object it opens, wherever it came from.
 
 Concurrent use is safe across processes: a process downloads an object while holding that digest's
@@ -43,12 +43,12 @@ except ImportError:  # Windows
 
 T = TypeVar("T")
 DEFAULT_NODE_CACHE_BYTES = 20 << 30
-_DIGEST = re.compile(r"[0-9a-f]{64}")
+_DIGEST = re.compile(r"(sha256|blake3):([0-9a-f]{64})")
 _STRIPES = 256  # lock files: one per first byte of the digest (bounded, whatever the number of objects)
 
 
 class NodeCache:
-    """Objects by SHA-256 in ``folder`` (made if missing, mode 0700), at most ``max_bytes`` of them.
+    """Objects by digest (algorithm and value) in ``folder`` (made if missing, mode 0700), at most ``max_bytes``.
 
     The folder belongs to one user (the processes of the host that share it run as that user) and nobody else may
     write it: an existing folder owned by another user, or writable by others, is refused (they could plant
@@ -94,17 +94,18 @@ class NodeCache:
         """A folder on the cache's file system for downloads in progress (so they can be linked, not copied)."""
         return self.folder / "tmp"
 
-    def fetch(self, sha256: str, size: int, dest: Path, download: Callable[[Path], None],
+    def fetch(self, digest: str, size: int, dest: Path, download: Callable[[Path], None],
               check: Callable[[Path], None]) -> None:
-        """Put the object with digest ``sha256`` at ``dest``: linked from the cache, else downloaded (by one
-        process of the host at a time) with ``download(dest)``, checked with ``check(dest)`` and added.
+        """Put the object with ``digest`` (prefixed with its algorithm: ``"blake3:…"``) at ``dest``: linked from the
+        cache, else downloaded (by one process of the host at a time) with ``download(dest)``, checked with
+        ``check(dest)`` and added.
 
         A cached file that fails ``check`` (damaged on disk) is dropped and downloaded again; ``check``'s
         error from a fresh download propagates and nothing is added. A cache that fails itself (its disk full,
         a folder removed) costs the sharing, never the read: the object is downloaded as without a cache (the
         failure logged once).
         """
-        digest = self._digest(sha256)
+        digest = self.file_name(digest)
         claim = self._try(lambda: self._claim(digest))
         if claim is None:
             download(dest)
@@ -127,10 +128,10 @@ class NodeCache:
         self.downloads += 1
         self._try(self._evict)
 
-    def read(self, sha256: str, size: int, download: Callable[[], bytes], check: Callable[[bytes], None]) -> bytes:
+    def read(self, digest: str, size: int, download: Callable[[], bytes], check: Callable[[bytes], None]) -> bytes:
         """The object's bytes: from the cache, else ``download()``-ed (one process at a time), checked and
         added. Like :meth:`fetch`, for objects read into memory."""
-        digest = self._digest(sha256)
+        digest = self.file_name(digest)
         claim = self._try(lambda: self._claim(digest))
         if claim is None:
             data = download()
@@ -175,10 +176,15 @@ class NodeCache:
                             self.folder, type(e).__name__, e)
             return None
 
-    def _digest(self, sha256: str) -> str:
-        if not (isinstance(sha256, str) and _DIGEST.fullmatch(sha256)):
-            raise CorruptObjectError(f"node cache: expected a SHA-256 in lowercase hex, got {sha256!r}")
-        return sha256
+    @staticmethod
+    def file_name(digest: str) -> str:
+        """The file name of an object with prefixed ``digest``: the bare hex for SHA-256 (as caches written before
+        BLAKE3 hold them), ``blake3-<hex>`` for BLAKE3, so that two algorithms' digests never name one file."""
+        m = _DIGEST.fullmatch(digest) if isinstance(digest, str) else None
+        if m is None:
+            raise CorruptObjectError(f"node cache: expected a digest 'sha256:<64 hex>' or 'blake3:<64 hex>', "
+                                     f"got {str(digest)[:80]!r}")
+        return m.group(2) if m.group(1) == "sha256" else f"{m.group(1)}-{m.group(2)}"
 
     def _path(self, digest: str) -> Path:
         return self.folder / "objects" / digest
@@ -186,7 +192,7 @@ class NodeCache:
     def _claim(self, digest: str) -> _Lock:
         """This digest's lock (striped over 256 files), held across processes while it is fetched; the lock file
         is opened now (an ``OSError`` here is the cache's), taken on ``with``."""
-        return _Lock(self.folder / "locks" / f"{digest[:2]}.lock")
+        return _Lock(self.folder / "locks" / f"{digest[-64:][:2]}.lock")
 
     def _link_out(self, digest: str, size: int, dest: Path) -> bool:
         """Link (or copy, across file systems) the cached object to ``dest``; False when it is not cached, has the

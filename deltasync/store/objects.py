@@ -1,5 +1,5 @@
 """Reading a step's objects out of a store: the per-process download cache, the host's node cache, and the
-size and SHA-256 checks every object passes before anyone parses it (docs/FORMAT.md section 5).
+size and digest checks every object passes before anyone parses it (docs/FORMAT.md section 5).
 
 A part of :class:`deltasync.store.Store` (which delegates ``fetch_object``, ``read_object`` and the rest here, so
 that the store module stays about layout and commits): it is given what it needs when it is made (the store's URL,
@@ -9,15 +9,14 @@ other part.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deltasync.errors import CorruptObjectError, StepNotFoundError
+from deltasync.format import digest as digests
 from deltasync.format.documents import Manifest, Part, check_step
 from deltasync.store.scratch import ObjectCache, plain_name
 
@@ -57,13 +56,8 @@ def part_of(manifest: Manifest, part: Part | None) -> Part:
 
 
 def sha256_file(path: str | Path) -> str:
-    with open(path, "rb") as f:
-        if sys.version_info >= (3, 11):
-            return hashlib.file_digest(f, "sha256").hexdigest()
-        h = hashlib.sha256()  # Python 3.10 has no hashlib.file_digest
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-        return h.hexdigest()
+    """The bare SHA-256 hex of a file (model files, documents: docs/FORMAT.md section 5)."""
+    return digests.hex_of(digests.of_file(path, "sha256"))
 
 
 class StoreObjects:
@@ -158,7 +152,7 @@ class StoreObjects:
                 if path.exists() and path.stat().st_size == part.object_bytes:
                     self._check_object(path, part, where)
                 elif self.node_cache is not None:  # linked from the host's cache, or downloaded once for the host
-                    self.node_cache.fetch(part.object_sha256, part.object_bytes, path,
+                    self.node_cache.fetch(part.digest, part.object_bytes, path,
                                           lambda dest: self._download(rel, dest, manifest, where, part.object_bytes),
                                           lambda dest: self._check_object(dest, part, where))
                 else:
@@ -200,14 +194,14 @@ class StoreObjects:
                 raise self._missing(manifest, where) from None
 
         if self.node_cache is not None:
-            return self.node_cache.read(part.object_sha256, part.object_bytes, download,
+            return self.node_cache.read(part.digest, part.object_bytes, download,
                                         lambda data: self._check_bytes(data, part, where))
         data = download()
         self._check_bytes(data, part, where)
         return data
 
     def _check_bytes(self, data: bytes, part: Part, where: str) -> None:
-        """``data`` has the manifest's size and SHA-256, or ``CorruptObjectError``."""
+        """``data`` has the manifest's size and digest, or ``CorruptObjectError``."""
         if len(data) != part.object_bytes:
             longer = len(data) > part.object_bytes
             raise CorruptObjectError(
@@ -215,7 +209,7 @@ class StoreObjects:
                 f"({'more than it says: replaced' if longer else 'truncated or replaced'})",
                 url=self.url, key=part.object, expected=part.object_bytes, found=len(data),
             )
-        _check_digest(hashlib.sha256(data).hexdigest(), part, where)
+        _check_digest(digests.compute(data, digests.algorithm_of(part.digest)), part, where)
 
     def _missing(self, manifest: Manifest, where: str) -> StepNotFoundError | CorruptObjectError:
         """The error for an object that is not there: its step was collected meanwhile (no manifest either),
@@ -228,9 +222,9 @@ class StoreObjects:
         return CorruptObjectError(f"{where}: missing, though the step is committed", url=self.url, step=manifest.step)
 
     def local_object_unhashed(self, manifest: Manifest) -> Path | None:
-        """The path of a local single-object step's object, its size checked but not yet its SHA-256: for a
+        """The path of a local single-object step's object, its size checked but not yet its digest: for a
         reader that hashes the bytes as it reads them (replay reads an anchor once), then calls
-        ``check_sha256``. None where the store is not local or the step has several parts."""
+        ``check_digest``. None where the store is not local or the step has several parts."""
         if not self.is_local or manifest.is_multipart:
             return None
         part = manifest.objects[0]
@@ -243,15 +237,15 @@ class StoreObjects:
         _check_size(local.stat().st_size, part, where)
         return local
 
-    def check_sha256(self, manifest: Manifest, digest: str) -> None:
-        """``CorruptObjectError`` unless ``digest`` (of a single-object step's bytes) is the manifest's."""
+    def check_digest(self, manifest: Manifest, digest: str) -> None:
+        """``CorruptObjectError`` unless ``digest`` (prefixed, of a single-object step's bytes) is the manifest's."""
         part = manifest.objects[0]
         _check_digest(digest, part, f"{self.url} step {manifest.step} object {part.object}")
 
     def _check_object(self, path: Path, part: Part, where: str) -> None:
-        """The object at ``path`` has the manifest's size and SHA-256, or ``CorruptObjectError``."""
+        """The object at ``path`` has the manifest's size and digest, or ``CorruptObjectError``."""
         _check_size(path.stat().st_size, part, where)
-        _check_digest(sha256_file(path), part, where)
+        _check_digest(digests.of_file(path, digests.algorithm_of(part.digest)), part, where)
 
 
 def _check_size(size: int, part: Part, where: str) -> None:
@@ -261,10 +255,10 @@ def _check_size(size: int, part: Part, where: str) -> None:
 
 
 def _check_digest(digest: str, part: Part, where: str) -> None:
-    if digest != part.object_sha256:
-        raise CorruptObjectError(f"{where}: SHA-256 {digest[:16]}… differs from the manifest's "
-                                 f"{part.object_sha256[:16]}…", key=part.object, expected=part.object_sha256,
-                                 found=digest)
+    """``digest`` (prefixed) is the manifest's, or ``CorruptObjectError`` naming both."""
+    if not digests.matches(digest, part.digest):
+        raise CorruptObjectError(f"{where}: digest {digest[:23]}… differs from the manifest's {part.digest[:23]}…",
+                                 key=part.object, expected=part.digest, found=digest)
 
 
 class _watching:

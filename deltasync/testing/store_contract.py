@@ -31,10 +31,10 @@ This module imports pytest, which the library itself does not need: import it fr
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,7 +47,8 @@ from deltasync.errors import (
     StepNotFoundError,
     WriterConflictError,
 )
-from deltasync.format.documents import ManifestStats
+from deltasync.format import digest as digests
+from deltasync.format.documents import ManifestStats, Part
 from deltasync.store import Manifest, Store, step_dir
 
 __all__ = ["StoreContract"]
@@ -179,8 +180,11 @@ class StoreContract:
         with pytest.raises(CorruptObjectError, match="more than"):
             store.read_object(m)
         store.write_bytes(f"{step_dir(3)}/{m.object}", data[:-1] + b"!")
-        with pytest.raises(CorruptObjectError, match="SHA-256"):
+        with pytest.raises(CorruptObjectError, match="differs from the manifest's blake3:"):
             store.read_object(m)
+        old = _manifest(5, data, algorithm="sha256")  # a step of format version 1 (SHA-256) reads as before
+        store.commit(old, data)
+        assert store.read_object(old) == data and old.format_version == 1 and store.manifest(5) == old
         store.delete(f"{step_dir(3)}/{m.object}")
         with pytest.raises(CorruptObjectError, match="missing"):
             store.read_object(m)
@@ -269,7 +273,7 @@ class StoreContract:
         with pytest.raises(CorruptObjectError, match="step 1 .* bytes, manifest says"):
             StreamReader(self.store(url)).open(1)
         store.write_bytes(rel, data[:-10] + b"x" * 10)
-        with pytest.raises(CorruptObjectError, match="SHA-256"):
+        with pytest.raises(CorruptObjectError, match="differs from the manifest's"):
             StreamReader(self.store(url)).open(1)
         store.delete(rel)
         with pytest.raises(CorruptObjectError, match="missing"):
@@ -284,10 +288,14 @@ class StoreContract:
         assert store.manifest(7) == m and store.steps() == [7]
 
 
-def _manifest(step: int, data: bytes) -> Manifest:
-    digest = hashlib.sha256(data).hexdigest()
-    return Manifest(step=step, base_step=None, kind="anchor", object=f"anchor-{digest[:16]}.safetensors",
-                    object_bytes=len(data), object_sha256=digest, state_checksum="0" * 64, created_unix_s=1.0)
+def _manifest(step: int, data: bytes, *, algorithm: digests.Algorithm = "blake3") -> Manifest:
+    """A one-object manifest for ``data``: format version 3 (BLAKE3, section 1b) or 1 (SHA-256)."""
+    d = digests.compute(data, algorithm)
+    part = Part.of(object=f"anchor-{digests.hex_of(d)[:16]}.safetensors", object_bytes=len(data), digest=d)
+    named: dict[str, Any] = {} if algorithm == "sha256" else {"format_version": 3, "digest": algorithm}
+    return Manifest(step=step, base_step=None, kind="anchor", object=part.object, object_bytes=len(data),
+                    object_sha256=part.object_sha256, object_digest=part.object_digest, state_checksum="0" * 64,
+                    created_unix_s=1.0, **named)
 
 
 def every_shape(gen: torch.Generator) -> dict[str, torch.Tensor]:

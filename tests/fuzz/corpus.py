@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from .edits import hex16, object_digest
+
 STEPS = tuple(range(6))
 ANCHOR_EVERY = 3  # anchors at 0 and 3; deltas 1, 2, 4, 5
 CONSUMER_ID = "rollout-0"
@@ -175,21 +177,21 @@ def _normalise(stream: Path) -> None:
         step = d["step"]
         obj = path.parent / d["object"]
         data = _canonical_object(obj.read_bytes())
-        digest = hashlib.sha256(data).hexdigest()
+        digest = object_digest(d, data)
         name = d["object"]
-        if name == f"{d['kind']}-{d['object_sha256'][:16]}.safetensors":  # named by its digest: keep it so
-            name = f"{d['kind']}-{digest[:16]}.safetensors"
+        if name == f"{d['kind']}-{hex16(d)}.safetensors":  # named by its digest: keep it so
+            name = f"{d['kind']}-{hex16(digest)}.safetensors"
         obj.unlink()
         (path.parent / name).write_bytes(data)
-        d.update(object=name, object_bytes=len(data), object_sha256=digest)
+        d.update(object=name, object_bytes=len(data), **digest)
         if d.get("delta"):  # an anchor's own delta object (docs/FORMAT.md section 5)
             dobj = path.parent / d["delta"]["object"]
             ddata = _canonical_object(dobj.read_bytes())
-            ddigest = hashlib.sha256(ddata).hexdigest()
+            ddigest = object_digest(d, ddata)
             dobj.unlink()
-            dname = f"delta-{ddigest[:16]}.safetensors"
+            dname = f"delta-{hex16(ddigest)}.safetensors"
             (path.parent / dname).write_bytes(ddata)
-            d["delta"].update(object=dname, object_bytes=len(ddata), object_sha256=ddigest)
+            d["delta"].update(object=dname, object_bytes=len(ddata), **ddigest)
         d["created_unix_s"] = CREATED_UNIX_S + step
         for key in ("capture_s", "encode_s", "upload_s", "diff_s"):
             if key in d.get("stats", {}):

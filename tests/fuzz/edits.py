@@ -12,6 +12,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+import blake3
+
 DEEP = 100_000
 
 # symbolic JSON values, grouped by JSON type; rendered only when a mutation is applied (a case stays small)
@@ -222,3 +224,16 @@ def state_checksum(checksums: dict[str, str]) -> str:
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def object_digest(manifest: dict[str, Any], data: bytes) -> dict[str, str]:
+    """FORMAT.md section 1b: the field that gives ``data``'s digest in ``manifest``'s own algorithm (``object_sha256``
+    for versions 1 and 2, ``object_digest`` ``"blake3:<hex>"`` for version 3 naming blake3)."""
+    if manifest.get("format_version") == 3 and manifest.get("digest") == "blake3":
+        return {"object_digest": "blake3:" + blake3.blake3(data).hexdigest()}
+    return {"object_sha256": sha256(data)}
+
+
+def hex16(entry: dict[str, Any]) -> str:
+    """The first 16 hex digits of an entry's digest, whichever field holds it (what its object's name carries)."""
+    return str(entry.get("object_sha256") or str(entry.get("object_digest", "")).removeprefix("blake3:"))[:16]

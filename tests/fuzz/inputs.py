@@ -237,7 +237,7 @@ def _ring() -> dict[str, Any]:
 
 def _slot(step: int) -> dict[str, Any]:
     return {"agent": "trainer-0-abc", "step": step, "slot": step % 2, "offset": (step % 2) * 4096, "length": 10,
-            "sha256": Z, "generation": step}
+            "digest": "sha256:" + Z, "generation": step}
 
 
 def _to_controller_seeds() -> list[Any]:
@@ -638,11 +638,13 @@ class _NodeCacheUnderTest:
 
 
         data = bytes(rng.randrange(256) for _ in range(rng.randint(8, 64)))
-        digest = hashlib.sha256(data).hexdigest()
+        hexdigest = hashlib.sha256(data).hexdigest()
+        digest = "sha256:" + hexdigest  # a SHA-256 object's cache file is its bare hex (caches from before BLAKE3)
         entries = {where: rng.choice(self.KINDS) for where in ("object", "lock", "tmp")}
         cache, victim = self.cache, self.victim
-        paths = {"object": cache.folder / "objects" / digest, "lock": cache.folder / "locks" / f"{digest[:2]}.lock",
-                 "tmp": cache.folder / "tmp" / f"{digest}.{os.getpid()}.part"}
+        paths = {"object": cache.folder / "objects" / hexdigest,
+                 "lock": cache.folder / "locks" / f"{hexdigest[:2]}.lock",
+                 "tmp": cache.folder / "tmp" / f"{hexdigest}.{os.getpid()}.part"}
 
         def plant(path: Path, kind: str) -> None:
             if path.is_dir() and not path.is_symlink():
@@ -665,7 +667,7 @@ class _NodeCacheUnderTest:
                 path.mkdir()
 
         def check(got: bytes) -> None:
-            if hashlib.sha256(got).hexdigest() != digest or len(got) != len(data):
+            if hashlib.sha256(got).hexdigest() != hexdigest or len(got) != len(data):
                 raise CorruptObjectError("not the object")
 
         def run() -> None:

@@ -26,6 +26,7 @@ from .edits import (
     dump,
     get,
     json_type,
+    object_digest,
     sha256,
     state_checksum,
     with_root,
@@ -110,7 +111,8 @@ def apply(spec: dict[str, Any], stream: Path, root: Path) -> None:
     (stream / doc).write_bytes(new)
     if spec["kind"] == "object" and (spec["resha"] or updates):
         if spec["resha"]:
-            updates.update(object_bytes=len(new), object_sha256=sha256(new))
+            manifest = json.loads((stream / f"steps/{spec['doc'].split('/')[1]}/manifest.json").read_bytes())
+            updates.update(object_bytes=len(new), **object_digest(manifest, new))
         _update_json(stream / f"steps/{spec['doc'].split('/')[1]}/manifest.json", updates)
     elif spec["kind"] == "model_file" and spec["resha"]:
         index = stream / "files.json"
