@@ -299,13 +299,14 @@ class Store:
         self._objects.release_object(manifest, part)
 
     def local_object_unhashed(self, manifest: Manifest) -> Path | None:
-        """A local single-object step's object, its size checked but not its SHA-256
-        (:meth:`StoreObjects.local_object_unhashed`; then ``check_sha256``)."""
+        """A local single-object step's object, its size checked but not its digest
+        (:meth:`StoreObjects.local_object_unhashed`; then ``check_digest``)."""
         return self._objects.local_object_unhashed(manifest)
 
-    def check_sha256(self, manifest: Manifest, digest: str) -> None:
-        """``CorruptObjectError`` unless ``digest`` is the single-object step's (:meth:`StoreObjects.check_sha256`)."""
-        self._objects.check_sha256(manifest, digest)
+    def check_digest(self, manifest: Manifest, digest: str) -> None:
+        """``CorruptObjectError`` unless ``digest`` (prefixed) is the single-object step's
+        (:meth:`StoreObjects.check_digest`)."""
+        self._objects.check_digest(manifest, digest)
 
     # --- objects by key (relative to the stream's URL) ---
 
