@@ -127,6 +127,9 @@ def test_bad_manifests_are_format_errors(data, message):
         (json.dumps(HEADER).replace('"shuffle", "zstd"]', '"rot13"]', 1).encode(), "'embed.weight'.*positions"),
         (json.dumps(HEADER).replace('"BF16"', '"F12"').encode(), "'embed.weight'.*dtype"),
         (json.dumps(HEADER).replace('"positions": ["gap16", "shuffle", "zstd"], ', "").encode(), "come together"),
+        # a step header is version 1, or 2 for a part, whatever its manifest's (3 names the manifest's digest:
+        # docs/FORMAT.md section 1b): the manifest's version is no header's
+        (_edit(HEADER, "format_version", 3), r"Invalid enum value 3 - at `\$.format_version`"),
     ],
 )
 def test_bad_step_headers_are_format_errors(data, message):
@@ -284,3 +287,19 @@ def test_a_step_manifest_naming_no_digest_at_all_says_so():
     with pytest.raises(FormatError, match=r"\$.object_sha256: format version 1 names each object's SHA-256 "
                                           r"\(object_sha256\), got neither object_sha256 nor object_digest"):
         Manifest.from_json(json.dumps(no_digest), where="m")
+
+
+def test_an_object_whose_header_says_version_3_is_refused(tmp_path, small_state):
+    """A real stream's object rewritten (its manifest agreeing, as a bucket writer of an unsigned stream can) with a
+    step header of version 3, which only manifests have: refused by name, not read as a version-1 header."""
+    from tests.damage import rewrite_header
+
+    url = str(tmp_path / "s")
+    with DeltaPublisher(url, small_state, on_backlog="block") as pub:
+        pub.publish(0)
+        next(iter(small_state.values())).view(-1)[0] += 1
+        pub.publish(1)
+    rewrite_header(Store(url), 1, lambda h: h.update(format_version=3))
+    with pytest.raises(FormatError, match=r"step 1 .*step header: invalid _RawStepHeader: Invalid enum value 3 - at "
+                                          r"`\$.format_version`"):
+        StreamReader(url).state_dict(1)

@@ -52,7 +52,9 @@ TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 Version = Literal[1]
 # 2: multi-part steps (docs/FORMAT.md section 5b); 3: either layout, objects named by the digest the manifest names
 # (section 1b)
-PartVersion = Literal[1, 2, 3]
+ManifestVersion = Literal[1, 2, 3]
+# a step header (inside each object) is version 1, or 2 for a part, whatever its manifest's: it holds no digest
+HeaderVersion = Literal[1, 2]
 DIGEST_VERSION: Final = 3  # the manifest version that names its digest
 CATCHUP_DIGEST_VERSION: Final = 2  # the catch-up manifest version that names its digest (section 5g)
 # a version-3 digest: "<algorithm>:<hex>"; which algorithms a reader knows is checked after parsing, so that an
@@ -182,7 +184,7 @@ class StepHeader:
     state_checksum: Sha256
     tensors: dict[TensorName, TensorHeader]
     aliases: dict[TensorName, TensorName] = field(default_factory=dict)
-    format_version: PartVersion = FORMAT_VERSION
+    format_version: HeaderVersion = FORMAT_VERSION
     checksum_algorithm: Literal["mix64-sum"] = CHECKSUM_ALGORITHM
 
     def __post_init__(self) -> None:
@@ -257,7 +259,7 @@ class _RawStepHeader:
     state_checksum: Sha256
     tensors: dict[TensorName, msgspec.Raw]
     aliases: dict[TensorName, TensorName] = field(default_factory=dict)
-    format_version: PartVersion = FORMAT_VERSION
+    format_version: HeaderVersion = FORMAT_VERSION
     checksum_algorithm: Literal["mix64-sum"] = CHECKSUM_ALGORITHM
 
 
@@ -425,7 +427,7 @@ class Manifest:
     parts: Annotated[tuple[Part, ...], msgspec.Meta(min_length=1, max_length=MAX_PARTS)] | None = None
     aliases: dict[TensorName, TensorName] | None = None
     stats: ManifestStats = field(default_factory=ManifestStats)
-    format_version: PartVersion = FORMAT_VERSION
+    format_version: ManifestVersion = FORMAT_VERSION
     digest: DigestName | None = None
     delta: AnchorDelta | None = None
     # where the objects live, for a manifest that is not stored as steps/<step>/manifest.json (a catch-up's view:
