@@ -169,6 +169,13 @@ def test_a_corrupt_byte_in_a_new_version_object_is_a_corrupt_object_error(mixed)
     with pytest.raises(CorruptObjectError, match="step 9 .* digest blake3:.* differs from the manifest's blake3:") as e:
         StreamReader(url).open(9)
     assert e.value.found == "blake3:" + blake3.blake3(bytes(data)).hexdigest()
+    # what and where as attributes too (errors.CONTEXT), for programs that do not parse messages
+    assert (e.value.url, e.value.step, e.value.key, e.value.expected) == (url, 9, m.object, m.object_digest)
+    data[len(data) // 3] ^= 0x10
+    path.write_bytes(bytes(data) + b"\0")  # one byte more: the size, before any hashing
+    with pytest.raises(CorruptObjectError, match="step 9 .* bytes, manifest says") as e:
+        StreamReader(url).open(9)
+    assert (e.value.url, e.value.step, e.value.expected, e.value.found) == (url, 9, m.object_bytes, len(data) + 1)
 
 
 @pytest.mark.parametrize(("edit", "match"), [
