@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 
 import blake3
@@ -15,9 +16,9 @@ import pytest
 import torch
 
 from deltasync import DeltaPublisher, NodeCache, StreamReader
-from deltasync.errors import CorruptObjectError, FormatError
+from deltasync.errors import ConfigError, CorruptObjectError, FormatError
 from deltasync.format import digest as digests
-from deltasync.history import CatchupOptions, write_catchups
+from deltasync.history import CatchupOptions, CatchupWriter, write_catchups
 from deltasync.store import Manifest, Store, step_dir
 from rollout_loader import Follower, StateDictTarget
 from tests.conftest import states_equal
@@ -47,10 +48,33 @@ def test_the_writers_algorithm_comes_from_the_environment(monkeypatch):
     assert digests.write_algorithm() == "blake3"
     monkeypatch.setenv("DELTASYNC_DIGEST", "sha256")
     assert digests.write_algorithm() == "sha256"
+    for bad in ("md5", "", "SHA256", " sha256", "blаke3"):  # no fallback, no folding: the name as documented
+        monkeypatch.setenv("DELTASYNC_DIGEST", bad)
+        with pytest.raises(ConfigError, match=f"environment variable DELTASYNC_DIGEST: expected one of sha256, blake3 "
+                                              rf"\(or unset: blake3\), got {re.escape(repr(bad))}") as e:
+            digests.write_algorithm()
+        assert not e.value.retryable and e.value.found == bad
+
+
+def test_a_bad_digest_setting_fails_before_a_writer_writes_anything(tmp_path, gen, monkeypatch):
+    """``DELTASYNC_DIGEST=md5`` is the trainer's setting, not a store's fault: refused when the publisher (or the
+    catch-up writer) is made, as a ConfigError nobody retries, before anything reaches the store; not a retryable
+    PublishError from the background thread after the first steps were captured."""
+    url = str(tmp_path / "stream")
+    state = _state(gen)
+    with DeltaPublisher(url, state, on_backlog="block") as pub:  # a stream for the catch-up writer
+        for s in range(3):
+            train(state, gen, density=0.01)
+            pub.publish(s)
     monkeypatch.setenv("DELTASYNC_DIGEST", "md5")
-    with pytest.raises(FormatError, match="DELTASYNC_DIGEST: digest 'md5' is not one this reader knows "
-                                          r"\(expected one of sha256, blake3\)"):
-        digests.write_algorithm()
+    fresh = tmp_path / "fresh"
+    with pytest.raises(ConfigError, match="DELTASYNC_DIGEST: expected one of sha256, blake3 .* got 'md5'") as e:
+        DeltaPublisher(str(fresh), state, on_backlog="block")
+    assert not e.value.retryable
+    assert not fresh.exists() or not any(fresh.iterdir())  # not even stream.json
+    with pytest.raises(ConfigError, match="DELTASYNC_DIGEST: expected one of sha256, blake3 .* got 'md5'"):
+        CatchupWriter(url, options=CatchupOptions(distances=(2,), consumers=False))
+    assert Store(url).catchup_entries() == []
 
 
 def _state(gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -145,6 +169,13 @@ def test_a_corrupt_byte_in_a_new_version_object_is_a_corrupt_object_error(mixed)
     with pytest.raises(CorruptObjectError, match="step 9 .* digest blake3:.* differs from the manifest's blake3:") as e:
         StreamReader(url).open(9)
     assert e.value.found == "blake3:" + blake3.blake3(bytes(data)).hexdigest()
+    # what and where as attributes too (errors.CONTEXT), for programs that do not parse messages
+    assert (e.value.url, e.value.step, e.value.key, e.value.expected) == (url, 9, m.object, m.object_digest)
+    data[len(data) // 3] ^= 0x10
+    path.write_bytes(bytes(data) + b"\0")  # one byte more: the size, before any hashing
+    with pytest.raises(CorruptObjectError, match="step 9 .* bytes, manifest says") as e:
+        StreamReader(url).open(9)
+    assert (e.value.url, e.value.step, e.value.expected, e.value.found) == (url, 9, m.object_bytes, len(data) + 1)
 
 
 @pytest.mark.parametrize(("edit", "match"), [

@@ -127,6 +127,9 @@ def test_bad_manifests_are_format_errors(data, message):
         (json.dumps(HEADER).replace('"shuffle", "zstd"]', '"rot13"]', 1).encode(), "'embed.weight'.*positions"),
         (json.dumps(HEADER).replace('"BF16"', '"F12"').encode(), "'embed.weight'.*dtype"),
         (json.dumps(HEADER).replace('"positions": ["gap16", "shuffle", "zstd"], ', "").encode(), "come together"),
+        # a step header is version 1, or 2 for a part, whatever its manifest's (3 names the manifest's digest:
+        # docs/FORMAT.md section 1b): the manifest's version is no header's
+        (_edit(HEADER, "format_version", 3), r"Invalid enum value 3 - at `\$.format_version`"),
     ],
 )
 def test_bad_step_headers_are_format_errors(data, message):
@@ -245,3 +248,58 @@ def test_one_validator_for_names_from_outside():
         assert not check(CONSUMER_ID, bad)
         with pytest.raises(FormatError, match="consumer id"):
             check_consumer_id(bad)  # type: ignore[arg-type]
+
+
+CATCHUP_V2 = {
+    "format_version": 2, "digest": "blake3", "kind": "catchup", "step": 8, "base_step": 4,
+    "object": "catchup-abababababababab.safetensors", "object_bytes": 100, "object_digest": "blake3:" + "ab" * 32,
+    "state_checksum": "0" * 64, "base_state_checksum": "1" * 64, "created_unix_s": 1.0,
+}
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda c: {k: v for k, v in c.items() if k != "digest"},
+     r"\$.digest: catch-up manifest format version 2 names its digest, expected one of blake3, got none"),
+    (lambda c: {**c, "digest": "sha256", "object_digest": "sha256:" + "ab" * 32},
+     r"\$.digest: catch-up manifest format version 2 names 'sha256'; SHA-256 catch-ups are format version 1"),
+    (lambda c: {**c, "format_version": 1},
+     r"\$.digest: catch-up manifest format version 1 digests with SHA-256 and names no digest, got 'blake3' "
+     r"\(version 2 names its digest\)"),
+    (lambda c: {**{k: v for k, v in c.items() if k not in ("digest", "object_digest")}, "format_version": 1},
+     r"\$.object_sha256: catch-up manifest format version 1 names each object's SHA-256 \(object_sha256\), got "
+     r"neither object_sha256 nor object_digest"),
+    (lambda c: {k: v for k, v in c.items() if k != "object_digest"},
+     r"\$.object_digest: catch-up manifest format version 2 names each object's blake3 digest \(object_digest\), "
+     r"got neither object_sha256 nor object_digest"),
+])
+def test_a_catchup_manifest_naming_its_digest_wrongly_names_its_own_version(edit, message):
+    """A catch-up manifest's versions are 1 (SHA-256) and 2 (names its digest: docs/FORMAT.md section 5g); an error
+    names those, never the step manifest's version 3, and says what arrived (nothing, where nothing did)."""
+    from deltasync.format.documents import CatchupManifest
+
+    decode(json.dumps(CATCHUP_V2), CatchupManifest, where="c")  # the unedited one is valid
+    with pytest.raises(FormatError, match=message):
+        decode(json.dumps(edit(CATCHUP_V2)), CatchupManifest, where="c")
+
+
+def test_a_step_manifest_naming_no_digest_at_all_says_so():
+    no_digest = {k: v for k, v in MANIFEST.items() if k != "object_sha256"}
+    with pytest.raises(FormatError, match=r"\$.object_sha256: format version 1 names each object's SHA-256 "
+                                          r"\(object_sha256\), got neither object_sha256 nor object_digest"):
+        Manifest.from_json(json.dumps(no_digest), where="m")
+
+
+def test_an_object_whose_header_says_version_3_is_refused(tmp_path, small_state):
+    """A real stream's object rewritten (its manifest agreeing, as a bucket writer of an unsigned stream can) with a
+    step header of version 3, which only manifests have: refused by name, not read as a version-1 header."""
+    from tests.damage import rewrite_header
+
+    url = str(tmp_path / "s")
+    with DeltaPublisher(url, small_state, on_backlog="block") as pub:
+        pub.publish(0)
+        next(iter(small_state.values())).view(-1)[0] += 1
+        pub.publish(1)
+    rewrite_header(Store(url), 1, lambda h: h.update(format_version=3))
+    with pytest.raises(FormatError, match=r"step 1 .*step header: invalid _RawStepHeader: Invalid enum value 3 - at "
+                                          r"`\$.format_version`"):
+        StreamReader(url).state_dict(1)

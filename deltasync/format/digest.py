@@ -32,7 +32,7 @@ from typing import Final, Literal, Protocol, cast, get_args
 
 import blake3
 
-from deltasync.errors import FormatError
+from deltasync.errors import ConfigError, FormatError
 
 Algorithm = Literal["sha256", "blake3"]
 ALGORITHMS: Final[tuple[Algorithm, ...]] = get_args(Algorithm)
@@ -62,8 +62,18 @@ def check_algorithm(name: object, *, where: str) -> Algorithm:
 
 def write_algorithm() -> Algorithm:
     """The algorithm writers use now: BLAKE3, or SHA-256 where ``DELTASYNC_DIGEST=sha256`` asks for the older
-    format (versions 1 and 2) for one more release."""
-    return check_algorithm(os.environ.get(ENV, DEFAULT_ALGORITHM), where=f"environment variable {ENV}")
+    format (versions 1 and 2) for one more release.
+
+    Raises:
+        ConfigError: the variable is set to anything else (``md5``, empty, ``SHA256``): a setting, not a store's
+            fault, so never retried and never a silent fallback. Writers call this when they are made, so that a
+            typo fails there, before anything is captured or written.
+    """
+    name = os.environ.get(ENV, DEFAULT_ALGORITHM)
+    if name not in ALGORITHMS:
+        raise ConfigError(f"environment variable {ENV}: expected one of {', '.join(ALGORITHMS)} (or unset: "
+                          f"{DEFAULT_ALGORITHM}), got {name[:40]!r}", expected=ALGORITHMS, found=name[:40])
+    return cast(Algorithm, name)
 
 
 def hasher(algorithm: Algorithm) -> Hasher:

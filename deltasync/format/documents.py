@@ -52,7 +52,9 @@ TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 Version = Literal[1]
 # 2: multi-part steps (docs/FORMAT.md section 5b); 3: either layout, objects named by the digest the manifest names
 # (section 1b)
-PartVersion = Literal[1, 2, 3]
+ManifestVersion = Literal[1, 2, 3]
+# a step header (inside each object) is version 1, or 2 for a part, whatever its manifest's: it holds no digest
+HeaderVersion = Literal[1, 2]
 DIGEST_VERSION: Final = 3  # the manifest version that names its digest
 CATCHUP_DIGEST_VERSION: Final = 2  # the catch-up manifest version that names its digest (section 5g)
 # a version-3 digest: "<algorithm>:<hex>"; which algorithms a reader knows is checked after parsing, so that an
@@ -182,7 +184,7 @@ class StepHeader:
     state_checksum: Sha256
     tensors: dict[TensorName, TensorHeader]
     aliases: dict[TensorName, TensorName] = field(default_factory=dict)
-    format_version: PartVersion = FORMAT_VERSION
+    format_version: HeaderVersion = FORMAT_VERSION
     checksum_algorithm: Literal["mix64-sum"] = CHECKSUM_ALGORITHM
 
     def __post_init__(self) -> None:
@@ -257,7 +259,7 @@ class _RawStepHeader:
     state_checksum: Sha256
     tensors: dict[TensorName, msgspec.Raw]
     aliases: dict[TensorName, TensorName] = field(default_factory=dict)
-    format_version: PartVersion = FORMAT_VERSION
+    format_version: HeaderVersion = FORMAT_VERSION
     checksum_algorithm: Literal["mix64-sum"] = CHECKSUM_ALGORITHM
 
 
@@ -275,33 +277,40 @@ def _stored_digest(entry: Part | AnchorDelta | Manifest | CatchupManifest) -> di
     return {"object_sha256": entry.object_sha256}
 
 
-def _check_digests(version: int, digest: str | None, entries: list[tuple[str, str | None, str | None]]) -> None:
-    """Versions 1 and 2 are SHA-256 (``object_sha256`` everywhere, no ``digest``); version 3 names its digest,
-    one this reader knows and not SHA-256, and every object's ``object_digest`` is of that algorithm
-    (docs/FORMAT.md section 1b). A ``FormatError`` (a ``ValueError``) names the field, what was expected and
-    what arrived."""
-    if version != DIGEST_VERSION:
+def _check_digests(version: int, digest: str | None, entries: list[tuple[str, str | None, str | None]], *,
+                   named: int = DIGEST_VERSION, what: str = "format version",
+                   sha256_versions: str = "SHA-256 steps are format versions 1 and 2") -> None:
+    """Versions before ``named`` are SHA-256 (``object_sha256`` everywhere, no ``digest``); version ``named`` (3 for a
+    step manifest, 2 for a catch-up's: ``what`` says which document) names its digest, one this reader knows and not
+    SHA-256, and every object's ``object_digest`` is of that algorithm (docs/FORMAT.md sections 1b, 5g). A
+    ``FormatError`` (a ``ValueError``) names the field, what was expected and what arrived."""
+
+    def found(field: str, value: str | None, other: str | None) -> str:
+        if value is None and other is None:
+            return "neither object_sha256 nor object_digest"
+        return f"{field} {str(value)[:80]!r}"
+
+    if version != named:
         if digest is not None:
-            raise FormatError(f"$.digest: format version {version} digests with SHA-256 and names no digest, "
-                              f"got {digest[:40]!r} (version {DIGEST_VERSION} names its digest)")
+            raise FormatError(f"$.digest: {what} {version} digests with SHA-256 and names no digest, "
+                              f"got {digest[:40]!r} (version {named} names its digest)")
         for where, sha, other in entries:
             if sha is None or other is not None:
-                raise FormatError(f"{where}.object_sha256: format version {version} names each object's SHA-256 "
-                                  f"(object_sha256), got object_digest {str(other)[:80]!r}")
+                raise FormatError(f"{where}.object_sha256: {what} {version} names each object's SHA-256 "
+                                  f"(object_sha256), got {found('object_digest', other, sha)}")
         return
     if digest is None:
-        raise FormatError(f"$.digest: format version {DIGEST_VERSION} names its digest, expected one of "
+        raise FormatError(f"$.digest: {what} {named} names its digest, expected one of "
                           f"{', '.join(a for a in digests.ALGORITHMS if a != 'sha256')}, got none")
     algorithm = digests.check_algorithm(digest, where="$.digest")
     if algorithm == "sha256":
-        raise FormatError(f"$.digest: format version {DIGEST_VERSION} names 'sha256'; SHA-256 steps are format "
-                          "versions 1 and 2 (object_sha256)")
+        raise FormatError(f"$.digest: {what} {named} names 'sha256'; {sha256_versions} (object_sha256)")
     for where, sha, other in entries:
         if other is None or sha is not None:
-            raise FormatError(f"{where}.object_digest: format version {DIGEST_VERSION} names each object's "
-                              f"{algorithm} digest (object_digest), got object_sha256 {str(sha)[:80]!r}")
-        named = other.split(":", 1)[0]
-        if named != algorithm or len(other) != len(algorithm) + 65:
+            raise FormatError(f"{where}.object_digest: {what} {named} names each object's "
+                              f"{algorithm} digest (object_digest), got {found('object_sha256', sha, other)}")
+        named_algorithm = other.split(":", 1)[0]
+        if named_algorithm != algorithm or len(other) != len(algorithm) + 65:
             raise FormatError(f"{where}.object_digest: expected '{algorithm}:<64 hex>' (the manifest's digest), "
                               f"got {other[:80]!r}")
 
@@ -418,7 +427,7 @@ class Manifest:
     parts: Annotated[tuple[Part, ...], msgspec.Meta(min_length=1, max_length=MAX_PARTS)] | None = None
     aliases: dict[TensorName, TensorName] | None = None
     stats: ManifestStats = field(default_factory=ManifestStats)
-    format_version: PartVersion = FORMAT_VERSION
+    format_version: ManifestVersion = FORMAT_VERSION
     digest: DigestName | None = None
     delta: AnchorDelta | None = None
     # where the objects live, for a manifest that is not stored as steps/<step>/manifest.json (a catch-up's view:
@@ -549,9 +558,10 @@ class CatchupManifest:
     def __post_init__(self) -> None:
         if self.base_step >= self.step:
             raise ValueError(f"$.base_step {self.base_step} is not below $.step {self.step}")
-        # the same rule as a step manifest's, version 2 here standing for a step manifest's 3
-        _check_digests(DIGEST_VERSION if self.format_version == CATCHUP_DIGEST_VERSION else 1, self.digest,
-                       [("$", self.object_sha256, self.object_digest)])
+        # the same rule as a step manifest's, version 2 here in the place of a step manifest's 3
+        _check_digests(self.format_version, self.digest, [("$", self.object_sha256, self.object_digest)],
+                       named=CATCHUP_DIGEST_VERSION, what="catch-up manifest format version",
+                       sha256_versions="SHA-256 catch-ups are format version 1")
 
     @classmethod
     def of(cls, *, digest: str, **fields: Any) -> CatchupManifest:

@@ -159,13 +159,15 @@ class CatchupWriter:
         storage_options: the store's.
 
     Raises:
-        ConfigError: a bad option, or a key for another stream.
+        ConfigError: a bad option, a key for another stream, or ``DELTASYNC_DIGEST`` set to an algorithm writers do
+            not know.
     """
 
     def __init__(self, url: Where, *, options: CatchupOptions | None = None, signing_key: Any = None,
                  stream_id: str | None = None, trusted_keys: Any = None,
                  storage_options: dict[str, Any] | None = None) -> None:
         self.options = options or CatchupOptions()
+        digests.write_algorithm()  # DELTASYNC_DIGEST: a typo fails here, not after a catch-up was built
         self.store, self._owns_store = open_store(url, storage_options)
         self.signer: StreamSigner | None = None
         trust: TrustedKeys | None = None if trusted_keys is None else TrustedKeys.load(trusted_keys)

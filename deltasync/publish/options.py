@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import torch
 
 from deltasync.errors import ConfigError
+from deltasync.format import digest as digests
 from deltasync.notify import host_port
 from deltasync.publish.names import NameMap
 from deltasync.rdma.options import RdmaOptions, rdma_options
@@ -75,7 +76,8 @@ class PublishOptions:
             tensors are read. False publishes such steps.
 
     Raises:
-        ConfigError: a value of the wrong type or out of range, naming the option.
+        ConfigError: a value of the wrong type or out of range, naming the option; ``DELTASYNC_DIGEST`` set to an
+            algorithm writers do not know (format/digest.py).
 
     Example::
 
@@ -144,6 +146,7 @@ class PublishOptions:
             check_stream_id(self.stream_id, what="publish option stream_id")
         if self.writer_id is not None and (not isinstance(self.writer_id, str) or not self.writer_id):
             raise ConfigError(f"publish option writer_id must be a non-empty string, got {self.writer_id!r}")
+        digests.write_algorithm()  # DELTASYNC_DIGEST: a typo fails here, not on the committing thread
 
     @classmethod
     def parse(cls, options: Any, *, where: str = "publish options") -> PublishOptions:

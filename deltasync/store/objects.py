@@ -143,21 +143,21 @@ class StoreObjects:
         if local is not None:
             if not local.exists():
                 raise self._missing(manifest, where)
-            self._check_object(local, part, where)
+            self._check_object(local, manifest, part, where)
             return local
         name = self._cache_name(manifest, part)
         cache = self.object_cache
         with cache.filling(name) as path:
             try:
                 if path.exists() and path.stat().st_size == part.object_bytes:
-                    self._check_object(path, part, where)
+                    self._check_object(path, manifest, part, where)
                 elif self.node_cache is not None:  # linked from the host's cache, or downloaded once for the host
                     self.node_cache.fetch(part.digest, part.object_bytes, path,
                                           lambda dest: self._download(rel, dest, manifest, where, part.object_bytes),
-                                          lambda dest: self._check_object(dest, part, where))
+                                          lambda dest: self._check_object(dest, manifest, part, where))
                 else:
                     self._download(rel, path, manifest, where, part.object_bytes)
-                    self._check_object(path, part, where)
+                    self._check_object(path, manifest, part, where)
             except BaseException:
                 cache.discard(name)
                 raise
@@ -195,21 +195,22 @@ class StoreObjects:
 
         if self.node_cache is not None:
             return self.node_cache.read(part.digest, part.object_bytes, download,
-                                        lambda data: self._check_bytes(data, part, where))
+                                        lambda data: self._check_bytes(data, manifest, part, where))
         data = download()
-        self._check_bytes(data, part, where)
+        self._check_bytes(data, manifest, part, where)
         return data
 
-    def _check_bytes(self, data: bytes, part: Part, where: str) -> None:
+    def _check_bytes(self, data: bytes, manifest: Manifest, part: Part, where: str) -> None:
         """``data`` has the manifest's size and digest, or ``CorruptObjectError``."""
         if len(data) != part.object_bytes:
             longer = len(data) > part.object_bytes
             raise CorruptObjectError(
                 f"{where}: {len(data)}{'+' if longer else ''} bytes, manifest says {part.object_bytes} "
                 f"({'more than it says: replaced' if longer else 'truncated or replaced'})",
-                url=self.url, key=part.object, expected=part.object_bytes, found=len(data),
+                url=self.url, step=manifest.step, key=part.object, expected=part.object_bytes, found=len(data),
             )
-        _check_digest(digests.compute(data, digests.algorithm_of(part.digest)), part, where)
+        _check_digest(digests.compute(data, digests.algorithm_of(part.digest)), part, where, url=self.url,
+                      step=manifest.step)
 
     def _missing(self, manifest: Manifest, where: str) -> StepNotFoundError | CorruptObjectError:
         """The error for an object that is not there: its step was collected meanwhile (no manifest either),
@@ -234,31 +235,34 @@ class StoreObjects:
         where = f"{self.url} step {manifest.step} object {part.object}"
         if not local.exists():
             raise self._missing(manifest, where)
-        _check_size(local.stat().st_size, part, where)
+        _check_size(local.stat().st_size, part, where, url=self.url, step=manifest.step)
         return local
 
     def check_digest(self, manifest: Manifest, digest: str) -> None:
         """``CorruptObjectError`` unless ``digest`` (prefixed, of a single-object step's bytes) is the manifest's."""
         part = manifest.objects[0]
-        _check_digest(digest, part, f"{self.url} step {manifest.step} object {part.object}")
+        _check_digest(digest, part, f"{self.url} step {manifest.step} object {part.object}", url=self.url,
+                      step=manifest.step)
 
-    def _check_object(self, path: Path, part: Part, where: str) -> None:
+    def _check_object(self, path: Path, manifest: Manifest, part: Part, where: str) -> None:
         """The object at ``path`` has the manifest's size and digest, or ``CorruptObjectError``."""
-        _check_size(path.stat().st_size, part, where)
-        _check_digest(digests.of_file(path, digests.algorithm_of(part.digest)), part, where)
+        _check_size(path.stat().st_size, part, where, url=self.url, step=manifest.step)
+        _check_digest(digests.of_file(path, digests.algorithm_of(part.digest)), part, where, url=self.url,
+                      step=manifest.step)
 
 
-def _check_size(size: int, part: Part, where: str) -> None:
+def _check_size(size: int, part: Part, where: str, *, url: str, step: int) -> None:
     if size != part.object_bytes:
         raise CorruptObjectError(f"{where}: {size} bytes, manifest says {part.object_bytes} (truncated or replaced)",
-                                 key=part.object, expected=part.object_bytes, found=size)
+                                 url=url, step=step, key=part.object, expected=part.object_bytes, found=size)
 
 
-def _check_digest(digest: str, part: Part, where: str) -> None:
-    """``digest`` (prefixed) is the manifest's, or ``CorruptObjectError`` naming both."""
+def _check_digest(digest: str, part: Part, where: str, *, url: str, step: int) -> None:
+    """``digest`` (prefixed) is the manifest's, or ``CorruptObjectError`` naming both (and the stream, the step and
+    the object as attributes: errors.CONTEXT)."""
     if not digests.matches(digest, part.digest):
         raise CorruptObjectError(f"{where}: digest {digest[:23]}… differs from the manifest's {part.digest[:23]}…",
-                                 key=part.object, expected=part.digest, found=digest)
+                                 url=url, step=step, key=part.object, expected=part.digest, found=digest)
 
 
 class _watching:
