@@ -17,7 +17,7 @@ from deltasync.errors import FormatError
 from deltasync.format import _byte_kernels
 from deltasync.format._bits import UNSIGNED_NP
 from deltasync.format.documents import PositionCodec, TensorHeader, ValueCodec
-from deltasync.format.patch import Patch
+from deltasync.format.patch import PackedPatch, Patch, unpack_change
 
 DENSE_FRACTION = 0.25  # above this share of changed elements, list every element (no positions)
 ZSTD_MIN_SAVING = 0.05  # keep zstd only when it saves at least this share
@@ -74,20 +74,23 @@ def encode_patch(patch: Patch, *, zstd_level: int = 1) -> EncodedTensor:
 encode_change = encode_patch  # the name before issue 9
 
 
-def decode_patch(
+def decode_packed(
     name: str,
     header: TensorHeader,
     *,
     positions: bytes | bytearray | None,
     values: bytes | bytearray,
     where: str,
-) -> Patch:
-    """Decode and validate one changed tensor of a delta into a ``Patch`` (see ``decode_change``).
+) -> PackedPatch:
+    """Decode and validate one changed tensor of a delta into a ``PackedPatch``: decompressed, checked in full
+    (counts, every position in range, no value that changes nothing), positions still in their ``gap16`` form.
 
-    A part's entry (docs/FORMAT.md section 5b) decodes to a patch of its range alone: shape
-    ``(stop - start,)``, positions relative to ``start``, ``checksum`` the range's.
+    ``xor_apply_packed`` scatters it with no positions array in between; ``.unpack()`` gives the ``Patch`` of
+    positions for a writer that routes them (see ``decode_change`` for the checks). A part's entry (docs/FORMAT.md
+    section 5b) decodes to a patch of its range alone: shape ``(stop - start,)``, positions relative to
+    ``start``, ``checksum`` the range's.
     """
-    pos, xor = decode_change(
+    entries, planes, starts = _decode_planes(
         numel=header.count,
         width=header.itemsize,
         changed=header.changed,
@@ -98,7 +101,8 @@ def decode_patch(
         where=where,
     )
     shape = header.shape if header.range is None else (header.count,)
-    return Patch(name=name, dtype=header.dtype, shape=shape, positions=pos, xor=xor, checksum=int(header.checksum, 16))
+    return PackedPatch(name=name, dtype=header.dtype, shape=shape, changed=header.changed,
+                       checksum=int(header.checksum, 16), entries=entries, planes=planes, starts=starts)
 
 
 def decode_change(
@@ -118,6 +122,24 @@ def decode_change(
     patch first. Every size is checked before its allocation, and decompression stops at the size the
     header allows (never at the size a zstd frame claims). ``where`` names the step and tensor for errors.
     """
+    entries, planes, _ = _decode_planes(numel=numel, width=width, changed=changed, positions_chain=positions_chain,
+                                        values_chain=values_chain, positions=positions, values=values, where=where)
+    return unpack_change(entries, planes, width)
+
+
+def _decode_planes(
+    *,
+    numel: int,
+    width: int,
+    changed: int,
+    positions_chain: list[str],
+    values_chain: list[str],
+    positions: bytes | bytearray | None,
+    values: bytes | bytearray,
+    where: str,
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None]:
+    """``decode_change``'s decompression and checks: (byte-shuffled ``gap16`` entries or None for dense, the
+    values' bytes byte-shuffled, ``gap16_check``'s block starts or None). Nothing here is a positions array."""
     if not positions_chain or positions_chain[0] not in POSITION_CODECS:
         raise FormatError(f"{where}: unknown positions codec chain {positions_chain!r}")
     if not values_chain or values_chain[0] not in VALUE_CODECS:
@@ -127,16 +149,15 @@ def decode_change(
     if "zstd" not in values_chain and len(values) != count * width:
         raise FormatError(f"{where}: expected {count} values, found {len(values) / width:g}")
     raw = _unpack(values, values_chain[1:], exact=count * width, where=f"{where} values")
-    xor = np.empty(count, UNSIGNED_NP[width])
-    if "shuffle" in values_chain and width > 1:
-        _byte_kernels.unshuffle_bytes(np.frombuffer(raw, np.uint8), xor)
-    else:
-        xor[:] = np.frombuffer(raw, UNSIGNED_NP[width])
+    planes = np.frombuffer(raw, np.uint8)
+    if "shuffle" not in values_chain and width > 1:
+        planes = _byte_kernels.shuffle_bytes(planes.view(UNSIGNED_NP[width]))
     if dense:
+        _, xor = unpack_change(None, planes, width)
         nonzero = int(np.count_nonzero(xor))
         if nonzero != changed:
             raise FormatError(f"{where}: header says {changed} changed elements, dense values change {nonzero}")
-        return None, xor
+        return None, planes, None
     if positions is None:
         raise FormatError(f"{where}: positions are missing")
     max_entries = changed + numel // _ESCAPE_GAP + 1
@@ -146,16 +167,18 @@ def decode_change(
         raise FormatError(f"{where}: positions hold an odd number of bytes ({entries.size})")
     if "shuffle" not in positions_chain:
         entries = _byte_kernels.shuffle_bytes(entries.view(np.uint16))
-    pos = _byte_kernels.gap16_decode(entries, changed)
-    if pos.size != changed or (pos.size == 1 and pos[0] < 0):
-        raise FormatError(f"{where}: header says {changed} changed elements, positions list a different number")
-    if pos.size and pos[-1] >= numel:
-        raise FormatError(f"{where}: position {int(pos[-1])} is out of range for {numel} elements")
-    nonzero = int(np.count_nonzero(xor))
-    if nonzero != changed:  # a listed element whose bits do not change: the header's count is wrong
-        raise FormatError(f"{where}: header says {changed} changed elements, {changed - nonzero} of the listed values "
+    status, detail, starts = _byte_kernels.gap16_check(entries, planes, width, changed, numel)
+    if status == _byte_kernels.GAP16_COUNT:
+        raise FormatError(f"{where}: header says {changed} changed elements, positions list {detail}")
+    if status == _byte_kernels.GAP16_TRAILING:
+        raise FormatError(f"{where}: positions end in a run of escape entries (advance 65535, no element) that "
+                          f"lists no element after it")
+    if status == _byte_kernels.GAP16_RANGE:
+        raise FormatError(f"{where}: position {detail} is out of range for {numel} elements")
+    if status == _byte_kernels.GAP16_ZERO_VALUE:  # a listed element whose bits do not change: the count is wrong
+        raise FormatError(f"{where}: header says {changed} changed elements, {detail} of the listed values "
                           "change nothing")
-    return pos, xor
+    return entries, planes, starts
 
 
 def _shuffled(arr: np.ndarray) -> tuple[np.ndarray, tuple[Literal["shuffle"], ...]]:

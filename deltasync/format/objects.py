@@ -27,7 +27,7 @@ import torch
 
 from deltasync.errors import FormatError, ResourceLimitError
 from deltasync.format._bits import dtype_name
-from deltasync.format.codecs import EncodedTensor, decode_patch
+from deltasync.format.codecs import EncodedTensor, decode_packed
 from deltasync.format.documents import (
     FORMAT_VERSION,
     ITEMSIZE,
@@ -40,7 +40,7 @@ from deltasync.format.documents import (
     TensorHeader,
     decode,
 )
-from deltasync.format.patch import Patch
+from deltasync.format.patch import PackedPatch, Patch
 from deltasync.format.sources import Source
 from deltasync.threads import parallel_map
 
@@ -347,10 +347,16 @@ class StepObject:
         return buf
 
     def patch(self, name: str) -> Patch:
-        """A delta's decoded, validated change for one changed tensor."""
+        """A delta's decoded, validated change for one changed tensor, with its positions as int64 (for a
+        writer that routes them; ``packed`` is the cheaper form for one that scatters into the tensor itself)."""
+        return self.packed(name).unpack()
+
+    def packed(self, name: str) -> PackedPatch:
+        """A delta's decompressed, validated change for one changed tensor, positions still ``gap16`` entries
+        (``xor_apply_packed`` scatters it as it decodes them)."""
         h = self.header.tensors[name]
         pos_key, val_key = blob_names(name)
-        return decode_patch(
+        return decode_packed(
             name,
             h,
             positions=self._blob(pos_key) if pos_key in self._entries else None,
