@@ -77,10 +77,10 @@ def test_corrupt_payload_changes_nothing(tmp_path, small_state, gen, monkeypatch
     names = [n for n, h in obj.header.tensors.items() if h.changed]
     real = obj.packed  # what the replica decodes (a patch scattered as its positions are decoded)
 
-    def packed(name):
+    def packed(name, **kw):
         if name == names[-1]:
             raise FormatError(f"1 tensor {name!r}: corrupt")
-        return real(name)
+        return real(name, **kw)
 
     monkeypatch.setattr(obj, "packed", packed)
     with pytest.raises(FormatError):

@@ -16,7 +16,7 @@ from deltasync.errors import FormatError, TensorMismatchError
 from deltasync.format import _kernels
 from deltasync.format._bits import np_bits
 from deltasync.format.checksum import MASK64, tensor_checksum
-from deltasync.format.codecs import decode_packed
+from deltasync.format.codecs import DecodeScratch, decode_packed
 from deltasync.format.documents import TensorHeader
 from deltasync.format.objects import StepObject
 from deltasync.publish.steps import snapshot_headers, write_step
@@ -147,6 +147,23 @@ def test_blocks_split_across_threads_match(parallel):
     assert int(change) == (ref_checksum(after) - ref_checksum(before)) & MASK64
 
 
+def test_one_scratch_decodes_tensor_after_tensor():
+    """A ``DecodeScratch`` is reused from one tensor to the next (each written before the next is decoded), and
+    grows when a larger one comes: every tensor still lands bit-exact."""
+    scratch = DecodeScratch()
+    rng = np.random.default_rng(9)
+    for numel, count in ((5000, 40), (200_000, 9000), (3000, 10), (400_000, 30_000)):
+        positions = np.sort(rng.choice(numel, count, replace=False)).astype(np.int64)
+        t, before, xor = random_case("fp16", numel, positions, seed=count)
+        h = header("fp16", numel, count)
+        packed = decode_packed("t", h, positions=zstd(shuffle(spec_entries(positions))), values=zstd(shuffle(xor)),
+                               where="t", scratch=scratch)
+        change = xor_apply_packed(t, packed)
+        after = spec_apply(before, positions, xor)
+        assert np.array_equal(np_bits(t), after)
+        assert change == (ref_checksum(after) - ref_checksum(before)) & MASK64
+
+
 def test_empty_change_writes_nothing():
     t, before, xor = random_case("bf16", 1000, np.empty(0, np.int64), seed=1)
     packed = packed_of("bf16", 1000, np.empty(0, np.int64), xor, zstd_=False)
@@ -209,14 +226,19 @@ def test_malformed_positions_are_refused(kind, match):
         packed_of("bf16", numel, positions, xor, entries=entries)
 
 
-def test_truncated_frames_and_odd_bytes_are_refused():
+@pytest.mark.parametrize("scratch", [None, "scratch"])
+def test_truncated_frames_and_odd_bytes_are_refused(scratch):
     numel, positions, xor, entries = _bad("none")
     h = header("bf16", numel, positions.size)
     pos, val = zstd(shuffle(entries)), zstd(shuffle(xor))
+    kw = {"scratch": DecodeScratch() if scratch else None}
     with pytest.raises(FormatError, match="positions"):
-        decode_packed("t", h, positions=pos[:-3], values=val, where="t")
+        decode_packed("t", h, positions=pos[:-3], values=val, where="t", **kw)
     with pytest.raises(FormatError, match="values"):
-        decode_packed("t", h, positions=pos, values=val[:-1], where="t")
+        decode_packed("t", h, positions=pos, values=val[:-1], where="t", **kw)
+    checked = zstandard.ZstdCompressor(level=1, write_checksum=True, write_content_size=True).compress(shuffle(xor))
+    with pytest.raises(FormatError, match="values"):  # the frame's own checksum is checked, decoded into scratch too
+        decode_packed("t", h, positions=pos, values=checked[:-1] + bytes([checked[-1] ^ 1]), where="t", **kw)
     raw = header("bf16", numel, positions.size, zstd_=False)
     with pytest.raises(FormatError, match="odd number"):
         decode_packed("t", raw, positions=shuffle(entries) + b"\0", values=shuffle(xor), where="t")

@@ -10,9 +10,10 @@ ahead, ``deltasync.stages.staging``), compares checksums, and on a mismatch appl
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, wait
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from deltasync.format.checksum import (
     parse_checksum,
     tensor_checksum,
 )
+from deltasync.format.codecs import DecodeScratch
 from deltasync.format.objects import StepHeader, StepObject
 from deltasync.format.patch import PackedPatch, Patch
 from deltasync.stages._device import Scatter, xor_apply_many
@@ -106,8 +108,11 @@ class Replica:
         _check(h, self.checksums, obj.where, names=unchanged)  # the replica is the base it claims to be
         # each tensor is written as soon as it is decoded, on the pool: decoding (CPU) overlaps the writes
         # (memory); a tensor that fails to decode undoes the others' writes, so the step is still all or nothing
+        # decoded into each thread's reused scratch (no fresh pages per tensor), written at once; an undo decodes
+        # again into fresh memory
         names = [n for n, t in h.tensors.items() if t.changed]
-        changed = _write_all(names, obj.packed, self.tensors, where=obj.where, step=h.step,
+        changed = _write_all(names, lambda n: obj.packed(n, scratch=_scratch()), self.tensors, undo_of=obj.packed,
+                             where=obj.where, step=h.step,
                              checksums=self.checksums if verify == "incremental" else None,
                              cost=lambda n: h.tensors[n].changed,
                              on_host=all(self.tensors[n].device.type == "cpu" for n in names))
@@ -155,18 +160,20 @@ def apply_staged(
 
 def _write_all(items: Sequence[T], patch_of: Callable[[T], Patch | PackedPatch], tensors: Mapping[str, torch.Tensor], *,
                checksums: Mapping[str, int] | None, where: str, step: int,
-               cost: Callable[[T], int], on_host: bool) -> dict[str, int]:
+               cost: Callable[[T], int], on_host: bool,
+               undo_of: Callable[[T], Patch | PackedPatch] | None = None) -> dict[str, int]:
     """Write ``patch_of(item)`` for every item (a decoded patch, or a name decoded here), compare checksums,
     and undo every landed write on any error: ``apply_staged``'s contract, for patches decoded ahead or as
-    they are written."""
-    written: list[Patch | PackedPatch] = []
+    they are written. ``undo_of(item)``: the patch to undo with, when ``patch_of``'s does not outlive its write
+    (decoded into reused scratch)."""
+    written: list[tuple[T, Patch | PackedPatch]] = []
     futures: list[Future[Patch | PackedPatch]] = []
     deltas: dict[str, int] = {}
 
     def write(x: T) -> Patch | PackedPatch:
         p = patch_of(x)
         deltas[p.name] = _xor_either(tensors[p.name], p, checksum=True)
-        written.append(p)  # list.append is atomic: the undo sees every landed patch
+        written.append((x, p))  # list.append is atomic: the undo sees every landed patch
         return p
 
     try:
@@ -183,7 +190,7 @@ def _write_all(items: Sequence[T], patch_of: Callable[[T], Patch | PackedPatch],
             try:
                 found = xor_apply_all([(tensors[p.name], p.positions, p.xor, None) for p in unpacked], landed=landed)
             finally:
-                written.extend(unpacked[j] for j in landed)
+                written.extend((items[j], unpacked[j]) for j in landed)
             deltas.update((p.name, d) for p, d in zip(unpacked, found, strict=True))
         if checksums is not None:
             after = {p.name: (checksums[p.name] + deltas[p.name]) & MASK64 for p in patches}
@@ -203,18 +210,38 @@ def _write_all(items: Sequence[T], patch_of: Callable[[T], Patch | PackedPatch],
         for f in futures:
             f.cancel()
         wait(futures)  # writes still running land before they are undone
-        _undo(tensors, written)
+        _undo(tensors, [p if undo_of is None else _Redecode(x, undo_of) for x, p in written])
         raise
     return after
 
 
-def _undo(tensors: Mapping[str, torch.Tensor], done: Sequence[Patch | PackedPatch]) -> None:
+class _Redecode:
+    """A written patch to undo, decoded again when the undo needs it."""
+
+    def __init__(self, item: object, decode: Callable[[Any], Patch | PackedPatch]) -> None:
+        self.item, self.decode = item, decode
+
+
+def _undo(tensors: Mapping[str, torch.Tensor], done: Sequence[Patch | PackedPatch | _Redecode]) -> None:
     """XOR again what was written: back to the exact previous bits."""
     for p in reversed(done):
         try:
-            _xor_either(tensors[p.name], p, checksum=False)
+            q = p.decode(p.item) if isinstance(p, _Redecode) else p
+            _xor_either(tensors[q.name], q, checksum=False)
         except Exception:
-            log.exception("restoring tensor %r after a failed apply failed too", p.name)
+            log.exception("restoring tensor %r after a failed apply failed too",
+                          p.item if isinstance(p, _Redecode) else p.name)
+
+
+_local = threading.local()
+
+
+def _scratch() -> DecodeScratch:
+    """This thread's decode scratch (a pool thread keeps its own; it grows to the largest tensor's change)."""
+    s = _local.__dict__.get("scratch")
+    if s is None:
+        s = _local.scratch = DecodeScratch()
+    return s
 
 
 def _unpacked(p: Patch | PackedPatch) -> Patch:
