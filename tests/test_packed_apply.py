@@ -288,3 +288,33 @@ def test_a_replica_refuses_a_bad_position_and_keeps_every_bit(tmp_path):
     with pytest.raises(FormatError, match="out of range"):
         rep.apply(StepObject(tmp_path / "1", where="1"))
     assert rep.step == 0 and states_equal(rep.state_dict(), before)
+
+
+def test_replay_blocks_take_every_patch_in_turn():
+    """Replay patches a large tensor block by block: each packed patch is decoded as far as each block's end (a
+    cursor, escapes included), mixed with patches of positions and a dense one; the bits equal applying each
+    patch in turn with the spec's reader."""
+    from deltasync.format.patch import Patch
+    from deltasync.history.replay import xor_patches
+
+    numel = 700_000
+    rng = np.random.default_rng(11)
+    t, before, _ = random_case("bf16", numel, np.empty(0, np.int64), seed=12)
+    expected = before.copy()
+    patches = []
+    for k in range(4):
+        positions = np.sort(rng.choice(numel, 5000 * (k + 1), replace=False)).astype(np.int64)
+        if k == 0:
+            positions = escape_positions(numel)  # escapes that cross block ends
+        xor = rng.integers(1, 2**16, positions.size, dtype=np.uint64).astype(np.uint16)
+        patches.append(packed_of("bf16", numel, positions, xor))
+        expected[positions] ^= xor
+    positions = np.sort(rng.choice(numel, 777, replace=False)).astype(np.int64)
+    xor = rng.integers(1, 2**16, positions.size, dtype=np.uint64).astype(np.uint16)
+    patches.append(Patch(name="t", dtype="BF16", shape=(numel,), positions=positions, xor=xor, checksum=0))
+    expected[positions] ^= xor
+    dense = rng.integers(0, 2**16, numel, dtype=np.uint64).astype(np.uint16)
+    patches.append(Patch(name="t", dtype="BF16", shape=(numel,), positions=None, xor=dense, checksum=0))
+    expected ^= dense
+    xor_patches(t, patches, block_bytes=1 << 13)  # 4096 elements a block: 171 blocks
+    assert np.array_equal(np_bits(t), expected)

@@ -392,6 +392,38 @@ def _gap16_xor(u: np.ndarray, shuffled: np.ndarray, planes: np.ndarray, starts: 
     return total
 
 
+@_jit
+def _gap16_xor_until(u: np.ndarray, shuffled: np.ndarray, planes: np.ndarray, cursor: np.ndarray,
+                     stop: np.int64) -> None:
+    """``_gap16_xor`` without the checksum, of the entries from ``cursor`` on whose positions are below ``stop``;
+    ``cursor`` (int64: next entry, position before it, values before it; ``[0, -1, 0]`` at the start) is left at
+    the first entry not applied. Replay walks a tensor block by block and gives each block every patch's share
+    this way: no positions array, no search for where a block's share begins. Checked entries only
+    (``gap16_check``); an escape run is taken whole, so ``stop`` may be passed only by positions (not applied)."""
+    entries = shuffled.size // 2
+    width = u.itemsize
+    count = planes.size // width
+    e = cursor[0]
+    pos = cursor[1]
+    k = cursor[2]
+    while e < entries:
+        v = np.int64(shuffled[e]) | (np.int64(shuffled[entries + e]) << 8)
+        nxt = pos + (v if v != 0 else 65535)
+        if v != 0:
+            if nxt >= stop:
+                break
+            x = np.uint64(planes[k])
+            for j in range(1, width):
+                x |= np.uint64(planes[j * count + k]) << np.uint64(8 * j)
+            u[nxt] ^= u.dtype.type(x)
+            k += 1
+        pos = nxt
+        e += 1
+    cursor[0] = e
+    cursor[1] = pos
+    cursor[2] = k
+
+
 def _xor_dense(u: np.ndarray, xor: np.ndarray, base: np.int64) -> np.uint64:
     """``u ^= xor`` for a whole (chunk of a) tensor; returns the change of the checksum."""
     nblocks = (u.size + _BLOCK - 1) // _BLOCK
@@ -475,6 +507,11 @@ def gap16_xor(u: np.ndarray, shuffled: np.ndarray, planes: np.ndarray, starts: n
     size = planes.size // u.itemsize
     return _pick(_gap16_xor_serial, _gap16_xor_parallel, size, parallel)(u, _ro(shuffled), _ro(planes), _ro(starts),
                                                                          base, checksum)
+
+
+def gap16_xor_until(u: np.ndarray, shuffled: np.ndarray, planes: np.ndarray, cursor: np.ndarray, stop: int) -> None:
+    """See ``_gap16_xor_until``."""
+    _gap16_xor_until(u, _ro(shuffled), _ro(planes), cursor, stop)
 
 
 def xor_dense(u: np.ndarray, xor: np.ndarray, base: int, *, parallel: bool | None = None) -> np.uint64:
@@ -593,6 +630,7 @@ def _warm_width(t: Any) -> None:
         for checksum in (False, True):
             gap16_xor(u, entries, planes, starts, 0, checksum=checksum, parallel=parallel)
     checksum_at(u, idx)
+    gap16_xor_until(u, entries, planes, np.array([0, -1, 0], np.int64), n)
     compact(pos, xs, counts, n, pos.copy(), xs.copy())
     xor_plain_at(u, idx, x)
     _byte_kernels.shuffle_bytes(x)

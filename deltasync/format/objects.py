@@ -372,6 +372,11 @@ class StepObject:
             scratch=scratch,
         )
 
+    def change(self, name: str, *, scratch: DecodeScratch | None = None) -> Patch | PackedPatch:
+        """The cheapest decoded form of a changed tensor for a writer into the whole tensor: ``packed`` here (a
+        multi-part step may answer with a ``patch``). ``xor_apply_packed``/``xor_apply`` write either."""
+        return self.packed(name, scratch=scratch)
+
     def patches(self) -> list[Patch]:
         """Every changed tensor's decoded change, in the header's order (decoded in parallel, largest first;
         any error is raised here)."""

@@ -111,7 +111,7 @@ class Replica:
         # decoded into each thread's reused scratch (no fresh pages per tensor), written at once; an undo decodes
         # again into fresh memory
         names = [n for n, t in h.tensors.items() if t.changed]
-        changed = _write_all(names, lambda n: obj.packed(n, scratch=_scratch()), self.tensors, undo_of=obj.packed,
+        changed = _write_all(names, lambda n: obj.change(n, scratch=_scratch()), self.tensors, undo_of=obj.change,
                              where=obj.where, step=h.step,
                              checksums=self.checksums if verify == "incremental" else None,
                              cost=lambda n: h.tensors[n].changed,
@@ -269,11 +269,7 @@ def xor_apply_packed(bits: torch.Tensor, packed: PackedPatch, *, base: int = 0, 
 
         delta = xor_apply_packed(replica.tensors[name], obj.packed(name))
     """
-    if not bits.is_contiguous():
-        raise TensorMismatchError(f"cannot patch a non-contiguous tensor of shape {tuple(bits.shape)} in place")
-    if bits.numel() != packed.numel or bits.element_size() != packed.width:
-        raise TensorMismatchError(f"patch of {packed.name!r} is for {packed.numel} elements of {8 * packed.width} "
-                                  f"bits, the tensor has {bits.numel()} of {8 * bits.element_size()}")
+    _check_packed(bits, packed)
     if packed.entries is None or packed.starts is None or bits.device.type != "cpu":
         p = packed.unpack()
         return xor_apply(bits, p.positions, p.xor, index=base or None, checksum=checksum)
@@ -345,6 +341,28 @@ def xor_apply_all(
         checked.append((int_view(b), None if p is None else _np_int64(p), _np_unsigned(x, b.element_size()),
                         ix if ix is None or isinstance(ix, int) else _np_int64(ix)))
     return xor_apply_many(checked, checksum=checksum, landed=landed, scatter=scatter)
+
+
+def _check_packed(bits: torch.Tensor, packed: PackedPatch) -> None:
+    if not bits.is_contiguous():
+        raise TensorMismatchError(f"cannot patch a non-contiguous tensor of shape {tuple(bits.shape)} in place")
+    if bits.numel() != packed.numel or bits.element_size() != packed.width:
+        raise TensorMismatchError(f"patch of {packed.name!r} is for {packed.numel} elements of {8 * packed.width} "
+                                  f"bits, the tensor has {bits.numel()} of {8 * bits.element_size()}")
+
+
+def host_bits(bits: torch.Tensor, packed: PackedPatch) -> np.ndarray:
+    """``bits`` (a contiguous CPU tensor) checked as ``xor_apply_packed`` checks it, as the array the CPU kernels
+    take: for a caller that writes a sparse packed patch in many slices (replay, block by block)."""
+    _check_packed(bits, packed)
+    if bits.device.type != "cpu" or packed.entries is None:
+        raise TensorMismatchError(f"cannot patch a non-CPU tensor of shape {tuple(bits.shape)} here, or densely")
+    return np_bits(bits)
+
+
+def xor_either(bits: torch.Tensor, p: Patch | PackedPatch, *, checksum: bool = True) -> int:
+    """``xor_apply_packed`` or ``xor_apply`` of ``p``, whichever it is (what ``StepObject.change`` returns)."""
+    return _xor_either(bits, p, checksum=checksum)
 
 
 def host_arrays(bits: torch.Tensor, positions: np.ndarray,
