@@ -157,7 +157,7 @@ def breakdown(url: str, step: int, work: Path, passes: int = 3) -> dict:
                         group.append(timed("read + decode deltas", obj.change, name))
                         if k == 0:
                             counts["patches"] += 1
-                            counts["changed_elements"] += group[-1].xor.size
+                            counts["changed_elements"] += obj.header.tensors[name].changed
                         if group_full(t, group):
                             timed("apply (XOR)", xor_patches, t, group)
                             group = []
