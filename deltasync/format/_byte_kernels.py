@@ -47,24 +47,25 @@ def gap16_encode(positions: np.ndarray) -> np.ndarray:
 
 @_jit
 def _gap16_decode(shuffled: np.ndarray, max_count: np.int64) -> np.ndarray:
-    """Sorted positions from byte-shuffled ``gap16`` entries; at most ``max_count`` (more returns -1 marker)."""
+    """Sorted positions from byte-shuffled ``gap16`` entries; at most ``max_count`` (more returns -1 marker).
+
+    Branch-free: an escape writes a slot that the next position overwrites."""
     entries = shuffled.size // 2
     if max_count < 0:
         return np.full(1, -1, np.int64)
-    # one pass: no entry yields more than one position (the ignore: numpy's stubs miss min(int, np.int64))
-    out = np.empty(min(entries, max_count), np.int64)  # type: ignore[call-overload]
+    out = np.empty(entries + 1, np.int64)  # no entry yields more than one position
     pos = np.int64(-1)
     k = 0
+    lo = shuffled[:entries]
+    hi = shuffled[entries : 2 * entries]
     for e in range(entries):
-        v = np.int64(shuffled[e]) | (np.int64(shuffled[entries + e]) << 8)
-        if v == 0:
-            pos += 65535
-        else:
-            if k == out.size:
-                return np.full(1, -1, np.int64)
-            pos += v
-            out[k] = pos
-            k += 1
+        v = np.int64(lo[e]) | (np.int64(hi[e]) << 8)
+        z = np.int64(v == 0)
+        pos += v + z * 65535
+        out[k] = pos
+        k += 1 - z
+    if k > max_count:
+        return np.full(1, -1, np.int64)
     return out[:k]
 
 
