@@ -107,9 +107,8 @@ class Replica:
         unchanged = {n for n in h.tensors if not h.tensors[n].changed}
         _check(h, self.checksums, obj.where, names=unchanged)  # the replica is the base it claims to be
         # each tensor is written as soon as it is decoded, on the pool: decoding (CPU) overlaps the writes
-        # (memory); a tensor that fails to decode undoes the others' writes, so the step is still all or nothing
-        # decoded into each thread's reused scratch (no fresh pages per tensor), written at once; an undo decodes
-        # again into fresh memory
+        # (memory); a tensor that fails to decode undoes the others' writes, so the step is still all or nothing.
+        # Decoded into the pool thread's reused scratch (no fresh pages per tensor), so an undo decodes again
         names = [n for n, t in h.tensors.items() if t.changed]
         changed = _write_all(names, lambda n: obj.change(n, scratch=_scratch()), self.tensors, undo_of=obj.change,
                              where=obj.where, step=h.step,
