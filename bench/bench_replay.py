@@ -157,10 +157,10 @@ def breakdown(url: str, step: int, work: Path, passes: int = 3) -> dict:
                 group = []  # as Chain.rebuild groups them: a few patches, then applied block by block
                 for obj in objects[1:]:
                     if obj.header.tensors[name].changed:
-                        group.append(timed("read + decode deltas", obj.patch, name))
+                        group.append(timed("read + decode deltas", obj.change, name))
                         if k == 0:
                             counts["patches"] += 1
-                            counts["changed_elements"] += group[-1].xor.size
+                            counts["changed_elements"] += obj.header.tensors[name].changed
                         if group_full(t, group):
                             timed("apply (XOR)", xor_patches, t, group)
                             group = []

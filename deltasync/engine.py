@@ -27,7 +27,9 @@ decode and prove ahead and only write inside the engine's pause::
 each tensor's running checksum (``tensor_checksum`` once, then kept by the changes; a dense patch, positions None,
 changes every element). A shard writes its own elements
 (``xor_apply(..., index=global_indices)``, ``checksum_elements`` of a shard's part). Engines that keep a plain state
-dict use ``Replica`` (anchor, then ``Replica.apply`` per step, verified as ``Verify`` says).
+dict use ``Replica`` (anchor, then ``Replica.apply`` per step, verified as ``Verify`` says). A writer that needs no
+positions (its tensors are the trainer's, whole or one part each) takes ``obj.packed(name)`` instead of
+``obj.patch(name)`` and ``xor_apply_packed``, which decodes the positions as it scatters.
 
 A step's checksum is the sum of its tensors' checksums modulo 2**64 (docs/FORMAT.md section 3):
 ``tensor_checksum`` for a whole tensor, ``checksum_elements`` for some of its elements (a shard's),
@@ -73,7 +75,7 @@ from deltasync.notify import EventFeed, Notifier
 from deltasync.rdma.options import rdma_options
 from deltasync.secrets import redact_url, reveal
 from deltasync.signing import SigningKey, pem_text, pem_texts, read_public_key
-from deltasync.stages.apply import Replica, Verify, xor_apply, xor_apply_all
+from deltasync.stages.apply import Replica, Verify, xor_apply, xor_apply_all, xor_apply_packed
 from deltasync.store import Manifest
 from deltasync.store.location import StoreLocation
 from deltasync.threads import parallel_map, submit_all
@@ -83,6 +85,7 @@ __all__ = [
     # decode ahead, write in place, prove it
     "xor_apply",
     "xor_apply_all",
+    "xor_apply_packed",
     "Replica",
     "Verify",
     "warm_kernels",

@@ -75,14 +75,14 @@ def test_corrupt_payload_changes_nothing(tmp_path, small_state, gen, monkeypatch
     obj = StepObject(objs[1], where="1")
     # the last tensor's payload decodes badly: nothing may have been written to the earlier tensors
     names = [n for n, h in obj.header.tensors.items() if h.changed]
-    real = obj.patch
+    real = obj.packed  # what the replica decodes (a patch scattered as its positions are decoded)
 
-    def patch(name):
+    def packed(name, **kw):
         if name == names[-1]:
             raise FormatError(f"1 tensor {name!r}: corrupt")
-        return real(name)
+        return real(name, **kw)
 
-    monkeypatch.setattr(obj, "patch", patch)
+    monkeypatch.setattr(obj, "packed", packed)
     with pytest.raises(FormatError):
         rep.apply(obj)
     assert rep.step == 0 and states_equal(rep.state_dict(), truth[0])

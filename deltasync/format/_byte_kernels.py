@@ -10,7 +10,13 @@ import numpy as np
 from deltasync.format._kernel_cache import jit as _jit
 from deltasync.format._kernel_cache import read_only as _ro
 
-__all__ = ["gap16_decode", "gap16_encode", "shuffle_bytes", "unshuffle_bytes"]
+__all__ = ["GAP16_BLOCK", "gap16_check", "gap16_decode", "gap16_encode", "shuffle_bytes", "unshuffle_bytes"]
+
+GAP16_BLOCK = 1 << 15
+"""``gap16`` entries per block of :func:`gap16_check`'s ``starts``: the unit a scatter splits across threads."""
+
+# what ``gap16_check`` found (its first result); ``codecs`` turns each into a ``FormatError`` naming it
+GAP16_OK, GAP16_COUNT, GAP16_RANGE, GAP16_TRAILING, GAP16_ZERO_VALUE = 0, 1, 2, 3, 4
 
 
 @_jit
@@ -41,25 +47,84 @@ def gap16_encode(positions: np.ndarray) -> np.ndarray:
 
 @_jit
 def _gap16_decode(shuffled: np.ndarray, max_count: np.int64) -> np.ndarray:
-    """Sorted positions from byte-shuffled ``gap16`` entries; at most ``max_count`` (more returns -1 marker)."""
+    """Sorted positions from byte-shuffled ``gap16`` entries; at most ``max_count`` (more returns -1 marker).
+
+    Branch-free: an escape writes a slot that the next position overwrites."""
     entries = shuffled.size // 2
     if max_count < 0:
         return np.full(1, -1, np.int64)
-    # one pass: no entry yields more than one position (the ignore: numpy's stubs miss min(int, np.int64))
-    out = np.empty(min(entries, max_count), np.int64)  # type: ignore[call-overload]
+    out = np.empty(entries + 1, np.int64)  # no entry yields more than one position
     pos = np.int64(-1)
     k = 0
+    lo = shuffled[:entries]
+    hi = shuffled[entries : 2 * entries]
     for e in range(entries):
-        v = np.int64(shuffled[e]) | (np.int64(shuffled[entries + e]) << 8)
-        if v == 0:
-            pos += 65535
-        else:
-            if k == out.size:
-                return np.full(1, -1, np.int64)
-            pos += v
-            out[k] = pos
-            k += 1
+        v = np.int64(lo[e]) | (np.int64(hi[e]) << 8)
+        z = np.int64(v == 0)
+        pos += v + z * 65535
+        out[k] = pos
+        k += 1 - z
+    if k > max_count:
+        return np.full(1, -1, np.int64)
     return out[:k]
+
+
+@_jit
+def _gap16_check(shuffled: np.ndarray, planes: np.ndarray, width: np.int64, changed: np.int64,
+                 numel: np.int64) -> tuple[np.int64, np.int64, np.ndarray]:
+    """Validate byte-shuffled ``gap16`` entries and their byte-shuffled values without decoding a position.
+
+    Read-only, one pass over each (reductions the compiler vectorises): counts the entries that list an element
+    and sums every entry's advance (an escape ``0`` advances 65535), so the last position is the sum minus one;
+    counts the values whose bits are all zero. Returns ``(status, detail, starts)``: ``status`` is one of
+    ``GAP16_*`` (``detail`` the count found, the last position or the zero values), and ``starts[b] =
+    (position before block b, values before block b)`` for blocks of ``GAP16_BLOCK`` entries (one row more
+    at the end): where a scatter of block ``b`` starts, so that blocks can be scattered on several threads.
+    """
+    entries = shuffled.size // 2
+    nblocks = (entries + GAP16_BLOCK - 1) // GAP16_BLOCK
+    starts = np.empty((nblocks + 1, 2), np.int64)
+    pos = np.int64(-1)
+    k = np.int64(0)
+    for b in range(nblocks):
+        starts[b, 0] = pos
+        starts[b, 1] = k
+        s = b * GAP16_BLOCK
+        e = min(s + GAP16_BLOCK, entries)
+        lo = shuffled[s:e]  # indexed from 0: vectorised
+        hi = shuffled[entries + s : entries + e]
+        advance = np.int64(0)
+        listed = np.int64(0)
+        for i in range(e - s):
+            v = np.int64(lo[i]) | (np.int64(hi[i]) << 8)
+            z = np.int64(v == 0)
+            advance += v + z * 65535
+            listed += 1 - z
+        pos += advance
+        k += listed
+    starts[nblocks, 0] = pos
+    starts[nblocks, 1] = k
+    if k != changed:
+        return np.int64(GAP16_COUNT), k, starts
+    if entries and shuffled[entries - 1] == 0 and shuffled[2 * entries - 1] == 0:
+        return np.int64(GAP16_TRAILING), pos, starts
+    if k and pos >= numel:
+        return np.int64(GAP16_RANGE), pos, starts
+    zero = np.int64(0)
+    if width == 2:
+        vlo = planes[:changed]
+        vhi = planes[changed : 2 * changed]
+        for i in range(changed):
+            zero += np.int64((vlo[i] | vhi[i]) == 0)
+    else:
+        for i in range(changed):
+            any_bit = np.uint8(0)
+            for j in range(width):
+                any_bit |= planes[j * changed + i]
+            zero += np.int64(any_bit == 0)
+    if zero:
+        return np.int64(GAP16_ZERO_VALUE), zero, starts
+    return np.int64(GAP16_OK), k, starts
 
 
 @_jit
@@ -114,3 +179,10 @@ def unshuffle_bytes(data: np.ndarray, out: np.ndarray) -> None:
 def gap16_decode(shuffled: np.ndarray, max_count: int) -> np.ndarray:
     """See ``_gap16_decode``."""
     return _gap16_decode(_ro(shuffled), max_count)
+
+
+def gap16_check(shuffled: np.ndarray, planes: np.ndarray, width: int, changed: int,
+                numel: int) -> tuple[int, int, np.ndarray]:
+    """See ``_gap16_check`` (``planes``: the values' bytes, byte-shuffled, ``changed * width`` of them)."""
+    status, detail, starts = _gap16_check(_ro(shuffled), _ro(planes), width, changed, numel)
+    return int(status), int(detail), starts

@@ -17,7 +17,7 @@ from deltasync.errors import FormatError
 from deltasync.format import _byte_kernels
 from deltasync.format._bits import UNSIGNED_NP
 from deltasync.format.documents import PositionCodec, TensorHeader, ValueCodec
-from deltasync.format.patch import Patch
+from deltasync.format.patch import PackedPatch, Patch, unpack_change
 
 DENSE_FRACTION = 0.25  # above this share of changed elements, list every element (no positions)
 ZSTD_MIN_SAVING = 0.05  # keep zstd only when it saves at least this share
@@ -25,6 +25,8 @@ ZSTD_MIN_SAVING = 0.05  # keep zstd only when it saves at least this share
 # blob of n bytes may decompress to, whatever its frame header claims
 ZSTD_MAX_RATIO = 1 << 15
 _ESCAPE_GAP = 65535
+
+Buffer = bytes | bytearray | memoryview  # a blob's bytes, as read
 
 POSITION_CODECS = frozenset({"gap16", "dense"})
 VALUE_CODECS = frozenset({"xor"})
@@ -74,20 +76,25 @@ def encode_patch(patch: Patch, *, zstd_level: int = 1) -> EncodedTensor:
 encode_change = encode_patch  # the name before issue 9
 
 
-def decode_patch(
+def decode_packed(
     name: str,
     header: TensorHeader,
     *,
-    positions: bytes | bytearray | None,
-    values: bytes | bytearray,
+    positions: Buffer | None,
+    values: Buffer,
     where: str,
-) -> Patch:
-    """Decode and validate one changed tensor of a delta into a ``Patch`` (see ``decode_change``).
+    scratch: DecodeScratch | None = None,
+) -> PackedPatch:
+    """Decode and validate one changed tensor of a delta into a ``PackedPatch``: decompressed, checked in full
+    (counts, every position in range, no value that changes nothing), positions still in their ``gap16`` form.
 
-    A part's entry (docs/FORMAT.md section 5b) decodes to a patch of its range alone: shape
-    ``(stop - start,)``, positions relative to ``start``, ``checksum`` the range's.
+    ``xor_apply_packed`` scatters it with no positions array in between; ``.unpack()`` gives the ``Patch`` of
+    positions for a writer that routes them (see ``decode_change`` for the checks). A part's entry (docs/FORMAT.md
+    section 5b) decodes to a patch of its range alone: shape ``(stop - start,)``, positions relative to
+    ``start``, ``checksum`` the range's. ``scratch``: decompress into its memory (the patch is then valid until its
+    next use).
     """
-    pos, xor = decode_change(
+    entries, planes, starts = _decode_planes(
         numel=header.count,
         width=header.itemsize,
         changed=header.changed,
@@ -96,9 +103,11 @@ def decode_patch(
         positions=positions,
         values=values,
         where=where,
+        scratch=scratch,
     )
     shape = header.shape if header.range is None else (header.count,)
-    return Patch(name=name, dtype=header.dtype, shape=shape, positions=pos, xor=xor, checksum=int(header.checksum, 16))
+    return PackedPatch(name=name, dtype=header.dtype, shape=shape, changed=header.changed,
+                       checksum=int(header.checksum, 16), entries=entries, planes=planes, starts=starts)
 
 
 def decode_change(
@@ -108,8 +117,8 @@ def decode_change(
     changed: int,
     positions_chain: list[str],
     values_chain: list[str],
-    positions: bytes | bytearray | None,
-    values: bytes | bytearray,
+    positions: Buffer | None,
+    values: Buffer,
     where: str,
 ) -> tuple[np.ndarray | None, np.ndarray]:
     """Decode and validate one tensor's change: (sorted int64 positions or None for dense, xor bits).
@@ -118,6 +127,25 @@ def decode_change(
     patch first. Every size is checked before its allocation, and decompression stops at the size the
     header allows (never at the size a zstd frame claims). ``where`` names the step and tensor for errors.
     """
+    entries, planes, _ = _decode_planes(numel=numel, width=width, changed=changed, positions_chain=positions_chain,
+                                        values_chain=values_chain, positions=positions, values=values, where=where)
+    return unpack_change(entries, planes, width)
+
+
+def _decode_planes(
+    *,
+    numel: int,
+    width: int,
+    changed: int,
+    positions_chain: list[str],
+    values_chain: list[str],
+    positions: Buffer | None,
+    values: Buffer,
+    where: str,
+    scratch: DecodeScratch | None = None,
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None]:
+    """``decode_change``'s decompression and checks: (byte-shuffled ``gap16`` entries or None for dense, the
+    values' bytes byte-shuffled, ``gap16_check``'s block starts or None). Nothing here is a positions array."""
     if not positions_chain or positions_chain[0] not in POSITION_CODECS:
         raise FormatError(f"{where}: unknown positions codec chain {positions_chain!r}")
     if not values_chain or values_chain[0] not in VALUE_CODECS:
@@ -126,36 +154,39 @@ def decode_change(
     count = numel if dense else changed
     if "zstd" not in values_chain and len(values) != count * width:
         raise FormatError(f"{where}: expected {count} values, found {len(values) / width:g}")
-    raw = _unpack(values, values_chain[1:], exact=count * width, where=f"{where} values")
-    xor = np.empty(count, UNSIGNED_NP[width])
-    if "shuffle" in values_chain and width > 1:
-        _byte_kernels.unshuffle_bytes(np.frombuffer(raw, np.uint8), xor)
-    else:
-        xor[:] = np.frombuffer(raw, UNSIGNED_NP[width])
+    raw = _unpack(values, values_chain[1:], exact=count * width, where=f"{where} values",
+                  into=None if scratch is None else scratch.take("values", count * width))
+    planes = np.frombuffer(raw, np.uint8)
+    if "shuffle" not in values_chain and width > 1:
+        planes = _byte_kernels.shuffle_bytes(planes.view(UNSIGNED_NP[width]))
     if dense:
+        _, xor = unpack_change(None, planes, width)
         nonzero = int(np.count_nonzero(xor))
         if nonzero != changed:
             raise FormatError(f"{where}: header says {changed} changed elements, dense values change {nonzero}")
-        return None, xor
+        return None, planes, None
     if positions is None:
         raise FormatError(f"{where}: positions are missing")
     max_entries = changed + numel // _ESCAPE_GAP + 1
-    raw = _unpack(positions, positions_chain[1:], at_most=2 * max_entries, where=f"{where} positions")
+    raw = _unpack(positions, positions_chain[1:], at_most=2 * max_entries, where=f"{where} positions",
+                  into=None if scratch is None else scratch.take("positions", 2 * max_entries))
     entries = np.frombuffer(raw, np.uint8)
     if entries.size % 2:
         raise FormatError(f"{where}: positions hold an odd number of bytes ({entries.size})")
     if "shuffle" not in positions_chain:
         entries = _byte_kernels.shuffle_bytes(entries.view(np.uint16))
-    pos = _byte_kernels.gap16_decode(entries, changed)
-    if pos.size != changed or (pos.size == 1 and pos[0] < 0):
-        raise FormatError(f"{where}: header says {changed} changed elements, positions list a different number")
-    if pos.size and pos[-1] >= numel:
-        raise FormatError(f"{where}: position {int(pos[-1])} is out of range for {numel} elements")
-    nonzero = int(np.count_nonzero(xor))
-    if nonzero != changed:  # a listed element whose bits do not change: the header's count is wrong
-        raise FormatError(f"{where}: header says {changed} changed elements, {changed - nonzero} of the listed values "
+    status, detail, starts = _byte_kernels.gap16_check(entries, planes, width, changed, numel)
+    if status == _byte_kernels.GAP16_COUNT:
+        raise FormatError(f"{where}: header says {changed} changed elements, positions list {detail}")
+    if status == _byte_kernels.GAP16_TRAILING:
+        raise FormatError(f"{where}: positions end in a run of escape entries (advance 65535, no element) that "
+                          f"lists no element after it")
+    if status == _byte_kernels.GAP16_RANGE:
+        raise FormatError(f"{where}: position {detail} is out of range for {numel} elements")
+    if status == _byte_kernels.GAP16_ZERO_VALUE:  # a listed element whose bits do not change: the count is wrong
+        raise FormatError(f"{where}: header says {changed} changed elements, {detail} of the listed values "
                           "change nothing")
-    return pos, xor
+    return entries, planes, starts
 
 
 def _shuffled(arr: np.ndarray) -> tuple[np.ndarray, tuple[Literal["shuffle"], ...]]:
@@ -175,13 +206,15 @@ def _pack(
     return raw, chain
 
 
-def _unpack(data: bytes | bytearray, chain: list[str], *, where: str, exact: int | None = None,
-            at_most: int | None = None) -> bytes | bytearray:
+def _unpack(data: Buffer, chain: list[str], *, where: str, exact: int | None = None,
+            at_most: int | None = None, into: np.ndarray | None = None) -> Buffer | np.ndarray:
     """Undo the byte codecs of a chain, producing ``exact`` bytes or at most ``at_most`` bytes.
 
     A zstd frame's declared content size is checked against that bound before anything is allocated, and
     a frame without one is decompressed into at most the bound; neither can exceed what a zstd frame of this
-    many bytes can hold (``ZSTD_MAX_RATIO``), so a small object never costs a large allocation.
+    many bytes can hold (``ZSTD_MAX_RATIO``), so a small object never costs a large allocation. ``into``: memory
+    of at least the bound to decompress a frame that declares its size into (a ``DecodeScratch``'s, reused: fresh
+    memory for every frame costs a page fault per 4 KiB, a third of the decompression's time).
     """
     if list(chain) not in (["shuffle", "zstd"], ["shuffle"], ["zstd"], []):
         raise FormatError(f"{where}: unsupported codec chain {chain!r}")
@@ -201,6 +234,8 @@ def _unpack(data: bytes | bytearray, chain: list[str], *, where: str, exact: int
         if declared > limit or (exact is not None and declared not in (-1, exact)):
             raise FormatError(f"{where}: zstd frame claims {declared} bytes, expected "
                               f"{'' if exact is not None else 'at most '}{bound if exact is not None else limit}")
+        if declared >= 0 and into is not None:
+            return _decompress_into(data, into[:declared], where)
         if declared >= 0:
             out = _decompressor().decompress(data)
         else:
@@ -210,6 +245,44 @@ def _unpack(data: bytes | bytearray, chain: list[str], *, where: str, exact: int
     if exact is not None and len(out) != exact:
         raise FormatError(f"{where}: {len(out)} bytes after zstd, expected {exact}")
     return out
+
+
+def _decompress_into(data: Buffer, out: np.ndarray, where: str) -> np.ndarray:
+    """One zstd frame decompressed into ``out``, which its declared content size fills exactly (its checksum is
+    checked as ``decompress`` checks it: the frame is read to its end)."""
+    got = 0
+    view = memoryview(out)  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on Python >= 3.12 only
+    with _decompressor().stream_reader(data) as reader:
+        while got < out.size:
+            n = reader.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        extra = reader.read(1) if got == out.size else b""
+    if got != out.size or extra:
+        raise FormatError(f"{where}: {'more than' if extra else got} bytes after zstd, expected {out.size}")
+    return out
+
+
+class DecodeScratch:
+    """Memory that decoding one tensor after another on one thread reuses: the blobs as read and their
+    decompressed bytes. A ``PackedPatch`` decoded with it is valid until the next decode with it (write it first).
+
+    It grows to the largest tensor's change seen and stays that size (``nbytes``)."""
+
+    def __init__(self) -> None:
+        self._slots: dict[str, np.ndarray] = {}
+
+    def take(self, slot: str, nbytes: int) -> np.ndarray:
+        """``nbytes`` of the slot's memory (uninitialised), growing it by at least a quarter when too small."""
+        buf = self._slots.get(slot)
+        if buf is None or buf.size < nbytes:
+            buf = self._slots[slot] = np.empty(max(nbytes, 0 if buf is None else buf.size * 5 // 4), np.uint8)
+        return buf[:nbytes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._slots.values())
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:

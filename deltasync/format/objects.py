@@ -27,7 +27,7 @@ import torch
 from deltasync.errors import FormatError, ResourceLimitError
 from deltasync.format import digest as digests
 from deltasync.format._bits import dtype_name
-from deltasync.format.codecs import EncodedTensor, decode_patch
+from deltasync.format.codecs import DecodeScratch, EncodedTensor, decode_packed
 from deltasync.format.digest import Algorithm
 from deltasync.format.documents import (
     FORMAT_VERSION,
@@ -41,7 +41,7 @@ from deltasync.format.documents import (
     TensorHeader,
     decode,
 )
-from deltasync.format.patch import Patch
+from deltasync.format.patch import PackedPatch, Patch
 from deltasync.format.sources import Source
 from deltasync.threads import parallel_map
 
@@ -354,23 +354,42 @@ class StepObject:
         if self._src.read_into(self._data_start + begin, view) != view.nbytes:
             raise FormatError(f"{self.where}: tensor {key!r} is truncated")
 
-    def _blob(self, key: str) -> bytearray:
+    def _blob(self, key: str, scratch: DecodeScratch | None = None) -> bytearray | memoryview:
         begin, end = self._entries[key].data_offsets
-        buf = bytearray(end - begin)
-        self._read_into(key, buf)
-        return buf
+        if scratch is None:
+            buf = bytearray(end - begin)
+            self._read_into(key, buf)
+            return buf
+        out = scratch.take(key.rpartition(":")[2] + " blob", end - begin)
+        self._read_into(key, out)
+        return memoryview(out)  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on Python >= 3.12 only
 
     def patch(self, name: str) -> Patch:
-        """A delta's decoded, validated change for one changed tensor."""
+        """A delta's decoded, validated change for one changed tensor, with its positions as int64 (for a
+        writer that routes them; ``packed`` is the cheaper form for one that scatters into the tensor itself)."""
+        return self.packed(name).unpack()
+
+    def packed(self, name: str, *, scratch: DecodeScratch | None = None) -> PackedPatch:
+        """A delta's decompressed, validated change for one changed tensor, positions still ``gap16`` entries
+        (``xor_apply_packed`` scatters it as it decodes them).
+
+        ``scratch``: read and decompress into its reused memory (no fresh pages per tensor); the patch is then
+        valid only until ``scratch`` decodes another (a writer writes it first, and decodes it again to undo)."""
         h = self.header.tensors[name]
         pos_key, val_key = blob_names(name)
-        return decode_patch(
+        return decode_packed(
             name,
             h,
-            positions=self._blob(pos_key) if pos_key in self._entries else None,
-            values=self._blob(val_key),
+            positions=self._blob(pos_key, scratch) if pos_key in self._entries else None,
+            values=self._blob(val_key, scratch),
             where=f"{self.where} tensor {name!r}",
+            scratch=scratch,
         )
+
+    def change(self, name: str, *, scratch: DecodeScratch | None = None) -> Patch | PackedPatch:
+        """The cheapest decoded form of a changed tensor for a writer into the whole tensor: ``packed`` here (a
+        multi-part step may answer with a ``patch``). ``xor_apply_packed``/``xor_apply`` write either."""
+        return self.packed(name, scratch=scratch)
 
     def patches(self) -> list[Patch]:
         """Every changed tensor's decoded change, in the header's order (decoded in parallel, largest first;

@@ -18,9 +18,10 @@ import torch
 
 from deltasync.errors import ChecksumMismatchError, FormatError
 from deltasync.format.checksum import MASK64, format_checksum, state_checksum
+from deltasync.format.codecs import DecodeScratch
 from deltasync.format.documents import Manifest, Part, PositionCodec, StepHeader, TensorHeader, ValueCodec
 from deltasync.format.objects import StepObject
-from deltasync.format.patch import Patch
+from deltasync.format.patch import PackedPatch, Patch
 from deltasync.threads import parallel_map
 
 __all__ = ["PartedObject", "combine_headers"]
@@ -174,6 +175,23 @@ class PartedObject(StepObject):
         return out
 
     tensor = read_tensor
+
+    def packed(self, name: str, *, scratch: DecodeScratch | None = None) -> PackedPatch:
+        """A delta's change to one whole tensor held by one part: that part's ``packed``. A tensor split across
+        parts has no single ``gap16`` stream: ``FormatError`` (``change`` and ``patch`` take any)."""
+        held = [(start, o) for start, o in self._where_held[name] if o.header.tensors[name].changed]
+        h = self.header.tensors[name]
+        if len(held) != 1 or held[0][1].header.tensors[name].count != h.numel:
+            raise FormatError(f"{self.where}: tensor {name!r} changes in {len(held)} parts: it has no one packed "
+                              "change (patch() merges them)")
+        return replace(held[0][1].packed(name, scratch=scratch), shape=h.shape, checksum=int(h.checksum, 16))
+
+    def change(self, name: str, *, scratch: DecodeScratch | None = None) -> Patch | PackedPatch:
+        """``packed`` where one part holds the tensor's change, else ``patch`` (the parts' changes merged)."""
+        held = [o for _, o in self._where_held[name] if o.header.tensors[name].changed]
+        if len(held) == 1 and held[0].header.tensors[name].count == self.header.tensors[name].numel:
+            return self.packed(name, scratch=scratch)
+        return self.patch(name)
 
     def patch(self, name: str) -> Patch:
         """A delta's change to one whole tensor: the parts' changes, in global positions."""

@@ -17,9 +17,11 @@ from typing import Any
 import numpy as np
 
 from deltasync.errors import FormatError
+from deltasync.format import _byte_kernels
+from deltasync.format._bits import UNSIGNED_NP
 from deltasync.format.documents import ITEMSIZE, DtypeName
 
-__all__ = ["Patch"]
+__all__ = ["PackedPatch", "Patch", "unpack_change"]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -87,3 +89,64 @@ class Patch:
         Kept only while callers move to the attributes (rollout_loader's worker); prefer the attributes.
         """
         return iter((self.name, self.positions, self.xor))
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class PackedPatch:
+    """One tensor's change as a delta stores it, decompressed and checked: ``gap16`` entries, not positions.
+
+    What ``StepObject.packed`` returns. ``xor_apply_packed`` (``deltasync.stages.apply``) scatters it straight
+    from ``entries``, with no int64 positions written and read back; ``unpack()`` gives the ``Patch`` for a
+    writer that needs the positions (routing into fused or sharded parameters, an accelerator). Built only by
+    the decoder, which has checked the counts, every position against ``shape`` and every value, so a scatter
+    of it into a tensor of ``numel`` elements cannot go out of range.
+
+    ``entries``: byte-shuffled ``gap16`` entries (docs/FORMAT.md section 3), None for the ``dense`` form;
+    ``planes``: the xor values' bytes, byte-shuffled (byte ``j`` of value ``k`` at ``j * count + k``; ``count`` is
+    ``changed``, or ``numel`` when dense); ``starts``: where each block of entries begins (``gap16_check``'s).
+    """
+
+    name: str
+    dtype: DtypeName
+    shape: tuple[int, ...]
+    changed: int
+    checksum: int
+    entries: np.ndarray | None
+    planes: np.ndarray
+    starts: np.ndarray | None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def width(self) -> int:
+        """Bytes per element."""
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def dense(self) -> bool:
+        return self.entries is None
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held (what a staged step's budget counts)."""
+        return self.planes.nbytes + (self.entries.nbytes if self.entries is not None else 0)
+
+    def unpack(self) -> Patch:
+        """The same change with int64 positions and xor bits (a new array of each)."""
+        positions, xor = unpack_change(self.entries, self.planes, self.width)
+        return Patch(name=self.name, dtype=self.dtype, shape=self.shape, positions=positions, xor=xor,
+                     checksum=self.checksum)
+
+
+def unpack_change(entries: np.ndarray | None, planes: np.ndarray, width: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """Checked byte-shuffled ``gap16`` entries (None: dense) and value planes as (int64 positions or None, xor)."""
+    xor = np.empty(planes.size // width, UNSIGNED_NP[width])
+    if width > 1:
+        _byte_kernels.unshuffle_bytes(planes, xor)
+    else:
+        xor[:] = planes
+    if entries is None:
+        return None, xor
+    return _byte_kernels.gap16_decode(entries, xor.size), xor

@@ -40,7 +40,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, cast
@@ -66,9 +66,9 @@ from deltasync.format.checksum import (
     tensor_checksum,
 )
 from deltasync.format.objects import StepHeader, StepObject
-from deltasync.format.patch import Patch
+from deltasync.format.patch import PackedPatch, Patch
 from deltasync.history._anchor import AnchorFeed
-from deltasync.stages.apply import host_arrays, xor_apply
+from deltasync.stages.apply import host_arrays, host_bits, xor_either
 from deltasync.store.location import Where
 
 T = TypeVar("T")
@@ -225,7 +225,7 @@ class Chain:
                 nbytes, group, got = self.header.tensors[name].nbytes, [], None
                 for link, obj in enumerate(self.objects):
                     if link and obj.header.tensors[name].changed:
-                        group.append(obj.patch(name))
+                        group.append(obj.change(name))
                         if _group_full(nbytes, group):
                             # the first patches are decoded before the anchor's tensor is taken (it may be landing)
                             got = out.tensor = got if got is not None else self._anchor_tensor(name)
@@ -240,9 +240,8 @@ class Chain:
             checksum = tensor_checksum(t) if check == "each" else 0
             for link, obj in enumerate(self.objects):
                 if link and obj.header.tensors[name].changed:
-                    p = obj.patch(name)
                     # "result" checksums the final bits once, in full: no per-link checksum change
-                    change = xor_apply(t, p.positions, p.xor, checksum=check == "each")
+                    change = xor_either(t, obj.change(name), checksum=check == "each")
                     if check == "each":
                         checksum = add(checksum, change)
                 if link == keep:
@@ -299,39 +298,52 @@ class Rebuilt:
     error: tuple[int, DeltaSyncError] | None = None  # (link, error) when the chain could not be followed
 
 
-def xor_patches(t: torch.Tensor, patches: list[Patch], *, block_bytes: int = BLOCK_BYTES) -> None:
+def xor_patches(t: torch.Tensor, patches: Sequence[Patch | PackedPatch], *, block_bytes: int = BLOCK_BYTES) -> None:
     """Apply ``patches`` (changes of one tensor, each on the tensor as it stands) to ``t`` in place, without
     checksums: the caller checksums the result. A tensor of more than ``block_bytes`` is visited one block
-    at a time, each block receiving its part of every patch (found by binary search in the sorted positions)."""
-    sparse = [p for p in patches if p.positions is not None and p.positions.size]
+    at a time, each block receiving its part of every patch: a packed patch's entries are decoded as far as
+    the block's end (a cursor per patch, no positions array), a patch of positions is cut by binary search."""
+    sparse = [p for p in patches if not p.dense and p.changed]
     whole = len(sparse) < 2 or t.numel() * t.element_size() <= block_bytes or t.device.type != "cpu"
     for p in patches:
-        if p.positions is None or whole:
-            xor_apply(t, p.positions, p.xor, checksum=False)
+        if p.dense or whole:
+            xor_either(t, p, checksum=False)
     if whole:
         return
-    # each patch checked once, in full (``sparse``: positions set)
-    arrays = [host_arrays(t, cast(np.ndarray, p.positions), p.xor) for p in sparse]
+    # each patch checked once, in full
+    packed = [(host_bits(t, p), p, np.array([0, -1, 0], np.int64)) for p in sparse if isinstance(p, PackedPatch)]
+    plain = [p for p in sparse if isinstance(p, Patch)]
+    arrays = [host_arrays(t, cast(np.ndarray, p.positions), p.xor) for p in plain]
     step = max(1, block_bytes // t.element_size())
     bounds = np.arange(0, t.numel() + step, step, dtype=np.int64)
-    cuts = [np.searchsorted(cast(np.ndarray, p.positions), bounds) for p in sparse]
+    cuts = [np.searchsorted(cast(np.ndarray, p.positions), bounds) for p in plain]
     for b in range(len(bounds) - 1):
+        stop = int(bounds[b + 1])
+        for u, q, cursor in packed:
+            assert q.entries is not None  # sparse
+            _kernels.gap16_xor_until(u, q.entries, q.planes, cursor, stop)
         for (u, pos, xor), cut in zip(arrays, cuts, strict=True):
             i, j = int(cut[b]), int(cut[b + 1])
             if j > i:  # global positions into the whole tensor: no rebased copy
                 _kernels.xor_plain_at(u, pos[i:j], xor[i:j])
 
 
-def group_full(t: torch.Tensor, group: list[Patch]) -> bool:
+def group_full(t: torch.Tensor, group: Sequence[Patch | PackedPatch]) -> bool:
     """Whether to apply the patches held for ``t`` now: at once for a tensor that fits ``BLOCK_BYTES`` (no
     block to share), else once they hold ``GROUP_BYTES``."""
     return _group_full(t.numel() * t.element_size(), group)
 
 
-def _group_full(nbytes: int, group: list[Patch]) -> bool:
+def _group_full(nbytes: int, group: Sequence[Patch | PackedPatch]) -> bool:
     if nbytes <= BLOCK_BYTES:
         return True
-    return sum(p.xor.nbytes + (p.positions.nbytes if p.positions is not None else 0) for p in group) >= GROUP_BYTES
+    return sum(_held_bytes(p) for p in group) >= GROUP_BYTES
+
+
+def _held_bytes(p: Patch | PackedPatch) -> int:
+    if isinstance(p, PackedPatch):
+        return p.nbytes
+    return p.xor.nbytes + (p.positions.nbytes if p.positions is not None else 0)
 
 
 def check_layout(anchor: StepObject, obj: StepObject) -> None:

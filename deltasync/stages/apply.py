@@ -10,9 +10,10 @@ ahead, ``deltasync.stages.staging``), compares checksums, and on a mismatch appl
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, wait
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -33,13 +34,17 @@ from deltasync.format.checksum import (
     parse_checksum,
     tensor_checksum,
 )
+from deltasync.format.codecs import DecodeScratch
 from deltasync.format.objects import StepHeader, StepObject
-from deltasync.format.patch import Patch
+from deltasync.format.patch import PackedPatch, Patch
 from deltasync.stages._device import Scatter, xor_apply_many
 from deltasync.stages.staging import StagedStep, check_layout, stage
 from deltasync.threads import parallel_map, submit_all
 
-__all__ = ["Replica", "StagedStep", "Verify", "apply_staged", "stage", "xor_apply", "xor_apply_all", "xor_into"]
+__all__ = [
+    "Replica", "StagedStep", "Verify", "apply_staged", "stage", "xor_apply", "xor_apply_all", "xor_apply_packed",
+    "xor_into",
+]
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +107,11 @@ class Replica:
         unchanged = {n for n in h.tensors if not h.tensors[n].changed}
         _check(h, self.checksums, obj.where, names=unchanged)  # the replica is the base it claims to be
         # each tensor is written as soon as it is decoded, on the pool: decoding (CPU) overlaps the writes
-        # (memory); a tensor that fails to decode undoes the others' writes, so the step is still all or nothing
+        # (memory); a tensor that fails to decode undoes the others' writes, so the step is still all or nothing.
+        # Decoded into the pool thread's reused scratch (no fresh pages per tensor), so an undo decodes again
         names = [n for n, t in h.tensors.items() if t.changed]
-        changed = _write_all(names, obj.patch, self.tensors, where=obj.where, step=h.step,
+        changed = _write_all(names, lambda n: obj.change(n, scratch=_scratch()), self.tensors, undo_of=obj.change,
+                             where=obj.where, step=h.step,
                              checksums=self.checksums if verify == "incremental" else None,
                              cost=lambda n: h.tensors[n].changed,
                              on_host=all(self.tensors[n].device.type == "cpu" for n in names))
@@ -150,37 +157,40 @@ def apply_staged(
                       on_host=all(tensors[p.name].device.type == "cpu" for p in staged.patches))
 
 
-def _write_all(items: Sequence[T], patch_of: Callable[[T], Patch], tensors: Mapping[str, torch.Tensor], *,
+def _write_all(items: Sequence[T], patch_of: Callable[[T], Patch | PackedPatch], tensors: Mapping[str, torch.Tensor], *,
                checksums: Mapping[str, int] | None, where: str, step: int,
-               cost: Callable[[T], int], on_host: bool) -> dict[str, int]:
+               cost: Callable[[T], int], on_host: bool,
+               undo_of: Callable[[T], Patch | PackedPatch] | None = None) -> dict[str, int]:
     """Write ``patch_of(item)`` for every item (a decoded patch, or a name decoded here), compare checksums,
     and undo every landed write on any error: ``apply_staged``'s contract, for patches decoded ahead or as
-    they are written."""
-    written: list[Patch] = []
-    futures: list[Future[Patch]] = []
+    they are written. ``undo_of(item)``: the patch to undo with, when ``patch_of``'s does not outlive its write
+    (decoded into reused scratch)."""
+    written: list[tuple[T, Patch | PackedPatch]] = []
+    futures: list[Future[Patch | PackedPatch]] = []
     deltas: dict[str, int] = {}
 
-    def write(x: T) -> Patch:
+    def write(x: T) -> Patch | PackedPatch:
         p = patch_of(x)
-        deltas[p.name] = xor_apply(tensors[p.name], p.positions, p.xor)
-        written.append(p)  # list.append is atomic: the undo sees every landed patch
+        deltas[p.name] = _xor_either(tensors[p.name], p, checksum=True)
+        written.append((x, p))  # list.append is atomic: the undo sees every landed patch
         return p
 
     try:
         # host tensors are patched in parallel across tensors, largest first (none starts last); device
         # tensors one after another, in order
-        patches: list[Patch]
+        patches: Sequence[Patch | PackedPatch]
         if on_host:
             futures = submit_all(write, items, cost=cost)
             patches = [f.result() for f in futures]
         else:  # accelerator tensors: every patch decoded first, then one transfer for the step (xor_apply_all)
-            patches = [patch_of(x) for x in items]
+            unpacked = [_unpacked(patch_of(x)) for x in items]
+            patches = unpacked
             landed: list[int] = []
             try:
-                found = xor_apply_all([(tensors[p.name], p.positions, p.xor, None) for p in patches], landed=landed)
+                found = xor_apply_all([(tensors[p.name], p.positions, p.xor, None) for p in unpacked], landed=landed)
             finally:
-                written.extend(patches[j] for j in landed)
-            deltas.update((p.name, d) for p, d in zip(patches, found, strict=True))
+                written.extend((items[j], unpacked[j]) for j in landed)
+            deltas.update((p.name, d) for p, d in zip(unpacked, found, strict=True))
         if checksums is not None:
             after = {p.name: (checksums[p.name] + deltas[p.name]) & MASK64 for p in patches}
         else:
@@ -199,18 +209,71 @@ def _write_all(items: Sequence[T], patch_of: Callable[[T], Patch], tensors: Mapp
         for f in futures:
             f.cancel()
         wait(futures)  # writes still running land before they are undone
-        _undo(tensors, written)
+        _undo(tensors, [p if undo_of is None else _Redecode(x, undo_of) for x, p in written])
         raise
     return after
 
 
-def _undo(tensors: Mapping[str, torch.Tensor], done: list[Patch]) -> None:
+class _Redecode:
+    """A written patch to undo, decoded again when the undo needs it."""
+
+    def __init__(self, item: object, decode: Callable[[Any], Patch | PackedPatch]) -> None:
+        self.item, self.decode = item, decode
+
+
+def _undo(tensors: Mapping[str, torch.Tensor], done: Sequence[Patch | PackedPatch | _Redecode]) -> None:
     """XOR again what was written: back to the exact previous bits."""
     for p in reversed(done):
         try:
-            xor_apply(tensors[p.name], p.positions, p.xor, checksum=False)
+            q = p.decode(p.item) if isinstance(p, _Redecode) else p
+            _xor_either(tensors[q.name], q, checksum=False)
         except Exception:
-            log.exception("restoring tensor %r after a failed apply failed too", p.name)
+            log.exception("restoring tensor %r after a failed apply failed too",
+                          p.item if isinstance(p, _Redecode) else p.name)
+
+
+_local = threading.local()
+
+
+def _scratch() -> DecodeScratch:
+    """This thread's decode scratch (a pool thread keeps its own; it grows to the largest tensor's change)."""
+    s = _local.__dict__.get("scratch")
+    if s is None:
+        s = _local.scratch = DecodeScratch()
+    return s
+
+
+def _unpacked(p: Patch | PackedPatch) -> Patch:
+    return p.unpack() if isinstance(p, PackedPatch) else p
+
+
+def _xor_either(t: torch.Tensor, p: Patch | PackedPatch, *, checksum: bool) -> int:
+    if isinstance(p, PackedPatch):
+        return xor_apply_packed(t, p, checksum=checksum)
+    return xor_apply(t, p.positions, p.xor, checksum=checksum)
+
+
+def xor_apply_packed(bits: torch.Tensor, packed: PackedPatch, *, base: int = 0, checksum: bool = True) -> int:
+    """``xor_apply`` of a ``PackedPatch``: on a CPU tensor its ``gap16`` entries are decoded as they are scattered
+    (one pass, no positions array in between); elsewhere (an accelerator, the dense form) it is unpacked first.
+
+    ``bits``: a contiguous tensor of ``packed.numel`` elements as wide as its dtype (any dtype: only the bits are
+    touched). ``base``: the global flat index of ``bits``' first element, which the checksum hashes (a part of a
+    tensor, docs/FORMAT.md section 5b). Returns the checksum change (mod 2**64), or 0 with ``checksum=False``.
+
+    Raises ``TensorMismatchError`` before any write when ``bits`` is not such a tensor; the patch itself was
+    checked in full when it was decoded (``StepObject.packed``), so nothing else can fail once writing starts.
+
+    Example::
+
+        delta = xor_apply_packed(replica.tensors[name], obj.packed(name))
+    """
+    _check_packed(bits, packed)
+    if packed.entries is None or packed.starts is None or bits.device.type != "cpu":
+        p = packed.unpack()
+        return xor_apply(bits, p.positions, p.xor, index=base or None, checksum=checksum)
+    return int(_kernels.gap16_xor(np_bits(bits), packed.entries, packed.planes, packed.starts, base,
+                                  checksum=checksum))
 
 
 def xor_apply(
@@ -277,6 +340,28 @@ def xor_apply_all(
         checked.append((int_view(b), None if p is None else _np_int64(p), _np_unsigned(x, b.element_size()),
                         ix if ix is None or isinstance(ix, int) else _np_int64(ix)))
     return xor_apply_many(checked, checksum=checksum, landed=landed, scatter=scatter)
+
+
+def _check_packed(bits: torch.Tensor, packed: PackedPatch) -> None:
+    if not bits.is_contiguous():
+        raise TensorMismatchError(f"cannot patch a non-contiguous tensor of shape {tuple(bits.shape)} in place")
+    if bits.numel() != packed.numel or bits.element_size() != packed.width:
+        raise TensorMismatchError(f"patch of {packed.name!r} is for {packed.numel} elements of {8 * packed.width} "
+                                  f"bits, the tensor has {bits.numel()} of {8 * bits.element_size()}")
+
+
+def host_bits(bits: torch.Tensor, packed: PackedPatch) -> np.ndarray:
+    """``bits`` (a contiguous CPU tensor) checked as ``xor_apply_packed`` checks it, as the array the CPU kernels
+    take: for a caller that writes a sparse packed patch in many slices (replay, block by block)."""
+    _check_packed(bits, packed)
+    if bits.device.type != "cpu" or packed.entries is None:
+        raise TensorMismatchError(f"cannot patch a non-CPU tensor of shape {tuple(bits.shape)} here, or densely")
+    return np_bits(bits)
+
+
+def xor_either(bits: torch.Tensor, p: Patch | PackedPatch, *, checksum: bool = True) -> int:
+    """``xor_apply_packed`` or ``xor_apply`` of ``p``, whichever it is (what ``StepObject.change`` returns)."""
+    return _xor_either(bits, p, checksum=checksum)
 
 
 def host_arrays(bits: torch.Tensor, positions: np.ndarray,
