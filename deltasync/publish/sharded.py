@@ -4,7 +4,7 @@ Each rank diffs and encodes the contiguous element range its shard covers agains
 that shard, and uploads the result as one part of the step (docs/FORMAT.md section 5b). Only small
 metadata crosses ranks, over a gloo group of the publisher's own (so that it never interleaves with the
 trainer's collectives): whether each rank captured the step (and as what kind), each tensor's partial
-checksum (``mix64-sum`` adds up over ranges), then each part's name, size and SHA-256. Rank 0 holds the
+checksum (``mix64-sum`` adds up over ranges), then each part's name, size and digest. Rank 0 holds the
 stream's lease and writes the manifest last; any failure on any rank fails the step on all of them.
 
 ``refuse_nonfinite`` (publish/finite.py): each rank checks its own shards as it diffs them, and the ranks agree on

@@ -69,7 +69,7 @@ def write_step_object(
     zstd_level: int = 1,
 ) -> tuple[StepHeader, WrittenObject]:
     """Encode and write one step's object to ``dest`` (a path or a binary file, ``io.BytesIO`` to keep it
-    in memory); returns its header and the size and SHA-256 of the bytes written (hashed as they went out).
+    in memory); returns its header and the size and digest of the bytes written (hashed as they went out).
 
     ``headers`` describe every tensor after the step (checksums included); ``changes`` are a delta's
     changed tensors, ``anchor_tensors`` an anchor's full tensors.
