@@ -43,13 +43,13 @@ from deltasync.format._bits import dtype_name
 from deltasync.format.checksum import MASK64, format_checksum, state_checksum
 from deltasync.format.codecs import encode_patch
 from deltasync.format.documents import (
-    DIGEST_VERSION,
     Kind,
     Manifest,
     ManifestStats,
     Part,
     StepHeader,
     TensorHeader,
+    digest_version_fields,
 )
 from deltasync.format.objects import write_anchor, write_delta
 from deltasync.format.patch import Patch
@@ -279,8 +279,7 @@ def step_manifest(*, cap: ShardedCapture, parts: list[Part], state: str, numel: 
     return Manifest(
         step=cap.step, base_step=cap.base_step, kind=cap.kind, object_bytes=sum(p.object_bytes for p in parts),
         state_checksum=state, created_unix_s=time.time(), parts=tuple(parts), aliases=dict(cap.shards.aliases),
-        format_version=2 if algorithm == "sha256" else DIGEST_VERSION,
-        digest=None if algorithm == "sha256" else algorithm,
+        **digest_version_fields(algorithm, sha256_version=2),
         stats=ManifestStats(
             numel=numel, changed=changed if cap.kind == "delta" else numel,
             density=changed / numel if cap.kind == "delta" and numel else 1.0,
