@@ -8,8 +8,9 @@ trainer waits for each step to be live here before the next, so every step is me
   follows with ``RdmaConsumer``'s reader, the real path (``reader.open``: manifest, READ of the ring slot in
   pieces hashed once as they land, opened in place; then decode, apply, incremental checksums), timed stage
   by stage on that one pass. Then, on the same slot: a raw READ (``Inbox.transfer``: one READ, nothing
-  checked; least of ``--repeats``), the transport stage again (``Inbox.lease``: READ + SHA-256, bytes ready
-  for decode; least of ``--repeats``) and SHA-256 alone over the same bytes in memory (this CPU's floor).
+  checked; least of ``--repeats``), the transport stage again (``Inbox.lease``: READ + the manifest's digest,
+  BLAKE3 in a version-3 stream, bytes ready for decode; least of ``--repeats``), and the manifest's digest alone
+  and SHA-256 alone over the same bytes in memory (``digest_s``, ``sha256_s``: this CPU's floors for either).
 - ``local`` / ``s3``: the same stream through a local store / a real SeaweedFS S3 on loopback
   (tests/integration/seaweedfs.py); the follower polls ``latest_step`` every ``--poll-ms``.
 - publish()->live: from ``publish()`` returning in the trainer to the step applied here (one clock:
@@ -18,8 +19,8 @@ trainer waits for each step to be live here before the next, so every step is me
 
 Then ``bench/simulate_rdma.py`` is validated: its loopback model is parameterised by the measured loopback
 latency (the raw READ of the smallest object) and bandwidth (the largest anchor's raw READ) and, for the
-transport stage, by this CPU's SHA-256 rate; every other object's READ and transport stage are predicted and
-compared with what was measured.
+transport stage, by this CPU's SHA-256 rate (still: not yet the manifest's digest's); every other object's
+READ and transport stage are predicted and compared with what was measured.
 
     .venv/bin/python bench/bench_rdma.py                        # table + bench/results/bench_rdma-<date>.json
     .venv/bin/python bench/bench_rdma.py --sizes 1,4 --steps 3  # quick
@@ -274,7 +275,7 @@ def main() -> None:
     summary: dict[str, Any] = {"load_average": load}
     nixl = [a for r in results["sizes"].values() for a in r.get("nixl", [])]
     if nixl:
-        print("| M elems | step | kind | MB | via | raw READ ms | READ+SHA (transport) ms | SHA-256 alone ms | "
+        print("| M elems | step | kind | MB | via | raw READ ms | READ+digest (transport) ms | SHA-256 alone ms | "
               "manifest ms | open ms | decode ms | apply+checksums ms | end to end ms | transport/raw | end to end/raw "
               "|")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

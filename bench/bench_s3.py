@@ -96,7 +96,7 @@ def run(args, server: SeaweedFS, work: Path) -> None:
         t3 = time.perf_counter()
         store.transport.put(f"again/{step}/{m.object}", spool)  # deltasync's upload stage
         t4 = time.perf_counter()
-        reader.store.fetch_object(m)  # deltasync's download stage: download + size + SHA-256 check
+        reader.store.fetch_object(m)  # deltasync's download stage: download + size + digest check
         t5 = time.perf_counter()
         rows.append({
             "step": step,
@@ -134,7 +134,7 @@ def run(args, server: SeaweedFS, work: Path) -> None:
     for col in ("direction", "plain s3fs MB/s", "deltasync MB/s", "ratio (target >= 0.8)"):
         t2.add_column(col, justify="right")
     for d, plain, ours in (("upload", "plain_put_s", "deltasync_put_s"),
-                           ("download (+SHA-256 check)", "plain_get_s", "deltasync_get_s")):
+                           ("download (+digest check)", "plain_get_s", "deltasync_get_s")):
         t2.add_row(d, f"{tput(plain):.0f}", f"{tput(ours):.0f}", f"{tput(ours) / tput(plain):.2f}")
     Console(width=120).print(t2)
     write_results(args, "s3", {"numel": numel, "rows": rows})

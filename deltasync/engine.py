@@ -14,7 +14,7 @@ decode and prove ahead and only write inside the engine's pause::
     from deltasync.engine import checksum_change, xor_apply
 
     reader = StreamReader("s3://bucket/run1")                 # trusted_keys=...: only signed steps exist
-    with reader.open(step, base=held) as obj:                 # the object, its size and SHA-256 checked
+    with reader.open(step, base=held) as obj:                 # the object, its size and digest checked
         patches = obj.patches()                               # Patch: name, positions, xor, checksum (after it)
     for p in patches:                                         # sealed ahead: each write proved before it is made
         pos, x = torch.from_numpy(p.positions), torch.from_numpy(p.xor)

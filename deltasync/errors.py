@@ -248,7 +248,7 @@ class RdmaTimeoutError(RdmaError, TimeoutError):
 
 
 class StaleSlotError(RdmaError):
-    """A ring slot was overwritten before or while it was read (generation, length or SHA-256 differ)."""
+    """A ring slot was overwritten before or while it was read (generation, length or digest differ)."""
 
 
 class StaleMetadataError(RdmaError):

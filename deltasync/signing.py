@@ -5,7 +5,7 @@ parameters to get wrong, and the library every Python deployment already trusts 
 (``securesystemslib``) would add a dependency for the same guarantee; the statement here is as plain.
 
 This module says *what* is signed and makes signatures: the step statement (:func:`statement`: the stream, the
-step, its base and kind, the state checksum, every object's SHA-256, and the SHA-256 of the manifest and of
+step, its base and kind, the state checksum, every object's digest, and the SHA-256 of the manifest and of
 ``files.json`` as stored), the head statement (:func:`head_statement`: the newest step at a time), the keys
 (:class:`SigningKey`, :func:`keygen`) and a writer's signer bound to its stream (:class:`StreamSigner`).
 *Who* is trusted for what (pinned stream, rotation, revocation, freshness) is deltasync/trust.py's.

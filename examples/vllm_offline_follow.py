@@ -2,7 +2,7 @@
 
 The trainer publishes each optimizer step; between two ``generate()`` calls (a safe point) ``Follower.sync()``
 sends the new step numbers to the engine's deltasync weight-transfer engine, which fetches each step, checks
-its SHA-256, writes the changed elements into the live weights in place, and compares the engine's checksums
+its digest, writes the changed elements into the live weights in place, and compares the engine's checksums
 with the trainer's. At the end the engine's weights
 are checked once more against the trainer's own bf16 weights, checksummed here independently.
 

@@ -68,7 +68,7 @@ def wrong_checksum(header: dict) -> None:
 
 
 def damage_blob(store: Store, step: int) -> str:
-    """Flip bytes inside a delta's first values blob, keeping the manifest consistent (SHA-256 passes):
+    """Flip bytes inside a delta's first values blob, keeping the manifest consistent (the digest passes):
     only decoding finds it. Returns the tensor's name."""
     path = object_path(store, step)
     with safetensors.safe_open(str(path), framework="pt") as f:

@@ -125,7 +125,7 @@ def test_replay_writes_nothing_unless_verified(stream_copy, tmp_path):
     with pytest.raises(CorruptObjectError, match=r"step 9 object delta-[0-9a-f]{16}.safetensors: 7 bytes"):
         replay_to_folder(stream_copy, 9, tmp_path / "out9")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "stream"]
-    name = damage_blob(store, 5)  # passes SHA-256; decoding finds it
+    name = damage_blob(store, 5)  # passes the digest check; decoding finds it
     with pytest.raises(FormatError, match=f"step 5 tensor '{name}'"):
         replay_to_folder(stream_copy, 6, tmp_path / "out6")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "stream"]

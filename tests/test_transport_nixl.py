@@ -95,7 +95,7 @@ def consumer_peer(address: str, url: str, out: Any) -> None:
     from deltasync.rdma.consumer import RdmaConsumer
     from deltasync.store import Store
 
-    from_store: list[int] = []  # steps whose object the store fetched (a second SHA-256 of those bytes)
+    from_store: list[int] = []  # steps whose object the store fetched (a second digest of those bytes)
     for method in ("read_object", "fetch_object"):
         original = getattr(Store, method)
 
@@ -279,7 +279,7 @@ def test_only_a_reader_holding_the_manifest_asks_the_ring(tmp_path):
 
 def test_a_reader_asks_its_object_source_first_with_the_manifest_then_the_store(tmp_path):
     """``StreamReader(objects=...)`` asks the source once per single-object step it opens, with the manifest's
-    name, size and SHA-256 (read independently here from the stored manifest); a source that has nothing sends
+    name, size and digest (read independently here from the stored manifest); a source that has nothing sends
     the read to the store, which serves the same bytes."""
     import json
 

@@ -69,7 +69,7 @@ class HeldBytes(Protocol):
 class ObjectSource(Protocol):
     """Where a :class:`StreamReader` asks for a step's object before the store (``objects=``): the NIXL inbox of
     an ``RdmaConsumer``. Manifests always come from the store (they are the commit); only the object may come
-    from elsewhere, and only bytes that match the manifest's size and SHA-256 are accepted.
+    from elsewhere, and only bytes that match the manifest's size and digest are accepted.
     """
 
     def held(self, step: int, *, name: str, nbytes: int, digest: str) -> HeldBytes | None:
@@ -80,7 +80,7 @@ class ObjectSource(Protocol):
 
 class _HeldObject(StepObject):
     """A step object opened in place on bytes an :class:`ObjectSource` holds for it (the NIXL inbox), already
-    checked against the manifest's size and SHA-256 there. The holder's ``check`` runs again after every read of
+    checked against the manifest's size and digest there. The holder's ``check`` runs again after every read of
     the bytes, so a change under the object is refused rather than decoded; closing (or dropping) the object
     releases the bytes."""
 
@@ -119,7 +119,8 @@ def _manifest_cost(m: Manifest) -> int:
 
 
 class StreamReader:
-    """Read a deltasync stream from any fsspec URL. Objects are verified (size, SHA-256) before use.
+    """Read a deltasync stream from any fsspec URL. Objects are verified (size, digest: BLAKE3, SHA-256
+    in older streams) before use.
 
     From a remote store, a delta of at most ``memory_object_bytes`` (default 64 MiB) is fetched into memory
     and opened from there; anchors and larger deltas are downloaded into a cache (``cache_dir``, else a
@@ -137,7 +138,7 @@ class StreamReader:
     and a chain's signatures are accepted oldest first (``chain``).
 
     ``objects`` (an :class:`ObjectSource`: an ``RdmaConsumer``'s NIXL inbox) is asked first for the object of a
-    single-object step this reader opens, with the manifest's size and SHA-256; where it has none, the store
+    single-object step this reader opens, with the manifest's size and digest; where it has none, the store
     serves it. Manifests always come from the store.
     """
 
@@ -316,7 +317,7 @@ class StreamReader:
         return self._agreeing(self._open_part(m, m.objects[0], where), m)
 
     def open_unhashed(self, step: int) -> StepObject | None:
-        """``open(step)`` without the SHA-256 check, for a reader that hashes the object's bytes as it reads
+        """``open(step)`` without the digest check, for a reader that hashes the object's bytes as it reads
         them (``StepObject.read_tensors_hashed``) and then calls ``store.check_digest``: nothing read from it
         is proven before that. None where this cannot be done (a remote store, several parts, a reader
         with an object source, which holds checked objects): then ``open``."""
@@ -366,7 +367,7 @@ class StreamReader:
         return held
 
     def fetch_bytes(self, m: Manifest) -> bytes:
-        """A single-object step's object fetched into memory, checked against its manifest's size and SHA-256."""
+        """A single-object step's object fetched into memory, checked against its manifest's size and digest."""
         return self.store.read_object(m)
 
     def chain(self, step: int, *, start: int | None = None, max_walk: int = 64, catchup: bool = True,

@@ -329,6 +329,20 @@ def _change_at(u: np.ndarray, local: np.ndarray, xor: np.ndarray, hashed: np.nda
     return total
 
 
+@_jit
+def _gather_values(planes: np.ndarray, count: np.int64, k: np.int64, r: np.int64, xs: np.ndarray) -> None:
+    """``xs[:r]`` = values ``k .. k + r`` of byte-shuffled ``planes`` (byte ``j`` of value ``i`` at ``j * count + i``),
+    plane by plane: each loop is vectorised (the element width is not a constant here). The ``gap16`` scatters'
+    one way to build values; compiled into them."""
+    low = planes[k : k + r]
+    for i in range(r):
+        xs[i] = low[i]
+    for j in range(1, xs.itemsize):
+        plane = planes[j * count + k : j * count + k + r]
+        for i in range(r):
+            xs[i] |= xs.dtype.type(plane[i]) << (8 * j)
+
+
 def _gap16_xor(u: np.ndarray, shuffled: np.ndarray, planes: np.ndarray, starts: np.ndarray, base: np.int64,
                checksum: bool) -> np.uint64:
     """``u.flat[p] ^= x`` for each position ``p`` the ``gap16`` entries list and its value ``x``, decoded as they are
@@ -368,13 +382,7 @@ def _gap16_xor(u: np.ndarray, shuffled: np.ndarray, planes: np.ndarray, starts: 
                 pos += v + z * 65535
                 at[r] = pos
                 r += 1 - z
-            low = planes[k : k + r]
-            for i in range(r):
-                xs[i] = low[i]
-            for j in range(1, width):
-                plane = planes[j * count + k : j * count + k + r]
-                for i in range(r):
-                    xs[i] |= u.dtype.type(plane[i]) << (8 * j)
+            _gather_values(planes, count, k, r, xs)
             k += r
             for i in range(r):  # the scatter: its loads overlap (each index is already known)
                 g = at[i]
@@ -426,13 +434,7 @@ def _gap16_xor_until(u: np.ndarray, shuffled: np.ndarray, planes: np.ndarray, cu
             ent[r] = e + i
             r += 1 - z
         m = np.searchsorted(at[:r], stop)  # positions ascend: those below ``stop`` come first
-        low = planes[k : k + m]
-        for i in range(m):  # the values, plane by plane (vectorised: ``width`` is not a constant here)
-            xs[i] = low[i]
-        for j in range(1, width):
-            plane = planes[j * count + k : j * count + k + m]
-            for i in range(m):
-                xs[i] |= u.dtype.type(plane[i]) << (8 * j)
+        _gather_values(planes, count, k, m, xs)
         for i in range(m):
             u[at[i]] ^= xs[i]
         k += m
@@ -556,13 +558,14 @@ def span(positions: np.ndarray) -> tuple[int, int]:
 
 def dispatchers() -> dict[str, Any]:
     """Every kernel of this module that Python calls, by name (what ``warm_kernels`` loads, what tests inspect);
-    ``mix64``, ``element_hash`` and ``_hash_change`` are compiled into the kernels that call them."""
+    ``mix64``, ``element_hash``, ``_hash_change`` and ``_gather_values`` are compiled into the kernels that call
+    them."""
     found = {**globals(), **vars(_byte_kernels)}
     return {name: obj for name, obj in found.items()
             if isinstance(obj, numba.core.registry.CPUDispatcher) and name not in _INLINED}
 
 
-_INLINED = ("mix64", "element_hash", "_hash_change")
+_INLINED = ("mix64", "element_hash", "_hash_change", "_gather_values")
 
 
 _UNSIGNED = (np.uint8, np.uint16, np.uint32, np.uint64)

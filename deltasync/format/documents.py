@@ -270,6 +270,24 @@ def _digest_field(digest: str) -> dict[str, Any]:
     return {"object_sha256": hexdigest} if algorithm == "sha256" else {"object_digest": digest}
 
 
+def digest_version_fields(algorithm: digests.Algorithm, *, sha256_version: int,
+                          named_version: int = DIGEST_VERSION) -> dict[str, Any]:
+    """``format_version`` and ``digest`` of a manifest whose objects are digested with ``algorithm``: SHA-256 is
+    the older version's (``sha256_version``: 1 for one object or a catch-up, 2 for parts), which names no digest;
+    any other is ``named_version``'s, which names it (docs/FORMAT.md sections 1b, 5g)."""
+    if algorithm == "sha256":
+        return {"format_version": sha256_version}
+    return {"format_version": named_version, "digest": algorithm}
+
+
+def object_digest_fields(digest: str, *, sha256_version: int, named_version: int = DIGEST_VERSION) -> dict[str, Any]:
+    """The digest fields of a one-object manifest (step or catch-up) for an object of prefixed ``digest``: the
+    object's own field (``_digest_field``) and :func:`digest_version_fields`."""
+    versions = digest_version_fields(digests.algorithm_of(digest), sha256_version=sha256_version,
+                                     named_version=named_version)
+    return {**_digest_field(digest), **versions}
+
+
 def _stored_digest(entry: Part | AnchorDelta | Manifest | CatchupManifest) -> dict[str, str]:
     if entry.object_digest is not None:
         return {"object_digest": entry.object_digest}
@@ -566,10 +584,7 @@ class CatchupManifest:
     @classmethod
     def of(cls, *, digest: str, **fields: Any) -> CatchupManifest:
         """The catch-up manifest for an object of prefixed ``digest``: version 1 for SHA-256, else version 2."""
-        algorithm = digests.algorithm_of(digest)
-        if algorithm == "sha256":
-            return cls(**fields, **_digest_field(digest))
-        return cls(**fields, **_digest_field(digest), format_version=CATCHUP_DIGEST_VERSION, digest=algorithm)
+        return cls(**fields, **object_digest_fields(digest, sha256_version=1, named_version=CATCHUP_DIGEST_VERSION))
 
     @property
     def algorithm(self) -> digests.Algorithm:
@@ -585,8 +600,7 @@ class CatchupManifest:
         ``folder``: what a reader opens (its object is checked and its header agrees, as for a step)."""
         m = Manifest(step=self.step, base_step=self.base_step, kind="delta", object=self.object,
                      object_bytes=self.object_bytes, object_sha256=self.object_sha256,
-                     object_digest=self.object_digest, digest=self.digest,
-                     format_version=1 if self.digest is None else DIGEST_VERSION,
+                     object_digest=self.object_digest, **digest_version_fields(self.algorithm, sha256_version=1),
                      state_checksum=self.state_checksum, created_unix_s=self.created_unix_s, stats=self.stats)
         object.__setattr__(m, "folder", folder)  # an instance's own value of the class-level default
         return m

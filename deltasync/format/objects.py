@@ -314,7 +314,7 @@ class StepObject:
     tensor = read_tensor
 
     def read_tensors_hashed(
-        self, landed: Callable[[str, torch.Tensor], None], *, algorithm: Algorithm = "sha256",
+        self, landed: Callable[[str, torch.Tensor], None], *, algorithm: Algorithm,
         stop: threading.Event | None = None, chunk_bytes: int = 1 << 20,
     ) -> str | None:
         """Read every tensor of an anchor once, in file order, each into fresh memory, hashing the object's

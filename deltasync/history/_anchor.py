@@ -70,7 +70,7 @@ class AnchorFeed:
         return t
 
     def wait(self) -> None:
-        """Return once the whole anchor was read and its SHA-256 matched the manifest's; else raise why not
+        """Return once the whole anchor was read and its digest matched the manifest's; else raise why not
         (``CorruptObjectError`` for a digest that differs)."""
         self._thread.join()
         if self._error is not None:

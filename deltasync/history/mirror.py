@@ -1,7 +1,7 @@
 """Replicate a stream from one store to another (the trainer's bucket in one cloud to a bucket or disk in
 another), so that a region's followers read their own copy and egress is paid once per region.
 
-Every object is checked against its manifest's size and SHA-256 as it is read from the source; each step is
+Every object is checked against its manifest's size and digest as it is read from the source; each step is
 written the way a publisher writes one: objects first, then the manifest, create-only, then the hint; steps go
 in the source's commit order. So a mirror killed at any point leaves nothing half-visible (an uncommitted step
 folder at most, which the next run or ``gc`` replaces), a restarted one goes on where the destination stands,
@@ -251,7 +251,7 @@ def _copy_step(source: Store, target: Store, step: int, scratch: ScratchFolder, 
     made: list[Path] = []
     try:
         for owner, part in objects:
-            path = source.fetch_object(owner, part=part, hold=True)  # checked: size and SHA-256
+            path = source.fetch_object(owner, part=part, hold=True)  # checked: size and digest
             held.append((owner, part))
             if target.is_local:  # a local destination takes files over (moves them): hand it a copy of its own
                 made.append(scratch.path / f"{step}-{part.object}")

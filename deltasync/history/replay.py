@@ -1,14 +1,14 @@
 """Replay stage: rebuild tensors through a chain of objects (an anchor, then deltas), one tensor at a time.
 
-Each tensor is read from the anchor into fresh memory, then patched by each delta in turn; its checksum
-is computed from the resulting bits and compared with the last step's header (``verify`` instead follows
-it through every link, to name the step that broke a tensor). What a replay proves: every object's size
-and SHA-256 against its manifest, each header's state checksum against its manifest and its own tensor
-checksums (``open_checked``), and each tensor's final bits against the last step's checksum, computed in
-one full pass over them; the intermediate steps' checksums are not computed (no step in between is
-returned). A few tensors are rebuilt at once on worker threads, in order, so that memory stays near one
-tensor per worker (one model copy when the caller keeps them all); nothing is memory-mapped, so nothing
-counts twice.
+Each tensor is read from the anchor into fresh memory, then patched by each delta in turn; its checksum is
+computed from the resulting bits and compared with the last step's header (``verify`` instead follows it
+through every link, to name the step that broke a tensor). What a replay proves: every object's size and
+digest against its manifest (BLAKE3; SHA-256 in older streams), each header's state checksum against its
+manifest and its own tensor checksums (``open_checked``), and each tensor's final bits against the last
+step's checksum, computed in one full pass over them; the intermediate steps' checksums are not computed (no
+step in between is returned). A few tensors are rebuilt at once on worker threads, in order, so that memory
+stays near one tensor per worker (one model copy when the caller keeps them all); nothing is memory-mapped,
+so nothing counts twice.
 
 A tensor larger than a core's share of the cache is patched a block at a time: several deltas' patches
 of it are decoded first (at most ``GROUP_BYTES`` of them), then each block of the tensor receives all of
@@ -19,7 +19,7 @@ and ``maintenance`` (verify).
 Where a caller keeps every tensor (``reconstruct_state_dict``), a local anchor is read once: a thread reads
 its tensors into their final buffers and hashes the same bytes (``_anchor.AnchorFeed``), while the workers
 already decode the deltas and patch the tensors that have landed; nothing is handed out before the anchor's
-SHA-256 matched its manifest.
+digest matched its manifest.
 
 Why one full checksum pass, at the end. The checksum is a sum over (index, bits) pairs (docs/FORMAT.md
 section 4), so it could instead be carried along: the anchor's checksum computed from its bits as they are
@@ -32,7 +32,7 @@ positions it wrote, and nothing else wrote the buffer; a bug or a stray write el
 keep the sum right and the bits wrong. The final pass hashes the bits as they are returned, so a match with
 the last header's checksum (bound to the manifest through the state checksum, ``open_checked``) is the
 proof of the result whatever happened on the way (a collision aside: the checksum detects accidents, not
-adversaries). The SHA-256 of every object proves the bytes read; the anchor's own checksums are then not
+adversaries). The digest of every object proves the bytes read; the anchor's own checksums are then not
 needed, because the final state is checked directly."""
 
 from __future__ import annotations
@@ -127,17 +127,17 @@ class Chain:
     def open(
         cls, reader: StreamReader, step: int, *, progress: ProgressFn | None = None, read_anchor_once: bool = False
     ) -> Chain:
-        """Fetch and verify every object of ``step``'s chain (size, SHA-256, header against manifest).
+        """Fetch and verify every object of ``step``'s chain (size, digest, header against manifest).
 
         ``read_anchor_once`` (for a caller that keeps every tensor: the whole anchor is read at once, into
         the tensors' final buffers): a local anchor is not hashed here but while a thread reads its tensors
         (``_anchor.AnchorFeed``), so that rebuilding starts at once and the anchor is read once, not twice;
-        ``rebuild`` hands out nothing before its SHA-256 matched. Elsewhere (remote, several parts) as without.
+        ``rebuild`` hands out nothing before its digest matched. Elsewhere (remote, several parts) as without.
         """
         steps = chain_steps(reader, step)
         feed = _feed(reader, steps[0]) if read_anchor_once else None
         objects: list[StepObject] = [feed.obj] if feed else []
-        # downloads and SHA-256 checks on a few threads: the anchor's hash overlaps the deltas'
+        # downloads and digest checks on a few threads: the anchor's hash overlaps the deltas'
         with ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="deltasync-fetch") as pool:
             futures = [pool.submit(open_checked, reader, s) for s in steps[len(objects):]]
             try:
@@ -209,7 +209,7 @@ class Chain:
             for k, rebuilt in enumerate(_ahead(pool, lambda n: self._rebuild(n, check, keep), names,
                                                depth=depth)):
                 if self._feed and k == 0:
-                    self._feed.wait()  # nothing leaves before the anchor's SHA-256 matched, errors included
+                    self._feed.wait()  # nothing leaves before the anchor's digest matched, errors included
                 yield rebuilt
                 if progress:
                     progress(f"replay step {self.steps[-1]}", k + 1, len(names))

@@ -76,7 +76,7 @@ def verify(
     progress: ProgressFn | None = None,
     trusted_keys: Any = None,
 ) -> VerifyReport:
-    """Check every committed step in ``first..last``: manifest, object (size, SHA-256), header (valid, and
+    """Check every committed step in ``first..last``: manifest, object (size, digest), header (valid, and
     agreeing with the manifest), chain (each delta's base is committed and sound) and checksums, by
     replaying every tensor through every step; and each catch-up delta into a step of ``first..last``
     (docs/FORMAT.md section 5g): its manifest, signature and object, and, where both its steps verified, that
@@ -187,7 +187,7 @@ class _Verification:
         return out
 
     def anchor_delta(self, step: int) -> None:
-        """An anchor step's own delta (docs/FORMAT.md section 5): its object (size, SHA-256, header), and, where
+        """An anchor step's own delta (docs/FORMAT.md section 5): its object (size, digest, header), and, where
         its base step is committed, applied to that step's weights it gives every checksum of the anchor."""
         m = self.reader.manifest(step)
         if m.delta is None:

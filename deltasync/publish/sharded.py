@@ -4,7 +4,7 @@ Each rank diffs and encodes the contiguous element range its shard covers agains
 that shard, and uploads the result as one part of the step (docs/FORMAT.md section 5b). Only small
 metadata crosses ranks, over a gloo group of the publisher's own (so that it never interleaves with the
 trainer's collectives): whether each rank captured the step (and as what kind), each tensor's partial
-checksum (``mix64-sum`` adds up over ranges), then each part's name, size and SHA-256. Rank 0 holds the
+checksum (``mix64-sum`` adds up over ranges), then each part's name, size and digest. Rank 0 holds the
 stream's lease and writes the manifest last; any failure on any rank fails the step on all of them.
 
 ``refuse_nonfinite`` (publish/finite.py): each rank checks its own shards as it diffs them, and the ranks agree on
@@ -43,13 +43,13 @@ from deltasync.format._bits import dtype_name
 from deltasync.format.checksum import MASK64, format_checksum, state_checksum
 from deltasync.format.codecs import encode_patch
 from deltasync.format.documents import (
-    DIGEST_VERSION,
     Kind,
     Manifest,
     ManifestStats,
     Part,
     StepHeader,
     TensorHeader,
+    digest_version_fields,
 )
 from deltasync.format.objects import write_anchor, write_delta
 from deltasync.format.patch import Patch
@@ -279,8 +279,7 @@ def step_manifest(*, cap: ShardedCapture, parts: list[Part], state: str, numel: 
     return Manifest(
         step=cap.step, base_step=cap.base_step, kind=cap.kind, object_bytes=sum(p.object_bytes for p in parts),
         state_checksum=state, created_unix_s=time.time(), parts=tuple(parts), aliases=dict(cap.shards.aliases),
-        format_version=2 if algorithm == "sha256" else DIGEST_VERSION,
-        digest=None if algorithm == "sha256" else algorithm,
+        **digest_version_fields(algorithm, sha256_version=2),
         stats=ManifestStats(
             numel=numel, changed=changed if cap.kind == "delta" else numel,
             density=changed / numel if cap.kind == "delta" and numel else 1.0,

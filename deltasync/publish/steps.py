@@ -10,7 +10,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -18,7 +17,7 @@ from deltasync.format import digest as digests
 from deltasync.format._bits import dtype_name
 from deltasync.format.checksum import format_checksum, state_checksum
 from deltasync.format.codecs import EncodedTensor, encode_patch
-from deltasync.format.documents import DIGEST_VERSION, AnchorDelta, ManifestStats, Part
+from deltasync.format.documents import AnchorDelta, ManifestStats, Part, object_digest_fields
 from deltasync.format.objects import (
     Destination,
     Kind,
@@ -69,7 +68,7 @@ def write_step_object(
     zstd_level: int = 1,
 ) -> tuple[StepHeader, WrittenObject]:
     """Encode and write one step's object to ``dest`` (a path or a binary file, ``io.BytesIO`` to keep it
-    in memory); returns its header and the size and SHA-256 of the bytes written (hashed as they went out).
+    in memory); returns its header and the size and digest of the bytes written (hashed as they went out).
 
     ``headers`` describe every tensor after the step (checksums included); ``changes`` are a delta's
     changed tensors, ``anchor_tensors`` an anchor's full tensors.
@@ -124,7 +123,7 @@ def step_manifest(
         # a name no other attempt at this step uses: an upload never touches another writer's object
         object=f"{header.kind}-{written.hex16}.safetensors",
         object_bytes=written.nbytes,
-        **_digest_fields(written.digest),
+        **object_digest_fields(written.digest, sha256_version=1),
         state_checksum=header.state_checksum,
         created_unix_s=time.time(),
         stats=ManifestStats(
@@ -144,15 +143,6 @@ def anchor_delta(written: WrittenObject, base_step: int) -> AnchorDelta:
     part = Part.of(object=f"delta-{written.hex16}.safetensors", object_bytes=written.nbytes, digest=written.digest)
     return AnchorDelta(base_step=base_step, object=part.object, object_bytes=part.object_bytes,
                        object_sha256=part.object_sha256, object_digest=part.object_digest)
-
-
-def _digest_fields(digest: str) -> dict[str, Any]:
-    """A one-object manifest's digest fields: version 1 for SHA-256, else version 3 naming the algorithm
-    (docs/FORMAT.md section 1b)."""
-    algorithm, hexdigest = digests.split(digest)
-    if algorithm == "sha256":
-        return {"object_sha256": hexdigest, "format_version": 1}
-    return {"object_digest": digest, "digest": algorithm, "format_version": DIGEST_VERSION}
 
 
 def snapshot_headers(snapshot: Snapshot) -> dict[str, TensorHeader]:

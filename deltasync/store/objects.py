@@ -129,7 +129,7 @@ class StoreObjects:
         return f"{_folder(manifest)}/{plain_name(part.object, where=f'{self.url} step {manifest.step}')}"
 
     def fetch_object(self, manifest: Manifest, *, part: Part | None = None, hold: bool = False) -> Path:
-        """A local path to the step's object, checked against the manifest's size and SHA-256.
+        """A local path to the step's object, checked against the manifest's size and digest.
 
         Local objects are read in place. Remote ones are downloaded into the cache: with ``hold`` the
         object stays there until ``release_object`` (``StreamReader.open`` holds it while it is open);
@@ -180,7 +180,7 @@ class StoreObjects:
 
     def read_object(self, manifest: Manifest, *, part: Part | None = None) -> bytes:
         """A step's object (``part`` of a multi-part step) in memory, checked against the manifest's size and
-        SHA-256 (no cache, no file). At most ``object_bytes + 1`` bytes are fetched: an oversized object
+        digest (no cache, no file). At most ``object_bytes + 1`` bytes are fetched: an oversized object
         costs no more than that.
         """
         part = part_of(manifest, part)

@@ -3,7 +3,7 @@
 Commit protocol: the object first (under a name no other attempt uses), then the manifest, written
 create-only (it is the commit marker: a committed step is never replaced), then the ``latest.json`` hint.
 Before the manifest the writer proves it still holds the lease (lease.py). Readers only see steps whose
-manifest exists, and check each object's size and SHA-256 before parsing it. Every document read back is
+manifest exists, and check each object's size and digest before parsing it. Every document read back is
 validated (``documents.py``). All bytes move through one ``Transport`` (deltasync/transports), chosen by
 the URL's scheme; this module knows keys, never a backend.
 """
@@ -285,12 +285,12 @@ class Store:
         self._objects.download_progress = progress
 
     def fetch_object(self, manifest: Manifest, *, part: Part | None = None, hold: bool = False) -> Path:
-        """A local path to the step's object, checked against the manifest's size and SHA-256
+        """A local path to the step's object, checked against the manifest's size and digest
         (:meth:`StoreObjects.fetch_object`: ``hold`` keeps it until ``release_object``)."""
         return self._objects.fetch_object(manifest, part=part, hold=hold)
 
     def read_object(self, manifest: Manifest, *, part: Part | None = None) -> bytes:
-        """A step's object in memory, checked against the manifest's size and SHA-256
+        """A step's object in memory, checked against the manifest's size and digest
         (:meth:`StoreObjects.read_object`)."""
         return self._objects.read_object(manifest, part=part)
 

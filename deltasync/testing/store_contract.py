@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -48,7 +47,7 @@ from deltasync.errors import (
     WriterConflictError,
 )
 from deltasync.format import digest as digests
-from deltasync.format.documents import ManifestStats, Part
+from deltasync.format.documents import ManifestStats, object_digest_fields
 from deltasync.store import Manifest, Store, step_dir
 
 __all__ = ["StoreContract"]
@@ -291,11 +290,9 @@ class StoreContract:
 def _manifest(step: int, data: bytes, *, algorithm: digests.Algorithm = "blake3") -> Manifest:
     """A one-object manifest for ``data``: format version 3 (BLAKE3, section 1b) or 1 (SHA-256)."""
     d = digests.compute(data, algorithm)
-    part = Part.of(object=f"anchor-{digests.hex_of(d)[:16]}.safetensors", object_bytes=len(data), digest=d)
-    named: dict[str, Any] = {} if algorithm == "sha256" else {"format_version": 3, "digest": algorithm}
-    return Manifest(step=step, base_step=None, kind="anchor", object=part.object, object_bytes=len(data),
-                    object_sha256=part.object_sha256, object_digest=part.object_digest, state_checksum="0" * 64,
-                    created_unix_s=1.0, **named)
+    return Manifest(step=step, base_step=None, kind="anchor", object=f"anchor-{digests.hex_of(d)[:16]}.safetensors",
+                    object_bytes=len(data),
+                    **object_digest_fields(d, sha256_version=1), state_checksum="0" * 64, created_unix_s=1.0)
 
 
 def every_shape(gen: torch.Generator) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Fetch, verify and decode the next committed steps in the background, so an update finds them staged.
 
 A :class:`Prepared` step is everything that can be done before the pause: the object downloaded and its
-SHA-256 checked (``StreamReader.open``), its header checked against the engine, a delta decoded and mapped
+digest checked (``StreamReader.open``), its header checked against the engine, a delta decoded and mapped
 onto this rank's elements (``state.stage``), an anchor's tensors read into memory; and, once the engine holds
 the delta's base step, the delta sealed (``state.seal``: each patched tensor's checksum after the write,
 from the bits held and the patch). What is left for the pause is a plain XOR scatter and the comparison of

@@ -2,9 +2,10 @@
 
 A mutation is a small JSON-able dict (``doc``, ``kind``, ``mutator``, ``region``, ``args``, ``resha``,
 ``restate``) so that a case can be printed, stored and replayed. ``resha`` rewrites the manifest's
-``object_bytes``/``object_sha256`` (or the ``files.json`` entry of a model file) to match the mutated
-bytes, so that the mutation gets past the SHA-256 check and reaches the parsers; ``restate`` also makes
-the step header's ``state_checksum`` (and the manifest's) agree with its tensor checksums.
+``object_bytes`` and digest (``object_digest``, ``object_sha256`` in older streams; or the ``files.json``
+entry of a model file) to match the mutated bytes, so that the mutation gets past the digest check and reaches
+the parsers; ``restate`` also makes the step header's ``state_checksum`` (and the manifest's) agree with its
+tensor checksums.
 """
 
 from __future__ import annotations
