@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import builtins
 import threading
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ import fsspec
 import fsspec.asyn
 from fsspec.callbacks import Callback
 
-from deltasync.errors import CorruptObjectError
 from deltasync.transports.base import (
     Capabilities,
     Data,
@@ -31,13 +29,12 @@ from deltasync.transports.base import (
     too_large,
 )
 
-CALLBACK_DOWNLOADS = frozenset({
-    "s3fs.core.S3FileSystem._get_file",
-    "fsspec.implementations.http.HTTPFileSystem._get_file",
-})
+CALLBACK_DOWNLOADS = frozenset({"fsspec.implementations.http.HTTPFileSystem._get_file"})
 """The downloads (:func:`download_method`) read to call ``callback.set_size`` with the size the server announces
-before reading the body, and ``callback.relative_update`` after each chunk written; a bounded download through any
-other is copied through ``fs.open`` (an override may ignore callbacks: sftp, ftp and arrow's do)."""
+before reading the body, and ``callback.relative_update`` after each chunk written, and to close their response
+when the callback raises; a bounded download through any other is copied through ``fs.open`` (an override may
+ignore callbacks: sftp, ftp and arrow's do). Not s3fs's: it leaves the response open when ``set_size`` raises, and
+aiohttp keeps such a connection out of its pool for good (s3.py downloads bounded objects itself)."""
 
 
 class FsspecTransport(Transport):
@@ -82,20 +79,16 @@ class FsspecTransport(Transport):
 
     def get_file(self, key: str, local: Path, *, max_bytes: int | None = None) -> None:
         """The object into ``local`` (``Transport.get_file``). A filesystem whose own download is known to report
-        sizes to fsspec's callbacks (s3fs, HTTP: :data:`CALLBACK_DOWNLOADS`) downloads as it always does (s3fs: one
-        GET, ranged parts in parallel for large objects), bounded by a callback that refuses the object from the
-        announced size (the response's Content-Length), before any body is read; without one announced, after one
-        chunk past the bound (s3fs: 64 KiB, HTTP: 5 MiB). Any other is copied here through ``fs.open``, which is
-        what fsspec's generic ``get_file`` does (the same requests), bounded exactly."""
+        sizes to fsspec's callbacks (HTTP: :data:`CALLBACK_DOWNLOADS`) downloads as it always does, bounded by a
+        callback that refuses the object from the announced size (the response's Content-Length), before any body
+        is read; without one announced, after one chunk past the bound (HTTP: 5 MiB). Any other is copied here
+        through ``fs.open``, which is what fsspec's generic ``get_file`` does (the same requests), bounded exactly
+        (a filesystem that overrides ``get_file`` may have done it in fewer requests)."""
         path = self.path(key)
         if max_bytes is None:
             self.fs.get_file(path, str(local))
         elif download_method(self.fs) in CALLBACK_DOWNLOADS:
-            try:
-                self.fs.get_file(path, str(local), callback=_Bound(key, max_bytes))
-            except CorruptObjectError as e:
-                _drop_response(self.fs, e)
-                raise
+            self.fs.get_file(path, str(local), callback=_Bound(key, max_bytes))
         else:
             with self.fs.open(path, "rb") as src, open(local, "wb") as dst:
                 copy_bounded(src, dst, key, max_bytes=max_bytes, size=getattr(src, "size", None),
@@ -159,22 +152,6 @@ class _Bound(Callback):
             raise too_large(self.key, self.max_bytes, int(self.size))
         if self.value > self.max_bytes:
             raise too_large(self.key, self.max_bytes, int(self.value))
-
-
-def _drop_response(fs: fsspec.AbstractFileSystem, error: BaseException) -> None:
-    """s3fs calls ``set_size`` with the response open and does not close it when the callback raises: the frames
-    of ``error``'s traceback hold it. Cleared on the filesystem's own event loop, the response is dropped there
-    and aiohttp closes its connection (an unread body is never drained or pooled), rather than later, on some
-    other thread, or not while ``error`` lives."""
-    loop = getattr(fs, "loop", None)
-    tb = error.__traceback__
-    if loop is None or tb is None:
-        return
-
-    async def clear() -> None:
-        traceback.clear_frames(tb)
-
-    fsspec.asyn.sync(loop, clear)
 
 
 def listed_mtime(info: dict[str, Any]) -> float | None:
