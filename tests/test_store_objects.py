@@ -17,6 +17,7 @@ import deltasync.follow.reader
 from deltasync import DeltaPublisher, StreamReader
 from deltasync.errors import CorruptObjectError
 from deltasync.store import Store, step_dir
+from deltasync.store.node_cache import NodeCache
 from deltasync.store.objects import PROGRESS_AFTER_BYTES
 from deltasync.store.scratch import OWNER_LOCK
 from deltasync.transports import register_transport, unregister_transport
@@ -90,16 +91,16 @@ class UnsizedFolder(RemoteFolder):
         return open(self._strip_protocol(path), mode)  # noqa: SIM115 - fsspec's caller closes it
 
 
-@pytest.mark.parametrize("scheme", ["memory", "testremote", "testunsized"])
+@pytest.mark.parametrize("scheme", ["memory", "memory+node-cache", "testremote", "testunsized"])
 def test_an_object_swapped_for_a_huge_one_is_refused_within_its_size(scheme, tmp_path, monkeypatch, partial_sizes):
     """A bucket writer replaces step 1's object by one 4 MiB larger than its manifest says (docs/SECURITY.md): the
     follower's download stops at the manifest's size + 1 byte at most (memory:// and testremote:// announce the
     size: refused before a byte is written; testunsized:// announces none: exactly size + 1 bytes are read and
     written), refuses the step with a CorruptObjectError naming the stream, the step, the object and both sizes,
-    leaves nothing in the cache, and the next good anchor (step 3) still applies, bit-exact against the states
-    fed."""
+    leaves nothing in the cache (nor in the host's node cache), and the next good anchor (step 3) still applies,
+    bit-exact against the states fed."""
     monkeypatch.setattr(deltasync.follow.reader, "MEMORY_OBJECT_BYTES", 0)  # every object through the download
-    if scheme == "memory":
+    if scheme.startswith("memory"):
         url = f"memory://bounded-{uuid.uuid4().hex}"
     elif scheme == "testremote":
         register()
@@ -114,7 +115,8 @@ def test_an_object_swapped_for_a_huge_one_is_refused_within_its_size(scheme, tmp
     store.write_bytes(f"{step_dir(1)}/{m.object}", os.urandom(size + (4 << 20)))
     cache = tmp_path / "cache"
     target = StateDictTarget()
-    with StreamReader(url, cache_dir=cache) as reader:
+    node = tmp_path / "node" if scheme == "memory+node-cache" else None  # the host's cache: downloads go through it
+    with StreamReader(url, cache_dir=cache, node_cache=node) as reader:
         follower = Follower(reader, target)
         follower.sync(0)
         said = rf"step 1 object {m.object}: .* manifest says {size} \(more than it says: replaced; refused while"
@@ -127,9 +129,12 @@ def test_an_object_swapped_for_a_huge_one_is_refused_within_its_size(scheme, tmp
         else:
             assert e.value.found == size + (4 << 20) and partial_sizes in ([], [0])
         assert [p.name for p in cache.iterdir() if p.name != OWNER_LOCK] == []
+        assert node is None or NodeCache.file_name(m.objects[0].digest) not in {p.name for p in node.rglob("*")}
         assert target.step == 0 and states_equal(target.state_dict(), truth[0])
         assert follower.sync() == [3, 4]
         assert states_equal(target.state_dict(), truth[4])
+        assert node is None or NodeCache.file_name(reader.manifest(3).objects[0].digest) in {p.name for p in
+                                                                                              node.rglob("*")}
 
 
 class OldSignature(MemoryTransport):
