@@ -61,8 +61,8 @@ class Counting:
         self.bytes += len(data)
         return data
 
-    def get_file(self, key: str, local: Path) -> None:
-        self._inner.get_file(key, local)
+    def get_file(self, key: str, local: Path, *, max_bytes: int | None = None) -> None:
+        self._inner.get_file(key, local, max_bytes=max_bytes)
         self.requests += 1
         self.bytes += Path(local).stat().st_size
 

@@ -43,8 +43,8 @@ def pause_after_first_download(marker: Path, pause_s: float) -> None:
 
     get_file = FsspecTransport.get_file
 
-    def paused(self: FsspecTransport, path: str, local: Path) -> None:
-        get_file(self, path, local)
+    def paused(self: FsspecTransport, path: str, local: Path, *, max_bytes: int | None = None) -> None:
+        get_file(self, path, local, max_bytes=max_bytes)
         if not marker.exists():
             marker.write_text(path)
             time.sleep(pause_s)

@@ -29,11 +29,21 @@ class FakeBucketApi:
         for src, dest in add or []:
             self.files[dest] = src if isinstance(src, bytes) else Path(src).read_bytes()
 
+    def get_bucket_paths_info(self, bucket_id, paths, *, token=None):
+        from huggingface_hub import BucketFile
+
+        self.calls.append(("info", bucket_id, list(paths)))
+        return [BucketFile(type="file", path=p, size=len(self.files[p]), xetHash="0" * 64) for p in paths
+                if p in self.files]
+
     def download_bucket_files(self, bucket_id, files, *, raise_on_missing_files=False, token=None):
+        """As huggingface_hub's: a name is looked up (its own request), a ``BucketFile`` is downloaded as given."""
         from huggingface_hub.errors import EntryNotFoundError
 
-        self.calls.append(("download", bucket_id, [r for r, _ in files], raise_on_missing_files))
+        self.calls.append(("download", bucket_id, [r if isinstance(r, str) else ("listed", r.path) for r, _ in files],
+                           raise_on_missing_files))
         for remote, local in files:
+            remote = remote if isinstance(remote, str) else remote.path
             if remote not in self.files:
                 if raise_on_missing_files:
                     raise EntryNotFoundError(f"1 file(s) not found in bucket '{bucket_id}': {remote}")
@@ -88,6 +98,28 @@ def test_downloads_never_skip_a_missing_file(bucket, tmp_path):
     assert all(call[3] is True for call in bucket.api.calls if call[0] == "download")
     with pytest.raises(ValueError, match="not a store key"):
         bucket.put("../other/x", tmp_path / "a")
+
+
+def test_a_bounded_download_reads_the_listed_size_first(bucket, tmp_path):
+    """With ``max_bytes`` the file's listing (the lookup ``download_bucket_files`` makes itself for a name: no extra
+    request) refuses a larger file before any byte moves; a file within the bound is downloaded as listed."""
+    from deltasync.errors import CorruptObjectError
+
+    bucket.api.files["run-7/steps/000000000001/delta.safetensors"] = b"d" * 5000
+    with pytest.raises(CorruptObjectError, match="5000 bytes, more than the 100 expected") as e:
+        bucket.get_file("steps/000000000001/delta.safetensors", tmp_path / "d", max_bytes=100)
+    assert (e.value.key, e.value.expected, e.value.found) == ("steps/000000000001/delta.safetensors", 100, 5000)
+    assert not (tmp_path / "d").exists()
+    assert [c[0] for c in bucket.api.calls] == ["info"]
+    bucket.api.calls.clear()
+    bucket.get_file("steps/000000000001/delta.safetensors", tmp_path / "d", max_bytes=5000)
+    assert (tmp_path / "d").read_bytes() == b"d" * 5000
+    assert bucket.api.calls == [
+        ("info", "team/runs", ["run-7/steps/000000000001/delta.safetensors"]),
+        ("download", "team/runs", [("listed", "run-7/steps/000000000001/delta.safetensors")], True),
+    ]
+    with pytest.raises(FileNotFoundError):
+        bucket.get_file("missing", tmp_path / "m", max_bytes=10)
 
 
 def test_hf_bucket_urls_get_the_bucket_transport():

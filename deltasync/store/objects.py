@@ -9,6 +9,8 @@ other part.
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from deltasync.store.retries import Retrier
     from deltasync.transports.base import Transport
 
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 
@@ -165,18 +168,46 @@ class StoreObjects:
         return path
 
     def _download(self, rel: str, path: Path, manifest: Manifest, where: str, total: int) -> None:
-        """``rel`` into ``path``, whole or not at all (a failed or interrupted download leaves no half file)."""
+        """``rel`` into ``path``, whole or not at all (a failed or interrupted download leaves no half file).
+
+        Bounded by the manifest's size (``Transport.get_file(max_bytes=total)``): an object a bucket writer swapped
+        for a huge one is refused as soon as the transport sees the excess, having written at most ``total + 1``
+        bytes (docs/SECURITY.md); a ``CorruptObjectError``, which the retry policy does not retry."""
         partial = path.with_name(f"{path.name}.part")
         try:
             with _watching(partial, f"download step {manifest.step}", total, self.download_progress):
-                self._retry.call(f"download {rel}", lambda: self.transport.get_file(rel, partial))
+                self._retry.call(f"download {rel}", lambda: self._get_file(rel, partial, total))
             os.replace(partial, path)
         except FileNotFoundError:
             partial.unlink(missing_ok=True)
             raise self._missing(manifest, where) from None
+        except CorruptObjectError as e:  # the transport's too_large: said again with the stream, step and object
+            partial.unlink(missing_ok=True)
+            found = e.found if isinstance(e.found, int) else total + 1
+            raise CorruptObjectError(
+                f"{where}: {found}{'+' if found == total + 1 else ''} bytes, manifest says {total} (more than it "
+                "says: replaced; refused while downloading)",
+                url=self.url, step=manifest.step, key=rel.rsplit("/", 1)[-1], expected=total, found=found,
+            ) from e
         except BaseException:
             partial.unlink(missing_ok=True)
             raise
+
+    def _get_file(self, rel: str, local: Path, max_bytes: int) -> None:
+        """``transport.get_file`` bounded by ``max_bytes``; a transport whose ``get_file`` predates the bound
+        (``get_file(key, local)``) downloads unbounded, as it did, warned once per class: the size check after
+        still refuses an oversized object, only later."""
+        get_file = self.transport.get_file
+        if _takes_max_bytes(get_file):
+            get_file(rel, local, max_bytes=max_bytes)
+            return
+        kind = type(self.transport)
+        if kind not in _UNBOUNDED_WARNED:
+            _UNBOUNDED_WARNED.add(kind)
+            log.warning("%s: %s.get_file(key, local) takes no max_bytes: its downloads are not bounded by the "
+                        "manifest's size (an oversized object is downloaded whole, then refused); add the keyword "
+                        "(deltasync.transports.Transport.get_file)", self.url, kind.__qualname__)
+        get_file(rel, local)
 
     def read_object(self, manifest: Manifest, *, part: Part | None = None) -> bytes:
         """A step's object (``part`` of a multi-part step) in memory, checked against the manifest's size and
@@ -263,6 +294,19 @@ def _check_digest(digest: str, part: Part, where: str, *, url: str, step: int) -
     if not digests.matches(digest, part.digest):
         raise CorruptObjectError(f"{where}: digest {digest[:23]}… differs from the manifest's {part.digest[:23]}…",
                                  url=url, step=step, key=part.object, expected=part.digest, found=digest)
+
+
+_UNBOUNDED_WARNED: set[type] = set()
+
+
+def _takes_max_bytes(get_file: Callable[..., None]) -> bool:
+    """Whether ``get_file`` (a transport's, maybe replaced on the instance) takes ``max_bytes`` (or ``**kwargs``).
+    One whose signature cannot be read is taken to be current."""
+    try:
+        params = inspect.signature(get_file).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == "max_bytes" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class _watching:

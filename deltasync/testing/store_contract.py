@@ -49,6 +49,7 @@ from deltasync.errors import (
 from deltasync.format import digest as digests
 from deltasync.format.documents import ManifestStats, object_digest_fields
 from deltasync.store import Manifest, Store, step_dir
+from deltasync.store.scratch import OWNER_LOCK
 
 __all__ = ["StoreContract"]
 
@@ -117,6 +118,38 @@ class StoreContract:
         t.delete("three.bin")  # absent: nothing happens
         t.delete_tree("a")
         assert t.list() == [] and not t.exists("a/one.bin")
+
+    def test_downloads_are_bounded(self, url, tmp_path):
+        """``get_file(max_bytes=n)`` refuses an object larger than ``n`` with ``CorruptObjectError`` (the key, ``n``
+        expected, the size or ``n + 1`` found) having written at most ``n + 1`` bytes: a bucket writer who swaps a
+        step's object for a huge one cannot fill a follower's disk (docs/SECURITY.md). Through the store, the
+        download of such a step is refused naming the stream, the step and the object, and leaves no file."""
+        store = self.store(url)
+        t = store.transport
+        data = bytes(range(256)) * 1024  # 256 KiB
+        t.put("big.bin", data)
+        out = tmp_path / "bounded"
+        t.get_file("big.bin", out, max_bytes=len(data))
+        assert out.read_bytes() == data
+        for max_bytes in (0, 1000, len(data) - 1):
+            out.unlink(missing_ok=True)
+            with pytest.raises(CorruptObjectError, match="more than") as refused:
+                t.get_file("big.bin", out, max_bytes=max_bytes)
+            assert (refused.value.key, refused.value.expected) == ("big.bin", max_bytes)
+            assert refused.value.found in (max_bytes + 1, len(data))
+            assert not out.exists() or out.stat().st_size <= max_bytes + 1
+        with pytest.raises(FileNotFoundError):
+            t.get_file("missing.bin", tmp_path / "never", max_bytes=10)
+        m = _manifest(3, data)
+        store.commit(m, data)
+        store.write_bytes(f"{step_dir(3)}/{m.object}", data * 16)  # replaced behind the manifest's back
+        with pytest.raises(CorruptObjectError, match=f"step 3 object {m.object}: .* manifest says {len(data)}") as e:
+            store.fetch_object(m)
+        assert (e.value.url, e.value.step, e.value.key, e.value.expected) == (store.url, 3, m.object, len(data))
+        assert e.value.found in (len(data) + 1, len(data) * 16)
+        if not t.capabilities.local_files:  # downloaded into the cache: nothing of it is left there (but its lock)
+            assert [p.name for p in store.cache_dir.iterdir() if p.name != OWNER_LOCK] == []
+        store.close()
 
     def test_create_only_and_compare_and_swap(self, url):
         t = self.store(url).transport

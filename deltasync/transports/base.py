@@ -25,7 +25,9 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
+
+from deltasync.errors import CorruptObjectError
 
 if TYPE_CHECKING:
     from deltasync.notify import Notifier
@@ -118,11 +120,24 @@ class Transport(ABC):
         data = self.get(key)
         return data, content_version(data)
 
-    def get_file(self, key: str, local: Path) -> None:
+    def get_file(self, key: str, local: Path, *, max_bytes: int | None = None) -> None:
         """Download the object into the local file ``local`` (large anchors: never whole in memory where the
-        backend streams); ``FileNotFoundError`` if it does not exist."""
+        backend streams); ``FileNotFoundError`` if it does not exist.
+
+        ``max_bytes``: the size the caller expects at most (a manifest's ``object_bytes``). A larger object is
+        refused with :func:`too_large`'s ``CorruptObjectError`` as soon as the excess shows (from the size the
+        backend announces, before any byte is read, where it announces one), and at most ``max_bytes + 1``
+        bytes are fetched and written: a bucket writer who swaps in a huge object cannot fill a reader's disk.
+        What was written stays in ``local`` (the caller deletes it). None: no bound.
+
+        Older transports may define ``get_file(key, local)`` without ``max_bytes``: a store still reads from them,
+        unbounded (warned once), and the store contract's ``test_downloads_are_bounded`` fails until they take it.
+        """
+        data = self.get(key, end=None if max_bytes is None else max_bytes + 1)
+        if max_bytes is not None and len(data) > max_bytes:
+            raise too_large(key, max_bytes, len(data))
         with open(local, "wb") as f:
-            f.write(self.get(key))
+            f.write(data)
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` is an object, or a folder holding any object."""
@@ -174,3 +189,32 @@ def copy_to_temporary(source: Data, folder: str, name: str) -> str:
         f.flush()
         os.fsync(f.fileno())
     return tmp
+
+
+def too_large(key: str, max_bytes: int, found: int) -> CorruptObjectError:
+    """The error of a bounded download (``Transport.get_file(max_bytes=...)``) whose object is larger than
+    ``max_bytes``: ``found`` is its size where the backend announced it, else the bytes seen (``max_bytes + 1``:
+    a lower bound). Never retried (not transient: the same object is as large the next time)."""
+    return CorruptObjectError(f"{key}: {found}{'+' if found == max_bytes + 1 else ''} bytes, more than the "
+                              f"{max_bytes} expected: refused while downloading",
+                              key=key, expected=max_bytes, found=found)
+
+
+def copy_bounded(src: BinaryIO, dst: BinaryIO, key: str, *, max_bytes: int | None, size: int | None = None,
+                 chunk_bytes: int = _COPY_CHUNK_BYTES) -> int:
+    """Copy ``src`` to ``dst`` in chunks and return the bytes copied; with ``max_bytes``, refuse (``too_large``) a
+    source larger than that: at once where its ``size`` is known, else after reading ``max_bytes + 1`` bytes (never
+    more: the last chunk read is cut to the bound)."""
+    if max_bytes is not None and size is not None and size > max_bytes:
+        raise too_large(key, max_bytes, size)
+    limit = None if max_bytes is None else max_bytes + 1
+    done = 0
+    while limit is None or done < limit:
+        data = src.read(chunk_bytes if limit is None else min(chunk_bytes, limit - done))
+        if not data:
+            break
+        dst.write(data)
+        done += len(data)
+    if max_bytes is not None and done > max_bytes:
+        raise too_large(key, max_bytes, done)
+    return done

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import fsspec.asyn
+from fsspec.callbacks import Callback
 
 from deltasync.transports.base import (
     Capabilities,
@@ -23,7 +25,16 @@ from deltasync.transports.base import (
     as_buffer,
     check_key,
     content_version,
+    copy_bounded,
+    too_large,
 )
+
+CALLBACK_DOWNLOADS = frozenset({"fsspec.implementations.http.HTTPFileSystem._get_file"})
+"""The downloads (:func:`download_method`) read to call ``callback.set_size`` with the size the server announces
+before reading the body, and ``callback.relative_update`` after each chunk written, and to close their response
+when the callback raises; a bounded download through any other is copied through ``fs.open`` (an override may
+ignore callbacks: sftp, ftp and arrow's do). Not s3fs's: it leaves the response open when ``set_size`` raises, and
+aiohttp keeps such a connection out of its pool for good (s3.py downloads bounded objects itself)."""
 
 
 class FsspecTransport(Transport):
@@ -66,8 +77,22 @@ class FsspecTransport(Transport):
             return self.fs.cat_file(self.path(key))
         return self.fs.cat_file(self.path(key), start=start, end=end)
 
-    def get_file(self, key: str, local: Path) -> None:
-        self.fs.get_file(self.path(key), str(local))
+    def get_file(self, key: str, local: Path, *, max_bytes: int | None = None) -> None:
+        """The object into ``local`` (``Transport.get_file``). A filesystem whose own download is known to report
+        sizes to fsspec's callbacks (HTTP: :data:`CALLBACK_DOWNLOADS`) downloads as it always does, bounded by a
+        callback that refuses the object from the announced size (the response's Content-Length), before any body
+        is read; without one announced, after one chunk past the bound (HTTP: 5 MiB). Any other is copied here
+        through ``fs.open``, which is what fsspec's generic ``get_file`` does (the same requests), bounded exactly
+        (a filesystem that overrides ``get_file`` may have done it in fewer requests)."""
+        path = self.path(key)
+        if max_bytes is None:
+            self.fs.get_file(path, str(local))
+        elif download_method(self.fs) in CALLBACK_DOWNLOADS:
+            self.fs.get_file(path, str(local), callback=_Bound(key, max_bytes))
+        else:
+            with self.fs.open(path, "rb") as src, open(local, "wb") as dst:
+                copy_bounded(src, dst, key, max_bytes=max_bytes, size=getattr(src, "size", None),
+                             chunk_bytes=max(self.fs.blocksize, 1 << 20))
 
     def list(self, prefix: str = "") -> list[Entry]:
         self.fs.invalidate_cache()  # other processes write this location
@@ -102,6 +127,31 @@ class FsspecTransport(Transport):
             self.fs.rm(self.path(prefix.rstrip("/")), recursive=True)
         except FileNotFoundError:
             pass
+
+
+def download_method(fs: fsspec.AbstractFileSystem) -> str:
+    """``module.Class.method`` of the code ``fs.get_file`` runs: the class's ``get_file``, or the ``_get_file``
+    coroutine that fsspec wraps into it for an async filesystem that does not override ``get_file``."""
+    cls = type(fs)
+    method: Any = cls.get_file
+    if method is fsspec.AbstractFileSystem.get_file and isinstance(fs, fsspec.asyn.AsyncFileSystem):
+        method = cls._get_file
+    return f"{method.__module__}.{method.__qualname__}"
+
+
+class _Bound(Callback):
+    """An fsspec callback that refuses a download past ``max_bytes`` (``too_large``): from the size announced
+    (``set_size``), else from the bytes written so far (``relative_update``)."""
+
+    def __init__(self, key: str, max_bytes: int) -> None:
+        super().__init__()
+        self.key, self.max_bytes = key, max_bytes
+
+    def call(self, hook_name: str | None = None, **kwargs: Any) -> None:
+        if self.size is not None and self.size > self.max_bytes:
+            raise too_large(self.key, self.max_bytes, int(self.size))
+        if self.value > self.max_bytes:
+            raise too_large(self.key, self.max_bytes, int(self.value))
 
 
 def listed_mtime(info: dict[str, Any]) -> float | None:

@@ -25,7 +25,7 @@ from huggingface_hub import HfApi
 
 from deltasync.errors import StoreError
 from deltasync.notify import Announcements
-from deltasync.transports.base import Capabilities, Data, check_key, read_data
+from deltasync.transports.base import Capabilities, Data, check_key, read_data, too_large
 from deltasync.transports.fsspec import FsspecTransport
 
 log = logging.getLogger(__name__)
@@ -71,12 +71,23 @@ class HfBucketTransport(FsspecTransport):
         self.api.batch_bucket_files(self.bucket_id, add=[(source, self.bucket_key(key))])
         self.fs.invalidate_cache()  # HfFileSystem caches listings; our own writes must show in our next one
 
-    def get_file(self, key: str, local: Path) -> None:
+    def get_file(self, key: str, local: Path, *, max_bytes: int | None = None) -> None:
+        """The file into ``local``; with ``max_bytes``, its listed size is read first and a larger file refused
+        (``too_large``) before any byte moves. No extra request: ``download_bucket_files`` looks the path up the
+        same way when given a name, and downloads the file it is given (its xet hash, of that size) as it is."""
         from huggingface_hub.errors import EntryNotFoundError
 
+        name = self.bucket_key(key)
         try:
-            self.api.download_bucket_files(self.bucket_id, [(self.bucket_key(key), str(local))],
-                                           raise_on_missing_files=True)
+            if max_bytes is None:
+                self.api.download_bucket_files(self.bucket_id, [(name, str(local))], raise_on_missing_files=True)
+                return
+            found = next((f for f in self.api.get_bucket_paths_info(self.bucket_id, [name]) if f.path == name), None)
+            if found is None:
+                raise FileNotFoundError(self.path(key))
+            if found.size > max_bytes:
+                raise too_large(key, max_bytes, found.size)
+            self.api.download_bucket_files(self.bucket_id, [(found, str(local))], raise_on_missing_files=True)
         except EntryNotFoundError as e:
             raise FileNotFoundError(self.path(key)) from e
 

@@ -25,7 +25,9 @@ from deltasync.transports.base import (
     Transport,
     check_key,
     content_version,
+    copy_bounded,
     copy_to_temporary,
+    too_large,
 )
 
 
@@ -141,9 +143,13 @@ class LocalTransport(Transport):
             # 64 MiB limit) must not allocate the limit
             return f.read(max(0, min(end, os.fstat(f.fileno()).st_size) - start))
 
-    def get_file(self, key: str, local: Path) -> None:
-        with _open_regular(self._path(key)) as src, open(local, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
+    def get_file(self, key: str, local: Path, *, max_bytes: int | None = None) -> None:
+        with _open_regular(self._path(key)) as src:
+            size = os.fstat(src.fileno()).st_size  # the file opened, not its name: a swap cannot slip past
+            if max_bytes is not None and size > max_bytes:
+                raise too_large(key, max_bytes, size)
+            with open(local, "wb") as dst:
+                copy_bounded(src, dst, key, max_bytes=max_bytes, chunk_bytes=1 << 20)  # a file that grows, too
 
     def list(self, prefix: str = "") -> list[Entry]:
         base = self._path(prefix.rstrip("/"))

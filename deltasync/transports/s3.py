@@ -7,13 +7,16 @@ from disk. Needs the ``s3`` extra (s3fs).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import fsspec
 import s3fs  # noqa: F401 - imported here so that a missing package names the extra (deltasync[s3])
 
-from deltasync.transports.base import Capabilities, Data, read_data
+from deltasync.transports.base import Capabilities, Data, read_data, too_large
 from deltasync.transports.fsspec import FsspecTransport
+
+_READ_BYTES = 1 << 16  # what s3fs reads a body by
 
 
 class S3Transport(FsspecTransport):
@@ -60,6 +63,47 @@ class S3Transport(FsspecTransport):
                 raise kind(f"{len(errors)} of {len(batch)} objects under {prefix} not deleted: "
                            f"{first.get('Code')}: {first.get('Message')} ({first.get('Key')})")
         self.fs.invalidate_cache(path)
+
+    def get_file(self, key: str, local: Path, *, max_bytes: int | None = None) -> None:
+        """The object into ``local``; with ``max_bytes``, bounded (``Transport.get_file``): one GetObject, whose
+        Content-Length refuses a larger object before any of its body is read (the response closed at once, its
+        connection not drained), and whose body is read to ``max_bytes + 1`` bytes at most where a server sends
+        none. The requests are s3fs's own: that one GET streamed for an object up to s3fs's block size (50 MiB),
+        ranged parts in parallel after it for a larger one (s3fs's concurrent download, as its ``get_file`` does).
+        Done here rather than through an fsspec callback: s3fs leaves the response open when ``set_size`` raises,
+        and aiohttp then keeps its connection out of the pool for good."""
+        if max_bytes is None:
+            super().get_file(key, local)
+            return
+        bucket, s3_key, _ = self.fs.split_path(self.path(key))
+        block = int(self.fs.default_block_size)
+        in_parts = getattr(self.fs, "_download_file_part_concurrent", None)  # s3fs >= 2025.10
+
+        async def download() -> None:
+            reply = await self._client_call("get_object", Bucket=bucket, Key=s3_key, **self.fs.req_kw)
+            body = reply["Body"]
+            try:
+                size = reply.get("ContentLength")
+                if size is not None and size > max_bytes:
+                    raise too_large(key, max_bytes, int(size))
+                if size is not None and size > block and in_parts is not None and self.fs.max_concurrency > 1:
+                    body.close()
+                    await in_parts(bucket, s3_key, str(local), size, block)
+                    return
+                done = 0
+                with open(local, "wb") as f:  # noqa: ASYNC230 - s3fs writes its downloads on its loop too
+                    while done <= max_bytes:
+                        data = await body.read(min(_READ_BYTES, max_bytes + 1 - done))
+                        if not data:
+                            break
+                        f.write(data)
+                        done += len(data)
+                if done > max_bytes:
+                    raise too_large(key, max_bytes, done)
+            finally:
+                body.close()  # after the whole body: nothing to do; before: the connection is closed, not drained
+
+        self._sync(download)
 
     def get_versioned(self, key: str) -> tuple[bytes, str]:
         bucket, s3_key, _ = self.fs.split_path(self.path(key))

@@ -226,3 +226,59 @@ def test_writes_whose_reply_was_lost_are_not_conflicts(s3_server):  # noqa: F811
     assert states_equal(target.state_dict(), _state(4))
     follower.close()
     assert StreamReader(url, storage_options=opts).steps() == [0, 1, 2, 3, 4]
+
+
+def test_an_object_swapped_for_a_huge_one_is_refused_from_its_content_length(s3_server, tmp_path,  # noqa: F811
+                                                                            monkeypatch):
+    """docs/SECURITY.md's bucket writer replaces step 1's object by one 8 MiB larger than its manifest says: the
+    follower's one GET is refused from the response's Content-Length before a byte of its body is written (no
+    partial file at all), and not retried; the CorruptObjectError names the stream, the step, the object and both
+    sizes; nothing is left in the cache, and the next good anchor (step 3) applies bit-exactly. Twelve refusals in a
+    row (more than the client's pool of ten connections) leave downloads working: each refused response is closed."""
+    import os
+    from pathlib import Path
+
+    import deltasync.follow.reader
+    from deltasync.store.scratch import OWNER_LOCK
+    from tests.integration.counting_proxy import counting_proxy
+
+    monkeypatch.setattr(deltasync.follow.reader, "MEMORY_OBJECT_BYTES", 0)  # every object through the download
+    written: list[int] = []  # what each partial download held when it was deleted
+    unlink = Path.unlink
+
+    def observed(self: Path, missing_ok: bool = False) -> None:
+        if self.name.endswith(".part") and self.exists():
+            written.append(self.stat().st_size)
+        unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", observed)
+    url, opts = s3_server.new_url(), s3_server.storage_options
+    with DeltaPublisher(url, _state(0), anchor_every=3, on_backlog="block", storage_options=opts) as pub:
+        for s in range(5):
+            pub.source = _state(s)
+            pub.publish(s)
+    store = Store(url, storage_options=opts)
+    m = store.manifest(1)
+    size = m.objects[0].object_bytes
+    store.write_bytes(f"{step_dir(1)}/{m.object}", os.urandom(size + (8 << 20)))
+    cache = tmp_path / "cache"
+    target = StateDictTarget()
+    with counting_proxy(opts["client_kwargs"]["endpoint_url"]) as proxy:
+        through = {**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint_url": proxy.url}}
+        with StreamReader(url, storage_options=through, cache_dir=cache) as reader:
+            follower = Follower(reader, target)
+            follower.sync(0)
+            proxy.take()
+            with pytest.raises(CorruptObjectError, match=rf"step 1 object {m.object}: {size + (8 << 20)} bytes, "
+                                                         rf"manifest says {size} \(more than it says") as e:
+                follower.sync(2)
+            assert (e.value.url, e.value.step, e.value.key, e.value.expected, e.value.found) == (
+                reader.store.url, 1, m.object, size, size + (8 << 20))
+            assert [r.method for r in proxy.take() if r.path.endswith(m.object)] == ["GET"]
+            assert written == [] and [p.name for p in cache.iterdir() if p.name != OWNER_LOCK] == []
+            for _ in range(12):
+                with pytest.raises(CorruptObjectError, match="more than it says"):
+                    reader.store.fetch_object(m)
+            assert follower.sync() == [3, 4]
+            assert states_equal(target.state_dict(), _state(4))
+    assert written == []
