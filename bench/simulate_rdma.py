@@ -97,7 +97,7 @@ class Topology:
     per_read_us: float = 20.0  # cost of one prepared multi-descriptor READ (post + completion)
     fixed_ms: float = 2.0  # announce + acknowledgements per step
     max_part: int = 1 << 26  # a trainer GPU serves tensors in parts of at most this many elements
-    consumer_gbps: float = 0.0  # the consumer's per-byte work (e.g. SHA-256) rate; 0: not modelled
+    consumer_gbps: float = 0.0  # the consumer's per-byte work (e.g. the object digest) rate; 0: not modelled
     consumer_overlap: bool = False  # that work runs while the bytes land (pieced READs): max, not sum
 
 

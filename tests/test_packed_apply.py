@@ -16,7 +16,7 @@ from deltasync.errors import FormatError, TensorMismatchError
 from deltasync.format import _kernels
 from deltasync.format._bits import np_bits
 from deltasync.format.checksum import MASK64, tensor_checksum
-from deltasync.format.codecs import DecodeScratch, decode_packed
+from deltasync.format.codecs import DecodeScratch, decode_change, decode_packed
 from deltasync.format.documents import TensorHeader
 from deltasync.format.objects import StepObject
 from deltasync.publish.steps import snapshot_headers, write_step
@@ -242,6 +242,33 @@ def test_truncated_frames_and_odd_bytes_are_refused(scratch):
     raw = header("bf16", numel, positions.size, zstd_=False)
     with pytest.raises(FormatError, match="odd number"):
         decode_packed("t", raw, positions=shuffle(entries) + b"\0", values=shuffle(xor), where="t")
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda f: f + b"garbage", r"values: 7 bytes follow the zstd frame \(it ends at byte \d+ of \d+\), expected none"),
+    (lambda f: f + f, r"values: \d+ bytes follow the zstd frame"),  # a second, valid frame is refused too
+    (lambda f: f[:-2], r"values: the zstd frame is cut short"),  # in its checksum: the stream reader took it
+])
+def test_every_decode_path_refuses_a_frame_that_does_not_end_the_blob(damage, match):
+    """The fresh-buffer decode, the scratch decode (replicas, replay) and decode_change read one blob alike: a
+    zstd blob is exactly one frame (docs/FORMAT.md section 3), so bytes after it or a frame cut short are one
+    FormatError naming the tensor, whichever path reads it."""
+    numel, positions, xor, entries = _bad("none")
+    h = header("bf16", numel, positions.size)
+    pos = zstd(shuffle(entries))
+    frame = zstandard.ZstdCompressor(level=1, write_checksum=True, write_content_size=True).compress(shuffle(xor))
+    assert decode_packed("t", h, positions=pos, values=frame, where="t").changed == positions.size  # undamaged
+    bad = damage(frame)
+    messages = []
+    for scratch in (None, DecodeScratch()):
+        with pytest.raises(FormatError, match=match) as e:
+            decode_packed("t", h, positions=pos, values=bad, where="step 3 tensor 't'", scratch=scratch)
+        messages.append(str(e.value))
+    with pytest.raises(FormatError, match=match) as e:
+        decode_change(numel=numel, width=2, changed=positions.size, positions_chain=list(h.positions or ()),
+                      values_chain=list(h.values or ()), positions=pos, values=bad, where="step 3 tensor 't'")
+    messages.append(str(e.value))
+    assert len(set(messages)) == 1 and messages[0].startswith("step 3 tensor 't' values: ")
 
 
 def test_a_tensor_of_another_size_is_refused_untouched():

@@ -3,6 +3,7 @@ the transport."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import uuid
@@ -16,7 +17,8 @@ import torch
 import deltasync.follow.reader
 from deltasync import DeltaPublisher, StreamReader
 from deltasync.errors import CorruptObjectError
-from deltasync.store import Store, step_dir
+from deltasync.history import CatchupOptions, write_catchups
+from deltasync.store import MANIFEST, Store, catchup_dir, step_dir
 from deltasync.store.node_cache import NodeCache
 from deltasync.store.objects import PROGRESS_AFTER_BYTES
 from deltasync.store.scratch import OWNER_LOCK
@@ -171,3 +173,44 @@ def test_a_transport_without_max_bytes_is_still_read_and_warned_once(caplog):
     assert OldSignature.calls >= 3
     warned = [r for r in caplog.records if "takes no max_bytes" in r.getMessage()]
     assert len(warned) == 1 and "OldSignature.get_file(key, local)" in warned[0].getMessage()
+
+
+def test_a_catchup_object_named_as_its_steps_own_is_cached_apart(monkeypatch):
+    """A catch-up to step B (folder catchup/<B>/<A>/, docs/FORMAT.md section 5g) whose object has the same file
+    name as B's own: one reader holds both at once in one download cache, each file holding its own stored bytes,
+    and both ways to B land on the state fed at B."""
+    monkeypatch.setattr(deltasync.follow.reader, "MEMORY_OBJECT_BYTES", 0)  # deltas through the cache too
+    url = f"memory://catchup-cache-{uuid.uuid4().hex}"
+    truth = publish(url, steps=5)
+    report = write_catchups(url, options=CatchupOptions(distances=(2,), consumers=False))
+    base, step, _ = next(w for w in report.written if w[0] == 0)  # from 0 to 2: step 2's own object is a delta
+    store = Store(url)
+    own = store.manifest(step)
+    folder = catchup_dir(step, base)
+    doc = json.loads(store.read_bytes(f"{folder}/{MANIFEST}"))
+    blob = store.read_bytes(f"{folder}/{doc['object']}")
+    store.write_bytes(f"{folder}/{own.object}", blob)  # the catch-up's object renamed to B's own object's name
+    store.delete(f"{folder}/{doc['object']}")
+    doc["object"] = own.object
+    store.write_bytes(f"{folder}/{MANIFEST}", json.dumps(doc).encode())
+    store.close()
+    fs = fsspec.filesystem("memory")
+    stored = fs.cat(f"{url.removeprefix('memory://')}/{step_dir(step)}/{own.object}")
+    assert stored != blob
+    try:
+        with StreamReader(url) as reader:
+            assert reader.catchup(step, base).object == own.object
+            mine, catchup = reader.open(step), reader.open(step, base=base)  # both held in the cache at once
+            files = [p.read_bytes() for p in reader.store.cache_dir.iterdir() if not p.name.startswith(".")]
+            assert sorted(files) == sorted([stored, blob])
+            assert (mine.header.base_step, catchup.header.base_step) == (step - 1, base)
+            mine.close()
+            catchup.close()
+            way = reader.replica(base)
+            assert reader.catch_up(way, step) == [step]  # through the catch-up
+            assert states_equal(way.state_dict(), truth[step])
+            own_way = reader.replica(step - 1)
+            assert reader.catch_up(own_way, step) == [step]  # through B's own object (no catch-up spans one step)
+            assert states_equal(own_way.state_dict(), truth[step])
+    finally:
+        fs.rm(url.removeprefix("memory://"), recursive=True)

@@ -234,6 +234,15 @@ def _unpack(data: Buffer, chain: list[str], *, where: str, exact: int | None = N
         if declared > limit or (exact is not None and declared not in (-1, exact)):
             raise FormatError(f"{where}: zstd frame claims {declared} bytes, expected "
                               f"{'' if exact is not None else 'at most '}{bound if exact is not None else limit}")
+        # checked here, for both paths below: decompress ignores bytes after the frame, the stream reader reads
+        # on into them and takes a frame whose checksum is cut short
+        end = _frame_end(data)
+        if end is not None and end < len(data):
+            raise FormatError(f"{where}: {len(data) - end} bytes follow the zstd frame (it ends at byte {end} of "
+                              f"{len(data)}), expected none")
+        if end is not None and end > len(data):
+            raise FormatError(f"{where}: the zstd frame is cut short: its blocks need at least {end} bytes, found "
+                              f"{len(data)}")
         if declared >= 0 and into is not None:
             return _decompress_into(data, into[:declared], where)
         if declared >= 0:
@@ -260,8 +269,30 @@ def _decompress_into(data: Buffer, out: np.ndarray, where: str) -> np.ndarray:
             got += n
         extra = reader.read(1) if got == out.size else b""
     if got != out.size or extra:
-        raise FormatError(f"{where}: {'more than' if extra else got} bytes after zstd, expected {out.size}")
+        raise FormatError(f"{where}: {f'more than {out.size}' if extra else got} bytes after zstd, expected {out.size}")
     return out
+
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _frame_end(data: Buffer) -> int | None:
+    """Where the zstd frame at the start of ``data`` ends (RFC 8878 section 3.1.1: its header, blocks to the one
+    marked last, the optional 4-byte checksum), past ``len(data)`` when its blocks run off the end, or None when
+    it is no zstd frame (the decompressor then says what is wrong). Neither python-zstandard's ``decompress``
+    (which ignores what follows unless told, and then says so in words only) nor its stream reader (which reads
+    on into a next frame, and takes a frame cut short in its checksum) says where a frame ends; this walks only
+    block headers, one per 128 KiB of output."""
+    view = memoryview(data).cast("B")
+    if view[:4] != _ZSTD_MAGIC:
+        return None
+    pos = zstandard.frame_header_size(data)
+    while pos + 3 <= len(view):
+        block = int.from_bytes(view[pos:pos + 3], "little")
+        pos += 3 + (1 if (block >> 1) & 3 == 1 else block >> 3)  # an RLE block stores its one byte
+        if block & 1:
+            return pos + 4 * zstandard.get_frame_parameters(data).has_checksum
+    return pos + 3
 
 
 class DecodeScratch:

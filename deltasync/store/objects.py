@@ -125,7 +125,14 @@ class StoreObjects:
             self.object_cache.release(self._cache_name(manifest, part_of(manifest, part)))
 
     def _cache_name(self, manifest: Manifest, part: Part) -> str:
-        return f"{manifest.step:012d}-{plain_name(part.object, where=f'{self.url} step {manifest.step}')}"
+        """The download cache's file name, one per stored key: ``<B>-<name>`` for step B's own objects (as
+        before, so a kept ``cache_dir`` stays valid), ``catchup+<B>+<A>+<name>`` for a catch-up's (its folder,
+        ``+`` for ``/``; no object name holds ``+``). A name from the step alone let a catch-up to step B and B's
+        own object of the same name share one entry, each refusing the other's bytes."""
+        name = plain_name(part.object, where=f"{self.url} step {manifest.step}")
+        if manifest.folder is None:
+            return f"{manifest.step:012d}-{name}"
+        return f"{manifest.folder.replace('/', '+')}+{name}"
 
     def _object_key(self, manifest: Manifest, part: Part) -> str:
         """The key of a step's object; its name comes from a store, so it must be a plain file name."""
