@@ -16,7 +16,10 @@ much less):
   replay-folder   replay_to_folder: the same, written as a checkpoint folder (what `deltasync replay` does);
   plain-load      safetensors.load_file of the full checkpoint, copied into memory, unverified (reference);
   replica         StreamReader.state_dict: the follower's path (Replica, delta by delta), once;
-  breakdown       the replay's stages on one thread, each timed in thread CPU time (best of 3 passes):
+  breakdown       the replay's stages on one thread, each timed in process CPU time (best of 3 passes; the
+                  digest's own threads count: BLAKE3 hashes on a pool of its own, invisible to thread CPU time;
+                  nothing else runs meanwhile; the anchor lands in memory freed by the pass before, so the
+                  page faults of fresh memory, which a fresh process's full load and replay both pay, are not in it):
                   reading the anchor's tensors and hashing the same bytes (the manifest's digest: BLAKE3, or
                   SHA-256 in older streams; read once), fetch + digest of the deltas, reading and decoding the
                   deltas, applying them, the final checksum;
@@ -110,9 +113,11 @@ def measure(case: str, url: str, step: int, work: Path) -> dict:
 
 
 def breakdown(url: str, step: int, work: Path, passes: int = 3) -> dict:
-    """The replay's stages on one thread, in thread CPU time (the least of ``passes``), and a profile.
+    """The replay's stages on one thread, in process CPU time (the least of ``passes``), and a profile.
 
-    The stages are those of ``Chain.rebuild``, called one by one: what each costs, whatever the load."""
+    The stages are those of ``Chain.rebuild``, called one by one: what each costs, whatever the load. Process
+    time, not thread time: the digest (``blake3`` with ``max_threads=AUTO``) runs on threads of its own, and
+    thread time counted only the reading of the anchor and of the deltas, not their hashing."""
     import cProfile
     import io
     import pstats
@@ -137,9 +142,9 @@ def breakdown(url: str, step: int, work: Path, passes: int = 3) -> dict:
         profile = cProfile.Profile() if k == passes else None
 
         def timed(stage: str, fn, *a, spent=spent, **kw):
-            t0 = time.thread_time()
+            t0 = time.process_time()
             out = fn(*a, **kw)
-            spent[stage] += time.thread_time() - t0
+            spent[stage] += time.process_time() - t0
             return out
 
         if profile:
@@ -306,7 +311,7 @@ def report(args, info: dict, rows: dict[str, list[dict]], stream: str, full: str
                       f"{mem / 1e6:.0f} MB", f"{mem / full_mem:.2f}", f"{read / 1e6:.0f} MB")
     Console(width=160).print(table)
     stages = Table(title=f"replay breakdown, one thread: {parts['deltas']} deltas, {parts['patches']} patches, "
-                   f"{parts['changed_elements'] / 1e6:.1f}M changed elements (thread CPU time, best of 3)")
+                   f"{parts['changed_elements'] / 1e6:.1f}M changed elements (process CPU time, best of 3)")
     for col in ("stage", "CPU ms", "share", "ns per changed element"):
         stages.add_column(col, justify="right")
     total = sum(parts["stages_cpu_seconds"].values())
