@@ -76,10 +76,14 @@ def write_algorithm() -> Algorithm:
     return cast(Algorithm, name)
 
 
-def hasher(algorithm: Algorithm) -> Hasher:
-    """An incremental hasher; BLAKE3 hashes each large ``update`` on every core."""
+def hasher(algorithm: Algorithm, *, parallel: bool = True) -> Hasher:
+    """An incremental hasher; BLAKE3 hashes each large ``update`` on every core unless ``parallel`` is False.
+
+    ``parallel=False`` is for a caller that hashes while other threads move bytes (the RDMA inbox hashes one
+    piece while the next lands): there BLAKE3's worker threads only take cores from that transfer, and their
+    wake-ups and spinning after each small ``update`` cost more than they save (measured: bench/README.md)."""
     if algorithm == "blake3":
-        return cast(Hasher, blake3.blake3(max_threads=blake3.blake3.AUTO))
+        return cast(Hasher, blake3.blake3(max_threads=blake3.blake3.AUTO if parallel else 1))
     if algorithm == "sha256":
         return hashlib.sha256()
     raise FormatError(f"digest {algorithm!r} is not one this reader knows (expected one of {', '.join(ALGORITHMS)})")

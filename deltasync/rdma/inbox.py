@@ -7,9 +7,11 @@ object's digest equals the expected one (the manifest's, when the caller has it,
 anything else raises a :class:`~deltasync.rdma.agent.RdmaError` subclass and the caller reads the step from
 the object store instead. Nothing is applied from an unchecked read.
 
-**Hashed once, while it lands.** A read larger than ``piece_bytes`` is posted as several READs at once; each
-piece is hashed as soon as it landed while the next ones are still moving, so the digest (the one check:
-the reader does not hash again, see ``RingReader.held``) overlaps the transfer.
+**Hashed once, while it lands.** A read larger than ``piece_bytes`` is cut into several READs, posted and waited
+for in order by one landing thread (UCX over shared memory copies inside the post call); the calling thread
+hashes each piece (single-threaded BLAKE3: its worker threads would only take the transfer's cores) as soon as it
+landed while the next one moves, so the digest (the one check: the reader does not hash again, see
+``RingReader.held``) overlaps the transfer. No bytes are handed out before the whole digest matched.
 
 **Zero copy.** ``lease`` returns a :class:`SlotLease`: the checked bytes stay where they landed, and no later read
 lands on them until the lease is released; a step object opens straight on ``SlotLease.view()``. Each view (and
@@ -29,6 +31,7 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +103,7 @@ class Inbox:
         self._rings: dict[str, _Ring] = {}
         self._leases: dict[int, SlotLease] = {}
         self._lock = threading.Lock()  # leases are released from any thread (a finalizer)
+        self._landing: ThreadPoolExecutor | None = None
 
     def connect(self, layout: RingLayout, metadata: bytes) -> None:
         """Load a trainer's metadata and prepare reads of its ring (again, if that agent restarted)."""
@@ -167,6 +171,9 @@ class Inbox:
     def close(self) -> None:
         for name in list(self._rings):
             self.disconnect(name)
+        if self._landing is not None:
+            self._landing.shutdown(wait=True)
+            self._landing = None
 
     # --- where a read lands, and what holds it ---
 
@@ -217,19 +224,38 @@ class Inbox:
         per = max(1, self.piece_bytes // chunk)
         pieces = [(a, min(a + per, count)) for a in range(0, count, per)]
         one = len(pieces) == 1
-        handles: list[Any] = []
-        done = 0
-        digest = digests.hasher(digests.algorithm_of(info.digest))
-        try:
-            for a, b in pieces:
-                local, remote = self._indices(ring, lease, a, b)
-                handles.append(self.agent.post_read(ring.local, local, ring.remote, remote,
-                                                    notif=info.ack() if one else b"", where=where))
-            for (a, b), handle in zip(pieces, handles, strict=True):
-                t0 = time.perf_counter()
+
+        def land(a: int, b: int) -> tuple[Any, RdmaError | None]:
+            """Post one piece's READ and wait for it: the request, and why it failed (it must still be dropped)."""
+            local, remote = self._indices(ring, lease, a, b)
+            handle = self.agent.post_read(ring.local, local, ring.remote, remote,
+                                          notif=info.ack() if one else b"", where=where)
+            try:
                 self.agent.wait(handle, deadline=deadline, where=where)
+            except RdmaError as e:
+                return handle, e
+            return handle, None
+
+        # A post may do the copy itself (UCX over shared memory copies inside the call, the GIL released), so the
+        # pieces are landed by one thread, in order, while this one hashes those already landed. That thread makes
+        # every NIXL call of the read until the last piece landed (the agent is not thread-safe: NIXL's default
+        # sync mode), this one none until then.
+        landing: list[Future[tuple[Any, RdmaError | None]]] = []
+        if one:
+            landing.append(Future())
+            landing[0].set_result(land(*pieces[0]))
+        else:
+            lander = self._lander()
+            landing = [lander.submit(land, a, b) for a, b in pieces]
+        digest = digests.hasher(digests.algorithm_of(info.digest), parallel=False)
+        ok = False
+        try:
+            for (a, b), landed in zip(pieces, landing, strict=True):
+                t0 = time.perf_counter()
+                _, failed = landed.result()
+                if failed is not None:
+                    raise failed
                 t1 = time.perf_counter()
-                done += 1
                 lo = lease.offset + a * chunk
                 if a == 0:
                     self._check_header(info, lease.offset, where)
@@ -237,14 +263,16 @@ class Inbox:
                 digest.update(self._host(lo, lease.offset + min(b * chunk, lease.total)))
                 lease.wait_s += t1 - t0
                 lease.hash_s += time.perf_counter() - t1
+            ok = True
         finally:
-            if done < len(handles):  # failed early: let the rest land (not into memory a later read gets)
-                for handle in handles[done:]:
-                    try:
-                        self.agent.wait(handle, deadline=deadline, where=where)
-                    except RdmaError:
-                        pass
-            for handle in handles:
+            if not ok:  # failed early: pieces not posted yet never are; the ones posted land (waited for)
+                for landed in landing:
+                    landed.cancel()
+            for landed in landing:  # once all are done the landing thread is idle: these calls are this thread's
+                try:
+                    handle, _ = landed.result()
+                except (RdmaError, CancelledError):
+                    continue
                 self.agent.drop(handle, where)
         if not one:  # every piece landed: the slot is read
             self.agent.notify(info.agent, info.ack())
@@ -252,6 +280,13 @@ class Inbox:
         if not digests.matches(lease.digest, info.digest):
             raise StaleSlotError(f"{where}: {lease.digest[:23]}… differs from the announced "
                                  f"{info.digest[:23]}… (overwritten while read)")
+
+    def _lander(self) -> ThreadPoolExecutor:
+        """The one thread that lands a read's pieces, in order (made at the first read of several pieces)."""
+        with self._lock:
+            if self._landing is None:
+                self._landing = ThreadPoolExecutor(1, thread_name_prefix=f"inbox-{self.agent.name}")
+            return self._landing
 
     def _check_header(self, info: SlotInfo, offset: int, where: str) -> None:
         generation, step, length, _ = HEADER.unpack(self._host(offset, offset + HEADER.size))
