@@ -22,6 +22,7 @@ import argparse
 import json
 import multiprocessing as mp
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -230,6 +231,7 @@ def main() -> None:
 
     from tests.integration.seaweedfs import SeaweedFS
 
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`, `timeout`: clean up below, as on Ctrl-C
     work = Path(tempfile.mkdtemp(prefix="deltasync-bench-fleet-"))
     server = None
     rows = []
