@@ -54,6 +54,7 @@ def _followers(url: str, options: dict, n: int, run_s: float, legacy: bool, out:
     import torch
 
     faulthandler.enable()  # a process that dies of a signal says where (seen: SIGSEGV in 2 of 3 runs at 8 threads)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # the parent's terminate(): close the followers below
     torch.set_num_threads(1)
     try:
         _run_followers(url, options, n, run_s, legacy, out, notify, node_cache)
@@ -95,18 +96,22 @@ def _run_followers(url: str, options: dict, n: int, run_s: float, legacy: bool, 
         return
     feeds = [EventFeed(notify) for _ in range(n)] if notify else [None] * n
     node = NodeCache(node_cache) if node_cache else None
-    for i in range(n):
-        reader = StreamReader(url, storage_options=options, node_cache=node)
-        f = Follower(reader, StateDictTarget(), on_step=lambda s, i=i: applied[i].append((s, time.time())),
-                     notifier=feeds[i])
-        followers.append(f.start())
-    time.sleep(run_s)
+    try:
+        for i in range(n):
+            reader = StreamReader(url, storage_options=options, node_cache=node)
+            f = Follower(reader, StateDictTarget(), on_step=lambda s, i=i: applied[i].append((s, time.time())),
+                         notifier=feeds[i])
+            followers.append(f.start())
+        time.sleep(run_s)
+    finally:  # however the run ends (an interrupt too): no follower left running, no download cache left behind
+        for f in followers:
+            f.close()
+            f.reader.close()
+        for feed in feeds:
+            if feed is not None:
+                feed.close()
     exact = []
-    for f, feed in zip(followers, feeds, strict=True):
-        f.close()
-        f.reader.close()
-        if feed is not None:
-            feed.close()
+    for f in followers:
         held = f.target.state_dict() if f.target.step is not None else None
         want = _state(f.target.step) if f.target.step is not None else None
         exact.append(held is not None and all(torch.equal(held[k].view(torch.int16), want[k].view(torch.int16))
@@ -153,8 +158,9 @@ def run(server, n: int, mode: str, args: argparse.Namespace, work: Path) -> dict
         ctx = mp.get_context("spawn")
         for i, k in enumerate(per):
             outs.append(str(work / f"{mode}-{n}-{i}.json"))
+            # daemonic: a parent stopped early terminates them at its exit (they close their followers on SIGTERM)
             procs.append(ctx.Process(target=_followers, args=(follow_url, follow_opts, k, run_s, mode == "baseline",
-                                                              outs[-1], notify, node_cache)))
+                                                              outs[-1], notify, node_cache), daemon=True))
         for p in procs:
             p.start()
         time.sleep(args.warmup_s)  # started, caught up on step 0
@@ -168,7 +174,8 @@ def run(server, n: int, mode: str, args: argparse.Namespace, work: Path) -> dict
                     pub.source = _state(s)
                     pub.publish(s)
                     pub.flush()
-                    committed[s] = Store(src, storage_options=opts).latest_hint().committed_unix_s
+                    with Store(src, storage_options=opts) as store:
+                        committed[s] = store.latest_hint().committed_unix_s
             time.sleep(args.settle_s)  # the last step reaches everyone
             step_requests = proxy.take()
         t_idle = time.monotonic()
