@@ -263,7 +263,7 @@ def test_a_catchup_that_lies_is_caught_by_the_checksums(stream):
         for s in chain:
             objects.append(w.reader.open(s, base=held))
             held = s
-        data, _ = w._merged(16, 32, objects)
+        data, _, _ = w._merged(16, 32, objects)
         for o in objects:
             o.close()
     store.delete_catchup(32, 16)

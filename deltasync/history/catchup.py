@@ -274,17 +274,17 @@ class CatchupWriter:
                 return None
             for o in objects[1:]:
                 check_layout(objects[0], o)
-            data, header = self._merged(base, step, objects)
+            data, digest, header = self._merged(base, step, objects)
             source_bytes = sum(o.nbytes for o in objects)
         finally:
             for o in objects:
                 o.close()
-        self._commit(base, step, data, header)
+        self._commit(base, step, data, digest, header)
         return data.nbytes, source_bytes
 
-    def _merged(self, base: int, step: int, objects: list[StepObject]) -> tuple[memoryview, StepHeader]:
-        """The catch-up object's bytes and header: each tensor's patches merged and encoded, step ``step``'s
-        checksums."""
+    def _merged(self, base: int, step: int, objects: list[StepObject]) -> tuple[memoryview, str, StepHeader]:
+        """The catch-up object's bytes, their digest (taken as they were written) and header: each tensor's
+        patches merged and encoded, step ``step``'s checksums."""
         last = objects[-1].header
         tensors: dict[str, TensorHeader] = {}
         encoded = {}
@@ -301,11 +301,10 @@ class CatchupWriter:
         header = StepHeader(kind="delta", step=step, base_step=base, state_checksum=last.state_checksum,
                             tensors=tensors, aliases=dict(last.aliases))
         buf = io.BytesIO()
-        write_delta(buf, header, encoded)
-        return buf.getbuffer(), header  # no second copy of the object
+        written = write_delta(buf, header, encoded)
+        return buf.getbuffer(), written.digest, header  # no second copy of the object, no second pass to hash it
 
-    def _commit(self, base: int, step: int, data: memoryview, header: StepHeader) -> None:
-        digest = digests.compute(data, digests.write_algorithm())
+    def _commit(self, base: int, step: int, data: memoryview, digest: str, header: StepHeader) -> None:
         numel, changed = header.numel, header.changed
         m = CatchupManifest.of(kind="catchup", step=step, base_step=base, digest=digest,
                                object=f"catchup-{digests.hex_of(digest)[:16]}.safetensors", object_bytes=data.nbytes,
