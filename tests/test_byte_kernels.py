@@ -55,8 +55,14 @@ def test_gap16_encode_matches_a_reference_and_round_trips():
     """Each position's gap from the previous one (the first from -1); a gap over 65535 first spends zero
     entries of 65535 each; entries shuffled (low bytes, then high bytes)."""
     rng = np.random.default_rng(7)
-    for n, spread in ((0, 10), (1, 10), (50, 10), (50, 200_000), (3000, 1 << 20)):
-        positions = np.unique(rng.integers(0, spread, n, dtype=np.int64))
+    cases = [np.unique(rng.integers(0, spread, n, dtype=np.int64))
+             for n, spread in ((0, 10), (1, 10), (50, 10), (50, 200_000), (3000, 1 << 20))]
+    # gaps at the escape's edges, and as many escapes as the last position allows (the encoder sizes its output
+    # for that many)
+    cases += [np.array(p, np.int64) for p in ([65534], [65535], [65536], [0, 65535], [0, 65536], [65535 * 3 - 1],
+                                              [65535 * 7], [5, 65535 * 7 + 5, 65535 * 9 + 4])]
+    for positions in cases:
+        n, spread = positions.size, positions.tolist()
         entries, prev = [], -1
         for p in positions.tolist():
             gap = p - prev
