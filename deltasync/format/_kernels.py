@@ -46,6 +46,7 @@ _shield_llvmlite()
 
 _BLOCK = 1 << 15  # elements (or words) per parallel work item
 _RUN = 1 << 12  # positions scattered before they are hashed (their old bits stay in L1)
+_DIFF_RUN = 1 << 10  # words the diff compares, marks and lists at once (both runs' 16 KiB stay in L1)
 _UNTIL_RUN = 1 << 9  # entries decoded at once by ``_gap16_xor_until`` (one run is decoded twice per call)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -162,7 +163,7 @@ def _diff_scan(
     (hashed with the global indices, as the format defines) to ``sums``; it also sets ``bw = aw`` where they
     differ. Returns the changed elements' count and the checksum change, summed over the blocks.
 
-    Per run of ``_RUN`` words: a pure compare (an OR of XORs, no writes) skips an unchanged run at the cost of
+    Per run of ``_DIFF_RUN`` words: a pure compare (an OR of XORs, no writes) skips an unchanged run at the cost of
     reading it; in a changed run a second pass, over words now in cache, marks the changed words; a sparse run
     (under 1 word in 32)
     visits the marks 8 at a time and only the set ones; a denser run first lists its changed words without
@@ -173,15 +174,15 @@ def _diff_scan(
     """
     stride = block_words * group
     for kk in numba.prange(nblocks):
-        marks = np.zeros(_RUN, np.uint8)
+        marks = np.zeros(_DIFF_RUN, np.uint8)
         marks8 = marks.view(np.uint64)
-        changed = np.empty(_RUN, np.int64)
+        changed = np.empty(_DIFF_RUN, np.int64)
         s = (first_block + kk) * block_words
         e = min(s + block_words, aw.size)
         out = kk * stride
         c = 0
-        for r in range(s, e, _RUN):
-            n = min(r + _RUN, e) - r
+        for r in range(s, e, _DIFF_RUN):
+            n = min(r + _DIFF_RUN, e) - r
             ra = aw[r : r + n]  # indexed from 0: vectorised (an index ``r + k`` might wrap, and that check stops it)
             rb = bw[r : r + n]
             d = np.uint64(0)
