@@ -23,7 +23,7 @@ from deltasync.store import Store
 from deltasync.trust import TrustedKeys
 
 # one rank of a sharded (FSDP2) trainer publishing every step, run under torchrun (gloo, CPU)
-WORKER = r"""import json, os, signal, sys
+WORKER = r"""import json, os, signal, sys, threading
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -119,6 +119,16 @@ if pub is not None:
 with open(os.path.join(out, f"events-{rank}.json"), "w") as f:
     json.dump(events, f)
 dist.destroy_process_group()
+# every Python thread the publisher started is gone (a hang here would be ours; the process's shared codec pool,
+# deltasync-work_*, idles until exit by design) ...
+left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()
+        and not t.name.startswith("deltasync-work")]
+assert not left, left
+# ... then leave without C++ static destructors: about 1 run in 10, one of torch's native threads (gloo or OpenMP)
+# was still joinable at interpreter exit and the rank died with "terminate called without an active exception"
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
