@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -179,7 +180,7 @@ class Route:
             lo, hi = hf_run, hf_run + self.numel
             shift = p_run - lo
             if lo == 0 and hi == self.hf_numel:
-                return None, pos + shift if shift else pos
+                return None, _shifted(pos, shift)
             keep = (pos >= lo) & (pos < hi)
             return keep, pos[keep] + shift
         pstr = _strides(self.pgrid)
@@ -893,6 +894,16 @@ def _intersection(a: Box, b: Box) -> int:
     for s1, e1, s2, e2 in zip(a[0], a[1], b[0], b[1], strict=True):
         n *= max(0, min(s1 + e1, s2 + e2) - max(s1, s2))
     return n
+
+
+def _shifted(pos: torch.Tensor, shift: int) -> torch.Tensor:
+    """``pos + shift`` (``pos`` itself for no shift). On CPU with NumPy on the calling thread: torch's add splits
+    across its OpenMP threads, which the engine's staging pool threads (one per core) then contend for."""
+    if not shift:
+        return pos
+    if pos.device.type != "cpu":
+        return pos + shift
+    return torch.from_numpy(np.add(pos.numpy(), shift))
 
 
 def _run(shape: Sequence[int], start: Sequence[int], extent: Sequence[int]) -> int | None:

@@ -1,3 +1,4 @@
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -93,6 +94,8 @@ def test_a_change_computed_before_a_write_is_the_one_the_write_makes(dtype, n, s
     want = (_reference_at(after[positions], indices) - _reference_at(before.view(signed)[positions], indices)) & M
     assert change == want
     assert C._torch_change(t.reshape(-1), positions, xor, indices) == want  # the accelerators' path, run here
+    # NumPy positions, xor and indices (what an engine's staging threads pass for CPU bits): the same number
+    assert C.checksum_change(t, positions.numpy(), xor.numpy(), indices.numpy()) == want
 
 
 def test_a_change_outside_the_tensor_is_refused_before_any_read():
@@ -109,3 +112,10 @@ def test_a_change_outside_the_tensor_is_refused_before_any_read():
         C.checksum_change(t, torch.tensor([3, 4]), x.int(), torch.tensor([3, 4]))
     with pytest.raises(TensorMismatchError, match="1 checksum indices for 2 patched elements"):
         C.checksum_change(t, torch.tensor([3, 4]), x, torch.tensor([3]))
+    # the same checks for NumPy arguments
+    with pytest.raises(TensorMismatchError, match="positions run from -1 to 4, the tensor has 10 elements"):
+        C.checksum_change(t, np.array([-1, 4]), x.numpy(), np.array([3, 4]))
+    with pytest.raises(TensorMismatchError, match="positions must be int64, got int32"):
+        C.checksum_change(t, np.array([3, 4], np.int32), x.numpy(), np.array([3, 4]))
+    with pytest.raises(TensorMismatchError, match="patch of 2 32-bit values for 2 elements of 16 bits"):
+        C.checksum_change(t, np.array([3, 4]), x.int().numpy(), np.array([3, 4]))

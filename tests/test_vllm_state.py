@@ -280,3 +280,20 @@ def test_an_fp8_engine_takes_its_representation_and_names_the_other_one() -> Non
         checkpoint.check_header(SimpleNamespace(tensors={"q.weight": SimpleNamespace(  # type: ignore[arg-type]
             dtype="F8_E4M3", shape=[4, 8], itemsize=1)}), "step")
     assert "the engine 16-bit [4, 8]" in str(e.value) and "follow it with representation='fp8'" in str(e.value)
+
+
+def test_positions_are_checked_strictly_ascending_across_every_chunk() -> None:
+    """The ascending check runs a chunk at a time on CPU: a repeat or a step back anywhere, at a chunk's edge
+    included, is found (against the plain comparison of neighbours)."""
+    from rollout_loader.vllm import state
+
+    n = 3 * state._CHUNK + 5
+    good = torch.arange(n, dtype=torch.int64) * 3
+    assert state._ascending(good)
+    assert state._ascending(good[:1]) and state._ascending(good[:2])
+    for at in (1, state._CHUNK - 1, state._CHUNK, state._CHUNK + 1, 2 * state._CHUNK, n - 1):
+        for bad_value in (good[at - 1].item(), good[at - 1].item() - 1):  # equal, then lower
+            bad = good.clone()
+            bad[at] = bad_value
+            want = bool((bad[1:] > bad[:-1]).all())
+            assert not want and state._ascending(bad) is False, at

@@ -42,24 +42,43 @@ def checksum_elements(t: torch.Tensor, indices: torch.Tensor) -> int:
     return _torch_checksum_at(int_view(t.contiguous()), indices.reshape(-1).to(device=t.device, dtype=torch.int64))
 
 
-def checksum_change(bits: torch.Tensor, positions: torch.Tensor, xor: torch.Tensor, indices: torch.Tensor) -> int:
+def checksum_change(bits: torch.Tensor, positions: torch.Tensor | np.ndarray, xor: torch.Tensor | np.ndarray,
+                    indices: torch.Tensor | np.ndarray) -> int:
     """The change of the checksum that ``bits.flat[positions] ^= xor`` would make (mod 2**64), each element
     hashed with its global flat index from ``indices``; writes nothing. Lets a holder prove a write before
     making it (an engine seals a staged step ahead of its pause) in one pass over the change.
 
     ``positions`` (int64) and ``indices`` are as long as ``xor`` (integers as wide as ``bits``' elements);
     ``TensorMismatchError`` if they are not, or a position is outside ``bits`` (the checks of ``xor_apply``).
+    For ``bits`` on the CPU they may also be NumPy arrays: an engine sealing many tensors on a pool thread per
+    core then makes no torch call per tensor beyond the view of ``bits`` (each one hands the GIL over, and the
+    threads queue for it).
     """
-    flat, xor, positions, indices = bits.reshape(-1), xor.reshape(-1), positions.reshape(-1), indices.reshape(-1)
+    flat = bits.reshape(-1)
+    if flat.device.type == "cpu":
+        # the positions' bounds are checked by the serial kernel on the calling thread, not torch.aminmax: that
+        # splits across torch's OpenMP threads, which an engine sealing on a pool thread per core contends for
+        pos, x = _np_flat(positions), _np_flat(xor)
+        idx = (indices.reshape(-1).to(torch.int64).contiguous().numpy() if isinstance(indices, torch.Tensor)
+               else _np_flat(indices))
+        check_patch(flat.element_size(), flat.numel(), pos, x, idx, pos.size)
+        if not pos.size:
+            return 0
+        u = np_bits(flat)
+        return int(_kernels.change_at(u, pos, x.view(u.dtype), idx.astype(np.int64, copy=False)))
+    assert isinstance(positions, torch.Tensor) and isinstance(xor, torch.Tensor) and isinstance(indices, torch.Tensor)
+    xor, positions, indices = xor.reshape(-1), positions.reshape(-1), indices.reshape(-1)
     check_patch(flat.element_size(), flat.numel(), positions, xor, indices, positions.numel())
     if not positions.numel():
         return 0
-    if flat.device.type == "cpu":
-        u = np_bits(flat)
-        x = int_view(xor.contiguous()).numpy().view(u.dtype)
-        return int(_kernels.change_at(u, positions.contiguous().numpy(), x,
-                                      indices.to(torch.int64).contiguous().numpy()))
     return _torch_change(flat, positions, xor, indices)
+
+
+def _np_flat(a: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A flat contiguous NumPy view (or copy, where not contiguous) of a CPU array or tensor."""
+    if isinstance(a, torch.Tensor):
+        return int_view(a.contiguous()).numpy()  # bits as integers of the same width (bfloat16 has no NumPy type)
+    return np.ascontiguousarray(a).reshape(-1)
 
 
 def _torch_change(flat: torch.Tensor, positions: torch.Tensor, xor: torch.Tensor, indices: torch.Tensor) -> int:
