@@ -80,6 +80,8 @@ def env(
     state = (f"{cache['cached_kernels']} kernels compiled for this version" if cache["cached_kernels"]
              else "empty for this version: the first use compiles (or run `deltasync warm`)")
     lines.append(f"- kernel cache: {cache['dir']} ({state}{'' if cache['writable'] else '; NOT writable'})")
+    lines.append("- bf16/fp16 diff: " + ("AVX-512 (VBMI2)" if cache["vector_diff"]
+                                         else "portable kernel (no AVX-512 VBMI2)"))
     lines += [f"- {name}: {value}" for name, value in report["environment"].items()]
     if "store" in report:
         store = report["store"]

@@ -11,7 +11,7 @@ from importlib.metadata import version
 import pytest
 
 from deltasync import DeltaPublisher
-from deltasync.format import _kernels
+from deltasync.format import _kernels, _simd
 from deltasync_cli import main
 from tests.test_publisher import train
 
@@ -41,12 +41,14 @@ def test_env_reports_versions_extras_the_kernel_cache_and_variables(monkeypatch,
     cache = report["kernel_cache"]
     assert cache["dir"] == _kernels.kernel_cache_dir() and cache["dir"].startswith(str(tmp_path / "numba"))
     assert cache["cached_kernels"] == 0 and cache["writable"]  # a new folder: the next first use compiles
+    assert cache["vector_diff"] == _simd.COMPRESS16
     assert report["environment"]["NUMBA_CACHE_DIR"] == str(tmp_path / "numba")
     assert report["environment"]["DELTASYNC_RDMA_SECRET"] == report["environment"]["AWS_SECRET_ACCESS_KEY"] == "(set)"
     assert "never-printed" not in out and "store" not in report
     code, text, _ = run(monkeypatch, capsys, "env")
     assert code == 0 and f"- version: {version('deltasync')}" in text and "- extra s3: installed" in text
     assert "- kernel cache: " in text and "empty for this version: the first use compiles" in text
+    assert ("- bf16/fp16 diff: AVX-512 (VBMI2)" if _simd.COMPRESS16 else "- bf16/fp16 diff: portable kernel") in text
     assert "never-printed" not in text
 
 

@@ -30,7 +30,7 @@ import numba
 import numpy as np
 from numba.core import caching
 
-SOURCES = ("_kernels.py", "_byte_kernels.py", "_kernel_cache.py")  # the kernels, and how they are compiled (here)
+SOURCES = ("_kernels.py", "_byte_kernels.py", "_simd.py", "_kernel_cache.py")  # the kernels, how they are compiled
 HERE = Path(__file__).resolve().parent
 
 
@@ -110,15 +110,18 @@ def use_kernel_cache(dispatcher: Any) -> Any:
 
 
 def cache_state() -> dict[str, Any]:
-    """What ``deltasync env`` reports: the folder, whether it can be written, and how many kernels are cached
-    there for this source (numba's index files; 0: the next first use compiles)."""
+    """What ``deltasync env`` reports: the folder, whether it can be written, how many kernels are cached there
+    for this source (numba's index files; 0: the next first use compiles), and whether the 2-byte diff runs on
+    AVX-512 (``vector_diff``: this CPU has VBMI2, see ``_simd``) or the portable kernel."""
+    from deltasync.format import _simd
+
     where = cache_dir()
     indexes = sorted(where.glob("*.nbi")) if where.is_dir() else []
     probe = where if where.is_dir() else cache_root()
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     return {"dir": str(where), "writable": os.access(probe, os.W_OK), "cached_kernels": len(indexes),
-            "source_sha256": source_digest()}
+            "source_sha256": source_digest(), "vector_diff": _simd.COMPRESS16}
 
 
 def jit(fn: Callable[..., Any]) -> Any:

@@ -20,7 +20,7 @@ import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
 
-from deltasync.format import _byte_kernels
+from deltasync.format import _byte_kernels, _simd
 from deltasync.format._byte_kernels import GAP16_BLOCK
 from deltasync.format._kernel_cache import cache_dir
 from deltasync.format._kernel_cache import jit as _jit
@@ -234,6 +234,82 @@ def _diff_scan(
         delta += sums[kk]
     return total, delta
 
+
+
+def _diff_scan16(
+    aw: np.ndarray,
+    bw: np.ndarray,
+    a: np.ndarray,
+    b: np.ndarray,
+    block_words: np.int64,
+    first_block: np.int64,
+    nblocks: np.int64,
+    base: np.int64,
+    scratch_pos: np.ndarray,
+    scratch_xor: np.ndarray,
+    counts: np.ndarray,
+    sums: np.ndarray,
+) -> tuple[np.int64, np.uint64]:
+    """``_diff_scan`` for 2-byte elements (four to a word) on a CPU with ``_simd.COMPRESS16``; ``b`` is ``bw``'s
+    elements. Same outputs, bit for bit (tests/test_simd.py holds the two together).
+
+    A run whose words all match is skipped after the same pure compare; in a changed run every 32 elements are
+    compared at once and their changed lanes compressed into L1 buffers (values, run-relative indices, new bits)
+    with no branch per word or lane, the snapshot written in the changed lanes only; the run's changes are then
+    widened to global positions and hashed from those contiguous buffers (a loop the compiler vectorises, where
+    ``_diff_scan`` gathers each new value back from the tensor).
+    """
+    stride = block_words * 4
+    lanes = _simd.LANES
+    for kk in numba.prange(nblocks):
+        rx = np.empty(_DIFF_RUN * 4 + lanes, np.uint16)  # each compressed store writes a whole register
+        ri = np.empty(_DIFF_RUN * 4 + lanes, np.uint16)
+        rn = np.empty(_DIFF_RUN * 4 + lanes, np.uint16)
+        s = (first_block + kk) * block_words
+        e = min(s + block_words, aw.size)
+        out = kk * stride
+        c = 0
+        acc = np.uint64(0)
+        for r in range(s, e, _DIFF_RUN):
+            n = min(r + _DIFF_RUN, e) - r
+            ra = aw[r : r + n]
+            rb = bw[r : r + n]
+            d = np.uint64(0)
+            for k in range(n):
+                d |= np.uint64(ra[k] ^ rb[k])
+            if d == 0:
+                continue
+            e0 = r * 4
+            ne = n * 4
+            body = ne - ne % lanes
+            cnt = 0
+            for o in range(0, body, lanes):
+                cnt += _simd.compress16(a, b, rx, ri, rn, cnt, e0 + o, o)
+            for o in range(body, ne):  # the run's last elements short of a register
+                x = a[e0 + o] ^ b[e0 + o]
+                if x != 0:
+                    rx[cnt] = x
+                    ri[cnt] = o
+                    rn[cnt] = a[e0 + o]
+                    b[e0 + o] = a[e0 + o]
+                    cnt += 1
+            g0 = base + e0
+            for j in range(cnt):
+                scratch_pos[out + c + j] = g0 + np.int64(ri[j])
+                scratch_xor[out + c + j] = rx[j]
+            for j in range(cnt):
+                m = mix64(np.uint64(g0 + np.int64(ri[j])))
+                x = np.uint64(rn[j])
+                acc += mix64(x ^ m) - mix64((x ^ np.uint64(rx[j])) ^ m)
+            c += cnt
+        counts[kk] = c
+        sums[kk] = acc
+    total = np.int64(0)
+    delta = np.uint64(0)
+    for kk in range(nblocks):
+        total += counts[kk]
+        delta += sums[kk]
+    return total, delta
 
 @_jit
 def _span(positions: np.ndarray) -> tuple[np.int64, np.int64]:
@@ -504,6 +580,7 @@ def _xor_plain_at(u: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> None
 
 _checksum_range_parallel, _checksum_range_serial = _pjit(_checksum_range), _serial_twin(_checksum_range)
 _diff_scan_parallel, _diff_scan_serial = _pjit(_diff_scan), _serial_twin(_diff_scan)
+_diff_scan16_parallel, _diff_scan16_serial = _pjit(_diff_scan16), _serial_twin(_diff_scan16)
 _xor_at_parallel, _xor_at_serial = _pjit(_xor_at), _serial_twin(_xor_at)
 _xor_at_indexed_parallel, _xor_at_indexed_serial = _pjit(_xor_at_indexed), _serial_twin(_xor_at_indexed)
 _xor_dense_parallel, _xor_dense_serial = _pjit(_xor_dense), _serial_twin(_xor_dense)
@@ -521,8 +598,13 @@ def checksum_range(u: np.ndarray, base: int, *, parallel: bool | None = None) ->
 def diff_scan(aw: np.ndarray, bw: np.ndarray, a: np.ndarray, group: int, block_words: int,
               first_block: int, nblocks: int, base: int, scratch_pos: np.ndarray, scratch_xor: np.ndarray,
               counts: np.ndarray, sums: np.ndarray, *, parallel: bool | None = None) -> tuple[int, int]:
-    """See ``_diff_scan``; ``parallel`` as in ``checksum_range`` (sized by the blocks scanned)."""
+    """See ``_diff_scan`` (``_diff_scan16`` for 2-byte elements in words, where the CPU has AVX-512 VBMI2);
+    ``parallel`` as in ``checksum_range`` (sized by the blocks scanned)."""
     size = min(nblocks * block_words, aw.size) * group
+    if group == 4 and a.itemsize == 2 and _simd.COMPRESS16:
+        return _pick(_diff_scan16_serial, _diff_scan16_parallel, size, parallel)(
+            _ro(aw), bw, _ro(a), bw.view(np.uint16), block_words, first_block, nblocks, base, scratch_pos,
+            scratch_xor, counts, sums)
     return _pick(_diff_scan_serial, _diff_scan_parallel, size, parallel)(
         _ro(aw), bw, _ro(a), group, block_words, first_block, nblocks, base, scratch_pos, scratch_xor, counts, sums
     )
