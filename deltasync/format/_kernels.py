@@ -139,6 +139,17 @@ def _lanes(ra: np.ndarray, rb: np.ndarray, changed: np.ndarray, nc: np.int64, g0
     return c
 
 
+@_jit
+def _block_totals(counts: np.ndarray, sums: np.ndarray, nblocks: np.int64) -> tuple[np.int64, np.uint64]:
+    """The diff kernels' result: changed elements and checksum change, summed over their blocks."""
+    total = np.int64(0)
+    delta = np.uint64(0)
+    for kk in range(nblocks):
+        total += counts[kk]
+        delta += sums[kk]
+    return total, delta
+
+
 def _diff_scan(
     aw: np.ndarray,
     bw: np.ndarray,
@@ -227,12 +238,7 @@ def _diff_scan(
             acc += mix64(x ^ m) - mix64((x ^ np.uint64(scratch_xor[k])) ^ m)
         counts[kk] = c
         sums[kk] = acc
-    total = np.int64(0)
-    delta = np.uint64(0)
-    for kk in range(nblocks):
-        total += counts[kk]
-        delta += sums[kk]
-    return total, delta
+    return _block_totals(counts, sums, nblocks)
 
 
 
@@ -304,12 +310,7 @@ def _diff_scan16(
             c += cnt
         counts[kk] = c
         sums[kk] = acc
-    total = np.int64(0)
-    delta = np.uint64(0)
-    for kk in range(nblocks):
-        total += counts[kk]
-        delta += sums[kk]
-    return total, delta
+    return _block_totals(counts, sums, nblocks)
 
 @_jit
 def _span(positions: np.ndarray) -> tuple[np.int64, np.int64]:
@@ -660,14 +661,14 @@ def span(positions: np.ndarray) -> tuple[int, int]:
 
 def dispatchers() -> dict[str, Any]:
     """Every kernel of this module that Python calls, by name (what ``warm_kernels`` loads, what tests inspect);
-    ``mix64``, ``element_hash``, ``_hash_change``, ``_gather_values`` and ``_lanes`` are compiled into the kernels
-    that call them."""
+    ``mix64``, ``element_hash``, ``_hash_change``, ``_gather_values``, ``_lanes`` and ``_block_totals`` are compiled
+    into the kernels that call them."""
     found = {**globals(), **vars(_byte_kernels)}
     return {name: obj for name, obj in found.items()
             if isinstance(obj, numba.core.registry.CPUDispatcher) and name not in _INLINED}
 
 
-_INLINED = ("mix64", "element_hash", "_hash_change", "_gather_values", "_lanes")
+_INLINED = ("mix64", "element_hash", "_hash_change", "_gather_values", "_lanes", "_block_totals")
 
 
 _UNSIGNED = (np.uint8, np.uint16, np.uint32, np.uint64)
