@@ -6,6 +6,10 @@ and every other test exercises it)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +18,7 @@ from deltasync.format import _kernels, _simd
 from deltasync.format.checksum import MASK64
 from deltasync.stages.diff import Snapshot
 
-pytestmark = pytest.mark.skipif(not _simd.COMPRESS16, reason="this CPU has no AVX-512 VBMI2")
+needs_vbmi2 = pytest.mark.skipif(not _simd.COMPRESS16, reason="this CPU has no AVX-512 VBMI2")
 
 BLOCK_WORDS = 8192  # the diff's blocks of 32768 elements, four to a word
 
@@ -53,6 +57,7 @@ def _run(kernel, new: np.ndarray, old: np.ndarray, base: int) -> tuple[np.ndarra
     return out_pos, out_xor, int(delta), snap
 
 
+@needs_vbmi2
 @pytest.mark.parametrize("density", [0.0, 0.0005, 0.02, 0.3, 1.0])
 @pytest.mark.parametrize("words", [1, 7, 8, 9, 1023, 1025, 8192 + 13, 3 * 8192])
 def test_the_avx512_diff_matches_the_portable_kernel_and_a_reference(density: float, words: int) -> None:
@@ -70,6 +75,7 @@ def test_the_avx512_diff_matches_the_portable_kernel_and_a_reference(density: fl
         assert np.array_equal(snap, new), kernel  # the snapshot advanced to the new bits, nothing else written
 
 
+@needs_vbmi2
 def test_a_bf16_snapshot_diffs_through_the_avx512_kernel_as_plain_torch_does() -> None:
     """Through ``Snapshot.diff`` (ranges on the pool, the word body by the AVX-512 kernel, the tail by the
     portable one): each tensor's positions and xor as plain torch finds them, odd sizes and 8-byte-unaligned
@@ -89,3 +95,12 @@ def test_a_bf16_snapshot_diffs_through_the_avx512_kernel_as_plain_torch_does() -
         assert np.array_equal(c.positions, want.numpy()), c.name
         assert np.array_equal(c.xor, (a ^ b)[want].numpy().view(np.uint16)), c.name
         assert torch.equal(snap.tensors[c.name].view(torch.int16), a.reshape(old[c.name].shape)), c.name
+
+
+def test_kernels_built_for_other_cpus_never_use_avx512() -> None:
+    """``NUMBA_CPU_FEATURES`` (kernels compiled for other machines, e.g. a container image's cache) without VBMI2:
+    the portable kernel, whatever this CPU has (LLVM could not compile the AVX-512 one for that target)."""
+    code = "from deltasync.format import _simd; print(_simd.COMPRESS16)"
+    env = {**os.environ, "NUMBA_CPU_FEATURES": "+sse2,+avx2,+avx512f,+avx512bw"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"

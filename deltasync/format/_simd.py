@@ -16,22 +16,30 @@ from __future__ import annotations
 from typing import Any
 
 import llvmlite.binding as llvm
+import numba
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
 
-def _host_has(*features: str) -> bool:
+def _usable(*features: str) -> bool:
+    """Whether this CPU has every one of ``features`` and numba compiles for them: ``NUMBA_CPU_FEATURES`` (set to
+    build kernels for other machines) names the features numba targets instead of the host's."""
     try:
-        found = llvm.get_host_cpu_features()
+        host = llvm.get_host_cpu_features()
     except RuntimeError:  # a CPU llvm cannot describe
         return False
-    return all(found.get(f, False) for f in features)
+    if not all(host.get(f, False) for f in features):
+        return False
+    if numba.config.CPU_FEATURES is None:
+        return True
+    targeted = {f[1:] for f in str(numba.config.CPU_FEATURES).split(",") if f.startswith("+")}
+    return all(f in targeted for f in features)
 
 
-COMPRESS16 = _host_has("avx512f", "avx512bw", "avx512vbmi2")
+COMPRESS16 = _usable("avx512f", "avx512bw", "avx512vbmi2")
 """Whether :func:`compress16` can run here (it must never be compiled elsewhere: no CPU without these
-instructions can run it)."""
+instructions can run it, and LLVM cannot compile it for one)."""
 
 LANES = 32
 """Elements of 16 bits that :func:`compress16` compares at once (one 512-bit register)."""
