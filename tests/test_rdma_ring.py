@@ -394,6 +394,8 @@ def test_slot_overwritten_while_read_is_detected(run, tmp_path):
 
 def serving_peer(out: Any, commands: Any, stop: Any) -> None:
     """A two-slot ring that offers, corrupts and reports on command (the consumer side runs in the test)."""
+    import torch
+
     from deltasync.rdma.agent import Agent
     from deltasync.rdma.outbox import Outbox
 
@@ -413,6 +415,11 @@ def serving_peer(out: Any, commands: Any, stop: Any) -> None:
             slot, at = args
             outbox._buffer[slot * outbox.slot_bytes + 32 + at] ^= 1
             out.put(("flipped", slot))
+        elif what == "poke":  # bytes at ``at`` of a slot (its header included), after the announcement
+            slot, at, data = args
+            start = slot * outbox.slot_bytes + at
+            outbox._buffer[start:start + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            out.put(("poked", slot))
         elif what == "waiting":
             deadline = time.monotonic() + 10
             while outbox._slots[args[0]].waiting and time.monotonic() < deadline:
@@ -494,3 +501,246 @@ def test_pieced_read_hashed_once_held_in_place_and_refused_once_changed(run, tmp
             inbox.lease(third, digest="sha256:" + sha[1].removeprefix("blake3:"))
         assert not inbox._leases
         inbox.close()
+
+
+# --- a read of several pieces that fails midway: what the caller gets, and what is left behind ---
+#
+# One serving ring (a real NIXL agent in another process) for these tests; each test reads it with a fresh agent
+# and inbox of its own, its real calls wrapped by ``Requests`` (which only counts, holds or changes what NIXL
+# reports for one piece). What a read must leave after any failure: the error raised as is, no piece posted after
+# the failure, every posted request waited for and dropped once (NIXL's handle says it was released), no lease
+# held, the next read on the same inbox good, and no landing thread once the inbox is closed.
+
+PIECE = 64 << 10  # the serving ring's chunk, and the inbox's piece: one READ per chunk
+PIECES = 6
+
+
+class Server:
+    """``serving_peer`` in a spawned process, shared by the tests below; offers are checked by the test itself."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.run = Run(tmp_path, consumers=0)
+        self.commands = CTX.Queue()
+        self.run._start(serving_peer, self.run.out, self.commands, self.run.stop)
+        self.layout, self.metadata = self.run.wait("layout")
+        self.step = 0
+
+    def offer(self, data: bytes) -> Any:
+        self.step += 1
+        self.commands.put(("offer", self.step, data))
+        return self.run.wait("info")
+
+    def poke(self, slot: int, at: int, data: bytes) -> None:
+        self.commands.put(("poke", slot, at, data))
+        self.run.wait("poked")
+
+    def close(self) -> None:
+        self.run.close()
+        self.commands.close()
+        self.commands.join_thread()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    s = Server(tmp_path_factory.mktemp("ring"))
+    yield s
+    s.close()
+
+
+def _blob(seed: int) -> bytes:
+    """Random bytes that, after the 32-byte slot header, fill PIECES pieces (the last one not quite)."""
+    import random
+
+    return random.Random(seed).randbytes(PIECES * PIECE - 32 - 100)
+
+
+class Requests:
+    """A thin wrapper around a real agent's per-READ calls. It records each request posted (piece k is the k-th
+    post: one landing thread posts them in order) and each dropped; ``after_post[k]`` is set once piece k is
+    posted, piece k's wait starts only once ``before_wait[k]`` is set; ``report[k]`` is what NIXL is made to
+    report for piece k's request (``"ERR"``: failed, ``"PROC"``: never completes), and ``fail[k]`` an error the
+    agent's wait raises for piece k after really waiting."""
+
+    def __init__(self, agent: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        import threading
+
+        self.posted: list[Any] = []
+        self.dropped: list[Any] = []
+        self.after_post: dict[int, threading.Event] = {}
+        self.before_wait: dict[int, threading.Event] = {}
+        self.report: dict[int, str] = {}
+        self.fail: dict[int, BaseException] = {}
+        post_read, wait, drop, state = agent.post_read, agent.wait, agent.drop, agent._agent.check_xfer_state
+
+        def posted(*a: Any, **kw: Any) -> Any:
+            handle = post_read(*a, **kw)
+            self.posted.append(handle)
+            if len(self.posted) - 1 in self.after_post:
+                self.after_post[len(self.posted) - 1].set()
+            return handle
+
+        def waited(handle: Any, **kw: Any) -> None:
+            k = self.piece(handle)
+            if k in self.before_wait:
+                assert self.before_wait[k].wait(30), f"piece {k}: nobody let its wait start"
+            wait(handle, **kw)
+            if k in self.fail:
+                raise self.fail[k]
+
+        def checked(handle: Any) -> str:
+            real = state(handle)
+            return self.report.get(self.piece(handle), real)
+
+        def dropped(handle: Any, where: str) -> None:
+            self.dropped.append(handle)
+            drop(handle, where)
+
+        monkeypatch.setattr(agent, "post_read", posted)
+        monkeypatch.setattr(agent, "wait", waited)
+        monkeypatch.setattr(agent, "drop", dropped)
+        monkeypatch.setattr(agent._agent, "check_xfer_state", checked)
+
+    def piece(self, handle: Any) -> int:
+        return next(k for k, h in enumerate(self.posted) if h is handle)
+
+    def assert_all_dropped(self) -> None:
+        """Every posted request was dropped exactly once, and NIXL's own handle says it was released."""
+        assert sorted(map(id, self.dropped)) == sorted(map(id, self.posted))
+        assert all(h._released for h in self.posted), self.posted
+
+
+def _reader(server: Server, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, Requests]:
+    from deltasync.rdma.agent import Agent
+    from deltasync.rdma.inbox import Inbox
+
+    agent = Agent(f"reader-{uuid.uuid4().hex[:8]}")
+    inbox = Inbox(agent, capacity_bytes=1 << 20, piece_bytes=PIECE)
+    inbox.connect(server.layout, server.metadata)
+    return agent, inbox, Requests(agent, monkeypatch)
+
+
+def _landing_threads(agent: Any) -> list[Any]:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith(f"inbox-{agent.name}")]
+
+
+def _left_clean(server: Server, agent: Any, inbox: Any, requests: Requests, *, posted: int) -> None:
+    """After a failed read of PIECES pieces: exactly ``posted`` requests were posted and all dropped, nothing is
+    held, the same inbox reads the next object whole (where the failed one had landed), and closing the inbox
+    ends its landing thread."""
+    from deltasync.errors import RdmaError, StaleMetadataError
+
+    assert len(requests.posted) == posted, f"{len(requests.posted)} pieces posted, expected {posted}"
+    requests.assert_all_dropped()
+    assert not inbox._leases  # the failed read's inbox range is free again: nothing was handed out
+    requests.report.clear()
+    requests.fail.clear()
+    requests.before_wait.clear()
+    data = _blob(1000 + server.step)
+    info = server.offer(data)
+    lease = inbox.lease(info, digest="blake3:" + blake3.blake3(data).hexdigest())
+    assert bytes(lease.view()) == data and lease.offset == 0
+    lease.release()
+    assert len(requests.posted) == posted + PIECES
+    requests.assert_all_dropped()
+    assert _landing_threads(agent), "a read of several pieces lands them on a thread of its own"
+    inbox.close()
+    assert _landing_threads(agent) == [], "the landing thread outlived Inbox.close()"
+    with pytest.raises(StaleMetadataError):  # a closed inbox reads nothing and starts no thread
+        inbox.read(info)
+    inbox.connect(server.layout, server.metadata)  # not even when connected again
+    with pytest.raises(RdmaError, match="closed"):
+        inbox.read(info)
+    assert _landing_threads(agent) == [] and not inbox._leases
+    agent.close()
+
+
+@pytest.mark.parametrize("piece", [1, 3])
+@pytest.mark.parametrize("how", ["nixl-reports-err", "wait-raises"])
+def test_pieced_read_whose_piece_fails_raises_that_error_and_leaves_nothing(server, monkeypatch, piece, how):
+    """Piece ``piece`` of 6 fails (NIXL reports ERR for its request, so the agent's wait raises RdmaError; or the
+    wait raises an RdmaError subclass of its own): the caller gets that error, the pieces after it are never
+    posted, the ones posted are dropped, and the inbox goes on."""
+    from deltasync.errors import RdmaError, StaleSlotError
+
+    agent, inbox, requests = _reader(server, monkeypatch)
+    data = _blob(piece)
+    info = server.offer(data)
+    if how == "nixl-reports-err":
+        requests.report[piece] = "ERR"
+        expected: Any = pytest.raises(RdmaError, match="NIXL state ERR")
+    else:
+        injected = StaleSlotError(f"injected: the NIC lost piece {piece}")
+        requests.fail[piece] = injected
+        expected = pytest.raises(StaleSlotError)
+    with expected as raised:
+        inbox.lease(info, digest="blake3:" + blake3.blake3(data).hexdigest())
+    if how == "wait-raises":
+        assert raised.value is injected
+    else:
+        assert type(raised.value) is RdmaError
+    _left_clean(server, agent, inbox, requests, posted=piece + 1)
+
+
+def test_pieced_read_whose_middle_piece_never_lands_times_out_and_leaves_nothing(server, monkeypatch):
+    """Piece 2 of 6 stays in progress (as NIXL reports it) past the read's deadline: RdmaTimeoutError, nothing
+    posted after it, every posted request dropped, and the inbox goes on."""
+    from deltasync.errors import RdmaTimeoutError
+
+    agent, inbox, requests = _reader(server, monkeypatch)
+    data = _blob(2)
+    info = server.offer(data)
+    requests.report[2] = "PROC"
+    with pytest.raises(RdmaTimeoutError, match="deadline"):
+        inbox.read(info, timeout_s=2.0)  # ample for pieces 0 and 1 (done inside their post over shared memory)
+    _left_clean(server, agent, inbox, requests, posted=3)
+
+
+def test_pieced_read_of_an_overwritten_header_fails_while_a_later_piece_lands(server, monkeypatch):
+    """The slot's header is overwritten between announcement and read (a newer generation), so the first piece
+    fails its check while the second is posted and not yet waited for (held until the check ran): StaleSlotError,
+    the second piece waited for and dropped, the four after it never posted, and the inbox goes on."""
+    import struct
+    import threading
+
+    from deltasync.errors import StaleSlotError
+
+    agent, inbox, requests = _reader(server, monkeypatch)
+    data = _blob(4)
+    info = server.offer(data)
+    server.poke(info.slot, 0, struct.pack("<QQQQ", info.generation + 1, info.step, info.length, 0))
+    second_posted, checked = threading.Event(), threading.Event()
+    requests.after_post[1] = second_posted
+    requests.before_wait[1] = checked
+    check = inbox._check_header
+
+    def check_header(*a: Any) -> None:  # the real check, once piece 1 is in flight; piece 1 lands after it
+        assert second_posted.wait(30), "piece 1 was never posted"
+        try:
+            check(*a)
+        finally:
+            checked.set()
+
+    monkeypatch.setattr(inbox, "_check_header", check_header)
+    with pytest.raises(StaleSlotError, match=f"generation {info.generation + 1} .*overwritten"):
+        inbox.lease(info)
+    assert checked.is_set()
+    monkeypatch.setattr(inbox, "_check_header", check)
+    _left_clean(server, agent, inbox, requests, posted=2)
+
+
+@pytest.mark.parametrize("piece", [0, 3, PIECES - 1])
+def test_pieced_read_whose_bytes_changed_fails_its_digest_and_leaves_nothing(server, monkeypatch, piece):
+    """One byte of piece ``piece`` changes in the slot after the announcement (header intact): every piece lands,
+    the digest differs, StaleSlotError, every request dropped, no lease, and the inbox goes on."""
+    from deltasync.errors import StaleSlotError
+
+    agent, inbox, requests = _reader(server, monkeypatch)
+    data = _blob(5 + piece)
+    info = server.offer(data)
+    at = piece * PIECE + 40  # in the slot: past the header on piece 0
+    server.poke(info.slot, at, bytes([data[at - 32] ^ 0x80]))
+    with pytest.raises(StaleSlotError, match="differs from the announced"):
+        inbox.lease(info, digest="blake3:" + blake3.blake3(data).hexdigest())
+    _left_clean(server, agent, inbox, requests, posted=PIECES)

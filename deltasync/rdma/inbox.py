@@ -11,7 +11,9 @@ the object store instead. Nothing is applied from an unchecked read.
 for in order by one landing thread (UCX over shared memory copies inside the post call); the calling thread
 hashes each piece (single-threaded BLAKE3: its worker threads would only take the transfer's cores) as soon as it
 landed while the next one moves, so the digest (the one check: the reader does not hash again, see
-``RingReader.held``) overlaps the transfer. No bytes are handed out before the whole digest matched.
+``RingReader.held``) overlaps the transfer. No bytes are handed out before the whole digest matched. A read that
+fails (a piece's READ, its deadline, the header, the digest) posts no piece after the failure, waits for and
+drops every request it posted, and holds nothing; ``close`` ends the landing thread.
 
 **Zero copy.** ``lease`` returns a :class:`SlotLease`: the checked bytes stay where they landed, and no later read
 lands on them until the lease is released; a step object opens straight on ``SlotLease.view()``. Each view (and
@@ -31,7 +33,7 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +106,7 @@ class Inbox:
         self._leases: dict[int, SlotLease] = {}
         self._lock = threading.Lock()  # leases are released from any thread (a finalizer)
         self._landing: ThreadPoolExecutor | None = None
+        self._closed = False
 
     def connect(self, layout: RingLayout, metadata: bytes) -> None:
         """Load a trainer's metadata and prepare reads of its ring (again, if that agent restarted)."""
@@ -169,11 +172,14 @@ class Inbox:
         return where
 
     def close(self) -> None:
+        """Stop the landing thread (after the pieces it holds landed) and release every ring's prepared reads."""
+        with self._lock:
+            self._closed = True
+            landing, self._landing = self._landing, None
+        if landing is not None:  # first: its pieces use the prepared lists released below
+            landing.shutdown(wait=True)
         for name in list(self._rings):
             self.disconnect(name)
-        if self._landing is not None:
-            self._landing.shutdown(wait=True)
-            self._landing = None
 
     # --- where a read lands, and what holds it ---
 
@@ -225,14 +231,25 @@ class Inbox:
         pieces = [(a, min(a + per, count)) for a in range(0, count, per)]
         one = len(pieces) == 1
 
-        def land(a: int, b: int) -> tuple[Any, RdmaError | None]:
-            """Post one piece's READ and wait for it: the request, and why it failed (it must still be dropped)."""
+        stop = threading.Event()  # set once a piece failed or the caller gave up: later pieces are never posted
+
+        def land(a: int, b: int) -> tuple[Any, Exception | None]:
+            """Post one piece's READ and wait for it: the request (None when never posted), and why it failed (a
+            posted request must still be dropped). A failure stops the pieces after it here, in the landing
+            thread, so none is posted in the time the caller takes to see it."""
+            if stop.is_set():
+                return None, None
             local, remote = self._indices(ring, lease, a, b)
-            handle = self.agent.post_read(ring.local, local, ring.remote, remote,
-                                          notif=info.ack() if one else b"", where=where)
+            try:
+                handle = self.agent.post_read(ring.local, local, ring.remote, remote,
+                                              notif=info.ack() if one else b"", where=where)
+            except BaseException:
+                stop.set()
+                raise
             try:
                 self.agent.wait(handle, deadline=deadline, where=where)
-            except RdmaError as e:
+            except Exception as e:  # noqa: BLE001 - returned, raised by the caller once the request is dropped
+                stop.set()
                 return handle, e
             return handle, None
 
@@ -240,12 +257,12 @@ class Inbox:
         # pieces are landed by one thread, in order, while this one hashes those already landed. That thread makes
         # every NIXL call of the read until the last piece landed (the agent is not thread-safe: NIXL's default
         # sync mode), this one none until then.
-        landing: list[Future[tuple[Any, RdmaError | None]]] = []
+        landing: list[Future[tuple[Any, Exception | None]]] = []
         if one:
             landing.append(Future())
             landing[0].set_result(land(*pieces[0]))
         else:
-            lander = self._lander()
+            lander = self._lander(where)
             landing = [lander.submit(land, a, b) for a, b in pieces]
         digest = digests.hasher(digests.algorithm_of(info.digest), parallel=False)
         ok = False
@@ -266,14 +283,16 @@ class Inbox:
             ok = True
         finally:
             if not ok:  # failed early: pieces not posted yet never are; the ones posted land (waited for)
+                stop.set()
                 for landed in landing:
                     landed.cancel()
             for landed in landing:  # once all are done the landing thread is idle: these calls are this thread's
                 try:
                     handle, _ = landed.result()
-                except (RdmaError, CancelledError):
+                except Exception:  # noqa: BLE001 - cancelled, or its post failed: nothing to drop (raised above)
                     continue
-                self.agent.drop(handle, where)
+                if handle is not None:
+                    self.agent.drop(handle, where)
         if not one:  # every piece landed: the slot is read
             self.agent.notify(info.agent, info.ack())
         lease.digest = digests.join(digests.algorithm_of(info.digest), digest.hexdigest())
@@ -281,9 +300,11 @@ class Inbox:
             raise StaleSlotError(f"{where}: {lease.digest[:23]}… differs from the announced "
                                  f"{info.digest[:23]}… (overwritten while read)")
 
-    def _lander(self) -> ThreadPoolExecutor:
+    def _lander(self, where: str) -> ThreadPoolExecutor:
         """The one thread that lands a read's pieces, in order (made at the first read of several pieces)."""
         with self._lock:
+            if self._closed:
+                raise RdmaError(f"{where}: the inbox is closed")
             if self._landing is None:
                 self._landing = ThreadPoolExecutor(1, thread_name_prefix=f"inbox-{self.agent.name}")
             return self._landing
