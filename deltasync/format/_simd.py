@@ -67,7 +67,12 @@ def compress16(typingctx: Any, a: Any, b: Any, out_xor: Any, out_index: Any, out
     changed lanes' ``a ^ b``, their indices ``index0 + lane`` (16-bit) and their new bits ``a`` to the front of
     ``out_xor``/``out_index``/``out_new`` from ``at`` on (each store writes 32 elements: the outputs need 32 elements
     of room past the last change); set ``b = a`` in the changed lanes only (the others are not written); return
-    how many lanes changed. Bounds are the caller's (no check): both 32-element windows must lie inside."""
+    how many lanes changed. Bounds are the caller's (no check): both 32-element windows must lie inside.
+    Typed for 1-D contiguous uint16 arrays only (it reads and writes their memory as 16-bit lanes)."""
+    arrays = (a, b, out_xor, out_index, out_new)
+    if not all(isinstance(t, types.Array) and t.dtype == types.uint16 and t.ndim == 1 and t.layout == "C"
+               for t in arrays):
+        return None  # numba then reports no matching signature: nothing is compiled for other arrays
     sig = types.int64(a, b, out_xor, out_index, out_new, types.int64, types.int64, types.int64)
 
     def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> ir.Value:
