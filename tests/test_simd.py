@@ -48,7 +48,7 @@ def _run(kernel, new: np.ndarray, old: np.ndarray, base: int) -> tuple[np.ndarra
     pos = np.empty(nblocks * BLOCK_WORDS * 4, np.int64)
     xor = np.empty(nblocks * BLOCK_WORDS * 4, np.uint16)
     counts, sums = np.zeros(nblocks, np.int64), np.zeros(nblocks, np.uint64)
-    if kernel is _kernels._diff_scan16_serial:
+    if kernel in (_kernels._diff_scan16_serial, _kernels._diff_scan16_parallel):
         total, delta = kernel(aw, bw, new, bw.view(np.uint16), BLOCK_WORDS, 0, nblocks, base, pos, xor, counts, sums)
     else:
         total, delta = kernel(aw, bw, new, 4, BLOCK_WORDS, 0, nblocks, base, pos, xor, counts, sums)
@@ -68,7 +68,7 @@ def test_the_avx512_diff_matches_the_portable_kernel_and_a_reference(density: fl
     new[hit] ^= rng.integers(1, 1 << 16, int(hit.sum()), dtype=np.uint16)  # never 0: every hit is a change
     base = int(rng.integers(0, 1 << 40))
     want_pos, want_xor, want_delta = _reference(new, old, base)
-    for kernel in (_kernels._diff_scan16_serial, _kernels._diff_scan_serial):
+    for kernel in (_kernels._diff_scan16_serial, _kernels._diff_scan16_parallel, _kernels._diff_scan_serial):
         pos, xor, delta, snap = _run(kernel, new, old, base)
         assert np.array_equal(pos, want_pos) and np.array_equal(xor, want_xor), kernel
         assert delta == want_delta, kernel
