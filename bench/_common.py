@@ -5,12 +5,28 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import multiprocessing
 import os
 import platform
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
+
+
+def sigterm_unwinds() -> None:
+    """Make SIGTERM (``kill``, ``timeout``) unwind the benchmark as Ctrl-C does. Its default ends the process at
+    once, running no ``finally`` block and no ``atexit`` handler: a benchmark's work folder, its store server and
+    its child processes stayed behind. Done once at import, in the main thread of the main process only (a child
+    keeps its own handling), and only where nothing chose a handler already."""
+    if (threading.current_thread() is threading.main_thread() and multiprocessing.parent_process() is None
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+sigterm_unwinds()
 
 
 def machine() -> str:
