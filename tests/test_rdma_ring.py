@@ -816,3 +816,23 @@ def test_one_piece_read_of_an_overwritten_header_fails_and_leaves_nothing(server
     with pytest.raises(StaleSlotError, match=f"generation {info.generation + 1} .*overwritten"):
         inbox.lease(info, digest="blake3:" + blake3.blake3(data).hexdigest())
     _left_clean(server, agent, inbox, requests, posted=1, pieces=1)
+
+
+@pytest.mark.xfail(strict=True, reason="Inbox._land's one-piece path does not check Inbox._closed (only _lander, "
+                   "used by reads of several pieces, does): a closed inbox connected again still reads")
+def test_closed_inbox_connected_again_refuses_a_one_piece_read(server, monkeypatch):
+    """As a read of several pieces does (``_left_clean``), a one-piece read of a closed inbox is refused by name,
+    even once the inbox is connected again."""
+    from deltasync.errors import RdmaError
+
+    agent, inbox, requests = _reader(server, monkeypatch, pieces=1)
+    inbox.close()
+    inbox.connect(server.layout, server.metadata)
+    info = server.offer(_blob(13))
+    try:
+        with pytest.raises(RdmaError, match="closed"):
+            inbox.read(info)
+        assert requests.posted == []
+    finally:
+        inbox.close()
+        agent.close()
