@@ -658,10 +658,9 @@ def _left_clean(server: Server, agent: Any, inbox: Any, requests: Requests, *, p
     assert _landing_threads(agent) == [], "the landing thread outlived Inbox.close()"
     with pytest.raises(StaleMetadataError):  # a closed inbox reads nothing and starts no thread
         inbox.read(info)
-    if pieces > 1:  # a one-piece read of a closed inbox connected again is still made: see the xfail test below
-        inbox.connect(server.layout, server.metadata)  # not even when connected again
-        with pytest.raises(RdmaError, match="closed"):
-            inbox.read(info)
+    inbox.connect(server.layout, server.metadata)  # not even when connected again
+    with pytest.raises(RdmaError, match="closed"):
+        inbox.read(info)
     assert _landing_threads(agent) == [] and not inbox._leases
     agent.close()
 
@@ -818,8 +817,6 @@ def test_one_piece_read_of_an_overwritten_header_fails_and_leaves_nothing(server
     _left_clean(server, agent, inbox, requests, posted=1, pieces=1)
 
 
-@pytest.mark.xfail(strict=True, reason="Inbox._land's one-piece path does not check Inbox._closed (only _lander, "
-                   "used by reads of several pieces, does): a closed inbox connected again still reads")
 def test_closed_inbox_connected_again_refuses_a_one_piece_read(server, monkeypatch):
     """As a read of several pieces does (``_left_clean``), a one-piece read of a closed inbox is refused by name,
     even once the inbox is connected again."""

@@ -203,6 +203,8 @@ class Inbox:
         size = count * chunk
         limit = self.region.nbytes - self.region.nbytes % chunk
         with self._lock:
+            if self._closed:  # every read reserves first: a closed inbox reads nothing, connected again or not
+                raise RdmaError(f"{where}: the inbox is closed")
             held = sorted((x.offset, x.offset + x.total) for x in self._leases.values())
             for start in itertools.chain([0], (-(-end // chunk) * chunk for _, end in held)):
                 if start + size <= limit and all(end <= start or begin >= start + size for begin, end in held):
