@@ -17,27 +17,19 @@ import torch
 from deltasync.format import _kernels, _simd
 from deltasync.format.checksum import MASK64
 from deltasync.stages.diff import Snapshot
+from tests.test_reference import ref_checksum, ref_diff
 
 needs_vbmi2 = pytest.mark.skipif(not _simd.COMPRESS16, reason="this CPU has no AVX-512 VBMI2")
 
 BLOCK_WORDS = 8192  # the diff's blocks of 32768 elements, four to a word
 
 
-def _mix64(z: int) -> int:
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & MASK64
-    return z ^ (z >> 31)
-
-
 def _reference(new: np.ndarray, old: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Positions (global), xor values and checksum change of ``old`` -> ``new``: FORMAT.md section 4's element hash
-    ``mix64(bits ^ mix64(index))`` summed mod 2**64, new minus old."""
-    where = np.flatnonzero(new != old)
-    delta = 0
-    for i in where.tolist():
-        m = _mix64(base + i)
-        delta += _mix64(int(new[i]) ^ m) - _mix64(int(old[i]) ^ m)
-    return where + base, (new ^ old)[where], delta & MASK64
+    """Positions (global), xor values and checksum change of ``old`` -> ``new``, by tests/test_reference.py's
+    plain-NumPy diff and checksum (FORMAT.md section 4): the changed elements' hashes after minus before."""
+    where, xor, _ = ref_diff(old, new)
+    delta = ref_checksum(new[where], where + base) - ref_checksum(old[where], where + base)
+    return where + base, xor, delta & MASK64
 
 
 def _run(kernel, new: np.ndarray, old: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
