@@ -658,23 +658,25 @@ def _left_clean(server: Server, agent: Any, inbox: Any, requests: Requests, *, p
     assert _landing_threads(agent) == [], "the landing thread outlived Inbox.close()"
     with pytest.raises(StaleMetadataError):  # a closed inbox reads nothing and starts no thread
         inbox.read(info)
-    inbox.connect(server.layout, server.metadata)  # not even when connected again
+    inbox.connect(server.layout, server.metadata)  # not even when connected again, one piece or several
     with pytest.raises(RdmaError, match="closed"):
         inbox.read(info)
+    assert len(requests.posted) == posted + pieces, "a closed inbox posted a READ"
     assert _landing_threads(agent) == [] and not inbox._leases
     agent.close()
 
 
-@pytest.mark.parametrize("piece", [1, 3])
+@pytest.mark.parametrize(("pieces", "piece"), [(PIECES, 1), (PIECES, 3), (1, 0)])
 @pytest.mark.parametrize("how", ["nixl-reports-err", "wait-raises"])
-def test_pieced_read_whose_piece_fails_raises_that_error_and_leaves_nothing(server, monkeypatch, piece, how):
-    """Piece ``piece`` of 6 fails (NIXL reports ERR for its request, so the agent's wait raises RdmaError; or the
-    wait raises an RdmaError subclass of its own): the caller gets that error, the pieces after it are never
-    posted, the ones posted are dropped, and the inbox goes on."""
+def test_a_read_whose_piece_fails_raises_that_error_and_leaves_nothing(server, monkeypatch, pieces, piece, how):
+    """Piece ``piece`` of a read of ``pieces`` fails (NIXL reports ERR for its request, so the agent's wait raises
+    RdmaError; or the wait raises an RdmaError subclass of its own): the caller gets that error, the pieces after
+    it are never posted, the ones posted are dropped, nothing is held (a one-piece read starts no landing
+    thread), and the inbox goes on."""
     from deltasync.errors import RdmaError, StaleSlotError
 
-    agent, inbox, requests = _reader(server, monkeypatch)
-    data = _blob(piece)
+    agent, inbox, requests = _reader(server, monkeypatch, pieces=pieces)
+    data = _blob(piece if pieces > 1 else 10)
     info = server.offer(data)
     if how == "nixl-reports-err":
         requests.report[piece] = "ERR"
@@ -689,7 +691,7 @@ def test_pieced_read_whose_piece_fails_raises_that_error_and_leaves_nothing(serv
         assert raised.value is injected
     else:
         assert type(raised.value) is RdmaError
-    _left_clean(server, agent, inbox, requests, posted=piece + 1)
+    _left_clean(server, agent, inbox, requests, posted=piece + 1, pieces=pieces)
 
 
 def test_pieced_read_whose_middle_piece_never_lands_times_out_and_leaves_nothing(server, monkeypatch):
@@ -759,32 +761,6 @@ def test_pieced_read_whose_bytes_changed_fails_its_digest_and_leaves_nothing(ser
 # notification; the same guarantees as above, and no landing thread ever started ---
 
 
-@pytest.mark.parametrize("how", ["nixl-reports-err", "wait-raises"])
-def test_one_piece_read_that_fails_raises_that_error_and_leaves_nothing(server, monkeypatch, how):
-    """The one READ fails (NIXL reports ERR for it, so the agent's wait raises RdmaError; or the wait raises an
-    RdmaError subclass of its own): the caller gets that error, the request is dropped once, nothing is held, no
-    landing thread, and the inbox goes on."""
-    from deltasync.errors import RdmaError, StaleSlotError
-
-    agent, inbox, requests = _reader(server, monkeypatch, pieces=1)
-    data = _blob(10)
-    info = server.offer(data)
-    if how == "nixl-reports-err":
-        requests.report[0] = "ERR"
-        expected: Any = pytest.raises(RdmaError, match="NIXL state ERR")
-    else:
-        injected = StaleSlotError("injected: the NIC lost the read")
-        requests.fail[0] = injected
-        expected = pytest.raises(StaleSlotError)
-    with expected as raised:
-        inbox.lease(info, digest="blake3:" + blake3.blake3(data).hexdigest())
-    if how == "wait-raises":
-        assert raised.value is injected
-    else:
-        assert type(raised.value) is RdmaError
-    _left_clean(server, agent, inbox, requests, posted=1, pieces=1)
-
-
 def test_one_piece_read_that_never_lands_times_out_and_leaves_nothing(server, monkeypatch):
     """The one READ stays in progress (as NIXL reports it) past the read's deadline: RdmaTimeoutError, not before
     the deadline, the request dropped once, nothing held, no landing thread, and the inbox goes on."""
@@ -816,20 +792,3 @@ def test_one_piece_read_of_an_overwritten_header_fails_and_leaves_nothing(server
         inbox.lease(info, digest="blake3:" + blake3.blake3(data).hexdigest())
     _left_clean(server, agent, inbox, requests, posted=1, pieces=1)
 
-
-def test_closed_inbox_connected_again_refuses_a_one_piece_read(server, monkeypatch):
-    """As a read of several pieces does (``_left_clean``), a one-piece read of a closed inbox is refused by name,
-    even once the inbox is connected again."""
-    from deltasync.errors import RdmaError
-
-    agent, inbox, requests = _reader(server, monkeypatch, pieces=1)
-    inbox.close()
-    inbox.connect(server.layout, server.metadata)
-    info = server.offer(_blob(13))
-    try:
-        with pytest.raises(RdmaError, match="closed"):
-            inbox.read(info)
-        assert requests.posted == []
-    finally:
-        inbox.close()
-        agent.close()
