@@ -140,6 +140,16 @@ def _lanes(ra: np.ndarray, rb: np.ndarray, changed: np.ndarray, nc: np.int64, g0
 
 
 @_jit
+def _differs(ra: np.ndarray, rb: np.ndarray) -> bool:
+    """Whether two equally long runs of words differ anywhere: an OR of XORs with no branch and no write (the
+    diff kernels' test of a run before they look for its changes)."""
+    d = np.uint64(0)
+    for k in range(ra.size):
+        d |= np.uint64(ra[k] ^ rb[k])
+    return d != 0
+
+
+@_jit
 def _block_totals(counts: np.ndarray, sums: np.ndarray, nblocks: np.int64) -> tuple[np.int64, np.uint64]:
     """The diff kernels' result: changed elements and checksum change, summed over their blocks."""
     total = np.int64(0)
@@ -196,10 +206,7 @@ def _diff_scan(
             n = min(r + _DIFF_RUN, e) - r
             ra = aw[r : r + n]  # indexed from 0: vectorised (an index ``r + k`` might wrap, and that check stops it)
             rb = bw[r : r + n]
-            d = np.uint64(0)
-            for k in range(n):
-                d |= np.uint64(ra[k] ^ rb[k])
-            if d == 0:  # the common case: a pure read, no writes
+            if not _differs(ra, rb):  # the common case: a pure read, no writes
                 continue
             nz = 0
             for k in range(n):
@@ -280,10 +287,7 @@ def _diff_scan16(
             n = min(r + _DIFF_RUN, e) - r
             ra = aw[r : r + n]
             rb = bw[r : r + n]
-            d = np.uint64(0)
-            for k in range(n):
-                d |= np.uint64(ra[k] ^ rb[k])
-            if d == 0:
+            if not _differs(ra, rb):
                 continue
             e0 = r * 4
             ne = n * 4
@@ -661,14 +665,14 @@ def span(positions: np.ndarray) -> tuple[int, int]:
 
 def dispatchers() -> dict[str, Any]:
     """Every kernel of this module that Python calls, by name (what ``warm_kernels`` loads, what tests inspect);
-    ``mix64``, ``element_hash``, ``_hash_change``, ``_gather_values``, ``_lanes`` and ``_block_totals`` are compiled
-    into the kernels that call them."""
+    ``mix64``, ``element_hash``, ``_hash_change``, ``_gather_values``, ``_lanes``, ``_block_totals`` and ``_differs``
+    are compiled into the kernels that call them."""
     found = {**globals(), **vars(_byte_kernels)}
     return {name: obj for name, obj in found.items()
             if isinstance(obj, numba.core.registry.CPUDispatcher) and name not in _INLINED}
 
 
-_INLINED = ("mix64", "element_hash", "_hash_change", "_gather_values", "_lanes", "_block_totals")
+_INLINED = ("mix64", "element_hash", "_hash_change", "_gather_values", "_lanes", "_block_totals", "_differs")
 
 
 _UNSIGNED = (np.uint8, np.uint16, np.uint32, np.uint64)
